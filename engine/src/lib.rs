@@ -1,0 +1,1 @@
+//! ultrafast-engine: in-process inference (see the engine issue).

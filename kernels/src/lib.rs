@@ -1,0 +1,1 @@
+//! ultrafast-kernels: CUDA kernel sources behind a typed registry.

@@ -1,0 +1,347 @@
+//! The file format users write: plain serde structs mirroring `ultrafast.toml`.
+//!
+//! Every section has defaults (`#[serde(default)]`) and rejects unknown keys
+//! (`deny_unknown_fields`) so a typo is an error with a line number, not a
+//! silently ignored setting. Nothing here is interpreted: `validate` turns
+//! these structs into the typed runtime config.
+
+use serde::Deserialize;
+use std::collections::BTreeMap;
+
+/// The whole configuration file.
+#[derive(Debug, Default, Clone, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct FileConfig {
+    /// Process-wide settings (threads, shutdown, pid file).
+    pub server: ServerSection,
+    /// The admin listener (metrics, health).
+    pub admin: AdminSection,
+    /// Access logging.
+    pub log: LogSection,
+    /// Downstream request limits and timeouts.
+    pub limits: LimitsSection,
+    /// Traffic listeners.
+    pub listeners: Vec<ListenerSection>,
+    /// Routes, matched by host then path.
+    pub routes: Vec<RouteSection>,
+    /// Upstream pools by name.
+    pub pools: BTreeMap<String, PoolSection>,
+}
+
+/// `[server]`: process-wide settings.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct ServerSection {
+    /// Worker threads for the traffic service (0 = one per CPU).
+    pub threads: usize,
+    /// Let idle worker threads steal tasks from busy ones.
+    pub work_stealing: bool,
+    /// Seconds a SIGTERM waits for in-flight requests before exiting.
+    pub shutdown_grace_period_s: u64,
+    /// Seconds given to runtimes to stop after the grace period.
+    pub shutdown_timeout_s: u64,
+    /// Pid file; empty = derived from the config file path.
+    pub pid_file: String,
+    /// Unix socket used to hand listening sockets to a new binary on upgrade;
+    /// empty = derived from the config file path.
+    pub upgrade_sock: String,
+    /// Idle upstream connections kept for reuse, across all pools.
+    pub upstream_keepalive_pool_size: usize,
+}
+
+impl Default for ServerSection {
+    fn default() -> Self {
+        Self {
+            threads: 0,
+            work_stealing: true,
+            shutdown_grace_period_s: 30,
+            shutdown_timeout_s: 5,
+            pid_file: String::new(),
+            upgrade_sock: String::new(),
+            upstream_keepalive_pool_size: 1024,
+        }
+    }
+}
+
+/// `[admin]`: the admin listener.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct AdminSection {
+    /// Address of the admin listener; empty disables it.
+    pub listen: String,
+}
+
+impl Default for AdminSection {
+    fn default() -> Self {
+        Self {
+            listen: "127.0.0.1:9090".into(),
+        }
+    }
+}
+
+/// `[log]`: access logging.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct LogSection {
+    /// `"stdout"`, `"off"`, or a file path.
+    pub access_log: String,
+    /// `"json"` (one object per line) or `"combined"` (nginx's format).
+    pub format: String,
+}
+
+impl Default for LogSection {
+    fn default() -> Self {
+        Self {
+            access_log: "stdout".into(),
+            format: "json".into(),
+        }
+    }
+}
+
+/// `[limits]`: downstream request limits.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct LimitsSection {
+    /// Largest accepted request body in bytes (413 above it), like
+    /// nginx's `client_max_body_size`.
+    pub client_max_body_bytes: u64,
+    /// Largest accepted request head (request line + headers) in bytes (431 above it).
+    pub max_header_bytes: usize,
+    /// Most request headers accepted (431 above it).
+    pub max_headers: usize,
+    /// Seconds an idle downstream keepalive connection is kept open.
+    pub keepalive_timeout_s: u64,
+}
+
+impl Default for LimitsSection {
+    fn default() -> Self {
+        Self {
+            client_max_body_bytes: 1 << 20,
+            max_header_bytes: 32 * 1024,
+            max_headers: 100,
+            keepalive_timeout_s: 75,
+        }
+    }
+}
+
+/// `[[listeners]]`: one traffic listener.
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct ListenerSection {
+    /// Name used in logs and metrics.
+    pub name: String,
+    /// `ip:port` to listen on.
+    pub address: String,
+}
+
+/// `[[routes]]`: one route.
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct RouteSection {
+    /// Name used in logs and metrics (defaults to `route<N>`).
+    pub name: String,
+    /// Host names this route serves: exact or `*.suffix`; empty = any host.
+    pub hosts: Vec<String>,
+    /// The path pattern.
+    pub path: String,
+    /// `prefix` (default), `exact`, `priority_prefix` (nginx `^~`) or `regex`.
+    #[serde(rename = "match")]
+    pub match_kind: String,
+    /// Pool to proxy to.
+    pub pool: Option<String>,
+    /// A fixed response instead of proxying.
+    #[serde(rename = "return")]
+    pub fixed: Option<FixedSection>,
+    /// A redirect instead of proxying.
+    pub redirect: Option<RedirectSection>,
+    /// Header rules for this route.
+    pub headers: HeadersSection,
+    /// `passthrough` (default: the client's Host), `upstream` (the member's
+    /// address) or any other value, sent as the Host.
+    pub upstream_host: String,
+}
+
+/// `return = { status, body }`.
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct FixedSection {
+    /// Status code.
+    pub status: u16,
+    /// Response body.
+    pub body: String,
+    /// Content type of the body.
+    pub content_type: String,
+}
+
+/// `redirect = { status, location }`.
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct RedirectSection {
+    /// 301, 302, 303, 307 or 308.
+    pub status: u16,
+    /// Target; `$request_uri` is replaced by the request's path and query.
+    pub location: String,
+}
+
+/// `headers.request` / `headers.response` rules.
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct HeadersSection {
+    /// Rules applied to the request sent upstream.
+    pub request: HeaderRules,
+    /// Rules applied to the response sent downstream.
+    pub response: HeaderRules,
+}
+
+/// Set, add and remove rules, applied in that order: remove, set, add.
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct HeaderRules {
+    /// Replace (or create) these headers.
+    pub set: BTreeMap<String, String>,
+    /// Append these headers.
+    pub add: BTreeMap<String, String>,
+    /// Remove these headers.
+    pub remove: Vec<String>,
+}
+
+/// `[pools.NAME]`: an upstream pool.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct PoolSection {
+    /// Members.
+    pub members: Vec<MemberSection>,
+    /// `round_robin`, `least_outstanding`, `consistent_hash` or `peak_ewma`.
+    pub lb: String,
+    /// For `consistent_hash`: `client_ip`, `header:NAME` or `cookie:NAME`.
+    pub hash_key: String,
+    /// For `consistent_hash`: a member takes at most this factor times the
+    /// average outstanding load before keys spill to the next member.
+    pub hash_load_factor: f64,
+    /// Seconds an idle upstream connection is kept in the keepalive pool (0 = no keepalive).
+    pub keepalive_idle_s: u64,
+    /// Timeouts in milliseconds (0 = none).
+    pub connect_timeout_ms: u64,
+    /// Read timeout per read, in ms.
+    pub read_timeout_ms: u64,
+    /// Write timeout per write, in ms.
+    pub write_timeout_ms: u64,
+    /// Connect plus TLS handshake, in ms.
+    pub total_connect_timeout_ms: u64,
+    /// Active health checks.
+    pub health_check: Option<HealthSection>,
+    /// Passive ejection.
+    pub passive: PassiveSection,
+    /// Retries.
+    pub retry: RetrySection,
+}
+
+impl Default for PoolSection {
+    fn default() -> Self {
+        Self {
+            members: Vec::new(),
+            lb: "round_robin".into(),
+            hash_key: "client_ip".into(),
+            hash_load_factor: 1.25,
+            keepalive_idle_s: 60,
+            connect_timeout_ms: 1000,
+            read_timeout_ms: 60_000,
+            write_timeout_ms: 60_000,
+            total_connect_timeout_ms: 0,
+            health_check: None,
+            passive: PassiveSection::default(),
+            retry: RetrySection::default(),
+        }
+    }
+}
+
+/// A pool member: `{ addr = "host:port", weight = 1 }`.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct MemberSection {
+    /// `ip:port`.
+    pub addr: String,
+    /// Relative share of traffic (1..=1000).
+    pub weight: u32,
+}
+
+impl Default for MemberSection {
+    fn default() -> Self {
+        Self {
+            addr: String::new(),
+            weight: 1,
+        }
+    }
+}
+
+/// `health_check = { ... }`.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct HealthSection {
+    /// Path requested with GET.
+    pub path: String,
+    /// Milliseconds between rounds.
+    pub interval_ms: u64,
+    /// Milliseconds a probe may take.
+    pub timeout_ms: u64,
+    /// Consecutive successes that make a down member up.
+    pub rise: u32,
+    /// Consecutive failures that make an up member down.
+    pub fall: u32,
+    /// Host header sent with the probe (default: the member address).
+    pub host: String,
+}
+
+impl Default for HealthSection {
+    fn default() -> Self {
+        Self {
+            path: "/".into(),
+            interval_ms: 2000,
+            timeout_ms: 1000,
+            rise: 2,
+            fall: 3,
+            host: String::new(),
+        }
+    }
+}
+
+/// `passive = { ... }`: like nginx's `max_fails`/`fail_timeout`.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct PassiveSection {
+    /// Consecutive failures that eject a member (0 = never eject).
+    pub max_fails: u32,
+    /// Milliseconds an ejected member is skipped.
+    pub cooldown_ms: u64,
+}
+
+impl Default for PassiveSection {
+    fn default() -> Self {
+        Self {
+            max_fails: 3,
+            cooldown_ms: 10_000,
+        }
+    }
+}
+
+/// `retry = { ... }`.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct RetrySection {
+    /// Total tries per request, the first one included (1 = no retry).
+    pub attempts: u32,
+    /// Retries allowed as a fraction of recent requests (the retry budget).
+    pub budget_ratio: f64,
+    /// Retries always allowed per second, whatever the ratio.
+    pub budget_min_per_s: u32,
+}
+
+impl Default for RetrySection {
+    fn default() -> Self {
+        Self {
+            attempts: 2,
+            budget_ratio: 0.2,
+            budget_min_per_s: 10,
+        }
+    }
+}

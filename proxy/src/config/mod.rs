@@ -1,0 +1,194 @@
+//! Configuration: the TOML file format (`file`), its validation into the
+//! typed runtime config (`validate`), and error locations (`locate`).
+//!
+//! Three layers, as in river and pingora: what users write, a `validate()`
+//! that reports every problem with file, line and field and never panics, and
+//! the `Config` the proxy runs on. The live `Config` sits behind one
+//! `ArcSwap` (`Shared`); each request loads a snapshot once and keeps it, so a
+//! reload never changes a request midway.
+
+pub mod file;
+pub mod locate;
+mod validate;
+
+use crate::metrics::Metrics;
+use crate::routing::Router;
+use crate::upstream::Pool;
+use arc_swap::ArcSwap;
+use std::collections::BTreeMap;
+use std::fmt;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+/// The live config, swapped whole on reload.
+pub type Shared = Arc<ArcSwap<Config>>;
+
+/// One problem in a config file, with where it is.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ConfigError {
+    /// The file.
+    pub file: String,
+    /// 1-based line.
+    pub line: usize,
+    /// 1-based column.
+    pub col: usize,
+    /// Dotted field path (may be empty for syntax errors).
+    pub field: String,
+    /// What is wrong.
+    pub message: String,
+}
+
+impl fmt::Display for ConfigError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}:{}:{}: ", self.file, self.line, self.col)?;
+        if !self.field.is_empty() {
+            write!(f, "{}: ", self.field)?;
+        }
+        f.write_str(&self.message)
+    }
+}
+
+/// Process-wide settings.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ServerSettings {
+    /// Worker threads of the traffic service.
+    pub threads: usize,
+    /// Work stealing between worker threads.
+    pub work_stealing: bool,
+    /// SIGTERM drain window, seconds.
+    pub grace_period_s: u64,
+    /// Runtime stop timeout, seconds.
+    pub shutdown_timeout_s: u64,
+    /// Pid file.
+    pub pid_file: String,
+    /// Upgrade socket.
+    pub upgrade_sock: String,
+    /// Idle upstream connections kept, all pools together.
+    pub keepalive_pool_size: usize,
+}
+
+/// Where access logs go.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum LogTarget {
+    /// No access log.
+    Off,
+    /// Standard output.
+    Stdout,
+    /// Appended to a file.
+    File(PathBuf),
+}
+
+/// Access log line format.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LogFormat {
+    /// One JSON object per line.
+    Json,
+    /// nginx's `combined` format plus request id and timings.
+    Combined,
+}
+
+/// Downstream limits.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Limits {
+    /// Max request body (0 = unlimited).
+    pub client_max_body_bytes: u64,
+    /// Max request head size.
+    pub max_header_bytes: usize,
+    /// Max header count.
+    pub max_headers: usize,
+    /// Downstream idle keepalive, seconds.
+    pub keepalive_timeout_s: u64,
+}
+
+/// A traffic listener.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Listener {
+    /// Name.
+    pub name: String,
+    /// `ip:port`.
+    pub address: String,
+}
+
+/// The validated runtime configuration.
+#[derive(Debug)]
+pub struct Config {
+    /// File it came from.
+    pub path: PathBuf,
+    /// Process settings.
+    pub server: ServerSettings,
+    /// Admin listener address, if enabled.
+    pub admin_listen: Option<String>,
+    /// Access log target.
+    pub log_target: LogTarget,
+    /// Access log format.
+    pub log_format: LogFormat,
+    /// Downstream limits.
+    pub limits: Limits,
+    /// Traffic listeners.
+    pub listeners: Vec<Listener>,
+    /// Routes.
+    pub router: Router,
+    /// Pools by name.
+    pub pools: BTreeMap<String, Arc<Pool>>,
+}
+
+fn file_error(path: &Path, message: String) -> Vec<ConfigError> {
+    vec![ConfigError {
+        file: path.display().to_string(),
+        line: 1,
+        col: 1,
+        field: String::new(),
+        message,
+    }]
+}
+
+/// Read, parse and validate a config file.
+pub fn load(path: &Path, metrics: &Metrics) -> Result<Config, Vec<ConfigError>> {
+    let text = std::fs::read_to_string(path)
+        .map_err(|e| file_error(path, format!("cannot read config file: {e}")))?;
+    parse(path, &text, metrics)
+}
+
+/// Parse and validate config text that came from `path`.
+pub fn parse(path: &Path, text: &str, metrics: &Metrics) -> Result<Config, Vec<ConfigError>> {
+    let file: file::FileConfig = toml::from_str(text).map_err(|e| {
+        let (line, col) = e
+            .span()
+            .map(|s| locate::line_col(text, s.start))
+            .unwrap_or((1, 1));
+        vec![ConfigError {
+            file: path.display().to_string(),
+            line,
+            col,
+            field: field_from_toml_error(text, &e),
+            message: e.message().trim().to_string(),
+        }]
+    })?;
+    validate::validate(&file, path, text, metrics)
+}
+
+/// toml names the offending key in the message for unknown fields; for type
+/// errors the key is the text under the span's line start.
+fn field_from_toml_error(text: &str, e: &toml::de::Error) -> String {
+    let Some(span) = e.span() else {
+        return String::new();
+    };
+    let line_start = text[..span.start.min(text.len())]
+        .rfind('\n')
+        .map(|i| i + 1)
+        .unwrap_or(0);
+    let line = &text[line_start..];
+    let line = line.split('\n').next().unwrap_or("");
+    match line.split_once('=') {
+        Some((k, _)) if !k.trim_start().starts_with('[') => k.trim().to_string(),
+        _ => String::new(),
+    }
+}
+
+/// Default pid/upgrade paths: unique per config file, so two instances
+/// started from different files never share them.
+pub fn default_runtime_path(config_path: &Path, ext: &str) -> String {
+    let canon = std::fs::canonicalize(config_path).unwrap_or_else(|_| config_path.to_path_buf());
+    let h = crate::upstream::lb::hash_bytes(canon.to_string_lossy().as_bytes());
+    format!("/tmp/ultrafast-{:08x}.{ext}", h as u32)
+}

@@ -1,0 +1,554 @@
+//! `validate()`: file structs -> runtime `Config`, collecting every problem
+//! (not just the first) with the field path it belongs to. Locations are
+//! resolved at the end against the original text. Nothing here panics on any
+//! input: the property test in `tests/config_check.rs` feeds it arbitrary TOML.
+
+use super::file::{FileConfig, HeaderRules, PoolSection, RouteSection};
+use super::locate::{locate, FieldPath};
+use super::*;
+use crate::routing::{Action, HeaderOps, PathMatch, Route, UpstreamHost};
+use crate::upstream::budget::RetryBudget;
+use crate::upstream::lb::{Balancer, HashKey};
+use crate::upstream::{HealthSettings, Member, PoolSettings};
+use http::{HeaderName, HeaderValue};
+use std::net::{SocketAddr, ToSocketAddrs};
+use std::sync::atomic::AtomicU64;
+use std::time::Duration;
+
+struct Errors(Vec<(FieldPath, String)>);
+
+impl Errors {
+    fn push(&mut self, at: FieldPath, msg: impl Into<String>) {
+        self.0.push((at, msg.into()));
+    }
+}
+
+fn ms(v: u64) -> Option<Duration> {
+    (v > 0).then(|| Duration::from_millis(v))
+}
+
+pub(super) fn validate(
+    f: &FileConfig,
+    path: &Path,
+    text: &str,
+    metrics: &Metrics,
+) -> Result<Config, Vec<ConfigError>> {
+    let mut errs = Errors(Vec::new());
+    let server = server(f, path, &mut errs);
+    let admin_listen = admin(f, &mut errs);
+    let (log_target, log_format) = log(f, &mut errs);
+    let limits = limits(f, &mut errs);
+    let listeners = listeners(f, &mut errs);
+    let mut pools = BTreeMap::new();
+    for (name, p) in &f.pools {
+        let at = FieldPath::key("pools").k(name);
+        if let Some(pool) = pool(name, p, &at, metrics, &mut errs) {
+            pools.insert(name.clone(), Arc::new(pool));
+        }
+    }
+    let router = routes(f, &pools, metrics, &mut errs);
+    if !errs.0.is_empty() {
+        let file = path.display().to_string();
+        return Err(errs
+            .0
+            .into_iter()
+            .map(|(at, message)| {
+                let (line, col) = locate(text, &at);
+                ConfigError {
+                    file: file.clone(),
+                    line,
+                    col,
+                    field: at.to_string(),
+                    message,
+                }
+            })
+            .collect());
+    }
+    Ok(Config {
+        path: path.to_path_buf(),
+        server,
+        admin_listen,
+        log_target,
+        log_format,
+        limits,
+        listeners,
+        router,
+        pools,
+    })
+}
+
+fn server(f: &FileConfig, path: &Path, errs: &mut Errors) -> ServerSettings {
+    let s = &f.server;
+    let at = FieldPath::key("server");
+    if s.threads > 1024 {
+        errs.push(at.k("threads"), "must be at most 1024 (0 = one per CPU)");
+    }
+    if s.upstream_keepalive_pool_size > 1_000_000 {
+        errs.push(
+            at.k("upstream_keepalive_pool_size"),
+            "must be at most 1000000",
+        );
+    }
+    let threads = match s.threads {
+        0 => std::thread::available_parallelism()
+            .map(|n| n.get())
+            .unwrap_or(1),
+        n => n,
+    };
+    let or_default = |v: &str, ext: &str| {
+        if v.is_empty() {
+            default_runtime_path(path, ext)
+        } else {
+            v.to_string()
+        }
+    };
+    ServerSettings {
+        threads,
+        work_stealing: s.work_stealing,
+        grace_period_s: s.shutdown_grace_period_s,
+        shutdown_timeout_s: s.shutdown_timeout_s,
+        pid_file: or_default(&s.pid_file, "pid"),
+        upgrade_sock: or_default(&s.upgrade_sock, "upgrade.sock"),
+        keepalive_pool_size: s.upstream_keepalive_pool_size,
+    }
+}
+
+fn admin(f: &FileConfig, errs: &mut Errors) -> Option<String> {
+    let l = f.admin.listen.trim();
+    if l.is_empty() {
+        return None;
+    }
+    if l.parse::<SocketAddr>().is_err() {
+        errs.push(
+            FieldPath::key("admin").k("listen"),
+            format!("`{l}` is not an ip:port address"),
+        );
+    }
+    Some(l.to_string())
+}
+
+fn log(f: &FileConfig, errs: &mut Errors) -> (LogTarget, LogFormat) {
+    let at = FieldPath::key("log");
+    let target = match f.log.access_log.as_str() {
+        "off" => LogTarget::Off,
+        "stdout" => LogTarget::Stdout,
+        "" => {
+            errs.push(
+                at.k("access_log"),
+                "must be \"stdout\", \"off\" or a file path",
+            );
+            LogTarget::Off
+        }
+        p => LogTarget::File(PathBuf::from(p)),
+    };
+    let format = match f.log.format.as_str() {
+        "json" => LogFormat::Json,
+        "combined" => LogFormat::Combined,
+        other => {
+            errs.push(
+                at.k("format"),
+                format!("unknown format `{other}` (json or combined)"),
+            );
+            LogFormat::Json
+        }
+    };
+    (target, format)
+}
+
+fn limits(f: &FileConfig, errs: &mut Errors) -> Limits {
+    let l = &f.limits;
+    let at = FieldPath::key("limits");
+    if l.max_header_bytes < 1024 {
+        errs.push(at.k("max_header_bytes"), "must be at least 1024");
+    }
+    if l.max_headers == 0 {
+        errs.push(at.k("max_headers"), "must be at least 1");
+    }
+    Limits {
+        client_max_body_bytes: l.client_max_body_bytes,
+        max_header_bytes: l.max_header_bytes,
+        max_headers: l.max_headers,
+        keepalive_timeout_s: l.keepalive_timeout_s,
+    }
+}
+
+fn listeners(f: &FileConfig, errs: &mut Errors) -> Vec<Listener> {
+    let at = FieldPath::key("listeners");
+    if f.listeners.is_empty() {
+        errs.push(at.clone(), "at least one [[listeners]] entry is required");
+    }
+    let mut out: Vec<Listener> = Vec::new();
+    for (i, l) in f.listeners.iter().enumerate() {
+        if l.address.parse::<SocketAddr>().is_err() {
+            errs.push(
+                at.i(i).k("address"),
+                format!("`{}` is not an ip:port address", l.address),
+            );
+        } else if out.iter().any(|o| o.address == l.address) || f.admin.listen == l.address {
+            errs.push(
+                at.i(i).k("address"),
+                format!("`{}` is already used by another listener", l.address),
+            );
+        }
+        let name = if l.name.is_empty() {
+            format!("listener{i}")
+        } else {
+            l.name.clone()
+        };
+        out.push(Listener {
+            name,
+            address: l.address.clone(),
+        });
+    }
+    out
+}
+
+fn resolve(addr: &str) -> Result<SocketAddr, String> {
+    if let Ok(a) = addr.parse::<SocketAddr>() {
+        return Ok(a);
+    }
+    if !addr.contains(':') {
+        return Err(format!("`{addr}` needs a port (host:port)"));
+    }
+    // A name is resolved once here, at load time, never on the request path.
+    let addrs: Vec<SocketAddr> = addr
+        .to_socket_addrs()
+        .map_err(|e| format!("`{addr}` does not resolve: {e}"))?
+        .collect();
+    addrs
+        .iter()
+        .find(|a| a.is_ipv4())
+        .or(addrs.first())
+        .copied()
+        .ok_or_else(|| format!("`{addr}` resolves to no address"))
+}
+
+fn pool(
+    name: &str,
+    p: &PoolSection,
+    at: &FieldPath,
+    metrics: &Metrics,
+    errs: &mut Errors,
+) -> Option<Pool> {
+    let before = errs.0.len();
+    if p.members.is_empty() {
+        errs.push(at.k("members"), "a pool needs at least one member");
+    }
+    let mut members = Vec::new();
+    for (i, m) in p.members.iter().enumerate() {
+        let mat = at.k("members").i(i);
+        if !(1..=1000).contains(&m.weight) {
+            errs.push(mat.k("weight"), "must be between 1 and 1000");
+        }
+        match resolve(&m.addr) {
+            Ok(a) => members.push(Member::new(a, m.addr.clone(), m.weight.clamp(1, 1000))),
+            Err(e) => errs.push(mat.k("addr"), e),
+        }
+    }
+    let hash_key = match p.hash_key.as_str() {
+        "client_ip" => Some(HashKey::ClientIp),
+        k => match k.split_once(':') {
+            Some(("header", h)) => HeaderName::from_bytes(h.as_bytes())
+                .ok()
+                .map(HashKey::Header),
+            Some(("cookie", c)) if !c.is_empty() => Some(HashKey::Cookie(c.to_string())),
+            _ => None,
+        },
+    };
+    let hash_key = hash_key.unwrap_or_else(|| {
+        errs.push(
+            at.k("hash_key"),
+            format!(
+                "`{}` is not client_ip, header:NAME or cookie:NAME",
+                p.hash_key
+            ),
+        );
+        HashKey::ClientIp
+    });
+    if !(p.hash_load_factor >= 1.0 && p.hash_load_factor <= 100.0) {
+        errs.push(at.k("hash_load_factor"), "must be between 1.0 and 100.0");
+    }
+    let balancer = match p.lb.as_str() {
+        "round_robin" => Balancer::round_robin(&members),
+        "least_outstanding" | "least_conn" => Balancer::LeastOutstanding {
+            next: AtomicU64::new(0),
+        },
+        "consistent_hash" => Balancer::consistent_hash(&members, p.hash_load_factor, hash_key),
+        "peak_ewma" | "p2c" => Balancer::PeakEwma {
+            rng: AtomicU64::new(0x5eed),
+        },
+        other => {
+            errs.push(
+                at.k("lb"),
+                format!("unknown policy `{other}` (round_robin, least_outstanding, consistent_hash, peak_ewma)"),
+            );
+            Balancer::LeastOutstanding {
+                next: AtomicU64::new(0),
+            }
+        }
+    };
+    let health = p.health_check.as_ref().map(|h| {
+        let hat = at.k("health_check");
+        if !h.path.starts_with('/') {
+            errs.push(hat.k("path"), "must start with /");
+        }
+        if h.interval_ms == 0 {
+            errs.push(hat.k("interval_ms"), "must be > 0");
+        }
+        if h.timeout_ms == 0 {
+            errs.push(hat.k("timeout_ms"), "must be > 0");
+        }
+        if h.rise == 0 {
+            errs.push(hat.k("rise"), "must be >= 1");
+        }
+        if h.fall == 0 {
+            errs.push(hat.k("fall"), "must be >= 1");
+        }
+        HealthSettings {
+            path: h.path.clone(),
+            interval: Duration::from_millis(h.interval_ms.max(1)),
+            timeout: Duration::from_millis(h.timeout_ms.max(1)),
+            rise: h.rise.max(1),
+            fall: h.fall.max(1),
+            host: (!h.host.is_empty()).then(|| h.host.clone()),
+        }
+    });
+    if !(1..=10).contains(&p.retry.attempts) {
+        errs.push(at.k("retry").k("attempts"), "must be between 1 and 10");
+    }
+    if !(0.0..=1.0).contains(&p.retry.budget_ratio) {
+        errs.push(
+            at.k("retry").k("budget_ratio"),
+            "must be between 0.0 and 1.0",
+        );
+    }
+    if errs.0.len() != before {
+        return None;
+    }
+    let labels: Vec<String> = members.iter().map(|m| m.label.clone()).collect();
+    Some(Pool {
+        name: name.to_string(),
+        members,
+        balancer,
+        settings: PoolSettings {
+            connect_timeout: ms(p.connect_timeout_ms),
+            total_connect_timeout: ms(p.total_connect_timeout_ms),
+            read_timeout: ms(p.read_timeout_ms),
+            write_timeout: ms(p.write_timeout_ms),
+            keepalive_idle: (p.keepalive_idle_s > 0)
+                .then(|| Duration::from_secs(p.keepalive_idle_s)),
+            max_fails: p.passive.max_fails,
+            cooldown: Duration::from_millis(p.passive.cooldown_ms),
+            attempts: p.retry.attempts,
+        },
+        health,
+        budget: RetryBudget::new(p.retry.budget_ratio, p.retry.budget_min_per_s),
+        metrics: metrics.pool(name, &labels),
+        health_due_ms: AtomicU64::new(0),
+    })
+}
+
+fn header_ops(r: &HeaderRules, at: &FieldPath, errs: &mut Errors) -> HeaderOps {
+    let mut pairs = |m: &BTreeMap<String, String>, what: &str| -> Vec<(HeaderName, HeaderValue)> {
+        m.iter()
+            .filter_map(|(k, v)| {
+                let n = HeaderName::from_bytes(k.as_bytes());
+                let val = HeaderValue::from_str(v);
+                match (n, val) {
+                    (Ok(n), Ok(v)) => Some((n, v)),
+                    _ => {
+                        errs.push(at.k(what).k(k), "invalid header name or value");
+                        None
+                    }
+                }
+            })
+            .collect()
+    };
+    let set = pairs(&r.set, "set");
+    let add = pairs(&r.add, "add");
+    let mut remove = Vec::new();
+    for (i, k) in r.remove.iter().enumerate() {
+        match HeaderName::from_bytes(k.as_bytes()) {
+            Ok(n) => remove.push(n),
+            Err(_) => errs.push(at.k("remove").i(i), format!("`{k}` is not a header name")),
+        }
+    }
+    HeaderOps { set, add, remove }
+}
+
+fn valid_host(h: &str) -> bool {
+    let body = h.strip_prefix("*.").unwrap_or(h);
+    !body.is_empty()
+        && body
+            .bytes()
+            .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'.' || b == b'-')
+}
+
+fn path_match(r: &RouteSection, at: &FieldPath, errs: &mut Errors) -> PathMatch {
+    let p = if r.path.is_empty() {
+        "/".to_string()
+    } else {
+        r.path.clone()
+    };
+    let kind = if r.match_kind.is_empty() {
+        "prefix"
+    } else {
+        r.match_kind.as_str()
+    };
+    if kind != "regex" && !p.starts_with('/') {
+        errs.push(at.k("path"), "must start with /");
+    }
+    match kind {
+        "prefix" => PathMatch::Prefix(p),
+        "exact" => PathMatch::Exact(p),
+        "priority_prefix" => PathMatch::PriorityPrefix(p),
+        "regex" => match regex::Regex::new(&p) {
+            Ok(re) => PathMatch::Regex(re),
+            Err(e) => {
+                let msg = e
+                    .to_string()
+                    .lines()
+                    .last()
+                    .unwrap_or("")
+                    .trim()
+                    .to_string();
+                errs.push(at.k("path"), format!("invalid regex: {msg}"));
+                PathMatch::Prefix(p)
+            }
+        },
+        other => {
+            errs.push(
+                at.k("match"),
+                format!("unknown match `{other}` (prefix, exact, priority_prefix, regex)"),
+            );
+            PathMatch::Prefix(p)
+        }
+    }
+}
+
+fn action(
+    r: &RouteSection,
+    at: &FieldPath,
+    pools: &BTreeMap<String, Arc<Pool>>,
+    file_pools: &[&String],
+    errs: &mut Errors,
+) -> Option<(Action, String)> {
+    let n = r.pool.is_some() as u8 + r.fixed.is_some() as u8 + r.redirect.is_some() as u8;
+    if n != 1 {
+        errs.push(
+            at.clone(),
+            "a route needs exactly one of `pool`, `return` or `redirect`",
+        );
+        return None;
+    }
+    if let Some(p) = &r.pool {
+        return match pools.get(p) {
+            Some(pool) => Some((Action::Proxy(pool.clone()), p.clone())),
+            None => {
+                // A pool that exists but failed validation has its own error.
+                if !file_pools.contains(&p) {
+                    errs.push(at.k("pool"), format!("unknown pool `{p}`"));
+                }
+                None
+            }
+        };
+    }
+    if let Some(fx) = &r.fixed {
+        if !(100..=599).contains(&fx.status) {
+            errs.push(at.k("return").k("status"), "must be between 100 and 599");
+        }
+        let ct = if fx.content_type.is_empty() {
+            "text/plain".into()
+        } else {
+            fx.content_type.clone()
+        };
+        if HeaderValue::from_str(&ct).is_err() {
+            errs.push(at.k("return").k("content_type"), "invalid header value");
+        }
+        return Some((
+            Action::Fixed {
+                status: fx.status,
+                body: bytes::Bytes::from(fx.body.clone()),
+                content_type: ct,
+            },
+            "none".into(),
+        ));
+    }
+    let rd = r.redirect.as_ref()?;
+    if ![301, 302, 303, 307, 308].contains(&rd.status) {
+        errs.push(
+            at.k("redirect").k("status"),
+            "must be 301, 302, 303, 307 or 308",
+        );
+    }
+    if rd.location.is_empty() || HeaderValue::from_str(&rd.location).is_err() {
+        errs.push(at.k("redirect").k("location"), "must be a non-empty URL");
+    }
+    Some((
+        Action::Redirect {
+            status: rd.status,
+            location: rd.location.clone(),
+        },
+        "none".into(),
+    ))
+}
+
+fn routes(
+    f: &FileConfig,
+    pools: &BTreeMap<String, Arc<Pool>>,
+    metrics: &Metrics,
+    errs: &mut Errors,
+) -> Router {
+    let file_pools: Vec<&String> = f.pools.keys().collect();
+    let mut out = Vec::new();
+    let mut names: Vec<String> = Vec::new();
+    for (i, r) in f.routes.iter().enumerate() {
+        let at = FieldPath::key("routes").i(i);
+        let name = if r.name.is_empty() {
+            format!("route{i}")
+        } else {
+            r.name.clone()
+        };
+        if names.contains(&name) {
+            errs.push(at.k("name"), format!("duplicate route name `{name}`"));
+        }
+        names.push(name.clone());
+        for (j, h) in r.hosts.iter().enumerate() {
+            if !valid_host(h) {
+                errs.push(
+                    at.k("hosts").i(j),
+                    format!("`{h}` is not a lowercase host name or *.suffix"),
+                );
+            }
+        }
+        let path = path_match(r, &at, errs);
+        let request_headers = header_ops(&r.headers.request, &at.k("headers").k("request"), errs);
+        let response_headers =
+            header_ops(&r.headers.response, &at.k("headers").k("response"), errs);
+        let upstream_host = match r.upstream_host.as_str() {
+            "" | "passthrough" => UpstreamHost::Passthrough,
+            "upstream" => UpstreamHost::Member,
+            v => match HeaderValue::from_str(v) {
+                Ok(hv) => UpstreamHost::Fixed(hv),
+                Err(_) => {
+                    errs.push(at.k("upstream_host"), "invalid host value");
+                    UpstreamHost::Passthrough
+                }
+            },
+        };
+        let Some((action, pool_name)) = action(r, &at, pools, &file_pools, errs) else {
+            continue;
+        };
+        let route = Route {
+            metrics: metrics.route(&name, &pool_name),
+            name,
+            path,
+            action,
+            request_headers,
+            response_headers,
+            upstream_host,
+        };
+        out.push((Arc::new(route), r.hosts.clone()));
+    }
+    Router::new(out)
+}

@@ -1,0 +1,190 @@
+//! Small request-path helpers the proxy phases hand off to: downstream
+//! limits, request ids, the consistent-hash key, header rules, and the JSON
+//! error responses the edge itself sends.
+
+use crate::routing::HeaderOps;
+use crate::upstream::lb::{hash_bytes, HashKey};
+use bytes::Bytes;
+use pingora::http::{RequestHeader, ResponseHeader};
+use pingora::proxy::Session;
+use pingora::Result;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+/// Why a request was refused before routing.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Refusal {
+    /// Headers too large or too many.
+    HeadersTooLarge,
+    /// Declared body too large.
+    BodyTooLarge,
+}
+
+/// Check the request head against the limits.
+pub fn check_head(
+    req: &RequestHeader,
+    max_bytes: usize,
+    max_headers: usize,
+    max_body: u64,
+) -> Option<Refusal> {
+    if req.headers.len() > max_headers {
+        return Some(Refusal::HeadersTooLarge);
+    }
+    let mut size = req.method.as_str().len() + req.uri.to_string().len() + 12;
+    for (k, v) in req.headers.iter() {
+        size += k.as_str().len() + v.len() + 4;
+    }
+    if size > max_bytes {
+        return Some(Refusal::HeadersTooLarge);
+    }
+    if max_body > 0 {
+        let declared = req
+            .headers
+            .get(http::header::CONTENT_LENGTH)
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.trim().parse::<u64>().ok());
+        if declared.is_some_and(|n| n > max_body) {
+            return Some(Refusal::BodyTooLarge);
+        }
+    }
+    None
+}
+
+/// A fresh request id: 8 hex digits unique to this process start, then a
+/// 16-digit counter. Unique, sortable per process, and costs one atomic add.
+pub fn new_request_id() -> String {
+    static PREFIX: std::sync::OnceLock<u32> = std::sync::OnceLock::new();
+    static COUNTER: AtomicU64 = AtomicU64::new(1);
+    let p = *PREFIX.get_or_init(|| {
+        let t = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap_or_default()
+            .as_nanos() as u64;
+        crate::upstream::lb::mix64(t ^ std::process::id() as u64) as u32
+    });
+    format!("{p:08x}{:016x}", COUNTER.fetch_add(1, Ordering::Relaxed))
+}
+
+/// The request id: the client's `X-Request-Id` if sane, else a new one.
+pub fn request_id(req: &RequestHeader) -> String {
+    match req
+        .headers
+        .get("x-request-id")
+        .and_then(|v| v.to_str().ok())
+    {
+        Some(v) if !v.is_empty() && v.len() <= 128 => v.to_string(),
+        _ => new_request_id(),
+    }
+}
+
+/// The consistent-hash key of a request.
+pub fn hash_key(session: &Session, key: &HashKey) -> u64 {
+    match key {
+        HashKey::ClientIp => match session.client_addr().and_then(|a| a.as_inet()) {
+            Some(a) => match a.ip() {
+                std::net::IpAddr::V4(v4) => hash_bytes(&v4.octets()),
+                std::net::IpAddr::V6(v6) => hash_bytes(&v6.octets()),
+            },
+            None => 0,
+        },
+        HashKey::Header(h) => hash_bytes(
+            session
+                .req_header()
+                .headers
+                .get(h)
+                .map(|v| v.as_bytes())
+                .unwrap_or(b""),
+        ),
+        HashKey::Cookie(name) => {
+            let mut val: &[u8] = b"";
+            for h in session.req_header().headers.get_all(http::header::COOKIE) {
+                if let Ok(s) = h.to_str() {
+                    if let Some(v) = s
+                        .split(';')
+                        .filter_map(|kv| kv.trim().split_once('='))
+                        .find(|(k, _)| k == name)
+                        .map(|(_, v)| v)
+                    {
+                        val = v.as_bytes();
+                        return hash_bytes(val);
+                    }
+                }
+            }
+            hash_bytes(val)
+        }
+    }
+}
+
+/// Apply header rules to a request header.
+pub fn apply_request_ops(ops: &HeaderOps, req: &mut RequestHeader) -> Result<()> {
+    for n in &ops.remove {
+        req.remove_header(n);
+    }
+    for (n, v) in &ops.set {
+        req.insert_header(n.clone(), v.clone())?;
+    }
+    for (n, v) in &ops.add {
+        req.append_header(n.clone(), v.clone())?;
+    }
+    Ok(())
+}
+
+/// Apply header rules to a response header.
+pub fn apply_response_ops(ops: &HeaderOps, resp: &mut ResponseHeader) -> Result<()> {
+    for n in &ops.remove {
+        resp.remove_header(n);
+    }
+    for (n, v) in &ops.set {
+        resp.insert_header(n.clone(), v.clone())?;
+    }
+    for (n, v) in &ops.add {
+        resp.append_header(n.clone(), v.clone())?;
+    }
+    Ok(())
+}
+
+/// An OpenAI-style error body: `{"error": {"message", "type", "code"}}`.
+pub fn error_body(message: &str, kind: &str, code: &str) -> Bytes {
+    let v = serde_json::json!({"error": {"message": message, "type": kind, "param": null, "code": code}});
+    Bytes::from(v.to_string())
+}
+
+/// Send a complete response with a body.
+pub async fn respond(
+    session: &mut Session,
+    status: u16,
+    content_type: &str,
+    body: Bytes,
+    extra: &[(&str, &str)],
+) -> Result<()> {
+    let mut resp = ResponseHeader::build(status, Some(4 + extra.len()))?;
+    resp.insert_header(http::header::CONTENT_TYPE, content_type)?;
+    resp.insert_header(http::header::CONTENT_LENGTH, body.len())?;
+    for (k, v) in extra {
+        resp.insert_header(k.to_string(), *v)?;
+    }
+    session.write_response_header(Box::new(resp), false).await?;
+    session.write_response_body(Some(body), true).await
+}
+
+/// Send the edge's own JSON error.
+pub async fn respond_error(
+    session: &mut Session,
+    status: u16,
+    message: &str,
+    code: &str,
+    request_id: &str,
+) -> Result<()> {
+    let kind = if status >= 500 {
+        "server_error"
+    } else {
+        "invalid_request_error"
+    };
+    respond(
+        session,
+        status,
+        "application/json",
+        error_body(message, kind, code),
+        &[("x-request-id", request_id)],
+    )
+    .await
+}

@@ -1,0 +1,18 @@
+//! ultrafast: an edge server built on Pingora that replaces nginx for plain
+//! HTTP proxying and fronts (and hosts) LLM inference.
+//!
+//! Module map: `config` (file -> validate -> runtime), `routing` (nginx-style
+//! host and location matching), `upstream` (pools, balancing, health,
+//! retries), `proxy` (the Pingora phases), `filters` (request-path helpers),
+//! `admin` (metrics and health endpoints), `metrics`, `accesslog`, `server`
+//! (process assembly).
+
+pub mod accesslog;
+pub mod admin;
+pub mod config;
+pub mod filters;
+pub mod metrics;
+pub mod proxy;
+pub mod routing;
+pub mod server;
+pub mod upstream;

@@ -1,0 +1,69 @@
+//! The `ultrafast` command line.
+
+use clap::{Parser, Subcommand};
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+#[global_allocator]
+static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
+/// ultrafast: an edge proxy that replaces nginx and fronts LLM inference.
+#[derive(Parser, Debug)]
+#[command(name = "ultrafast", version, about, long_about = None, propagate_version = true)]
+struct Cli {
+    #[command(subcommand)]
+    cmd: Cmd,
+}
+
+#[derive(Subcommand, Debug)]
+enum Cmd {
+    /// Run the server.
+    Serve {
+        /// Configuration file.
+        #[arg(short, long, default_value = "conf/ultrafast.toml")]
+        config: PathBuf,
+        /// Take over the listening sockets of a running instance (graceful
+        /// upgrade: start the new binary with this flag, then send SIGQUIT to
+        /// the old one).
+        #[arg(short, long)]
+        upgrade: bool,
+    },
+    /// Validate a configuration file and print every problem (like `nginx -t`).
+    Check {
+        /// Configuration file.
+        #[arg(short, long, default_value = "conf/ultrafast.toml")]
+        config: PathBuf,
+    },
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    env_logger::Builder::from_env(env_logger::Env::default().default_filter_or("info")).init();
+    match cli.cmd {
+        Cmd::Serve { config, upgrade } => {
+            match ultrafast::server::serve(&config, ultrafast::server::ServeOptions { upgrade }) {
+                Ok(()) => ExitCode::SUCCESS,
+                Err(e) => {
+                    eprintln!("ultrafast: {e:#}");
+                    ExitCode::FAILURE
+                }
+            }
+        }
+        Cmd::Check { config } => {
+            let metrics = ultrafast::metrics::Metrics::new();
+            match ultrafast::config::load(&config, &metrics) {
+                Ok(_) => {
+                    println!("{}: configuration is ok", config.display());
+                    ExitCode::SUCCESS
+                }
+                Err(errs) => {
+                    for e in &errs {
+                        eprintln!("{e}");
+                    }
+                    eprintln!("{}: {} error(s)", config.display(), errs.len());
+                    ExitCode::FAILURE
+                }
+            }
+        }
+    }
+}

@@ -1,0 +1,235 @@
+//! Prometheus metrics. One `Metrics` registry is created at start and passed
+//! by value (an `Arc`) to whatever records into it. Label handles are
+//! resolved once, when a config is built (`RouteMetrics`, `PoolMetrics`), so
+//! the request path increments a pre-resolved counter and never hashes a
+//! label set or takes the vec's lock.
+
+use prometheus::{
+    Encoder, Histogram, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge,
+    IntGaugeVec, Opts, Registry, TextEncoder,
+};
+use std::fmt;
+
+/// All metric families of the process.
+pub struct Metrics {
+    registry: Registry,
+    requests: IntCounterVec,
+    upstream_latency: HistogramVec,
+    upstream_conns: IntCounterVec,
+    member_healthy: IntGaugeVec,
+    ejections: IntCounterVec,
+    retries: IntCounterVec,
+    /// Access-log lines dropped because the writer fell behind.
+    pub access_log_dropped: IntCounter,
+    /// Requests refused by downstream limits, by reason.
+    pub rejected: IntCounterVec,
+}
+
+fn must<T>(r: prometheus::Result<T>) -> T {
+    // Metric definitions are static: a failure here is a programming error
+    // caught by the first test run, never something input can cause.
+    #[allow(clippy::expect_used)]
+    r.expect("static metric definition")
+}
+
+impl Metrics {
+    /// Create and register every family.
+    pub fn new() -> Self {
+        let registry = Registry::new();
+        let requests = must(IntCounterVec::new(
+            Opts::new(
+                "ultrafast_requests_total",
+                "Requests by route, pool and status class.",
+            ),
+            &["route", "pool", "class"],
+        ));
+        let upstream_latency = must(HistogramVec::new(
+            HistogramOpts::new(
+                "ultrafast_upstream_response_seconds",
+                "Time from picking an upstream member to its response header.",
+            )
+            .buckets(vec![
+                0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
+                10.0,
+            ]),
+            &["pool"],
+        ));
+        let upstream_conns = must(IntCounterVec::new(
+            Opts::new(
+                "ultrafast_upstream_connections_total",
+                "Upstream connections used, new or reused from the keepalive pool.",
+            ),
+            &["pool", "reused"],
+        ));
+        let member_healthy = must(IntGaugeVec::new(
+            Opts::new(
+                "ultrafast_upstream_member_healthy",
+                "1 when the member passes active health checks.",
+            ),
+            &["pool", "member"],
+        ));
+        let ejections = must(IntCounterVec::new(
+            Opts::new(
+                "ultrafast_upstream_ejections_total",
+                "Members ejected by passive health (consecutive failures).",
+            ),
+            &["pool", "member"],
+        ));
+        let retries = must(IntCounterVec::new(
+            Opts::new("ultrafast_upstream_retries_total", "Retries, by outcome."),
+            &["pool", "outcome"],
+        ));
+        let access_log_dropped = must(IntCounter::new(
+            "ultrafast_access_log_dropped_total",
+            "Access log lines dropped because the writer fell behind.",
+        ));
+        let rejected = must(IntCounterVec::new(
+            Opts::new(
+                "ultrafast_downstream_rejected_total",
+                "Requests refused before routing, by reason.",
+            ),
+            &["reason"],
+        ));
+        let build = must(IntGaugeVec::new(
+            Opts::new("ultrafast_build_info", "Build information."),
+            &["version"],
+        ));
+        build.with_label_values(&[env!("CARGO_PKG_VERSION")]).set(1);
+        for c in [
+            Box::new(requests.clone()) as Box<dyn prometheus::core::Collector>,
+            Box::new(upstream_latency.clone()),
+            Box::new(upstream_conns.clone()),
+            Box::new(member_healthy.clone()),
+            Box::new(ejections.clone()),
+            Box::new(retries.clone()),
+            Box::new(access_log_dropped.clone()),
+            Box::new(rejected.clone()),
+            Box::new(build),
+        ] {
+            must(registry.register(c));
+        }
+        Metrics {
+            registry,
+            requests,
+            upstream_latency,
+            upstream_conns,
+            member_healthy,
+            ejections,
+            retries,
+            access_log_dropped,
+            rejected,
+        }
+    }
+
+    /// The registry, for components that add their own families.
+    pub fn registry(&self) -> &Registry {
+        &self.registry
+    }
+
+    /// Prometheus text exposition of everything.
+    pub fn render(&self) -> Vec<u8> {
+        let mut out = Vec::with_capacity(16 * 1024);
+        // Encoding into a Vec cannot fail for well-formed families.
+        let _ = TextEncoder::new().encode(&self.registry.gather(), &mut out);
+        out
+    }
+
+    /// Pre-resolved handles for one route.
+    pub fn route(&self, route: &str, pool: &str) -> RouteMetrics {
+        let c = |class: &str| self.requests.with_label_values(&[route, pool, class]);
+        RouteMetrics {
+            classes: [c("1xx"), c("2xx"), c("3xx"), c("4xx"), c("5xx"), c("other")],
+        }
+    }
+
+    /// Pre-resolved handles for one pool.
+    pub fn pool(&self, pool: &str, members: &[String]) -> PoolMetrics {
+        let healthy: Vec<IntGauge> = members
+            .iter()
+            .map(|m| self.member_healthy.with_label_values(&[pool, m]))
+            .collect();
+        for g in &healthy {
+            g.set(1);
+        }
+        PoolMetrics {
+            latency: self.upstream_latency.with_label_values(&[pool]),
+            conn_new: self.upstream_conns.with_label_values(&[pool, "false"]),
+            conn_reused: self.upstream_conns.with_label_values(&[pool, "true"]),
+            retries: self.retries.with_label_values(&[pool, "attempted"]),
+            retries_denied: self.retries.with_label_values(&[pool, "denied_by_budget"]),
+            healthy,
+            ejections: members
+                .iter()
+                .map(|m| self.ejections.with_label_values(&[pool, m]))
+                .collect(),
+        }
+    }
+}
+
+impl Default for Metrics {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+/// Request counters of one route, one per status class.
+#[derive(Clone)]
+pub struct RouteMetrics {
+    classes: [IntCounter; 6],
+}
+
+impl RouteMetrics {
+    /// Count a finished request with this status.
+    pub fn observe(&self, status: u16) {
+        let i = match status {
+            100..=599 => (status / 100 - 1) as usize,
+            _ => 5,
+        };
+        self.classes[i].inc();
+    }
+}
+
+impl fmt::Debug for RouteMetrics {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("RouteMetrics")
+    }
+}
+
+/// Handles of one pool.
+#[derive(Clone)]
+pub struct PoolMetrics {
+    /// Upstream response-header latency.
+    pub latency: Histogram,
+    /// New upstream connections.
+    pub conn_new: IntCounter,
+    /// Reused upstream connections.
+    pub conn_reused: IntCounter,
+    /// Retries attempted.
+    pub retries: IntCounter,
+    /// Retries refused by the budget.
+    pub retries_denied: IntCounter,
+    healthy: Vec<IntGauge>,
+    ejections: Vec<IntCounter>,
+}
+
+impl PoolMetrics {
+    /// Record member `i`'s health.
+    pub fn set_health(&self, i: usize, up: bool) {
+        if let Some(g) = self.healthy.get(i) {
+            g.set(up as i64);
+        }
+    }
+
+    /// Count an ejection of member `i`.
+    pub fn ejected(&self, i: usize) {
+        if let Some(c) = self.ejections.get(i) {
+            c.inc();
+        }
+    }
+}
+
+impl fmt::Debug for PoolMetrics {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("PoolMetrics")
+    }
+}

@@ -1,0 +1,484 @@
+//! The `ProxyHttp` implementation. Thin by design: each Pingora phase hands
+//! off to routing, filters, upstream pools, metrics or the access log.
+//!
+//! Per request we take one `ArcSwap` snapshot of the config (in `new_ctx`)
+//! and keep it to the end, so a reload never changes a request midway.
+
+use crate::accesslog::{AccessLog, Entry};
+use crate::config::{Config, Shared};
+use crate::filters::{self, Refusal};
+use crate::metrics::Metrics;
+use crate::routing::{Action, Route, UpstreamHost};
+use crate::upstream::{Outstanding, Pool};
+use async_trait::async_trait;
+use bytes::Bytes;
+use pingora::http::{RequestHeader, ResponseHeader};
+use pingora::prelude::*;
+use pingora::proxy::{FailToProxy, ProxyHttp, Session};
+use pingora::upstreams::peer::HttpPeer;
+use pingora::{Error, ErrorSource, ErrorType};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant, SystemTime};
+
+/// Counts requests in flight, for draining at shutdown.
+#[derive(Debug)]
+pub struct InFlight(Arc<AtomicUsize>);
+
+impl InFlight {
+    fn new(c: &Arc<AtomicUsize>) -> Self {
+        c.fetch_add(1, Ordering::Relaxed);
+        InFlight(c.clone())
+    }
+}
+
+impl Drop for InFlight {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::Relaxed);
+    }
+}
+
+/// Per-request state.
+pub struct Ctx {
+    cfg: Arc<Config>,
+    started: Instant,
+    started_wall: SystemTime,
+    request_id: String,
+    route: Option<Arc<Route>>,
+    hash: u64,
+    tried: Vec<usize>,
+    member: Option<usize>,
+    outstanding: Option<Outstanding>,
+    upstream_start: Option<Instant>,
+    upstream_time: Option<Duration>,
+    body_bytes: u64,
+    error_status: u16,
+    _inflight: InFlight,
+}
+
+impl Ctx {
+    fn pool(&self) -> Option<&Arc<Pool>> {
+        match &self.route.as_ref()?.action {
+            Action::Proxy(p) => Some(p),
+            _ => None,
+        }
+    }
+
+    /// Whether one more try is allowed for this request.
+    fn may_retry(&self, session: &Session) -> bool {
+        let Some(pool) = self.pool() else {
+            return false;
+        };
+        if self.tried.len() as u32 >= pool.settings.attempts
+            || self.tried.len() >= pool.members.len()
+            || session.response_written().is_some()
+        {
+            return false;
+        }
+        if pool.budget.try_withdraw() {
+            pool.metrics.retries.inc();
+            true
+        } else {
+            pool.metrics.retries_denied.inc();
+            false
+        }
+    }
+}
+
+/// The edge proxy.
+pub struct EdgeProxy {
+    config: Shared,
+    metrics: Arc<Metrics>,
+    log: AccessLog,
+    inflight: Arc<AtomicUsize>,
+}
+
+impl EdgeProxy {
+    /// A proxy over the live config.
+    pub fn new(
+        config: Shared,
+        metrics: Arc<Metrics>,
+        log: AccessLog,
+        inflight: Arc<AtomicUsize>,
+    ) -> Self {
+        EdgeProxy {
+            config,
+            metrics,
+            log,
+            inflight,
+        }
+    }
+}
+
+fn is_idempotent(m: &http::Method) -> bool {
+    matches!(
+        *m,
+        http::Method::GET
+            | http::Method::HEAD
+            | http::Method::OPTIONS
+            | http::Method::PUT
+            | http::Method::DELETE
+            | http::Method::TRACE
+    )
+}
+
+fn status_for(e: &Error) -> u16 {
+    match e.etype() {
+        ErrorType::HTTPStatus(code) => *code,
+        ErrorType::ConnectTimedout | ErrorType::ReadTimedout | ErrorType::WriteTimedout => {
+            match e.esource() {
+                ErrorSource::Upstream => 504,
+                _ => 408,
+            }
+        }
+        _ => match e.esource() {
+            ErrorSource::Upstream => 502,
+            ErrorSource::Downstream => match e.etype() {
+                ErrorType::WriteError | ErrorType::ReadError | ErrorType::ConnectionClosed => 0,
+                _ => 400,
+            },
+            ErrorSource::Internal | ErrorSource::Unset => 500,
+        },
+    }
+}
+
+#[async_trait]
+impl ProxyHttp for EdgeProxy {
+    type CTX = Ctx;
+
+    fn new_ctx(&self) -> Ctx {
+        Ctx {
+            cfg: self.config.load_full(),
+            started: Instant::now(),
+            started_wall: SystemTime::now(),
+            request_id: String::new(),
+            route: None,
+            hash: 0,
+            tried: Vec::new(),
+            member: None,
+            outstanding: None,
+            upstream_start: None,
+            upstream_time: None,
+            body_bytes: 0,
+            error_status: 0,
+            _inflight: InFlight::new(&self.inflight),
+        }
+    }
+
+    async fn request_filter(&self, session: &mut Session, ctx: &mut Ctx) -> Result<bool> {
+        ctx.request_id = filters::request_id(session.req_header());
+        let limits = &ctx.cfg.limits;
+        session.set_keepalive(Some(limits.keepalive_timeout_s));
+        let refusal = filters::check_head(
+            session.req_header(),
+            limits.max_header_bytes,
+            limits.max_headers,
+            limits.client_max_body_bytes,
+        );
+        if let Some(r) = refusal {
+            let (status, msg, code) = match r {
+                Refusal::HeadersTooLarge => (431, "request headers too large", "headers_too_large"),
+                Refusal::BodyTooLarge => (413, "request body too large", "body_too_large"),
+            };
+            self.metrics.rejected.with_label_values(&[code]).inc();
+            session.set_keepalive(None);
+            filters::respond_error(session, status, msg, code, &ctx.request_id).await?;
+            return Ok(true);
+        }
+        let req = session.req_header();
+        let host = req
+            .headers
+            .get(http::header::HOST)
+            .and_then(|h| h.to_str().ok())
+            .or_else(|| req.uri.host())
+            .unwrap_or("");
+        let Some(route) = ctx.cfg.router.find(host, req.uri.path()).cloned() else {
+            self.metrics.rejected.with_label_values(&["no_route"]).inc();
+            filters::respond_error(
+                session,
+                404,
+                "no route matches this request",
+                "no_route",
+                &ctx.request_id,
+            )
+            .await?;
+            return Ok(true);
+        };
+        ctx.route = Some(route.clone());
+        match &route.action {
+            Action::Proxy(pool) => {
+                pool.record_request();
+                if let Some(key) = pool.balancer.hash_key() {
+                    ctx.hash = filters::hash_key(session, key);
+                }
+                session.enable_retry_buffering();
+                Ok(false)
+            }
+            Action::Fixed {
+                status,
+                body,
+                content_type,
+            } => {
+                filters::respond(
+                    session,
+                    *status,
+                    content_type,
+                    body.clone(),
+                    &[("x-request-id", &ctx.request_id)],
+                )
+                .await?;
+                Ok(true)
+            }
+            Action::Redirect { status, location } => {
+                let uri = session
+                    .req_header()
+                    .uri
+                    .path_and_query()
+                    .map(|p| p.as_str())
+                    .unwrap_or("/");
+                let loc = location.replace("$request_uri", uri);
+                filters::respond(
+                    session,
+                    *status,
+                    "text/plain",
+                    Bytes::new(),
+                    &[("location", &loc), ("x-request-id", &ctx.request_id)],
+                )
+                .await?;
+                Ok(true)
+            }
+        }
+    }
+
+    async fn request_body_filter(
+        &self,
+        _session: &mut Session,
+        body: &mut Option<Bytes>,
+        _end_of_stream: bool,
+        ctx: &mut Ctx,
+    ) -> Result<()> {
+        if let Some(b) = body {
+            ctx.body_bytes += b.len() as u64;
+            let max = ctx.cfg.limits.client_max_body_bytes;
+            if max > 0 && ctx.body_bytes > max {
+                self.metrics
+                    .rejected
+                    .with_label_values(&["body_too_large"])
+                    .inc();
+                return Error::e_explain(ErrorType::HTTPStatus(413), "request body too large");
+            }
+        }
+        Ok(())
+    }
+
+    async fn upstream_peer(&self, _session: &mut Session, ctx: &mut Ctx) -> Result<Box<HttpPeer>> {
+        let Some(pool) = ctx.pool().cloned() else {
+            return Error::e_explain(ErrorType::InternalError, "route has no pool");
+        };
+        let Some(idx) = pool.select(ctx.hash, &ctx.tried) else {
+            return Error::e_explain(ErrorType::HTTPStatus(502), "no upstream member available");
+        };
+        ctx.tried.push(idx);
+        ctx.member = Some(idx);
+        ctx.outstanding = Some(Outstanding::acquire(pool.clone(), idx));
+        ctx.upstream_start = Some(Instant::now());
+        Ok(pool.peer(idx))
+    }
+
+    async fn connected_to_upstream(
+        &self,
+        _session: &mut Session,
+        reused: bool,
+        _peer: &HttpPeer,
+        #[cfg(unix)] _fd: std::os::unix::io::RawFd,
+        _digest: Option<&pingora::protocols::Digest>,
+        ctx: &mut Ctx,
+    ) -> Result<()> {
+        if let Some(pool) = ctx.pool() {
+            if reused {
+                pool.metrics.conn_reused.inc();
+            } else {
+                pool.metrics.conn_new.inc();
+            }
+        }
+        Ok(())
+    }
+
+    fn fail_to_connect(
+        &self,
+        session: &mut Session,
+        _peer: &HttpPeer,
+        ctx: &mut Ctx,
+        mut e: Box<Error>,
+    ) -> Box<Error> {
+        if let (Some(pool), Some(idx)) = (ctx.pool(), ctx.member) {
+            pool.record_failure(idx);
+        }
+        // The upstream never saw the request: safe to retry any method.
+        e.set_retry(ctx.may_retry(session));
+        e
+    }
+
+    fn error_while_proxy(
+        &self,
+        peer: &HttpPeer,
+        session: &mut Session,
+        e: Box<Error>,
+        ctx: &mut Ctx,
+        _client_reused: bool,
+    ) -> Box<Error> {
+        let mut e = e.more_context(format!("Peer: {peer}"));
+        if e.esource() == &ErrorSource::Upstream {
+            if let (Some(pool), Some(idx)) = (ctx.pool(), ctx.member) {
+                pool.record_failure(idx);
+            }
+        }
+        // The upstream may have acted on the request: retry only what is
+        // idempotent, with the body still buffered, before any byte went out.
+        let safe = is_idempotent(&session.req_header().method)
+            && !session.as_ref().retry_buffer_truncated();
+        e.set_retry(safe && ctx.may_retry(session));
+        e
+    }
+
+    async fn upstream_request_filter(
+        &self,
+        session: &mut Session,
+        req: &mut RequestHeader,
+        ctx: &mut Ctx,
+    ) -> Result<()> {
+        let Some(route) = ctx.route.clone() else {
+            return Ok(());
+        };
+        if let Some(ip) = session
+            .client_addr()
+            .and_then(|a| a.as_inet())
+            .map(|a| a.ip())
+        {
+            let xff = match req
+                .headers
+                .get("x-forwarded-for")
+                .and_then(|v| v.to_str().ok())
+            {
+                Some(prev) => format!("{prev}, {ip}"),
+                None => ip.to_string(),
+            };
+            req.insert_header("x-forwarded-for", xff)?;
+        }
+        req.insert_header("x-forwarded-proto", "http")?;
+        req.insert_header("x-request-id", ctx.request_id.as_str())?;
+        match &route.upstream_host {
+            UpstreamHost::Passthrough => {}
+            UpstreamHost::Member => {
+                if let (Some(pool), Some(idx)) = (ctx.pool(), ctx.member) {
+                    req.insert_header(http::header::HOST, pool.members[idx].label.as_str())?;
+                }
+            }
+            UpstreamHost::Fixed(v) => req.insert_header(http::header::HOST, v.clone())?,
+        }
+        if !route.request_headers.is_empty() {
+            filters::apply_request_ops(&route.request_headers, req)?;
+        }
+        Ok(())
+    }
+
+    async fn upstream_response_filter(
+        &self,
+        _session: &mut Session,
+        resp: &mut ResponseHeader,
+        ctx: &mut Ctx,
+    ) -> Result<()> {
+        let elapsed = ctx.upstream_start.map(|s| s.elapsed()).unwrap_or_default();
+        ctx.upstream_time = Some(elapsed);
+        if let (Some(pool), Some(idx)) = (ctx.pool(), ctx.member) {
+            pool.metrics.latency.observe(elapsed.as_secs_f64());
+            if resp.status.as_u16() < 500 {
+                pool.record_success(idx, elapsed);
+            }
+        }
+        Ok(())
+    }
+
+    async fn response_filter(
+        &self,
+        _session: &mut Session,
+        resp: &mut ResponseHeader,
+        ctx: &mut Ctx,
+    ) -> Result<()> {
+        resp.insert_header("x-request-id", ctx.request_id.as_str())?;
+        if let Some(route) = &ctx.route {
+            if !route.response_headers.is_empty() {
+                filters::apply_response_ops(&route.response_headers, resp)?;
+            }
+        }
+        Ok(())
+    }
+
+    async fn fail_to_proxy(&self, session: &mut Session, e: &Error, ctx: &mut Ctx) -> FailToProxy {
+        let code = status_for(e);
+        ctx.error_status = code;
+        if code > 0 && session.response_written().is_none() {
+            let (msg, kind) = match code {
+                413 => ("request body too large", "body_too_large"),
+                502 => ("upstream failed", "bad_gateway"),
+                504 => ("upstream timed out", "gateway_timeout"),
+                400 => ("bad request", "bad_request"),
+                _ => ("request failed", "proxy_error"),
+            };
+            if ctx.request_id.is_empty() {
+                ctx.request_id = filters::new_request_id();
+            }
+            let _ = filters::respond_error(session, code, msg, kind, &ctx.request_id).await;
+        }
+        FailToProxy {
+            error_code: code,
+            can_reuse_downstream: false,
+        }
+    }
+
+    async fn logging(&self, session: &mut Session, _e: Option<&Error>, ctx: &mut Ctx) {
+        let status = session
+            .response_written()
+            .map(|r| r.status.as_u16())
+            .unwrap_or(ctx.error_status);
+        if let Some(route) = &ctx.route {
+            route.metrics.observe(status);
+        }
+        ctx.outstanding = None;
+        if !self.log.enabled() {
+            return;
+        }
+        let req = session.req_header();
+        let upstream = match (ctx.pool(), ctx.member) {
+            (Some(p), Some(i)) => Some(p.members[i].label.clone()),
+            _ => None,
+        };
+        self.log.log(Entry {
+            time: ctx.started_wall,
+            request_id: std::mem::take(&mut ctx.request_id),
+            client: session
+                .client_addr()
+                .and_then(|a| a.as_inet())
+                .map(|a| a.ip()),
+            method: req.method.clone(),
+            uri: req
+                .uri
+                .path_and_query()
+                .map(|p| p.as_str().to_string())
+                .unwrap_or_default(),
+            route: ctx.route.clone(),
+            upstream,
+            status,
+            bytes: session.body_bytes_sent(),
+            total: ctx.started.elapsed(),
+            upstream_time: ctx.upstream_time,
+            tries: ctx.tried.len() as u32,
+            user_agent: req
+                .headers
+                .get(http::header::USER_AGENT)
+                .and_then(|v| v.to_str().ok())
+                .unwrap_or("")
+                .to_string(),
+        });
+    }
+}

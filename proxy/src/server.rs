@@ -1,0 +1,142 @@
+//! Assembles the process: Pingora server settings from the config, the
+//! traffic service, the admin service, background services, and the drain
+//! watcher that ends the process as soon as a graceful shutdown or upgrade
+//! has no request left in flight.
+
+use crate::accesslog::AccessLog;
+use crate::admin::{AdminApp, Readiness};
+use crate::config::{self, Config, Shared};
+use crate::metrics::Metrics;
+use crate::proxy::EdgeProxy;
+use crate::upstream::health::HealthChecker;
+use arc_swap::ArcSwap;
+use pingora::apps::http_app::HttpServer;
+use pingora::server::configuration::{Opt, ServerConf};
+use pingora::server::{ExecutionPhase, Server};
+use pingora::services::background::background_service;
+use pingora::services::listening::Service;
+use std::path::Path;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+/// Options of `ultrafast serve`.
+#[derive(Debug, Clone, Default)]
+pub struct ServeOptions {
+    /// Take the listening sockets over from a running instance.
+    pub upgrade: bool,
+}
+
+fn server_conf(cfg: &Config) -> ServerConf {
+    let s = &cfg.server;
+    ServerConf {
+        threads: s.threads,
+        work_stealing: s.work_stealing,
+        pid_file: s.pid_file.clone(),
+        upgrade_sock: s.upgrade_sock.clone(),
+        grace_period_seconds: Some(s.grace_period_s),
+        graceful_shutdown_timeout_seconds: Some(s.shutdown_timeout_s),
+        upstream_keepalive_pool_size: s.keepalive_pool_size,
+        // Our own retry policy caps tries per pool (at most 10).
+        max_retries: 10,
+        ..ServerConf::default()
+    }
+}
+
+/// Load the config and run until shut down. Returns only on a startup error.
+pub fn serve(path: &Path, opts: ServeOptions) -> anyhow::Result<()> {
+    let metrics = Arc::new(Metrics::new());
+    let cfg = match config::load(path, &metrics) {
+        Ok(c) => c,
+        Err(errs) => {
+            for e in &errs {
+                eprintln!("{e}");
+            }
+            anyhow::bail!("{} error(s) in {}", errs.len(), path.display());
+        }
+    };
+    let conf = server_conf(&cfg);
+    let pingora_opt = Opt {
+        upgrade: opts.upgrade,
+        ..Opt::default()
+    };
+    let log = AccessLog::start(
+        &cfg.log_target,
+        cfg.log_format,
+        metrics.access_log_dropped.clone(),
+    )?;
+    let listeners = cfg.listeners.clone();
+    let admin_listen = cfg.admin_listen.clone();
+    let shared: Shared = Arc::new(ArcSwap::from_pointee(cfg));
+    let readiness = Arc::new(Readiness::new("starting"));
+    let inflight = Arc::new(AtomicUsize::new(0));
+
+    let mut server = Server::new_with_opt_and_conf(pingora_opt, conf);
+    server.bootstrap();
+
+    let proxy = EdgeProxy::new(
+        shared.clone(),
+        metrics.clone(),
+        log.clone(),
+        inflight.clone(),
+    );
+    let mut traffic =
+        pingora::proxy::http_proxy_service_with_name(&server.configuration, proxy, "ultrafast");
+    for l in &listeners {
+        traffic.add_tcp(&l.address);
+    }
+    server.add_service(traffic);
+
+    if let Some(addr) = admin_listen {
+        let mut admin = Service::new(
+            "admin".to_string(),
+            HttpServer::new_app(AdminApp::new(metrics.clone(), readiness.clone())),
+        );
+        admin.add_tcp(&addr);
+        admin.threads = Some(1);
+        server.add_service(admin);
+    }
+    server.add_service(background_service(
+        "health checks",
+        HealthChecker::new(shared.clone()),
+    ));
+
+    spawn_drain_watcher(&server, inflight, log);
+    readiness.set_ready();
+    log::info!(
+        "ultrafast {} serving {} listener(s) from {}",
+        env!("CARGO_PKG_VERSION"),
+        listeners.len(),
+        path.display()
+    );
+    server.run_forever()
+}
+
+/// Pingora sleeps the whole grace period even when nothing is in flight;
+/// end the process as soon as the drain is actually complete.
+fn spawn_drain_watcher(server: &Server, inflight: Arc<AtomicUsize>, log: AccessLog) {
+    let mut phases = server.watch_execution_phase();
+    let _ = std::thread::Builder::new()
+        .name("drain-watch".into())
+        .spawn(move || {
+            while let Ok(p) = phases.blocking_recv() {
+                if matches!(p, ExecutionPhase::ShutdownGracePeriod) {
+                    break;
+                }
+            }
+            // Require a short quiet period so a request that was just accepted
+            // (but has not reached the proxy yet) is not cut.
+            let mut quiet = 0;
+            while quiet < 10 {
+                std::thread::sleep(Duration::from_millis(20));
+                quiet = if inflight.load(Ordering::Relaxed) == 0 {
+                    quiet + 1
+                } else {
+                    0
+                };
+            }
+            log::info!("drained: no request in flight, exiting");
+            log.flush();
+            std::process::exit(0);
+        });
+}

@@ -1,0 +1,122 @@
+//! Active health checks: a Pingora background service that probes every
+//! member of every pool with a health check, `GET path` over a fresh TCP
+//! connection, and flips `Member::healthy` after `fall` consecutive failures
+//! or `rise` consecutive successes (nginx plus / HAProxy semantics).
+//!
+//! It reads the live config on each tick, so pools added by a reload are
+//! checked without restarting anything.
+
+use super::{now_ms, Member, Pool};
+use crate::config::Shared;
+use async_trait::async_trait;
+use pingora::server::ShutdownWatch;
+use pingora::services::background::BackgroundService;
+use std::collections::HashMap;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::Duration;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpStream;
+
+/// The health-check background service.
+pub struct HealthChecker {
+    config: Shared,
+}
+
+impl HealthChecker {
+    /// A checker over the live config.
+    pub fn new(config: Shared) -> Self {
+        HealthChecker { config }
+    }
+}
+
+/// Consecutive-result counters of one member, keyed by pool name and address.
+type Streaks = HashMap<(String, String), (u32, u32)>;
+
+#[async_trait]
+impl BackgroundService for HealthChecker {
+    async fn start(&self, mut shutdown: ShutdownWatch) {
+        let mut streaks: Streaks = HashMap::new();
+        let mut tick = tokio::time::interval(Duration::from_millis(50));
+        loop {
+            tokio::select! {
+                _ = shutdown.changed() => return,
+                _ = tick.tick() => {}
+            }
+            let cfg = self.config.load_full();
+            for pool in cfg.pools.values() {
+                let Some(h) = &pool.health else { continue };
+                let now = now_ms();
+                if pool.health_due_ms.load(Ordering::Relaxed) > now {
+                    continue;
+                }
+                pool.health_due_ms
+                    .store(now + h.interval.as_millis() as u64, Ordering::Relaxed);
+                check_pool(pool.clone(), &mut streaks).await;
+            }
+        }
+    }
+}
+
+async fn check_pool(pool: Arc<Pool>, streaks: &mut Streaks) {
+    let Some(h) = pool.health.clone() else { return };
+    let probes: Vec<_> = (0..pool.members.len())
+        .map(|i| {
+            let pool = pool.clone();
+            let h = h.clone();
+            tokio::spawn(async move {
+                let m = &pool.members[i];
+                let host = h.host.clone().unwrap_or_else(|| m.label.clone());
+                tokio::time::timeout(h.timeout, probe(m, &host, &h.path))
+                    .await
+                    .unwrap_or(false)
+            })
+        })
+        .collect();
+    for (i, p) in probes.into_iter().enumerate() {
+        let ok = p.await.unwrap_or(false);
+        let m = &pool.members[i];
+        let s = streaks
+            .entry((pool.name.clone(), m.label.clone()))
+            .or_insert((0, 0));
+        if ok {
+            *s = (s.0 + 1, 0);
+        } else {
+            *s = (0, s.1 + 1);
+        }
+        let was = m.healthy.load(Ordering::Relaxed);
+        let now = if was { s.1 < h.fall } else { s.0 >= h.rise };
+        if now != was {
+            m.healthy.store(now, Ordering::Relaxed);
+            log::warn!(
+                "pool {}: member {} is now {}",
+                pool.name,
+                m.label,
+                if now { "up" } else { "down" }
+            );
+        }
+        pool.metrics.set_health(i, now);
+    }
+}
+
+/// One probe: any 2xx or 3xx status is healthy.
+async fn probe(m: &Member, host: &str, path: &str) -> bool {
+    let Ok(mut s) = TcpStream::connect(m.addr).await else {
+        return false;
+    };
+    let req = format!("GET {path} HTTP/1.1\r\nHost: {host}\r\nUser-Agent: ultrafast-health\r\nConnection: close\r\n\r\n");
+    if s.write_all(req.as_bytes()).await.is_err() {
+        return false;
+    }
+    let mut buf = [0u8; 64];
+    let mut n = 0;
+    while n < 12 {
+        match s.read(&mut buf[n..]).await {
+            Ok(0) | Err(_) => break,
+            Ok(k) => n += k,
+        }
+    }
+    // "HTTP/1.1 200": the status is bytes 9..12.
+    let head = &buf[..n];
+    head.starts_with(b"HTTP/1.") && n >= 12 && matches!(head[9], b'2' | b'3')
+}
