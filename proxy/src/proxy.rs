@@ -366,6 +366,12 @@ impl ProxyHttp for EdgeProxy {
             req.insert_header("x-forwarded-for", xff)?;
         }
         req.insert_header("x-forwarded-proto", "http")?;
+        if ctx
+            .pool()
+            .is_some_and(|p| p.settings.keepalive_idle.is_none())
+        {
+            req.insert_header(http::header::CONNECTION, "close")?;
+        }
         req.insert_header("x-request-id", ctx.request_id.as_str())?;
         match &route.upstream_host {
             UpstreamHost::Passthrough => {}

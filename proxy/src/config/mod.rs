@@ -167,21 +167,35 @@ pub fn parse(path: &Path, text: &str, metrics: &Metrics) -> Result<Config, Vec<C
     validate::validate(&file, path, text, metrics)
 }
 
-/// toml names the offending key in the message for unknown fields; for type
-/// errors the key is the text under the span's line start.
+/// toml names only the offending key; prefix it with the table header above
+/// it (`[server]` + `threds` -> `server.threds`) so the field reads as a path.
 fn field_from_toml_error(text: &str, e: &toml::de::Error) -> String {
     let Some(span) = e.span() else {
         return String::new();
     };
-    let line_start = text[..span.start.min(text.len())]
-        .rfind('\n')
-        .map(|i| i + 1)
-        .unwrap_or(0);
-    let line = &text[line_start..];
-    let line = line.split('\n').next().unwrap_or("");
-    match line.split_once('=') {
-        Some((k, _)) if !k.trim_start().starts_with('[') => k.trim().to_string(),
-        _ => String::new(),
+    let start = span.start.min(text.len());
+    let line_start = text[..start].rfind('\n').map(|i| i + 1).unwrap_or(0);
+    let line = text[line_start..].split('\n').next().unwrap_or("");
+    let key = match line.split_once('=') {
+        Some((k, _)) if !k.trim_start().starts_with('[') => k.trim(),
+        _ => return String::new(),
+    };
+    let table = text[..line_start]
+        .lines()
+        .rev()
+        .map(str::trim)
+        .find(|l| l.starts_with('['))
+        .map(|l| {
+            l.trim_start_matches('[')
+                .split(']')
+                .next()
+                .unwrap_or("")
+                .trim()
+        });
+    match table {
+        Some(t) if text[..line_start].contains(&format!("[[{t}]]")) => format!("{t}[].{key}"),
+        Some(t) => format!("{t}.{key}"),
+        None => key.to_string(),
     }
 }
 

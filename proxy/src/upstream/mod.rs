@@ -142,8 +142,9 @@ impl Pool {
         peer.options.total_connection_timeout = s.total_connect_timeout;
         peer.options.read_timeout = s.read_timeout;
         peer.options.write_timeout = s.write_timeout;
-        // pingora treats Some(0) as "do not pool this connection".
-        peer.options.idle_timeout = Some(s.keepalive_idle.unwrap_or(Duration::ZERO));
+        // Without keepalive the request carries `Connection: close` (see the
+        // proxy), so the connection is never offered back to the pool.
+        peer.options.idle_timeout = s.keepalive_idle;
         Box::new(peer)
     }
 

@@ -1,0 +1,565 @@
+//! Test harness: a real origin server on loopback, the real `ultrafast`
+//! binary started per test with its own config and ports, and a small
+//! HTTP/1.1 client that can also send malformed requests. Every process and
+//! thread a test starts is stopped when its handle drops.
+#![allow(dead_code, clippy::unwrap_used)]
+
+use std::collections::BTreeMap;
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicBool, AtomicU16, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+/// A port that was free a moment ago (bind port 0, read it, release it).
+pub fn free_port() -> u16 {
+    TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+/// How the origin misbehaves.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Fault {
+    /// Answer normally.
+    None,
+    /// Read the request, then close the connection without answering.
+    ResetAfterRequest,
+    /// Send headers announcing a body, half the body, then close.
+    TruncateBody,
+}
+
+/// Shared, adjustable origin state.
+#[derive(Default)]
+pub struct OriginState {
+    pub connections: AtomicU64,
+    pub requests: AtomicU64,
+    pub delay_ms: AtomicU64,
+    pub status: AtomicU16,
+    pub health_status: AtomicU16,
+    pub fault: Mutex<Option<Fault>>,
+    pub last_headers: Mutex<BTreeMap<String, String>>,
+    pub stop: AtomicBool,
+}
+
+/// A real HTTP/1.1 origin on 127.0.0.1 with keepalive.
+pub struct Origin {
+    pub name: String,
+    pub addr: SocketAddr,
+    pub state: Arc<OriginState>,
+    accept: Option<JoinHandle<()>>,
+}
+
+impl Origin {
+    pub fn start(name: &str) -> Origin {
+        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = listener.local_addr().unwrap();
+        let state = Arc::new(OriginState::default());
+        state.status.store(200, Ordering::SeqCst);
+        state.health_status.store(200, Ordering::SeqCst);
+        let (st, nm) = (state.clone(), name.to_string());
+        let accept = std::thread::spawn(move || {
+            for conn in listener.incoming() {
+                if st.stop.load(Ordering::SeqCst) {
+                    break;
+                }
+                let Ok(conn) = conn else { continue };
+                st.connections.fetch_add(1, Ordering::SeqCst);
+                let (st, nm) = (st.clone(), nm.clone());
+                std::thread::spawn(move || serve_conn(conn, st, nm));
+            }
+        });
+        Origin {
+            name: name.into(),
+            addr,
+            state,
+            accept: Some(accept),
+        }
+    }
+
+    pub fn requests(&self) -> u64 {
+        self.state.requests.load(Ordering::SeqCst)
+    }
+
+    pub fn connections(&self) -> u64 {
+        self.state.connections.load(Ordering::SeqCst)
+    }
+
+    pub fn set_fault(&self, f: Fault) {
+        *self.state.fault.lock().unwrap() = Some(f);
+    }
+
+    /// Stop accepting and close every connection: the port then refuses.
+    pub fn stop(&mut self) {
+        self.state.stop.store(true, Ordering::SeqCst);
+        let _ = TcpStream::connect(self.addr);
+        if let Some(h) = self.accept.take() {
+            let _ = h.join();
+        }
+    }
+}
+
+impl Drop for Origin {
+    fn drop(&mut self) {
+        self.stop();
+    }
+}
+
+fn read_head(r: &mut BufReader<TcpStream>) -> Option<(String, BTreeMap<String, String>)> {
+    let mut line = String::new();
+    match r.read_line(&mut line) {
+        Ok(0) => return None,
+        Ok(_) => {}
+        Err(e)
+            if e.kind() == std::io::ErrorKind::WouldBlock
+                || e.kind() == std::io::ErrorKind::TimedOut =>
+        {
+            return Some((String::new(), BTreeMap::new()));
+        }
+        Err(_) => return None,
+    }
+    let request_line = line.trim_end().to_string();
+    let mut headers = BTreeMap::new();
+    loop {
+        let mut h = String::new();
+        if r.read_line(&mut h).ok()? == 0 {
+            return None;
+        }
+        let h = h.trim_end();
+        if h.is_empty() {
+            break;
+        }
+        if let Some((k, v)) = h.split_once(':') {
+            let k = k.trim().to_ascii_lowercase();
+            let v = v.trim().to_string();
+            headers
+                .entry(k)
+                .and_modify(|old: &mut String| {
+                    old.push_str(", ");
+                    old.push_str(&v)
+                })
+                .or_insert(v);
+        }
+    }
+    Some((request_line, headers))
+}
+
+fn serve_conn(conn: TcpStream, st: Arc<OriginState>, name: String) {
+    conn.set_read_timeout(Some(Duration::from_millis(100))).ok();
+    let mut w = conn.try_clone().unwrap();
+    let mut r = BufReader::new(conn);
+    loop {
+        if st.stop.load(Ordering::SeqCst) {
+            return;
+        }
+        let Some((line, headers)) = read_head(&mut r) else {
+            return;
+        };
+        if line.is_empty() {
+            continue; // read timeout: poll the stop flag
+        }
+        r.get_ref()
+            .set_read_timeout(Some(Duration::from_secs(5)))
+            .ok();
+        let mut body = Vec::new();
+        if let Some(n) = headers
+            .get("content-length")
+            .and_then(|v| v.parse::<usize>().ok())
+        {
+            body.resize(n, 0);
+            if r.read_exact(&mut body).is_err() {
+                return;
+            }
+        } else if headers
+            .get("transfer-encoding")
+            .is_some_and(|v| v.contains("chunked"))
+        {
+            loop {
+                let mut sz = String::new();
+                if r.read_line(&mut sz).unwrap_or(0) == 0 {
+                    return;
+                }
+                let n = usize::from_str_radix(sz.trim(), 16).unwrap_or(0);
+                let mut chunk = vec![0; n + 2];
+                if r.read_exact(&mut chunk).is_err() {
+                    return;
+                }
+                body.extend_from_slice(&chunk[..n]);
+                if n == 0 {
+                    break;
+                }
+            }
+        }
+        r.get_ref()
+            .set_read_timeout(Some(Duration::from_millis(100)))
+            .ok();
+        let mut parts = line.split_whitespace();
+        let method = parts.next().unwrap_or("").to_string();
+        let path = parts.next().unwrap_or("").to_string();
+        if path == "/health" {
+            let s = st.health_status.load(Ordering::SeqCst);
+            let _ = write!(w, "HTTP/1.1 {s} X\r\nContent-Length: 2\r\n\r\nok");
+            continue;
+        }
+        st.requests.fetch_add(1, Ordering::SeqCst);
+        *st.last_headers.lock().unwrap() = headers.clone();
+        let fault = st.fault.lock().unwrap().unwrap_or(Fault::None);
+        if fault == Fault::ResetAfterRequest {
+            return;
+        }
+        let delay = st.delay_ms.load(Ordering::SeqCst);
+        if delay > 0 {
+            std::thread::sleep(Duration::from_millis(delay));
+        }
+        let out = serde_json::json!({
+            "origin": name, "method": method, "path": path,
+            "headers": headers, "body_len": body.len(),
+        })
+        .to_string();
+        let status = st.status.load(Ordering::SeqCst);
+        if fault == Fault::TruncateBody {
+            let _ = write!(
+                w,
+                "HTTP/1.1 200 OK\r\nContent-Length: {}\r\n\r\n",
+                out.len() * 2
+            );
+            let _ = w.write_all(out.as_bytes());
+            let _ = w.flush();
+            std::thread::sleep(Duration::from_millis(50));
+            let _ = w.shutdown(std::net::Shutdown::Both);
+            return;
+        }
+        let resp = format!(
+            "HTTP/1.1 {status} X\r\nContent-Type: application/json\r\nx-origin: {name}\r\nx-remove-me: 1\r\nContent-Length: {}\r\n\r\n{out}",
+            out.len()
+        );
+        if w.write_all(resp.as_bytes()).is_err() {
+            return;
+        }
+    }
+}
+
+/// An HTTP response as the client saw it.
+#[derive(Debug, Clone)]
+pub struct Resp {
+    pub status: u16,
+    pub headers: BTreeMap<String, String>,
+    pub body: Vec<u8>,
+}
+
+impl Resp {
+    pub fn text(&self) -> String {
+        String::from_utf8_lossy(&self.body).into_owned()
+    }
+    pub fn json(&self) -> serde_json::Value {
+        serde_json::from_slice(&self.body)
+            .unwrap_or_else(|e| panic!("not json ({e}): {}", self.text()))
+    }
+    pub fn header(&self, k: &str) -> Option<&str> {
+        self.headers.get(k).map(|s| s.as_str())
+    }
+    /// The origin name that answered.
+    pub fn origin(&self) -> String {
+        self.json()["origin"].as_str().unwrap_or("").to_string()
+    }
+}
+
+/// A keepalive HTTP/1.1 client connection.
+pub struct Client {
+    r: BufReader<TcpStream>,
+    w: TcpStream,
+}
+
+impl Client {
+    pub fn connect(addr: SocketAddr) -> std::io::Result<Client> {
+        let s = TcpStream::connect_timeout(&addr, Duration::from_secs(2))?;
+        s.set_read_timeout(Some(Duration::from_secs(10)))?;
+        let w = s.try_clone()?;
+        Ok(Client {
+            r: BufReader::new(s),
+            w,
+        })
+    }
+
+    /// Whether the peer closes the connection within `limit` (reads until EOF).
+    pub fn closed_within(&mut self, limit: Duration) -> bool {
+        let _ = self.r.get_ref().set_read_timeout(Some(limit));
+        let mut buf = [0u8; 4096];
+        loop {
+            match self.r.read(&mut buf) {
+                Ok(0) => return true,
+                Ok(_) => continue,
+                Err(e) => return e.kind() == std::io::ErrorKind::ConnectionReset,
+            }
+        }
+    }
+
+    pub fn send_raw(&mut self, raw: &[u8]) -> std::io::Result<()> {
+        self.w.write_all(raw)
+    }
+
+    pub fn request(
+        &mut self,
+        method: &str,
+        path: &str,
+        headers: &[(&str, &str)],
+        body: &[u8],
+    ) -> std::io::Result<Resp> {
+        let mut req = format!("{method} {path} HTTP/1.1\r\n");
+        if !headers.iter().any(|(k, _)| k.eq_ignore_ascii_case("host")) {
+            req.push_str("Host: test.local\r\n");
+        }
+        for (k, v) in headers {
+            req.push_str(&format!("{k}: {v}\r\n"));
+        }
+        if !body.is_empty() || method == "POST" {
+            req.push_str(&format!("Content-Length: {}\r\n", body.len()));
+        }
+        req.push_str("\r\n");
+        self.w.write_all(req.as_bytes())?;
+        self.w.write_all(body)?;
+        self.read_response(method == "HEAD")
+    }
+
+    pub fn read_response(&mut self, head_only: bool) -> std::io::Result<Resp> {
+        let mut line = String::new();
+        if self.r.read_line(&mut line)? == 0 {
+            return Err(std::io::Error::new(
+                std::io::ErrorKind::UnexpectedEof,
+                "closed",
+            ));
+        }
+        let status = line
+            .split_whitespace()
+            .nth(1)
+            .and_then(|s| s.parse().ok())
+            .ok_or_else(|| std::io::Error::other(format!("bad status line {line:?}")))?;
+        let mut headers = BTreeMap::new();
+        loop {
+            let mut h = String::new();
+            self.r.read_line(&mut h)?;
+            let h = h.trim_end();
+            if h.is_empty() {
+                break;
+            }
+            if let Some((k, v)) = h.split_once(':') {
+                headers.insert(k.trim().to_ascii_lowercase(), v.trim().to_string());
+            }
+        }
+        let mut body = Vec::new();
+        if head_only || status == 204 || status == 304 {
+        } else if let Some(n) = headers
+            .get("content-length")
+            .and_then(|v| v.parse::<usize>().ok())
+        {
+            body.resize(n, 0);
+            self.r.read_exact(&mut body)?;
+        } else if headers
+            .get("transfer-encoding")
+            .is_some_and(|v| v.contains("chunked"))
+        {
+            loop {
+                let mut sz = String::new();
+                self.r.read_line(&mut sz)?;
+                let n = usize::from_str_radix(sz.trim(), 16)
+                    .map_err(|_| std::io::Error::other(format!("bad chunk size {sz:?}")))?;
+                let mut chunk = vec![0; n + 2];
+                self.r.read_exact(&mut chunk)?;
+                body.extend_from_slice(&chunk[..n]);
+                if n == 0 {
+                    break;
+                }
+            }
+        } else {
+            self.r.read_to_end(&mut body)?;
+        }
+        Ok(Resp {
+            status,
+            headers,
+            body,
+        })
+    }
+}
+
+/// One request on a fresh connection.
+pub fn get(addr: SocketAddr, path: &str, headers: &[(&str, &str)]) -> Resp {
+    Client::connect(addr)
+        .unwrap()
+        .request("GET", path, headers, b"")
+        .unwrap()
+}
+
+/// A running `ultrafast serve` with its own config, ports and files.
+pub struct Ultrafast {
+    pub child: Child,
+    pub addr: SocketAddr,
+    pub admin: SocketAddr,
+    pub dir: PathBuf,
+    pub config: PathBuf,
+}
+
+pub fn bin() -> &'static str {
+    env!("CARGO_BIN_EXE_ultrafast")
+}
+
+/// A scratch directory unique to this test.
+pub fn scratch(tag: &str) -> PathBuf {
+    static N: AtomicU64 = AtomicU64::new(0);
+    let d = std::env::temp_dir().join(format!(
+        "ultrafast-test-{}-{}-{tag}",
+        std::process::id(),
+        N.fetch_add(1, Ordering::SeqCst)
+    ));
+    std::fs::create_dir_all(&d).unwrap();
+    d
+}
+
+impl Ultrafast {
+    /// Start with `body` appended to a generated head that sets ports,
+    /// pid/upgrade paths and the access log file.
+    pub fn start(body: &str) -> Ultrafast {
+        let dir = scratch("uf");
+        let (port, admin_port) = (free_port(), free_port());
+        let head = format!(
+            "[server]\nthreads = 1\npid_file = \"{d}/uf.pid\"\nupgrade_sock = \"{d}/uf.sock\"\nshutdown_grace_period_s = 10\n\n\
+             [admin]\nlisten = \"127.0.0.1:{admin_port}\"\n\n[log]\naccess_log = \"{d}/access.log\"\n\n\
+             [[listeners]]\nname = \"http\"\naddress = \"127.0.0.1:{port}\"\n\n",
+            d = dir.display()
+        );
+        let config = dir.join("ultrafast.toml");
+        std::fs::write(&config, format!("{head}{body}")).unwrap();
+        Self::spawn(dir, config, port, admin_port, false)
+    }
+
+    pub fn spawn(
+        dir: PathBuf,
+        config: PathBuf,
+        port: u16,
+        admin_port: u16,
+        upgrade: bool,
+    ) -> Ultrafast {
+        let mut cmd = Command::new(bin());
+        cmd.arg("serve").arg("-c").arg(&config);
+        if upgrade {
+            cmd.arg("--upgrade");
+        }
+        let stderr = std::fs::File::create(dir.join(if upgrade {
+            "stderr.upgrade.log"
+        } else {
+            "stderr.log"
+        }))
+        .unwrap();
+        let child = cmd
+            .env("RUST_LOG", "info")
+            .stdout(Stdio::null())
+            .stderr(stderr)
+            .spawn()
+            .unwrap();
+        let uf = Ultrafast {
+            child,
+            addr: format!("127.0.0.1:{port}").parse().unwrap(),
+            admin: format!("127.0.0.1:{admin_port}").parse().unwrap(),
+            dir,
+            config,
+        };
+        if !upgrade {
+            uf.wait_ready();
+        }
+        uf
+    }
+
+    pub fn wait_ready(&self) {
+        let deadline = Instant::now() + Duration::from_secs(15);
+        while Instant::now() < deadline {
+            if TcpStream::connect(self.addr).is_ok() && TcpStream::connect(self.admin).is_ok() {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        panic!("ultrafast did not start: {}", self.stderr());
+    }
+
+    pub fn stderr(&self) -> String {
+        std::fs::read_to_string(self.dir.join("stderr.log")).unwrap_or_default()
+    }
+
+    pub fn access_log(&self) -> String {
+        std::fs::read_to_string(self.dir.join("access.log")).unwrap_or_default()
+    }
+
+    pub fn get(&self, path: &str) -> Resp {
+        get(self.addr, path, &[])
+    }
+
+    pub fn metrics(&self) -> String {
+        get(self.admin, "/metrics", &[]).text()
+    }
+
+    /// Sum of a metric's samples whose line contains every `filters` string.
+    pub fn metric(&self, name: &str, filters: &[&str]) -> f64 {
+        self.metrics()
+            .lines()
+            .filter(|l| l.starts_with(name) && !l.starts_with('#'))
+            .filter(|l| l[name.len()..].starts_with(['{', ' ']))
+            .filter(|l| filters.iter().all(|f| l.contains(f)))
+            .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+            .sum()
+    }
+
+    pub fn signal(&self, sig: i32) {
+        // SAFETY-free: kill(1) through the shell keeps the tests free of libc.
+        let _ = Command::new("kill")
+            .arg(format!("-{sig}"))
+            .arg(self.child.id().to_string())
+            .status();
+    }
+
+    /// Wait for exit up to `limit`; returns the exit status if it exited.
+    pub fn wait_exit(&mut self, limit: Duration) -> Option<std::process::ExitStatus> {
+        let deadline = Instant::now() + limit;
+        while Instant::now() < deadline {
+            if let Ok(Some(s)) = self.child.try_wait() {
+                return Some(s);
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        None
+    }
+}
+
+impl Drop for Ultrafast {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+/// `[pools.NAME]` text for these origins.
+pub fn pool_toml(name: &str, origins: &[&Origin], extra: &str) -> String {
+    let members: Vec<String> = origins
+        .iter()
+        .map(|o| format!("{{ addr = \"{}\" }}", o.addr))
+        .collect();
+    format!(
+        "[pools.{name}]\nmembers = [{}]\n{extra}\n",
+        members.join(", ")
+    )
+}
+
+/// Poll `f` until it is true or `limit` passes.
+pub fn eventually(limit: Duration, mut f: impl FnMut() -> bool) -> bool {
+    let deadline = Instant::now() + limit;
+    while Instant::now() < deadline {
+        if f() {
+            return true;
+        }
+        std::thread::sleep(Duration::from_millis(25));
+    }
+    false
+}

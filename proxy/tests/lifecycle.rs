@@ -1,0 +1,164 @@
+//! Process lifecycle: SIGTERM drains in-flight requests, a graceful upgrade
+//! hands the listening sockets to a new process without a failed request,
+//! and the admin endpoints (metrics that pass `promtool`, health, ready).
+
+#![allow(clippy::unwrap_used)]
+mod common;
+use common::*;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+fn route(pool: &str) -> String {
+    format!("[[routes]]\npath = \"/\"\npool = \"{pool}\"\n")
+}
+
+#[test]
+fn sigterm_drains_an_in_flight_slow_request() {
+    let a = Origin::start("a");
+    a.state.delay_ms.store(1500, Ordering::SeqCst);
+    let mut uf = Ultrafast::start(&format!("{}{}", pool_toml("p", &[&a], ""), route("p")));
+    let addr = uf.addr;
+    let slow = std::thread::spawn(move || get(addr, "/slow", &[]));
+    assert!(eventually(Duration::from_secs(3), || a.requests() == 1));
+    let sent = Instant::now();
+    uf.signal(15);
+    // New connections are refused once the listener closes...
+    assert!(eventually(Duration::from_secs(3), || {
+        std::net::TcpStream::connect(addr).is_err()
+    }));
+    // ...while the request in flight completes normally.
+    let r = slow.join().unwrap();
+    assert_eq!(r.status, 200);
+    assert_eq!(r.origin(), "a");
+    // And the process exits as soon as it is drained, well before the 10 s grace period.
+    let status = uf
+        .wait_exit(Duration::from_secs(8))
+        .expect("did not exit after draining");
+    assert!(status.success(), "{status:?}");
+    assert!(
+        sent.elapsed() < Duration::from_secs(6),
+        "took {:?}",
+        sent.elapsed()
+    );
+}
+
+#[test]
+fn graceful_upgrade_hands_over_sockets_without_failing_a_request() {
+    let a = Origin::start("a");
+    let mut old = Ultrafast::start(&format!("{}{}", pool_toml("p", &[&a], ""), route("p")));
+    let (addr, stop) = (old.addr, Arc::new(AtomicBool::new(false)));
+    let (ok, failed) = (Arc::new(AtomicU64::new(0)), Arc::new(AtomicU64::new(0)));
+    let load = {
+        let (stop, ok, failed) = (stop.clone(), ok.clone(), failed.clone());
+        std::thread::spawn(move || {
+            let deadline = Instant::now() + Duration::from_secs(20);
+            let mut n = 0;
+            while !stop.load(Ordering::SeqCst) && Instant::now() < deadline && n < 20_000 {
+                n += 1;
+                match Client::connect(addr).and_then(|mut c| c.request("GET", "/", &[], b"")) {
+                    Ok(r) if r.status == 200 => ok.fetch_add(1, Ordering::SeqCst),
+                    _ => failed.fetch_add(1, Ordering::SeqCst),
+                };
+            }
+        })
+    };
+    assert!(eventually(Duration::from_secs(3), || ok
+        .load(Ordering::SeqCst)
+        > 50));
+    // The new binary waits on the upgrade socket; SIGQUIT to the old one
+    // sends it the listening sockets, then the old one drains and exits.
+    let new = Ultrafast::spawn(
+        old.dir.clone(),
+        old.config.clone(),
+        old.addr.port(),
+        old.admin.port(),
+        true,
+    );
+    std::thread::sleep(Duration::from_millis(500));
+    old.signal(3);
+    let exited = old
+        .wait_exit(Duration::from_secs(10))
+        .expect("old process did not exit");
+    assert!(exited.success(), "{exited:?}");
+    let before = ok.load(Ordering::SeqCst);
+    assert!(
+        eventually(Duration::from_secs(3), || ok.load(Ordering::SeqCst)
+            > before + 50),
+        "new process is not serving"
+    );
+    stop.store(true, Ordering::SeqCst);
+    load.join().unwrap();
+    assert_eq!(
+        failed.load(Ordering::SeqCst),
+        0,
+        "{} ok, some failed",
+        ok.load(Ordering::SeqCst)
+    );
+    assert_eq!(get(new.admin, "/healthz", &[]).status, 200);
+    drop(new);
+}
+
+#[test]
+fn metrics_pass_promtool_and_health_endpoints_answer() {
+    let (a, b) = (Origin::start("a"), Origin::start("b"));
+    let uf = Ultrafast::start(&format!(
+        "{}{}[[routes]]\nname = \"fixed\"\npath = \"/fixed\"\nreturn = {{ status = 200, body = \"x\" }}\n",
+        pool_toml("p", &[&a, &b], "health_check = { path = \"/health\", interval_ms = 100 }"),
+        route("p")
+    ));
+    for p in ["/", "/a", "/fixed", "/fixed"] {
+        uf.get(p);
+    }
+    assert_eq!(get(uf.admin, "/healthz", &[]).status, 200);
+    assert_eq!(get(uf.admin, "/readyz", &[]).status, 200);
+    assert_eq!(get(uf.admin, "/nope", &[]).status, 404);
+    let text = uf.metrics();
+    for m in [
+        "ultrafast_requests_total{class=\"2xx\",pool=\"p\",route=\"route0\"} 2",
+        "ultrafast_requests_total{class=\"2xx\",pool=\"none\",route=\"fixed\"} 2",
+        "ultrafast_upstream_response_seconds_count{pool=\"p\"} 2",
+        "ultrafast_upstream_member_healthy{",
+        "ultrafast_upstream_connections_total{pool=\"p\",reused=\"false\"}",
+    ] {
+        assert!(text.contains(m), "missing `{m}` in:\n{text}");
+    }
+    let file = uf.dir.join("metrics.txt");
+    std::fs::write(&file, &text).unwrap();
+    let out = std::process::Command::new("promtool")
+        .args(["check", "metrics"])
+        .stdin(std::fs::File::open(&file).unwrap())
+        .output()
+        .expect(
+            "promtool is required for this test (Debian package `prometheus`; .ci/run installs it)",
+        );
+    let report = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(
+        out.status.success() && report.trim().is_empty(),
+        "promtool: {report}"
+    );
+}
+
+#[test]
+fn serve_with_a_broken_config_exits_1_with_the_location() {
+    let dir = scratch("broken");
+    let cfg = dir.join("bad.toml");
+    std::fs::write(&cfg, "[[listeners]]\naddress = \"127.0.0.1:1\"\n[pools.p]\nmembers = [{ addr = \"127.0.0.1:2\", weight = 0 }]\n").unwrap();
+    let out = std::process::Command::new(bin())
+        .arg("serve")
+        .arg("-c")
+        .arg(&cfg)
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(1));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains(&format!("{}:4:", cfg.display())) && err.contains("pools.p.members[0].weight"),
+        "{err}"
+    );
+    let _ = std::fs::remove_dir_all(dir);
+}
