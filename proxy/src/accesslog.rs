@@ -42,6 +42,10 @@ pub struct Entry {
     pub tries: u32,
     /// User agent.
     pub user_agent: String,
+    /// Lane.
+    pub lane: String,
+    /// Time waited for an admission slot.
+    pub queue_ms: Option<f64>,
 }
 
 enum Msg {
@@ -155,6 +159,8 @@ fn json_line(e: &Entry, out: &mut String) {
         "upstream_ms": e.upstream_time.map(|d| d.as_secs_f64() * 1000.0),
         "tries": e.tries,
         "user_agent": e.user_agent,
+        "lane": e.lane,
+        "queue_ms": e.queue_ms,
     });
     out.push_str(&v.to_string());
     out.push('\n');

@@ -29,7 +29,13 @@ pub fn check_head(
     if req.headers.len() > max_headers {
         return Some(Refusal::HeadersTooLarge);
     }
-    let mut size = req.method.as_str().len() + req.uri.to_string().len() + 12;
+    let uri_len = req
+        .uri
+        .path_and_query()
+        .map(|p| p.as_str().len())
+        .unwrap_or(1)
+        + req.uri.authority().map(|a| a.as_str().len()).unwrap_or(0);
+    let mut size = req.method.as_str().len() + uri_len + 12;
     for (k, v) in req.headers.iter() {
         size += k.as_str().len() + v.len() + 4;
     }
@@ -49,9 +55,19 @@ pub fn check_head(
     None
 }
 
+/// Whether the request may carry a body.
+pub fn has_body(req: &RequestHeader) -> bool {
+    req.headers.contains_key(http::header::TRANSFER_ENCODING)
+        || req
+            .headers
+            .get(http::header::CONTENT_LENGTH)
+            .is_some_and(|v| v.as_bytes() != b"0")
+}
+
 /// A fresh request id: 8 hex digits unique to this process start, then a
-/// 16-digit counter. Unique, sortable per process, and costs one atomic add.
-pub fn new_request_id() -> String {
+/// 16-digit counter. Unique, sortable per process, and costs one atomic add
+/// and one allocation (shared by every later copy of the header).
+pub fn new_request_id() -> http::HeaderValue {
     static PREFIX: std::sync::OnceLock<u32> = std::sync::OnceLock::new();
     static COUNTER: AtomicU64 = AtomicU64::new(1);
     let p = *PREFIX.get_or_init(|| {
@@ -61,17 +77,15 @@ pub fn new_request_id() -> String {
             .as_nanos() as u64;
         crate::upstream::lb::mix64(t ^ std::process::id() as u64) as u32
     });
-    format!("{p:08x}{:016x}", COUNTER.fetch_add(1, Ordering::Relaxed))
+    let id = format!("{p:08x}{:016x}", COUNTER.fetch_add(1, Ordering::Relaxed));
+    http::HeaderValue::from_maybe_shared(Bytes::from(id))
+        .unwrap_or(http::HeaderValue::from_static("0"))
 }
 
 /// The request id: the client's `X-Request-Id` if sane, else a new one.
-pub fn request_id(req: &RequestHeader) -> String {
-    match req
-        .headers
-        .get("x-request-id")
-        .and_then(|v| v.to_str().ok())
-    {
-        Some(v) if !v.is_empty() && v.len() <= 128 => v.to_string(),
+pub fn request_id(req: &RequestHeader) -> http::HeaderValue {
+    match req.headers.get("x-request-id") {
+        Some(v) if !v.is_empty() && v.len() <= 128 && v.to_str().is_ok() => v.clone(),
         _ => new_request_id(),
     }
 }
@@ -172,8 +186,9 @@ pub async fn respond_error(
     status: u16,
     message: &str,
     code: &str,
-    request_id: &str,
+    request_id: &http::HeaderValue,
 ) -> Result<()> {
+    let request_id = request_id.to_str().unwrap_or("");
     let kind = if status >= 500 {
         "server_error"
     } else {

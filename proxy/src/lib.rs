@@ -9,6 +9,7 @@
 
 pub mod accesslog;
 pub mod admin;
+pub mod admission;
 pub mod config;
 pub mod filters;
 pub mod metrics;

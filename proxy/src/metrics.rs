@@ -23,6 +23,11 @@ pub struct Metrics {
     pub access_log_dropped: IntCounter,
     /// Requests refused by downstream limits, by reason.
     pub rejected: IntCounterVec,
+    admitted: IntCounterVec,
+    shed: IntCounterVec,
+    queue_depth: IntGaugeVec,
+    queue_wait: HistogramVec,
+    in_use: IntGaugeVec,
 }
 
 fn must<T>(r: prometheus::Result<T>) -> T {
@@ -90,6 +95,44 @@ impl Metrics {
             ),
             &["reason"],
         ));
+        let admitted = must(IntCounterVec::new(
+            Opts::new(
+                "ultrafast_admission_admitted_total",
+                "Requests admitted by a pool's lane queue.",
+            ),
+            &["lane"],
+        ));
+        let shed = must(IntCounterVec::new(
+            Opts::new(
+                "ultrafast_admission_shed_total",
+                "Requests refused by admission, by lane and reason.",
+            ),
+            &["lane", "reason"],
+        ));
+        let queue_depth = must(IntGaugeVec::new(
+            Opts::new(
+                "ultrafast_admission_queue_depth",
+                "Requests waiting, by pool and lane.",
+            ),
+            &["pool", "lane"],
+        ));
+        let queue_wait = must(HistogramVec::new(
+            HistogramOpts::new(
+                "ultrafast_admission_queue_wait_seconds",
+                "Time admitted requests waited for a slot.",
+            )
+            .buckets(vec![
+                0.0001, 0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
+            ]),
+            &["lane"],
+        ));
+        let in_use = must(IntGaugeVec::new(
+            Opts::new(
+                "ultrafast_pool_concurrency_in_use",
+                "Admission slots in use per pool.",
+            ),
+            &["pool"],
+        ));
         let build = must(IntGaugeVec::new(
             Opts::new("ultrafast_build_info", "Build information."),
             &["version"],
@@ -104,6 +147,11 @@ impl Metrics {
             Box::new(retries.clone()),
             Box::new(access_log_dropped.clone()),
             Box::new(rejected.clone()),
+            Box::new(admitted.clone()),
+            Box::new(shed.clone()),
+            Box::new(queue_depth.clone()),
+            Box::new(queue_wait.clone()),
+            Box::new(in_use.clone()),
             Box::new(build),
         ] {
             must(registry.register(c));
@@ -118,6 +166,35 @@ impl Metrics {
             retries,
             access_log_dropped,
             rejected,
+            admitted,
+            shed,
+            queue_depth,
+            queue_wait,
+            in_use,
+        }
+    }
+
+    /// Count a refusal by admission.
+    pub fn shed(&self, lane: &str, reason: &str) {
+        self.shed.with_label_values(&[lane, reason]).inc();
+    }
+
+    /// Handles for one pool's admission gate, lanes in rank order.
+    pub fn gate(&self, pool: &str, lanes: &[String]) -> crate::admission::gate::GateMetrics {
+        crate::admission::gate::GateMetrics {
+            depth: lanes
+                .iter()
+                .map(|l| self.queue_depth.with_label_values(&[pool, l]))
+                .collect(),
+            wait: lanes
+                .iter()
+                .map(|l| self.queue_wait.with_label_values(&[l]))
+                .collect(),
+            admitted: lanes
+                .iter()
+                .map(|l| self.admitted.with_label_values(&[l]))
+                .collect(),
+            in_use: self.in_use.with_label_values(&[pool]),
         }
     }
 

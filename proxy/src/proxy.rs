@@ -5,6 +5,10 @@
 //! and keep it to the end, so a reload never changes a request midway.
 
 use crate::accesslog::{AccessLog, Entry};
+use crate::admission::gate::{Denied, Permit};
+use crate::admission::queue::Reason;
+use crate::admission::ratelimit::{KeyInput, Verdict};
+use crate::admission::{self, PRIORITY_HEADER};
 use crate::config::{Config, Shared};
 use crate::filters::{self, Refusal};
 use crate::metrics::Metrics;
@@ -38,15 +42,40 @@ impl Drop for InFlight {
     }
 }
 
+/// Members already tried by a request (at most 10 tries, never allocates).
+#[derive(Debug, Default)]
+struct Tried {
+    ids: [usize; 10],
+    n: usize,
+}
+
+impl Tried {
+    fn push(&mut self, i: usize) {
+        if self.n < self.ids.len() {
+            self.ids[self.n] = i;
+            self.n += 1;
+        }
+    }
+    fn as_slice(&self) -> &[usize] {
+        &self.ids[..self.n]
+    }
+    fn len(&self) -> usize {
+        self.n
+    }
+}
+
 /// Per-request state.
 pub struct Ctx {
     cfg: Arc<Config>,
     started: Instant,
     started_wall: SystemTime,
-    request_id: String,
+    request_id: http::HeaderValue,
     route: Option<Arc<Route>>,
+    lane: usize,
+    permit: Option<Permit>,
+    queue_wait: Option<Duration>,
     hash: u64,
-    tried: Vec<usize>,
+    tried: Tried,
     member: Option<usize>,
     outstanding: Option<Outstanding>,
     upstream_start: Option<Instant>,
@@ -110,6 +139,125 @@ impl EdgeProxy {
     }
 }
 
+impl EdgeProxy {
+    async fn bad_request(
+        &self,
+        session: &mut Session,
+        ctx: &Ctx,
+        why: &str,
+        code: &str,
+    ) -> Result<bool> {
+        self.metrics.rejected.with_label_values(&[code]).inc();
+        filters::respond_error(session, 400, why, code, &ctx.request_id).await?;
+        Ok(true)
+    }
+
+    async fn shed(
+        &self,
+        session: &mut Session,
+        ctx: &Ctx,
+        reason: Reason,
+        retry_after: Duration,
+    ) -> Result<bool> {
+        let lane = ctx
+            .cfg
+            .lanes
+            .get(ctx.lane)
+            .map(|l| l.name.as_str())
+            .unwrap_or("");
+        self.metrics.shed(lane, reason.as_str());
+        let (status, headers, body) = admission::refusal(reason, retry_after);
+        let mut extra: Vec<(&str, &str)> = headers.iter().map(|(k, v)| (*k, v.as_str())).collect();
+        let rid = ctx.request_id.clone();
+        extra.push(("x-request-id", rid.to_str().unwrap_or("")));
+        filters::respond(session, status, "application/json", body, &extra).await?;
+        Ok(true)
+    }
+
+    /// Lane, rate limits and the pool's queue. Ok(true) means a response
+    /// was sent (refused); Ok(false) means go on (holding a slot if any).
+    async fn admit(
+        &self,
+        session: &mut Session,
+        ctx: &mut Ctx,
+        route: &Arc<Route>,
+    ) -> Result<bool> {
+        let header = session
+            .req_header()
+            .headers
+            .get(PRIORITY_HEADER)
+            .map(|v| v.as_bytes());
+        ctx.lane = match admission::select_lane(&ctx.cfg.lanes, header, route.lane) {
+            Ok(l) => l,
+            Err(why) => {
+                return self
+                    .bad_request(session, ctx, &why, "invalid_priority")
+                    .await
+            }
+        };
+        let pool = match &route.action {
+            Action::Proxy(p) => Some(p.clone()),
+            _ => None,
+        };
+        if !route.limiters.is_empty() {
+            let input = KeyInput {
+                client_ip: session
+                    .client_addr()
+                    .and_then(|a| a.as_inet())
+                    .map(|a| a.ip()),
+                headers: &session.req_header().headers,
+                route: &route.name,
+                pool: pool.as_ref().map(|p| p.name.as_str()),
+            };
+            for l in &route.limiters {
+                match l.check(&input) {
+                    Verdict::Allow => {}
+                    Verdict::Limited(wait) => {
+                        return self.shed(session, ctx, Reason::RateLimit, wait).await
+                    }
+                    Verdict::BadKey(why) => {
+                        return self.bad_request(session, ctx, why, "invalid_api_key").await
+                    }
+                }
+            }
+        }
+        let Some(gate) = pool.and_then(|p| p.gate.clone()) else {
+            return Ok(false);
+        };
+        let watch_disconnect = !filters::has_body(session.req_header());
+        let lane = ctx.lane;
+        let outcome = {
+            // Without a body to read, an idle read only returns when the
+            // client closes: that is how a queued request notices it.
+            let gone = async {
+                if watch_disconnect {
+                    while let Ok(Some(_)) = session.read_body_or_idle(true).await {}
+                } else {
+                    std::future::pending::<()>().await;
+                }
+            };
+            gate.acquire(lane, None, gone).await
+        };
+        match outcome {
+            Ok((permit, waited)) => {
+                ctx.permit = Some(permit);
+                ctx.queue_wait = Some(waited);
+                Ok(false)
+            }
+            Err(Denied::Shed(reason, retry_after)) => {
+                self.shed(session, ctx, reason, retry_after).await
+            }
+            Err(Denied::Gone) => {
+                self.metrics
+                    .rejected
+                    .with_label_values(&["client_gone"])
+                    .inc();
+                Err(Error::new_down(ErrorType::ConnectionClosed))
+            }
+        }
+    }
+}
+
 fn is_idempotent(m: &http::Method) -> bool {
     matches!(
         *m,
@@ -150,11 +298,18 @@ impl ProxyHttp for EdgeProxy {
         Ctx {
             cfg: self.config.load_full(),
             started: Instant::now(),
-            started_wall: SystemTime::now(),
-            request_id: String::new(),
+            started_wall: if self.log.enabled() {
+                SystemTime::now()
+            } else {
+                SystemTime::UNIX_EPOCH
+            },
+            request_id: http::HeaderValue::from_static(""),
             route: None,
+            lane: 0,
+            permit: None,
+            queue_wait: None,
             hash: 0,
-            tried: Vec::new(),
+            tried: Tried::default(),
             member: None,
             outstanding: None,
             upstream_start: None,
@@ -167,6 +322,7 @@ impl ProxyHttp for EdgeProxy {
 
     async fn request_filter(&self, session: &mut Session, ctx: &mut Ctx) -> Result<bool> {
         ctx.request_id = filters::request_id(session.req_header());
+        let rid = ctx.request_id.clone();
         let limits = &ctx.cfg.limits;
         session.set_keepalive(Some(limits.keepalive_timeout_s));
         let refusal = filters::check_head(
@@ -182,7 +338,7 @@ impl ProxyHttp for EdgeProxy {
             };
             self.metrics.rejected.with_label_values(&[code]).inc();
             session.set_keepalive(None);
-            filters::respond_error(session, status, msg, code, &ctx.request_id).await?;
+            filters::respond_error(session, status, msg, code, &rid).await?;
             return Ok(true);
         }
         let req = session.req_header();
@@ -199,19 +355,24 @@ impl ProxyHttp for EdgeProxy {
                 404,
                 "no route matches this request",
                 "no_route",
-                &ctx.request_id,
+                &rid,
             )
             .await?;
             return Ok(true);
         };
         ctx.route = Some(route.clone());
+        if self.admit(session, ctx, &route).await? {
+            return Ok(true);
+        }
         match &route.action {
             Action::Proxy(pool) => {
                 pool.record_request();
                 if let Some(key) = pool.balancer.hash_key() {
                     ctx.hash = filters::hash_key(session, key);
                 }
-                session.enable_retry_buffering();
+                if filters::has_body(session.req_header()) {
+                    session.enable_retry_buffering();
+                }
                 Ok(false)
             }
             Action::Fixed {
@@ -224,7 +385,7 @@ impl ProxyHttp for EdgeProxy {
                     *status,
                     content_type,
                     body.clone(),
-                    &[("x-request-id", &ctx.request_id)],
+                    &[("x-request-id", rid.to_str().unwrap_or(""))],
                 )
                 .await?;
                 Ok(true)
@@ -242,7 +403,10 @@ impl ProxyHttp for EdgeProxy {
                     *status,
                     "text/plain",
                     Bytes::new(),
-                    &[("location", &loc), ("x-request-id", &ctx.request_id)],
+                    &[
+                        ("location", &loc),
+                        ("x-request-id", rid.to_str().unwrap_or("")),
+                    ],
                 )
                 .await?;
                 Ok(true)
@@ -275,7 +439,7 @@ impl ProxyHttp for EdgeProxy {
         let Some(pool) = ctx.pool().cloned() else {
             return Error::e_explain(ErrorType::InternalError, "route has no pool");
         };
-        let Some(idx) = pool.select(ctx.hash, &ctx.tried) else {
+        let Some(idx) = pool.select(ctx.hash, ctx.tried.as_slice()) else {
             return Error::e_explain(ErrorType::HTTPStatus(502), "no upstream member available");
         };
         ctx.tried.push(idx);
@@ -372,7 +536,7 @@ impl ProxyHttp for EdgeProxy {
         {
             req.insert_header(http::header::CONNECTION, "close")?;
         }
-        req.insert_header("x-request-id", ctx.request_id.as_str())?;
+        req.insert_header("x-request-id", ctx.request_id.clone())?;
         match &route.upstream_host {
             UpstreamHost::Passthrough => {}
             UpstreamHost::Member => {
@@ -411,7 +575,7 @@ impl ProxyHttp for EdgeProxy {
         resp: &mut ResponseHeader,
         ctx: &mut Ctx,
     ) -> Result<()> {
-        resp.insert_header("x-request-id", ctx.request_id.as_str())?;
+        resp.insert_header("x-request-id", ctx.request_id.clone())?;
         if let Some(route) = &ctx.route {
             if !route.response_headers.is_empty() {
                 filters::apply_response_ops(&route.response_headers, resp)?;
@@ -434,7 +598,8 @@ impl ProxyHttp for EdgeProxy {
             if ctx.request_id.is_empty() {
                 ctx.request_id = filters::new_request_id();
             }
-            let _ = filters::respond_error(session, code, msg, kind, &ctx.request_id).await;
+            let rid = ctx.request_id.clone();
+            let _ = filters::respond_error(session, code, msg, kind, &rid).await;
         }
         FailToProxy {
             error_code: code,
@@ -451,6 +616,7 @@ impl ProxyHttp for EdgeProxy {
             route.metrics.observe(status);
         }
         ctx.outstanding = None;
+        ctx.permit = None;
         if !self.log.enabled() {
             return;
         }
@@ -461,7 +627,14 @@ impl ProxyHttp for EdgeProxy {
         };
         self.log.log(Entry {
             time: ctx.started_wall,
-            request_id: std::mem::take(&mut ctx.request_id),
+            request_id: ctx.request_id.to_str().unwrap_or("").to_string(),
+            lane: ctx
+                .cfg
+                .lanes
+                .get(ctx.lane)
+                .map(|l| l.name.clone())
+                .unwrap_or_default(),
+            queue_ms: ctx.queue_wait.map(|d| d.as_secs_f64() * 1000.0),
             client: session
                 .client_addr()
                 .and_then(|a| a.as_inet())

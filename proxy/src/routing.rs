@@ -98,6 +98,10 @@ pub struct Route {
     pub upstream_host: UpstreamHost,
     /// Pre-resolved counters.
     pub metrics: RouteMetrics,
+    /// Default lane (index in rank order).
+    pub lane: usize,
+    /// Rate limits checked for every request.
+    pub limiters: Vec<Arc<crate::admission::ratelimit::Limiter>>,
 }
 
 #[derive(Debug, Default)]
@@ -269,6 +273,8 @@ mod tests {
             response_headers: HeaderOps::default(),
             upstream_host: UpstreamHost::Passthrough,
             metrics: Metrics::new().route(name, "none"),
+            lane: 0,
+            limiters: Vec::new(),
         })
     }
 

@@ -26,6 +26,70 @@ pub struct FileConfig {
     pub routes: Vec<RouteSection>,
     /// Upstream pools by name.
     pub pools: BTreeMap<String, PoolSection>,
+    /// Priority lanes by name (default: ultra, standard, batch).
+    pub lanes: BTreeMap<String, LaneSection>,
+    /// Named rate limits, referenced by routes.
+    pub rate_limits: BTreeMap<String, RateLimitSection>,
+}
+
+/// `[lanes.NAME]`: a priority lane.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct LaneSection {
+    /// Lower ranks are served first.
+    pub rank: u32,
+    /// Most requests waiting in this lane, per pool.
+    pub queue_len: usize,
+    /// Longest wait in ms; a request that cannot be served in time is refused at once.
+    pub max_wait_ms: u64,
+    /// Fraction of each pool's concurrency reserved for this lane.
+    pub reserved_share: f64,
+    /// May evict queued lower-lane requests when a pool's queue is full.
+    pub preempt: bool,
+    /// Fraction of `queue_len` above which requests are shed with rising probability.
+    pub high_watermark: f64,
+    /// Shortest-work-first weight: microseconds of queue position per unit of work.
+    pub sjf_us_per_unit: u64,
+}
+
+impl Default for LaneSection {
+    fn default() -> Self {
+        Self {
+            rank: 1,
+            queue_len: 1024,
+            max_wait_ms: 10_000,
+            reserved_share: 0.0,
+            preempt: false,
+            high_watermark: 1.0,
+            sjf_us_per_unit: 0,
+        }
+    }
+}
+
+/// `[rate_limits.NAME]`: a GCRA rate limit.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct RateLimitSection {
+    /// `client_ip`, `api_key` (Authorization: Bearer), `api_key:HEADER`,
+    /// `header:NAME`, `route` or `pool`.
+    pub key: String,
+    /// Sustained requests per second.
+    pub rate_per_s: f64,
+    /// Requests allowed at once above the sustained rate.
+    pub burst: u32,
+    /// Most keys tracked; idle keys are evicted first.
+    pub max_keys: usize,
+}
+
+impl Default for RateLimitSection {
+    fn default() -> Self {
+        Self {
+            key: "client_ip".into(),
+            rate_per_s: 10.0,
+            burst: 20,
+            max_keys: 100_000,
+        }
+    }
 }
 
 /// `[server]`: process-wide settings.
@@ -159,6 +223,10 @@ pub struct RouteSection {
     /// `passthrough` (default: the client's Host), `upstream` (the member's
     /// address) or any other value, sent as the Host.
     pub upstream_host: String,
+    /// Lane of requests without `X-Request-Priority` (default `standard`).
+    pub lane: String,
+    /// Names of `[rate_limits.*]` applied to this route.
+    pub rate_limits: Vec<String>,
 }
 
 /// `return = { status, body }`.
@@ -234,6 +302,10 @@ pub struct PoolSection {
     pub passive: PassiveSection,
     /// Retries.
     pub retry: RetrySection,
+    /// Requests in flight to this pool at most; more wait in lane queues (0 = no limit, no queue).
+    pub max_concurrency: usize,
+    /// Requests waiting in all lanes together (0 = the sum of the lanes' queue_len).
+    pub max_queued: usize,
 }
 
 impl Default for PoolSection {
@@ -251,6 +323,8 @@ impl Default for PoolSection {
             health_check: None,
             passive: PassiveSection::default(),
             retry: RetrySection::default(),
+            max_concurrency: 0,
+            max_queued: 0,
         }
     }
 }

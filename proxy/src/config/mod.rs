@@ -130,6 +130,8 @@ pub struct Config {
     pub router: Router,
     /// Pools by name.
     pub pools: BTreeMap<String, Arc<Pool>>,
+    /// Priority lanes in rank order.
+    pub lanes: Vec<crate::admission::queue::LaneSpec>,
 }
 
 fn file_error(path: &Path, message: String) -> Vec<ConfigError> {

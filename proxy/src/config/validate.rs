@@ -6,6 +6,9 @@
 use super::file::{FileConfig, HeaderRules, PoolSection, RouteSection};
 use super::locate::{locate, FieldPath};
 use super::*;
+use crate::admission::gate::Gate;
+use crate::admission::queue::LaneSpec;
+use crate::admission::ratelimit::{KeySource, Limiter};
 use crate::routing::{Action, HeaderOps, PathMatch, Route, UpstreamHost};
 use crate::upstream::budget::RetryBudget;
 use crate::upstream::lb::{Balancer, HashKey};
@@ -39,14 +42,16 @@ pub(super) fn validate(
     let (log_target, log_format) = log(f, &mut errs);
     let limits = limits(f, &mut errs);
     let listeners = listeners(f, &mut errs);
+    let lanes = lanes(f, &mut errs);
+    let limiters = rate_limits(f, &mut errs);
     let mut pools = BTreeMap::new();
     for (name, p) in &f.pools {
         let at = FieldPath::key("pools").k(name);
-        if let Some(pool) = pool(name, p, &at, metrics, &mut errs) {
+        if let Some(pool) = pool(name, p, &at, &lanes, metrics, &mut errs) {
             pools.insert(name.clone(), Arc::new(pool));
         }
     }
-    let router = routes(f, &pools, metrics, &mut errs);
+    let router = routes(f, &pools, &lanes, &limiters, metrics, &mut errs);
     if !errs.0.is_empty() {
         let file = path.display().to_string();
         return Err(errs
@@ -74,7 +79,102 @@ pub(super) fn validate(
         listeners,
         router,
         pools,
+        lanes,
     })
+}
+
+fn lanes(f: &FileConfig, errs: &mut Errors) -> Vec<LaneSpec> {
+    if f.lanes.is_empty() {
+        return crate::admission::default_lanes();
+    }
+    let mut out = Vec::new();
+    for (name, l) in &f.lanes {
+        let at = FieldPath::key("lanes").k(name);
+        if l.queue_len == 0 {
+            errs.push(at.k("queue_len"), "must be at least 1");
+        }
+        if l.max_wait_ms == 0 {
+            errs.push(at.k("max_wait_ms"), "must be > 0");
+        }
+        if !(0.0..=1.0).contains(&l.reserved_share) {
+            errs.push(at.k("reserved_share"), "must be between 0.0 and 1.0");
+        }
+        if !(0.0..=1.0).contains(&l.high_watermark) {
+            errs.push(at.k("high_watermark"), "must be between 0.0 and 1.0");
+        }
+        if f.lanes.iter().any(|(n, o)| n < name && o.rank == l.rank) {
+            errs.push(
+                at.k("rank"),
+                format!("rank {} is used by another lane", l.rank),
+            );
+        }
+        out.push(LaneSpec {
+            name: name.clone(),
+            rank: l.rank,
+            queue_len: l.queue_len.max(1),
+            max_wait: Duration::from_millis(l.max_wait_ms.max(1)),
+            reserved_share: l.reserved_share.clamp(0.0, 1.0),
+            preempt: l.preempt,
+            high_watermark: l.high_watermark.clamp(0.0, 1.0),
+            sjf_us_per_unit: l.sjf_us_per_unit,
+        });
+    }
+    let reserved: f64 = out.iter().map(|l| l.reserved_share).sum();
+    if reserved > 1.0 {
+        errs.push(
+            FieldPath::key("lanes"),
+            "reserved_share of all lanes adds up to more than 1.0",
+        );
+    }
+    out.sort_by_key(|l| l.rank);
+    out
+}
+
+fn rate_limits(f: &FileConfig, errs: &mut Errors) -> BTreeMap<String, Arc<Limiter>> {
+    let mut out = BTreeMap::new();
+    for (name, r) in &f.rate_limits {
+        let at = FieldPath::key("rate_limits").k(name);
+        let source = match r.key.as_str() {
+            "client_ip" => Some(KeySource::ClientIp),
+            "api_key" => Some(KeySource::ApiKey(None)),
+            "route" => Some(KeySource::Route),
+            "pool" => Some(KeySource::Pool),
+            k => match k.split_once(':') {
+                Some(("api_key", h)) => HeaderName::from_bytes(h.as_bytes())
+                    .ok()
+                    .map(|h| KeySource::ApiKey(Some(h))),
+                Some(("header", h)) => HeaderName::from_bytes(h.as_bytes())
+                    .ok()
+                    .map(KeySource::Header),
+                _ => None,
+            },
+        };
+        let Some(source) = source else {
+            errs.push(
+                at.k("key"),
+                format!(
+                    "`{}` is not client_ip, api_key, api_key:HEADER, header:NAME, route or pool",
+                    r.key
+                ),
+            );
+            continue;
+        };
+        if !(r.rate_per_s > 0.0 && r.rate_per_s <= 1e9) {
+            errs.push(at.k("rate_per_s"), "must be > 0");
+            continue;
+        }
+        if r.burst == 0 {
+            errs.push(at.k("burst"), "must be at least 1");
+            continue;
+        }
+        match Limiter::new(name, source, r.rate_per_s, r.burst, r.max_keys) {
+            Some(l) => {
+                out.insert(name.clone(), Arc::new(l));
+            }
+            None => errs.push(at.clone(), "invalid rate limit"),
+        }
+    }
+    out
 }
 
 fn server(f: &FileConfig, path: &Path, errs: &mut Errors) -> ServerSettings {
@@ -227,6 +327,7 @@ fn pool(
     name: &str,
     p: &PoolSection,
     at: &FieldPath,
+    lanes: &[LaneSpec],
     metrics: &Metrics,
     errs: &mut Errors,
 ) -> Option<Pool> {
@@ -326,6 +427,19 @@ fn pool(
         return None;
     }
     let labels: Vec<String> = members.iter().map(|m| m.label.clone()).collect();
+    let gate = (p.max_concurrency > 0).then(|| {
+        let names: Vec<String> = lanes.iter().map(|l| l.name.clone()).collect();
+        let max_queued = match p.max_queued {
+            0 => lanes.iter().map(|l| l.queue_len).sum(),
+            n => n,
+        };
+        Arc::new(Gate::new(
+            lanes.to_vec(),
+            p.max_concurrency,
+            max_queued,
+            metrics.gate(name, &names),
+        ))
+    });
     Some(Pool {
         name: name.to_string(),
         members,
@@ -345,6 +459,7 @@ fn pool(
         budget: RetryBudget::new(p.retry.budget_ratio, p.retry.budget_min_per_s),
         metrics: metrics.pool(name, &labels),
         health_due_ms: AtomicU64::new(0),
+        gate,
     })
 }
 
@@ -496,6 +611,8 @@ fn action(
 fn routes(
     f: &FileConfig,
     pools: &BTreeMap<String, Arc<Pool>>,
+    lanes: &[LaneSpec],
+    limiters: &BTreeMap<String, Arc<Limiter>>,
     metrics: &Metrics,
     errs: &mut Errors,
 ) -> Router {
@@ -536,6 +653,29 @@ fn routes(
                 }
             },
         };
+        let lane_name = if r.lane.is_empty() {
+            "standard"
+        } else {
+            r.lane.as_str()
+        };
+        let lane = lanes
+            .iter()
+            .position(|l| l.name == lane_name)
+            .unwrap_or_else(|| {
+                errs.push(at.k("lane"), format!("unknown lane `{lane_name}`"));
+                0
+            });
+        let mut route_limiters = Vec::new();
+        for (j, name) in r.rate_limits.iter().enumerate() {
+            match limiters.get(name) {
+                Some(l) => route_limiters.push(l.clone()),
+                None if f.rate_limits.contains_key(name) => {}
+                None => errs.push(
+                    at.k("rate_limits").i(j),
+                    format!("unknown rate limit `{name}`"),
+                ),
+            }
+        }
         let Some((action, pool_name)) = action(r, &at, pools, &file_pools, errs) else {
             continue;
         };
@@ -547,6 +687,8 @@ fn routes(
             request_headers,
             response_headers,
             upstream_host,
+            lane,
+            limiters: route_limiters,
         };
         out.push((Arc::new(route), r.hosts.clone()));
     }

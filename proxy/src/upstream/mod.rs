@@ -17,6 +17,7 @@ use lb::Balancer;
 use pingora::upstreams::peer::HttpPeer;
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 /// Health-check settings of a pool.
@@ -124,6 +125,8 @@ pub struct Pool {
     pub metrics: PoolMetrics,
     /// Next due time of the health check, ms on the process clock.
     pub(crate) health_due_ms: AtomicU64,
+    /// Admission gate (concurrency limit with lane queues), if configured.
+    pub gate: Option<Arc<crate::admission::gate::Gate>>,
 }
 
 /// Milliseconds on a process-wide monotonic clock.
@@ -194,13 +197,13 @@ impl Pool {
 /// so every exit path (error, retry, client gone) releases it exactly once.
 #[derive(Debug)]
 pub struct Outstanding {
-    pool: std::sync::Arc<Pool>,
+    pool: Arc<Pool>,
     idx: usize,
 }
 
 impl Outstanding {
     /// Take one unit of member `idx`'s outstanding count.
-    pub fn acquire(pool: std::sync::Arc<Pool>, idx: usize) -> Self {
+    pub fn acquire(pool: Arc<Pool>, idx: usize) -> Self {
         pool.members[idx]
             .outstanding
             .fetch_add(1, Ordering::Relaxed);

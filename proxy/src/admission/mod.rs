@@ -1,0 +1,132 @@
+//! Admission control: who goes first, who waits (and how long at most), and
+//! who is told at once to come back later.
+//!
+//! Order of checks on a request: lane selection (`X-Request-Priority`, else
+//! the route's default; unknown is a 400), the route's rate limits (429 with
+//! a `Retry-After` computed from the limiter), then, for pools with a
+//! concurrency limit, the pool's lane queue (`gate`, over the pure
+//! `queue` data structure): a slot at once, a bounded wait, or an immediate
+//! 503 when the wait could not end in time. Refusals carry `Retry-After`,
+//! `x-ultrafast-shed: <reason>` and an OpenAI-style JSON body with
+//! `retry_after_ms`.
+
+pub mod gate;
+pub mod queue;
+pub mod ratelimit;
+
+use bytes::Bytes;
+use queue::{LaneSpec, Reason};
+use std::time::Duration;
+
+/// The header that selects a lane.
+pub const PRIORITY_HEADER: &str = "x-request-priority";
+
+/// The lane index for a request: the header's lane, else `default`.
+pub fn select_lane(
+    lanes: &[LaneSpec],
+    header: Option<&[u8]>,
+    default: usize,
+) -> Result<usize, String> {
+    let Some(v) = header else { return Ok(default) };
+    let name = std::str::from_utf8(v).map_err(|_| "X-Request-Priority is not text".to_string())?;
+    let name = name.trim();
+    lanes
+        .iter()
+        .position(|l| l.name.eq_ignore_ascii_case(name))
+        .ok_or_else(|| {
+            let known: Vec<&str> = lanes.iter().map(|l| l.name.as_str()).collect();
+            let shown: String = name.chars().take(64).collect();
+            format!(
+                "unknown priority lane `{shown}` (known: {})",
+                known.join(", ")
+            )
+        })
+}
+
+/// Status, headers and body of a refusal.
+pub fn refusal(reason: Reason, retry_after: Duration) -> (u16, Vec<(&'static str, String)>, Bytes) {
+    let status = if reason == Reason::RateLimit {
+        429
+    } else {
+        503
+    };
+    let ms = retry_after.as_millis().max(1) as u64;
+    let secs = ms.div_ceil(1000).max(1);
+    let (message, kind) = match reason {
+        Reason::RateLimit => ("rate limit exceeded for this client", "rate_limit_exceeded"),
+        Reason::QueueFull => ("server is saturated: queue is full", "server_overloaded"),
+        Reason::MaxWait => (
+            "server is saturated: request could not be served within its lane's max wait",
+            "server_overloaded",
+        ),
+        Reason::Watermark => (
+            "server is saturated: request shed early",
+            "server_overloaded",
+        ),
+        Reason::Preempted => (
+            "request was displaced by higher-priority work",
+            "server_overloaded",
+        ),
+    };
+    let body = serde_json::json!({
+        "error": {"message": message, "type": kind, "param": null, "code": reason.as_str()},
+        "retry_after_ms": ms,
+    });
+    (
+        status,
+        vec![
+            ("retry-after", secs.to_string()),
+            ("x-ultrafast-shed", reason.as_str().to_string()),
+        ],
+        Bytes::from(body.to_string()),
+    )
+}
+
+/// Lanes used when the config defines none.
+pub fn default_lanes() -> Vec<LaneSpec> {
+    let lane =
+        |name: &str, rank, queue_len, max_wait_ms, reserved_share, preempt, high_watermark| {
+            LaneSpec {
+                name: name.into(),
+                rank,
+                queue_len,
+                max_wait: Duration::from_millis(max_wait_ms),
+                reserved_share,
+                preempt,
+                high_watermark,
+                sjf_us_per_unit: 0,
+            }
+        };
+    vec![
+        lane("ultra", 0, 256, 500, 0.2, true, 1.0),
+        lane("standard", 1, 1024, 10_000, 0.0, false, 0.9),
+        lane("batch", 2, 4096, 60_000, 0.0, false, 0.9),
+    ]
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn lane_selection() {
+        let lanes = default_lanes();
+        assert_eq!(select_lane(&lanes, None, 1), Ok(1));
+        assert_eq!(select_lane(&lanes, Some(b"Ultra"), 1), Ok(0));
+        assert!(select_lane(&lanes, Some(b"urgent"), 1)
+            .unwrap_err()
+            .contains("unknown priority lane"));
+        assert!(select_lane(&lanes, Some(&[0xff, 0xfe]), 1).is_err());
+    }
+
+    #[test]
+    fn refusal_shape() {
+        let (status, headers, body) = refusal(Reason::RateLimit, Duration::from_millis(1500));
+        assert_eq!(status, 429);
+        assert!(headers.contains(&("retry-after", "2".into())));
+        let v: serde_json::Value = serde_json::from_slice(&body).unwrap();
+        assert_eq!(v["retry_after_ms"], 1500);
+        assert_eq!(v["error"]["code"], "rate_limit");
+        assert_eq!(refusal(Reason::MaxWait, Duration::ZERO).0, 503);
+    }
+}
