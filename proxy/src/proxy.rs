@@ -584,6 +584,16 @@ impl ProxyHttp for EdgeProxy {
         Ok(())
     }
 
+    fn suppress_error_log(&self, _session: &Session, _ctx: &Ctx, e: &Error) -> bool {
+        // A client that hangs up is routine at an edge (nginx logs it at
+        // info); it is counted in the access log with status 0.
+        e.esource() == &ErrorSource::Downstream
+            && matches!(
+                e.etype(),
+                ErrorType::ConnectionClosed | ErrorType::ReadError | ErrorType::WriteError
+            )
+    }
+
     async fn fail_to_proxy(&self, session: &mut Session, e: &Error, ctx: &mut Ctx) -> FailToProxy {
         let code = status_for(e);
         ctx.error_status = code;

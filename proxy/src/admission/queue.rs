@@ -303,7 +303,7 @@ impl<T> LaneQueue<T> {
 mod tests {
     use super::*;
 
-    pub(crate) fn lanes() -> Vec<LaneSpec> {
+    pub(super) fn lanes() -> Vec<LaneSpec> {
         let l = |name: &str, rank, queue_len, reserved_share, preempt| LaneSpec {
             name: name.into(),
             rank,
@@ -395,5 +395,105 @@ mod tests {
             }
         );
         assert!(q.cancel(7).is_none());
+    }
+}
+
+#[cfg(test)]
+mod props {
+    use super::tests::lanes;
+    use super::*;
+    use proptest::prelude::*;
+    use std::collections::{BTreeMap as Map, HashSet};
+
+    #[derive(Debug, Clone)]
+    enum Op {
+        Arrive { ultra: bool, work: u64, draw: f64 },
+        Complete(usize),
+        Cancel(usize),
+        Tick(u64),
+    }
+
+    fn op() -> impl Strategy<Value = Op> {
+        prop_oneof![
+            4 => (any::<bool>(), 0u64..5000, 0.0f64..1.0).prop_map(|(ultra, work, draw)| Op::Arrive { ultra, work, draw }),
+            3 => (0usize..64).prop_map(Op::Complete),
+            1 => (0usize..64).prop_map(Op::Cancel),
+            1 => (1u64..1_000_000).prop_map(Op::Tick),
+        ]
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig { cases: 300, ..ProptestConfig::default() })]
+
+        /// Under any interleaving: nothing lost, nothing served twice, bounds
+        /// hold, and grants follow lane priority then key order.
+        #[test]
+        fn queue_invariants(ops in proptest::collection::vec(op(), 1..200), capacity in 1usize..6, max_queued in 1usize..10) {
+            let mut ls = lanes();
+            ls[0].high_watermark = 0.75;
+            let mut q: LaneQueue<()> = LaneQueue::new(ls, capacity, max_queued);
+            let lane_ids = [q.lane("ultra").unwrap(), q.lane("standard").unwrap()];
+            let mut now = 0u64;
+            let mut next = 0u64;
+            let mut in_flight: Map<u64, usize> = Map::new();
+            let mut waiting: Map<u64, (usize, u64)> = Map::new();
+            let mut done: HashSet<u64> = HashSet::new();
+            let check_grants = |granted: Vec<(u64, ())>, waiting: &mut Map<u64, (usize, u64)>, in_flight: &mut Map<u64, usize>| -> Result<(), TestCaseError> {
+                for (id, ()) in granted {
+                    let (lane, key) = waiting.remove(&id).ok_or_else(|| TestCaseError::fail("granted a request that was not waiting"))?;
+                    for (_, (l, k)) in waiting.iter() {
+                        prop_assert!(*l >= lane, "a higher lane was still waiting");
+                        if *l == lane { prop_assert!(*k >= key, "lane order broken"); }
+                    }
+                    prop_assert!(in_flight.insert(id, lane).is_none());
+                }
+                Ok(())
+            };
+            for op in ops {
+                match op {
+                    Op::Arrive { ultra, work, draw } => {
+                        let lane = lane_ids[ultra as usize];
+                        let id = next; next += 1;
+                        let key = now + work * q.lanes()[lane].sjf_us_per_unit;
+                        match q.offer(id, lane, Some(work), now, draw, None, ()) {
+                            Offer::Granted => { in_flight.insert(id, lane); }
+                            Offer::Queued { .. } => { waiting.insert(id, (lane, key)); }
+                            Offer::QueuedEvicting { evicted, .. } => {
+                                let (el, _) = waiting.remove(&evicted).ok_or_else(|| TestCaseError::fail("evicted a non-waiter"))?;
+                                prop_assert!(el > lane, "evicted an equal or higher lane");
+                                waiting.insert(id, (lane, key));
+                            }
+                            Offer::Refused(_) => {}
+                        }
+                    }
+                    Op::Complete(k) => {
+                        if let Some((&id, &lane)) = in_flight.iter().nth(k % in_flight.len().max(1)) {
+                            in_flight.remove(&id);
+                            prop_assert!(done.insert(id), "served twice");
+                            let g = q.release(lane);
+                            check_grants(g, &mut waiting, &mut in_flight)?;
+                        }
+                    }
+                    Op::Cancel(k) => {
+                        if let Some(&id) = waiting.keys().nth(k % waiting.len().max(1)) {
+                            prop_assert!(q.cancel(id).is_some());
+                            waiting.remove(&id);
+                        }
+                    }
+                    Op::Tick(d) => now += d,
+                }
+                prop_assert_eq!(q.in_use(), in_flight.len());
+                prop_assert!(q.in_use() <= capacity);
+                prop_assert_eq!(q.queued(), waiting.len());
+                prop_assert!(q.queued() <= max_queued);
+                for (l, spec) in q.lanes().iter().enumerate() {
+                    prop_assert!(q.depth(l) <= spec.queue_len);
+                }
+                // Nobody waits while their lane could take a free slot.
+                if !waiting.is_empty() {
+                    prop_assert!(q.grant().is_empty(), "a waiter could have been served");
+                }
+            }
+        }
     }
 }

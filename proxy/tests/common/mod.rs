@@ -44,6 +44,7 @@ pub struct OriginState {
     pub health_status: AtomicU16,
     pub fault: Mutex<Option<Fault>>,
     pub last_headers: Mutex<BTreeMap<String, String>>,
+    pub order: Mutex<Vec<String>>,
     pub stop: AtomicBool,
 }
 
@@ -88,6 +89,11 @@ impl Origin {
 
     pub fn connections(&self) -> u64 {
         self.state.connections.load(Ordering::SeqCst)
+    }
+
+    /// Paths in the order the origin received them.
+    pub fn order(&self) -> Vec<String> {
+        self.state.order.lock().unwrap().clone()
     }
 
     pub fn set_fault(&self, f: Fault) {
@@ -207,6 +213,7 @@ fn serve_conn(conn: TcpStream, st: Arc<OriginState>, name: String) {
             continue;
         }
         st.requests.fetch_add(1, Ordering::SeqCst);
+        st.order.lock().unwrap().push(path.clone());
         *st.last_headers.lock().unwrap() = headers.clone();
         let fault = st.fault.lock().unwrap().unwrap_or(Fault::None);
         if fault == Fault::ResetAfterRequest {
