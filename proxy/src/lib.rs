@@ -10,10 +10,12 @@
 pub mod accesslog;
 pub mod admin;
 pub mod admission;
+pub mod cli;
 pub mod config;
 pub mod filters;
 pub mod metrics;
 pub mod proxy;
+pub mod reload;
 pub mod routing;
 pub mod server;
 pub mod upstream;

@@ -28,6 +28,13 @@ enum Cmd {
         #[arg(short, long)]
         upgrade: bool,
     },
+    /// Reload the running instance's configuration (through its admin
+    /// listener, else SIGHUP to the pid in its pid file).
+    Reload {
+        /// Configuration file of the running instance.
+        #[arg(short, long, default_value = "conf/ultrafast.toml")]
+        config: PathBuf,
+    },
     /// Validate a configuration file and print every problem (like `nginx -t`).
     Check {
         /// Configuration file.
@@ -49,6 +56,16 @@ fn main() -> ExitCode {
                 }
             }
         }
+        Cmd::Reload { config } => match ultrafast::cli::reload(&config) {
+            Ok(msg) => {
+                println!("{msg}");
+                ExitCode::SUCCESS
+            }
+            Err(msg) => {
+                eprintln!("{msg}");
+                ExitCode::FAILURE
+            }
+        },
         Cmd::Check { config } => {
             let metrics = ultrafast::metrics::Metrics::new();
             match ultrafast::config::load(&config, &metrics) {

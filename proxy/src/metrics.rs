@@ -28,6 +28,19 @@ pub struct Metrics {
     queue_depth: IntGaugeVec,
     queue_wait: HistogramVec,
     in_use: IntGaugeVec,
+    pool_members: IntGaugeVec,
+    /// Config reloads by result.
+    pub reloads: IntCounterVec,
+    /// Active config hash (label) = 1.
+    pub config_info: IntGaugeVec,
+    /// When the active config was loaded (unix seconds).
+    pub config_loaded: prometheus::Gauge,
+    /// DNS queries by result.
+    pub dns_queries: IntCounterVec,
+    /// Age of the answer in use, by pool and name.
+    pub dns_answer_age: prometheus::GaugeVec,
+    /// 1 while a stale answer is served, by pool and name.
+    pub dns_stale: IntGaugeVec,
 }
 
 fn must<T>(r: prometheus::Result<T>) -> T {
@@ -133,6 +146,49 @@ impl Metrics {
             ),
             &["pool"],
         ));
+        let pool_members = must(IntGaugeVec::new(
+            Opts::new("ultrafast_pool_members", "Member addresses in each pool."),
+            &["pool"],
+        ));
+        let reloads = must(IntCounterVec::new(
+            Opts::new(
+                "ultrafast_config_reloads_total",
+                "Config reloads by result.",
+            ),
+            &["result"],
+        ));
+        let config_info = must(IntGaugeVec::new(
+            Opts::new(
+                "ultrafast_config_info",
+                "The active config: its hash is the label.",
+            ),
+            &["hash"],
+        ));
+        let config_loaded = must(prometheus::Gauge::new(
+            "ultrafast_config_loaded_timestamp_seconds",
+            "Unix time the active config was loaded.",
+        ));
+        let dns_queries = must(IntCounterVec::new(
+            Opts::new(
+                "ultrafast_dns_queries_total",
+                "DNS queries for upstream names, by result.",
+            ),
+            &["result"],
+        ));
+        let dns_answer_age = must(prometheus::GaugeVec::new(
+            Opts::new(
+                "ultrafast_dns_answer_age_seconds",
+                "Age of the DNS answer in use.",
+            ),
+            &["pool", "name"],
+        ));
+        let dns_stale = must(IntGaugeVec::new(
+            Opts::new(
+                "ultrafast_dns_stale_answer",
+                "1 while a stale DNS answer is served (resolver failing).",
+            ),
+            &["pool", "name"],
+        ));
         let build = must(IntGaugeVec::new(
             Opts::new("ultrafast_build_info", "Build information."),
             &["version"],
@@ -152,6 +208,13 @@ impl Metrics {
             Box::new(queue_depth.clone()),
             Box::new(queue_wait.clone()),
             Box::new(in_use.clone()),
+            Box::new(pool_members.clone()),
+            Box::new(reloads.clone()),
+            Box::new(config_info.clone()),
+            Box::new(config_loaded.clone()),
+            Box::new(dns_queries.clone()),
+            Box::new(dns_answer_age.clone()),
+            Box::new(dns_stale.clone()),
             Box::new(build),
         ] {
             must(registry.register(c));
@@ -171,6 +234,13 @@ impl Metrics {
             queue_depth,
             queue_wait,
             in_use,
+            pool_members,
+            reloads,
+            config_info,
+            config_loaded,
+            dns_queries,
+            dns_answer_age,
+            dns_stale,
         }
     }
 
@@ -219,26 +289,23 @@ impl Metrics {
         }
     }
 
-    /// Pre-resolved handles for one pool.
-    pub fn pool(&self, pool: &str, members: &[String]) -> PoolMetrics {
-        let healthy: Vec<IntGauge> = members
-            .iter()
-            .map(|m| self.member_healthy.with_label_values(&[pool, m]))
-            .collect();
-        for g in &healthy {
-            g.set(1);
+    /// Handles of one member address of a pool.
+    pub fn member(&self, pool: &str, member: &str) -> MemberMetrics {
+        MemberMetrics {
+            healthy: self.member_healthy.with_label_values(&[pool, member]),
+            ejections: self.ejections.with_label_values(&[pool, member]),
         }
+    }
+
+    /// Pre-resolved handles for one pool.
+    pub fn pool(&self, pool: &str) -> PoolMetrics {
         PoolMetrics {
+            members: self.pool_members.with_label_values(&[pool]),
             latency: self.upstream_latency.with_label_values(&[pool]),
             conn_new: self.upstream_conns.with_label_values(&[pool, "false"]),
             conn_reused: self.upstream_conns.with_label_values(&[pool, "true"]),
             retries: self.retries.with_label_values(&[pool, "attempted"]),
             retries_denied: self.retries.with_label_values(&[pool, "denied_by_budget"]),
-            healthy,
-            ejections: members
-                .iter()
-                .map(|m| self.ejections.with_label_values(&[pool, m]))
-                .collect(),
         }
     }
 }
@@ -285,23 +352,32 @@ pub struct PoolMetrics {
     pub retries: IntCounter,
     /// Retries refused by the budget.
     pub retries_denied: IntCounter,
-    healthy: Vec<IntGauge>,
-    ejections: Vec<IntCounter>,
+    /// Members in the pool now.
+    pub members: IntGauge,
 }
 
-impl PoolMetrics {
-    /// Record member `i`'s health.
-    pub fn set_health(&self, i: usize, up: bool) {
-        if let Some(g) = self.healthy.get(i) {
-            g.set(up as i64);
+/// Handles of one member address.
+#[derive(Clone)]
+pub struct MemberMetrics {
+    /// 1 while healthy.
+    pub healthy: IntGauge,
+    /// Passive ejections.
+    pub ejections: IntCounter,
+}
+
+impl MemberMetrics {
+    /// Handles registered nowhere (unit tests).
+    pub fn detached() -> Self {
+        MemberMetrics {
+            healthy: must(IntGauge::new("detached_healthy", "unregistered")),
+            ejections: must(IntCounter::new("detached_ejections_total", "unregistered")),
         }
     }
+}
 
-    /// Count an ejection of member `i`.
-    pub fn ejected(&self, i: usize) {
-        if let Some(c) = self.ejections.get(i) {
-            c.inc();
-        }
+impl fmt::Debug for MemberMetrics {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("MemberMetrics")
     }
 }
 

@@ -13,7 +13,7 @@ use crate::config::{Config, Shared};
 use crate::filters::{self, Refusal};
 use crate::metrics::Metrics;
 use crate::routing::{Action, Route, UpstreamHost};
-use crate::upstream::{Outstanding, Pool};
+use crate::upstream::{LbSpec, Member, Membership, Outstanding, Pool};
 use async_trait::async_trait;
 use bytes::Bytes;
 use pingora::http::{RequestHeader, ResponseHeader};
@@ -76,6 +76,7 @@ pub struct Ctx {
     queue_wait: Option<Duration>,
     hash: u64,
     tried: Tried,
+    membership: Option<Arc<Membership>>,
     member: Option<usize>,
     outstanding: Option<Outstanding>,
     upstream_start: Option<Instant>,
@@ -93,13 +94,20 @@ impl Ctx {
         }
     }
 
+    fn member(&self) -> Option<&Member> {
+        self.membership.as_ref()?.members.get(self.member?)
+    }
+
     /// Whether one more try is allowed for this request.
     fn may_retry(&self, session: &Session) -> bool {
         let Some(pool) = self.pool() else {
             return false;
         };
         if self.tried.len() as u32 >= pool.settings.attempts
-            || self.tried.len() >= pool.members.len()
+            || self
+                .membership
+                .as_ref()
+                .is_some_and(|m| self.tried.len() >= m.members.len())
             || session.response_written().is_some()
         {
             return false;
@@ -310,6 +318,7 @@ impl ProxyHttp for EdgeProxy {
             queue_wait: None,
             hash: 0,
             tried: Tried::default(),
+            membership: None,
             member: None,
             outstanding: None,
             upstream_start: None,
@@ -367,7 +376,7 @@ impl ProxyHttp for EdgeProxy {
         match &route.action {
             Action::Proxy(pool) => {
                 pool.record_request();
-                if let Some(key) = pool.balancer.hash_key() {
+                if let LbSpec::ConsistentHash(key, _) = &pool.lb {
                     ctx.hash = filters::hash_key(session, key);
                 }
                 if filters::has_body(session.req_header()) {
@@ -439,14 +448,22 @@ impl ProxyHttp for EdgeProxy {
         let Some(pool) = ctx.pool().cloned() else {
             return Error::e_explain(ErrorType::InternalError, "route has no pool");
         };
-        let Some(idx) = pool.select(ctx.hash, ctx.tried.as_slice()) else {
+        // One membership snapshot per request, so retries index the same set.
+        let membership = ctx.membership.get_or_insert_with(|| pool.members()).clone();
+        let now = crate::upstream::now_ms();
+        let Some(idx) =
+            membership
+                .balancer
+                .select(&membership.members, ctx.hash, ctx.tried.as_slice(), now)
+        else {
             return Error::e_explain(ErrorType::HTTPStatus(502), "no upstream member available");
         };
         ctx.tried.push(idx);
         ctx.member = Some(idx);
-        ctx.outstanding = Some(Outstanding::acquire(pool.clone(), idx));
+        let m = &membership.members[idx];
+        ctx.outstanding = Some(Outstanding::acquire(m));
         ctx.upstream_start = Some(Instant::now());
-        Ok(pool.peer(idx))
+        Ok(pool.peer(m))
     }
 
     async fn connected_to_upstream(
@@ -475,8 +492,8 @@ impl ProxyHttp for EdgeProxy {
         ctx: &mut Ctx,
         mut e: Box<Error>,
     ) -> Box<Error> {
-        if let (Some(pool), Some(idx)) = (ctx.pool(), ctx.member) {
-            pool.record_failure(idx);
+        if let (Some(pool), Some(m)) = (ctx.pool(), ctx.member()) {
+            pool.record_failure(m);
         }
         // The upstream never saw the request: safe to retry any method.
         e.set_retry(ctx.may_retry(session));
@@ -493,8 +510,8 @@ impl ProxyHttp for EdgeProxy {
     ) -> Box<Error> {
         let mut e = e.more_context(format!("Peer: {peer}"));
         if e.esource() == &ErrorSource::Upstream {
-            if let (Some(pool), Some(idx)) = (ctx.pool(), ctx.member) {
-                pool.record_failure(idx);
+            if let (Some(pool), Some(m)) = (ctx.pool(), ctx.member()) {
+                pool.record_failure(m);
             }
         }
         // The upstream may have acted on the request: retry only what is
@@ -540,8 +557,8 @@ impl ProxyHttp for EdgeProxy {
         match &route.upstream_host {
             UpstreamHost::Passthrough => {}
             UpstreamHost::Member => {
-                if let (Some(pool), Some(idx)) = (ctx.pool(), ctx.member) {
-                    req.insert_header(http::header::HOST, pool.members[idx].label.as_str())?;
+                if let Some(m) = ctx.member() {
+                    req.insert_header(http::header::HOST, m.label.as_str())?;
                 }
             }
             UpstreamHost::Fixed(v) => req.insert_header(http::header::HOST, v.clone())?,
@@ -560,10 +577,10 @@ impl ProxyHttp for EdgeProxy {
     ) -> Result<()> {
         let elapsed = ctx.upstream_start.map(|s| s.elapsed()).unwrap_or_default();
         ctx.upstream_time = Some(elapsed);
-        if let (Some(pool), Some(idx)) = (ctx.pool(), ctx.member) {
+        if let (Some(pool), Some(m)) = (ctx.pool(), ctx.member()) {
             pool.metrics.latency.observe(elapsed.as_secs_f64());
             if resp.status.as_u16() < 500 {
-                pool.record_success(idx, elapsed);
+                pool.record_success(m, elapsed);
             }
         }
         Ok(())
@@ -631,10 +648,7 @@ impl ProxyHttp for EdgeProxy {
             return;
         }
         let req = session.req_header();
-        let upstream = match (ctx.pool(), ctx.member) {
-            (Some(p), Some(i)) => Some(p.members[i].label.clone()),
-            _ => None,
-        };
+        let upstream = ctx.member().map(|m| m.addr.to_string());
         self.log.log(Entry {
             time: ctx.started_wall,
             request_id: ctx.request_id.to_str().unwrap_or("").to_string(),

@@ -8,6 +8,7 @@ use crate::admin::{AdminApp, Readiness};
 use crate::config::{self, Config, Shared};
 use crate::metrics::Metrics;
 use crate::proxy::EdgeProxy;
+use crate::reload::{DnsRefresher, Manager, SighupService, WatchService};
 use crate::upstream::health::HealthChecker;
 use arc_swap::ArcSwap;
 use pingora::apps::http_app::HttpServer;
@@ -87,11 +88,14 @@ pub fn serve(path: &Path, opts: ServeOptions) -> anyhow::Result<()> {
     }
     server.add_service(traffic);
 
+    let manager = Arc::new(Manager::new(
+        path.to_path_buf(),
+        metrics.clone(),
+        shared.clone(),
+    ));
     if let Some(addr) = admin_listen {
-        let mut admin = Service::new(
-            "admin".to_string(),
-            HttpServer::new_app(AdminApp::new(metrics.clone(), readiness.clone())),
-        );
+        let app = AdminApp::new(metrics.clone(), readiness.clone(), manager.clone());
+        let mut admin = Service::new("admin".to_string(), HttpServer::new_app(app));
         admin.add_tcp(&addr);
         admin.threads = Some(1);
         server.add_service(admin);
@@ -100,6 +104,16 @@ pub fn serve(path: &Path, opts: ServeOptions) -> anyhow::Result<()> {
         "health checks",
         HealthChecker::new(shared.clone()),
     ));
+    server.add_service(background_service("sighup", SighupService(manager.clone())));
+    server.add_service(background_service(
+        "config watch",
+        WatchService(manager.clone()),
+    ));
+    let refresher = DnsRefresher {
+        shared: shared.clone(),
+        metrics: metrics.clone(),
+    };
+    server.add_service(background_service("dns refresh", refresher));
 
     spawn_drain_watcher(&server, inflight, log);
     readiness.set_ready();

@@ -4,6 +4,7 @@
 //! and bound to loopback by default.
 
 use crate::metrics::Metrics;
+use crate::reload::Manager;
 use async_trait::async_trait;
 use http::Response;
 use parking_lot::Mutex;
@@ -55,12 +56,75 @@ impl Readiness {
 pub struct AdminApp {
     metrics: Arc<Metrics>,
     readiness: Arc<Readiness>,
+    manager: Arc<Manager>,
 }
 
 impl AdminApp {
-    /// An admin app over these metrics and readiness.
-    pub fn new(metrics: Arc<Metrics>, readiness: Arc<Readiness>) -> Self {
-        AdminApp { metrics, readiness }
+    /// An admin app over these metrics, readiness and config manager.
+    pub fn new(metrics: Arc<Metrics>, readiness: Arc<Readiness>, manager: Arc<Manager>) -> Self {
+        AdminApp {
+            metrics,
+            readiness,
+            manager,
+        }
+    }
+
+    async fn reload(&self) -> Response<Vec<u8>> {
+        match self.manager.reload().await {
+            Ok(report) => {
+                let body =
+                    serde_json::json!({"status": "ok", "hash": report.hash, "diff": report.diff});
+                reply(200, "application/json", body.to_string().into_bytes())
+            }
+            Err(errs) => {
+                let list: Vec<_> = errs
+                    .iter()
+                    .map(|e| serde_json::json!({"file": e.file, "line": e.line, "col": e.col, "field": e.field, "message": e.message, "text": e.to_string()}))
+                    .collect();
+                let body = serde_json::json!({"status": "error", "errors": list});
+                reply(400, "application/json", body.to_string().into_bytes())
+            }
+        }
+    }
+
+    fn config_view(&self) -> Response<Vec<u8>> {
+        let cfg = self.manager.shared().load_full();
+        let mut file = serde_json::to_value(&cfg.file).unwrap_or_default();
+        redact(&mut file);
+        let loaded = cfg
+            .loaded_at
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.as_secs_f64())
+            .unwrap_or(0.0);
+        let body = serde_json::json!({
+            "path": cfg.path.display().to_string(),
+            "hash": cfg.hash,
+            "loaded_at_unix": loaded,
+            "config": file,
+        });
+        reply(200, "application/json", body.to_string().into_bytes())
+    }
+}
+
+/// Replace the values of keys that look like secrets.
+pub fn redact(v: &mut serde_json::Value) {
+    match v {
+        serde_json::Value::Object(m) => {
+            for (k, val) in m.iter_mut() {
+                let k = k.to_ascii_lowercase();
+                let secret = ["key", "secret", "password", "token", "authorization"]
+                    .iter()
+                    .any(|s| k.contains(s))
+                    && !matches!(k.as_str(), "hash_key" | "key" | "max_keys");
+                if secret && !val.is_null() {
+                    *val = serde_json::Value::String("<redacted>".into());
+                } else {
+                    redact(val);
+                }
+            }
+        }
+        serde_json::Value::Array(a) => a.iter_mut().for_each(redact),
+        _ => {}
     }
 }
 
@@ -79,8 +143,12 @@ fn reply(status: u16, ctype: &str, body: Vec<u8>) -> Response<Vec<u8>> {
 #[async_trait]
 impl ServeHttp for AdminApp {
     async fn response(&self, session: &mut ServerSession) -> Response<Vec<u8>> {
-        let path = session.req_header().uri.path();
-        match path {
+        let path = session.req_header().uri.path().to_string();
+        let post = session.req_header().method == http::Method::POST;
+        match path.as_str() {
+            "/admin/reload" if post => self.reload().await,
+            "/admin/reload" => reply(405, "text/plain", b"use POST\n".to_vec()),
+            "/admin/config" => self.config_view(),
             "/metrics" => reply(200, "text/plain; version=0.0.4", self.metrics.render()),
             "/healthz" => reply(200, "text/plain", b"ok\n".to_vec()),
             "/readyz" if self.readiness.is_ready() => reply(200, "text/plain", b"ready\n".to_vec()),

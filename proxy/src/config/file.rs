@@ -5,11 +5,11 @@
 //! silently ignored setting. Nothing here is interpreted: `validate` turns
 //! these structs into the typed runtime config.
 
-use serde::Deserialize;
+use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
 
 /// The whole configuration file.
-#[derive(Debug, Default, Clone, Deserialize)]
+#[derive(Debug, Default, Clone, PartialEq, Deserialize, Serialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct FileConfig {
     /// Process-wide settings (threads, shutdown, pid file).
@@ -30,10 +30,67 @@ pub struct FileConfig {
     pub lanes: BTreeMap<String, LaneSection>,
     /// Named rate limits, referenced by routes.
     pub rate_limits: BTreeMap<String, RateLimitSection>,
+    /// Resolver for upstream names.
+    pub dns: DnsSection,
+    /// Reload behaviour.
+    pub reload: ReloadSection,
+}
+
+/// `[dns]`: how upstream host names are resolved and refreshed.
+#[derive(Debug, Clone, PartialEq, Deserialize, Serialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct DnsSection {
+    /// Nameservers as `ip:port`; empty = the system's (`/etc/resolv.conf`).
+    pub nameservers: Vec<String>,
+    /// Refresh a name when this fraction of its TTL has passed.
+    pub prefetch_fraction: f64,
+    /// TTL floor in seconds.
+    pub min_ttl_s: u64,
+    /// TTL ceiling in seconds.
+    pub max_ttl_s: u64,
+    /// Seconds past its TTL that a last good answer is served while the resolver fails.
+    pub stale_max_s: u64,
+    /// Per-query timeout in ms.
+    pub timeout_ms: u64,
+    /// Consult `/etc/hosts` before DNS.
+    pub use_hosts_file: bool,
+}
+
+impl Default for DnsSection {
+    fn default() -> Self {
+        Self {
+            nameservers: Vec::new(),
+            prefetch_fraction: 0.8,
+            min_ttl_s: 1,
+            max_ttl_s: 3600,
+            stale_max_s: 300,
+            timeout_ms: 2000,
+            use_hosts_file: true,
+        }
+    }
+}
+
+/// `[reload]`: optional file watching.
+#[derive(Debug, Clone, PartialEq, Deserialize, Serialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct ReloadSection {
+    /// Reload when the config file changes.
+    pub watch: bool,
+    /// How often to look, in ms.
+    pub watch_interval_ms: u64,
+}
+
+impl Default for ReloadSection {
+    fn default() -> Self {
+        Self {
+            watch: false,
+            watch_interval_ms: 1000,
+        }
+    }
 }
 
 /// `[lanes.NAME]`: a priority lane.
-#[derive(Debug, Clone, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Deserialize, Serialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct LaneSection {
     /// Lower ranks are served first.
@@ -67,7 +124,7 @@ impl Default for LaneSection {
 }
 
 /// `[rate_limits.NAME]`: a GCRA rate limit.
-#[derive(Debug, Clone, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Deserialize, Serialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct RateLimitSection {
     /// `client_ip`, `api_key` (Authorization: Bearer), `api_key:HEADER`,
@@ -93,7 +150,7 @@ impl Default for RateLimitSection {
 }
 
 /// `[server]`: process-wide settings.
-#[derive(Debug, Clone, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Deserialize, Serialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct ServerSection {
     /// Worker threads for the traffic service (0 = one per CPU).
@@ -128,7 +185,7 @@ impl Default for ServerSection {
 }
 
 /// `[admin]`: the admin listener.
-#[derive(Debug, Clone, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Deserialize, Serialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct AdminSection {
     /// Address of the admin listener; empty disables it.
@@ -144,7 +201,7 @@ impl Default for AdminSection {
 }
 
 /// `[log]`: access logging.
-#[derive(Debug, Clone, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Deserialize, Serialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct LogSection {
     /// `"stdout"`, `"off"`, or a file path.
@@ -163,7 +220,7 @@ impl Default for LogSection {
 }
 
 /// `[limits]`: downstream request limits.
-#[derive(Debug, Clone, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Deserialize, Serialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct LimitsSection {
     /// Largest accepted request body in bytes (413 above it), like
@@ -189,7 +246,7 @@ impl Default for LimitsSection {
 }
 
 /// `[[listeners]]`: one traffic listener.
-#[derive(Debug, Clone, Default, Deserialize)]
+#[derive(Debug, Clone, Default, PartialEq, Deserialize, Serialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct ListenerSection {
     /// Name used in logs and metrics.
@@ -199,7 +256,7 @@ pub struct ListenerSection {
 }
 
 /// `[[routes]]`: one route.
-#[derive(Debug, Clone, Default, Deserialize)]
+#[derive(Debug, Clone, Default, PartialEq, Deserialize, Serialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct RouteSection {
     /// Name used in logs and metrics (defaults to `route<N>`).
@@ -230,7 +287,7 @@ pub struct RouteSection {
 }
 
 /// `return = { status, body }`.
-#[derive(Debug, Clone, Default, Deserialize)]
+#[derive(Debug, Clone, Default, PartialEq, Deserialize, Serialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct FixedSection {
     /// Status code.
@@ -242,7 +299,7 @@ pub struct FixedSection {
 }
 
 /// `redirect = { status, location }`.
-#[derive(Debug, Clone, Default, Deserialize)]
+#[derive(Debug, Clone, Default, PartialEq, Deserialize, Serialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct RedirectSection {
     /// 301, 302, 303, 307 or 308.
@@ -252,7 +309,7 @@ pub struct RedirectSection {
 }
 
 /// `headers.request` / `headers.response` rules.
-#[derive(Debug, Clone, Default, Deserialize)]
+#[derive(Debug, Clone, Default, PartialEq, Deserialize, Serialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct HeadersSection {
     /// Rules applied to the request sent upstream.
@@ -262,7 +319,7 @@ pub struct HeadersSection {
 }
 
 /// Set, add and remove rules, applied in that order: remove, set, add.
-#[derive(Debug, Clone, Default, Deserialize)]
+#[derive(Debug, Clone, Default, PartialEq, Deserialize, Serialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct HeaderRules {
     /// Replace (or create) these headers.
@@ -274,7 +331,7 @@ pub struct HeaderRules {
 }
 
 /// `[pools.NAME]`: an upstream pool.
-#[derive(Debug, Clone, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Deserialize, Serialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct PoolSection {
     /// Members.
@@ -330,7 +387,7 @@ impl Default for PoolSection {
 }
 
 /// A pool member: `{ addr = "host:port", weight = 1 }`.
-#[derive(Debug, Clone, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Deserialize, Serialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct MemberSection {
     /// `ip:port`.
@@ -349,7 +406,7 @@ impl Default for MemberSection {
 }
 
 /// `health_check = { ... }`.
-#[derive(Debug, Clone, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Deserialize, Serialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct HealthSection {
     /// Path requested with GET.
@@ -380,7 +437,7 @@ impl Default for HealthSection {
 }
 
 /// `passive = { ... }`: like nginx's `max_fails`/`fail_timeout`.
-#[derive(Debug, Clone, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Deserialize, Serialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct PassiveSection {
     /// Consecutive failures that eject a member (0 = never eject).
@@ -399,7 +456,7 @@ impl Default for PassiveSection {
 }
 
 /// `retry = { ... }`.
-#[derive(Debug, Clone, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Deserialize, Serialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct RetrySection {
     /// Total tries per request, the first one included (1 = no retry).

@@ -11,6 +11,10 @@ pub mod file;
 pub mod locate;
 mod validate;
 
+use crate::upstream::dns::{Answer, DnsSettings};
+use std::collections::HashMap;
+pub use validate::BuildCtx;
+
 use crate::metrics::Metrics;
 use crate::routing::Router;
 use crate::upstream::Pool;
@@ -132,7 +136,28 @@ pub struct Config {
     pub pools: BTreeMap<String, Arc<Pool>>,
     /// Priority lanes in rank order.
     pub lanes: Vec<crate::admission::queue::LaneSpec>,
+    /// Rate limits by name, with the definition they were built from.
+    pub limiters: LimiterMap,
+    /// Resolver settings.
+    pub dns: DnsSettings,
+    /// Poll interval of the config file watcher, if enabled.
+    pub reload_watch: Option<std::time::Duration>,
+    /// Hash of the file text.
+    pub hash: String,
+    /// When this config was built.
+    pub loaded_at: std::time::SystemTime,
+    /// The file structs it came from (for `/admin/config` and diffs).
+    pub file: file::FileConfig,
 }
+
+/// Rate limiters by name, each with its definition.
+pub type LimiterMap = BTreeMap<
+    String,
+    (
+        file::RateLimitSection,
+        Arc<crate::admission::ratelimit::Limiter>,
+    ),
+>;
 
 fn file_error(path: &Path, message: String) -> Vec<ConfigError> {
     vec![ConfigError {
@@ -144,16 +169,16 @@ fn file_error(path: &Path, message: String) -> Vec<ConfigError> {
     }]
 }
 
-/// Read, parse and validate a config file.
-pub fn load(path: &Path, metrics: &Metrics) -> Result<Config, Vec<ConfigError>> {
-    let text = std::fs::read_to_string(path)
-        .map_err(|e| file_error(path, format!("cannot read config file: {e}")))?;
-    parse(path, &text, metrics)
+/// Read a config file's text.
+pub fn read(path: &Path) -> Result<String, Vec<ConfigError>> {
+    std::fs::read_to_string(path)
+        .map_err(|e| file_error(path, format!("cannot read config file: {e}")))
 }
 
-/// Parse and validate config text that came from `path`.
-pub fn parse(path: &Path, text: &str, metrics: &Metrics) -> Result<Config, Vec<ConfigError>> {
-    let file: file::FileConfig = toml::from_str(text).map_err(|e| {
+/// Parse TOML text into the file structs (syntax and unknown-key errors,
+/// located).
+pub fn parse_file(path: &Path, text: &str) -> Result<file::FileConfig, Vec<ConfigError>> {
+    toml::from_str(text).map_err(|e| {
         let (line, col) = e
             .span()
             .map(|s| locate::line_col(text, s.start))
@@ -165,8 +190,87 @@ pub fn parse(path: &Path, text: &str, metrics: &Metrics) -> Result<Config, Vec<C
             field: field_from_toml_error(text, &e),
             message: e.message().trim().to_string(),
         }]
-    })?;
-    validate::validate(&file, path, text, metrics)
+    })
+}
+
+/// Host names that must be resolved before `f` can be built: those of pools
+/// that are new or changed relative to `prev`.
+pub fn names_to_resolve(f: &file::FileConfig, prev: Option<&Config>) -> Vec<String> {
+    let mut names = Vec::new();
+    for (name, p) in &f.pools {
+        if prev
+            .and_then(|c| c.pools.get(name))
+            .is_some_and(|old| old.def == *p)
+        {
+            continue;
+        }
+        for m in &p.members {
+            if let Ok(validate::MemberAddr::Name(host, _)) = validate::parse_member_addr(&m.addr) {
+                if !names.contains(&host) {
+                    names.push(host);
+                }
+            }
+        }
+    }
+    names
+}
+
+/// Validate parsed file structs into a runtime config.
+pub fn build(
+    f: &file::FileConfig,
+    path: &Path,
+    text: &str,
+    ctx: &BuildCtx,
+) -> Result<Config, Vec<ConfigError>> {
+    validate::validate(f, path, text, ctx)
+}
+
+/// Resolver settings of a parsed file (defaults where invalid: `build`
+/// reports those errors).
+pub fn dns_settings(f: &file::FileConfig) -> DnsSettings {
+    validate::dns_settings_of(f)
+}
+
+/// Read, parse, resolve and validate a config file, blocking (for `check`,
+/// startup and tests; a running server reloads through `reload`).
+pub fn load(path: &Path, metrics: &Metrics) -> Result<Config, Vec<ConfigError>> {
+    let text = read(path)?;
+    parse(path, &text, metrics)
+}
+
+/// Parse, resolve and validate config text that came from `path`, blocking.
+pub fn parse(path: &Path, text: &str, metrics: &Metrics) -> Result<Config, Vec<ConfigError>> {
+    let f = parse_file(path, text)?;
+    let names = names_to_resolve(&f, None);
+    let settings = validate::dns_settings_of(&f);
+    let resolved = if names.is_empty() {
+        HashMap::new()
+    } else {
+        resolve_blocking(settings.clone(), names, metrics).map_err(|e| file_error(path, e))?
+    };
+    let ctx = BuildCtx {
+        metrics,
+        resolved: &resolved,
+        prev: None,
+        prefetch_fraction: settings.prefetch_fraction,
+    };
+    build(&f, path, text, &ctx)
+}
+
+/// Resolve names on a private runtime (outside any server runtime).
+pub fn resolve_blocking(
+    settings: DnsSettings,
+    names: Vec<String>,
+    metrics: &Metrics,
+) -> Result<HashMap<String, Result<Answer, String>>, String> {
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .map_err(|e| format!("cannot start a resolver runtime: {e}"))?;
+    rt.block_on(async {
+        let resolver = crate::upstream::dns::Resolver::new(settings)?;
+        Ok(crate::upstream::dns::resolve_all(&resolver, names, metrics).await)
+    })
 }
 
 /// toml names only the offending key; prefix it with the table header above

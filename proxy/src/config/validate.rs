@@ -11,10 +11,13 @@ use crate::admission::queue::LaneSpec;
 use crate::admission::ratelimit::{KeySource, Limiter};
 use crate::routing::{Action, HeaderOps, PathMatch, Route, UpstreamHost};
 use crate::upstream::budget::RetryBudget;
-use crate::upstream::lb::{Balancer, HashKey};
-use crate::upstream::{HealthSettings, Member, PoolSettings};
+use crate::upstream::dns::{Answer, DnsSettings, NameTarget, PoolDns};
+use crate::upstream::lb::HashKey;
+use crate::upstream::{HealthSettings, LbSpec, Member, MemberState, Membership, PoolSettings};
+use arc_swap::ArcSwap;
 use http::{HeaderName, HeaderValue};
-use std::net::{SocketAddr, ToSocketAddrs};
+use std::collections::HashMap;
+use std::net::SocketAddr;
 use std::sync::atomic::AtomicU64;
 use std::time::Duration;
 
@@ -30,25 +33,44 @@ fn ms(v: u64) -> Option<Duration> {
     (v > 0).then(|| Duration::from_millis(v))
 }
 
+/// What `validate` needs besides the file: metrics, the DNS answers obtained
+/// before the swap, and the config being replaced (to keep unchanged pools).
+pub struct BuildCtx<'a> {
+    /// Metrics registry.
+    pub metrics: &'a Metrics,
+    /// Answers for the names of new or changed pools.
+    pub resolved: &'a HashMap<String, Result<Answer, String>>,
+    /// The live config, on reload.
+    pub prev: Option<&'a Config>,
+    /// DNS prefetch fraction for new pools.
+    pub prefetch_fraction: f64,
+}
+
 pub(super) fn validate(
     f: &FileConfig,
     path: &Path,
     text: &str,
-    metrics: &Metrics,
+    ctx: &BuildCtx,
 ) -> Result<Config, Vec<ConfigError>> {
+    let metrics = ctx.metrics;
     let mut errs = Errors(Vec::new());
+    let dns = dns_settings(f, &mut errs);
+    let reload_watch = f
+        .reload
+        .watch
+        .then(|| Duration::from_millis(f.reload.watch_interval_ms.max(50)));
     let server = server(f, path, &mut errs);
     let admin_listen = admin(f, &mut errs);
     let (log_target, log_format) = log(f, &mut errs);
     let limits = limits(f, &mut errs);
     let listeners = listeners(f, &mut errs);
     let lanes = lanes(f, &mut errs);
-    let limiters = rate_limits(f, &mut errs);
+    let limiters = rate_limits(f, ctx.prev, &mut errs);
     let mut pools = BTreeMap::new();
     for (name, p) in &f.pools {
         let at = FieldPath::key("pools").k(name);
-        if let Some(pool) = pool(name, p, &at, &lanes, metrics, &mut errs) {
-            pools.insert(name.clone(), Arc::new(pool));
+        if let Some(pool) = pool(name, p, &at, &lanes, ctx, &mut errs) {
+            pools.insert(name.clone(), pool);
         }
     }
     let router = routes(f, &pools, &lanes, &limiters, metrics, &mut errs);
@@ -80,7 +102,53 @@ pub(super) fn validate(
         router,
         pools,
         lanes,
+        limiters,
+        dns,
+        reload_watch,
+        hash: format!("{:016x}", crate::upstream::lb::hash_bytes(text.as_bytes())),
+        loaded_at: std::time::SystemTime::now(),
+        file: f.clone(),
     })
+}
+
+pub(super) fn dns_settings_of(f: &FileConfig) -> DnsSettings {
+    dns_settings(f, &mut Errors(Vec::new()))
+}
+
+fn dns_settings(f: &FileConfig, errs: &mut Errors) -> DnsSettings {
+    let d = &f.dns;
+    let at = FieldPath::key("dns");
+    let mut nameservers = Vec::new();
+    for (i, ns) in d.nameservers.iter().enumerate() {
+        match ns.parse::<SocketAddr>() {
+            Ok(a) => nameservers.push(a),
+            Err(_) => match ns.parse::<std::net::IpAddr>() {
+                Ok(ip) => nameservers.push(SocketAddr::new(ip, 53)),
+                Err(_) => errs.push(
+                    at.k("nameservers").i(i),
+                    format!("`{ns}` is not ip or ip:port"),
+                ),
+            },
+        }
+    }
+    if !(d.prefetch_fraction > 0.0 && d.prefetch_fraction <= 1.0) {
+        errs.push(at.k("prefetch_fraction"), "must be in (0, 1]");
+    }
+    if d.min_ttl_s > d.max_ttl_s {
+        errs.push(at.k("min_ttl_s"), "must not exceed max_ttl_s");
+    }
+    if d.timeout_ms == 0 {
+        errs.push(at.k("timeout_ms"), "must be > 0");
+    }
+    DnsSettings {
+        nameservers,
+        prefetch_fraction: d.prefetch_fraction.clamp(0.01, 1.0),
+        min_ttl: Duration::from_secs(d.min_ttl_s),
+        max_ttl: Duration::from_secs(d.max_ttl_s.max(d.min_ttl_s)),
+        stale_max: Duration::from_secs(d.stale_max_s),
+        timeout: Duration::from_millis(d.timeout_ms.max(1)),
+        use_hosts_file: d.use_hosts_file,
+    }
 }
 
 fn lanes(f: &FileConfig, errs: &mut Errors) -> Vec<LaneSpec> {
@@ -130,10 +198,17 @@ fn lanes(f: &FileConfig, errs: &mut Errors) -> Vec<LaneSpec> {
     out
 }
 
-fn rate_limits(f: &FileConfig, errs: &mut Errors) -> BTreeMap<String, Arc<Limiter>> {
+fn rate_limits(f: &FileConfig, prev: Option<&Config>, errs: &mut Errors) -> LimiterMap {
     let mut out = BTreeMap::new();
     for (name, r) in &f.rate_limits {
         let at = FieldPath::key("rate_limits").k(name);
+        // An unchanged limit keeps its buckets across a reload.
+        if let Some((def, l)) = prev.and_then(|c| c.limiters.get(name)) {
+            if def == r {
+                out.insert(name.clone(), (def.clone(), l.clone()));
+                continue;
+            }
+        }
         let source = match r.key.as_str() {
             "client_ip" => Some(KeySource::ClientIp),
             "api_key" => Some(KeySource::ApiKey(None)),
@@ -169,7 +244,7 @@ fn rate_limits(f: &FileConfig, errs: &mut Errors) -> BTreeMap<String, Arc<Limite
         }
         match Limiter::new(name, source, r.rate_per_s, r.burst, r.max_keys) {
             Some(l) => {
-                out.insert(name.clone(), Arc::new(l));
+                out.insert(name.clone(), (r.clone(), Arc::new(l)));
             }
             None => errs.push(at.clone(), "invalid rate limit"),
         }
@@ -303,24 +378,31 @@ fn listeners(f: &FileConfig, errs: &mut Errors) -> Vec<Listener> {
     out
 }
 
-fn resolve(addr: &str) -> Result<SocketAddr, String> {
+/// A member address: a literal `ip:port`, or `name:port` for DNS.
+pub(super) enum MemberAddr {
+    Literal(SocketAddr),
+    Name(String, u16),
+}
+
+pub(super) fn parse_member_addr(addr: &str) -> Result<MemberAddr, String> {
     if let Ok(a) = addr.parse::<SocketAddr>() {
-        return Ok(a);
+        return Ok(MemberAddr::Literal(a));
     }
-    if !addr.contains(':') {
+    let Some((host, port)) = addr.rsplit_once(':') else {
         return Err(format!("`{addr}` needs a port (host:port)"));
+    };
+    let port: u16 = port.parse().map_err(|_| format!("`{addr}`: bad port"))?;
+    let valid = !host.is_empty()
+        && host.len() <= 253
+        && host
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b == b'.' || b == b'-' || b == b'_');
+    if !valid {
+        return Err(format!(
+            "`{addr}` is neither ip:port nor a host name with a port"
+        ));
     }
-    // A name is resolved once here, at load time, never on the request path.
-    let addrs: Vec<SocketAddr> = addr
-        .to_socket_addrs()
-        .map_err(|e| format!("`{addr}` does not resolve: {e}"))?
-        .collect();
-    addrs
-        .iter()
-        .find(|a| a.is_ipv4())
-        .or(addrs.first())
-        .copied()
-        .ok_or_else(|| format!("`{addr}` resolves to no address"))
+    Ok(MemberAddr::Name(host.to_ascii_lowercase(), port))
 }
 
 fn pool(
@@ -328,21 +410,60 @@ fn pool(
     p: &PoolSection,
     at: &FieldPath,
     lanes: &[LaneSpec],
-    metrics: &Metrics,
+    ctx: &BuildCtx,
     errs: &mut Errors,
-) -> Option<Pool> {
+) -> Option<Arc<Pool>> {
+    let metrics = ctx.metrics;
     let before = errs.0.len();
     if p.members.is_empty() {
         errs.push(at.k("members"), "a pool needs at least one member");
     }
-    let mut members = Vec::new();
+    let prev = ctx.prev.and_then(|c| c.pools.get(name));
+    // An unchanged pool is kept as it is: connections, health, ejections,
+    // balancer state, DNS answers and admission queue all carry on.
+    if let Some(old) = prev {
+        if old.def == *p && ctx.prev.is_some_and(|c| c.lanes == lanes) {
+            return Some(old.clone());
+        }
+    }
+    let old_members: Vec<Member> = prev
+        .map(|o| o.members().members.clone())
+        .unwrap_or_default();
+    let state_for = |addr: SocketAddr| {
+        old_members
+            .iter()
+            .find(|m| m.addr == addr)
+            .map(|m| m.state.clone())
+            .unwrap_or_else(|| Arc::new(MemberState::new(metrics.member(name, &addr.to_string()))))
+    };
+    let mut static_members = Vec::new();
+    let mut targets = Vec::new();
+    let mut answers = Vec::new();
     for (i, m) in p.members.iter().enumerate() {
         let mat = at.k("members").i(i);
         if !(1..=1000).contains(&m.weight) {
             errs.push(mat.k("weight"), "must be between 1 and 1000");
         }
-        match resolve(&m.addr) {
-            Ok(a) => members.push(Member::new(a, m.addr.clone(), m.weight.clamp(1, 1000))),
+        let weight = m.weight.clamp(1, 1000);
+        match parse_member_addr(&m.addr) {
+            Ok(MemberAddr::Literal(a)) => static_members.push(Member {
+                addr: a,
+                label: m.addr.clone(),
+                weight,
+                state: state_for(a),
+            }),
+            Ok(MemberAddr::Name(host, port)) => match ctx.resolved.get(&host) {
+                Some(Ok(answer)) => {
+                    targets.push(NameTarget {
+                        name: host,
+                        port,
+                        weight,
+                    });
+                    answers.push(answer.clone());
+                }
+                Some(Err(e)) => errs.push(mat.k("addr"), e.clone()),
+                None => errs.push(mat.k("addr"), format!("`{host}` was not resolved")),
+            },
             Err(e) => errs.push(mat.k("addr"), e),
         }
     }
@@ -369,23 +490,17 @@ fn pool(
     if !(p.hash_load_factor >= 1.0 && p.hash_load_factor <= 100.0) {
         errs.push(at.k("hash_load_factor"), "must be between 1.0 and 100.0");
     }
-    let balancer = match p.lb.as_str() {
-        "round_robin" => Balancer::round_robin(&members),
-        "least_outstanding" | "least_conn" => Balancer::LeastOutstanding {
-            next: AtomicU64::new(0),
-        },
-        "consistent_hash" => Balancer::consistent_hash(&members, p.hash_load_factor, hash_key),
-        "peak_ewma" | "p2c" => Balancer::PeakEwma {
-            rng: AtomicU64::new(0x5eed),
-        },
+    let lb = match p.lb.as_str() {
+        "round_robin" => LbSpec::RoundRobin,
+        "least_outstanding" | "least_conn" => LbSpec::LeastOutstanding,
+        "consistent_hash" => LbSpec::ConsistentHash(hash_key, p.hash_load_factor),
+        "peak_ewma" | "p2c" => LbSpec::PeakEwma,
         other => {
             errs.push(
                 at.k("lb"),
                 format!("unknown policy `{other}` (round_robin, least_outstanding, consistent_hash, peak_ewma)"),
             );
-            Balancer::LeastOutstanding {
-                next: AtomicU64::new(0),
-            }
+            LbSpec::LeastOutstanding
         }
     };
     let health = p.health_check.as_ref().map(|h| {
@@ -426,7 +541,6 @@ fn pool(
     if errs.0.len() != before {
         return None;
     }
-    let labels: Vec<String> = members.iter().map(|m| m.label.clone()).collect();
     let gate = (p.max_concurrency > 0).then(|| {
         let names: Vec<String> = lanes.iter().map(|l| l.name.clone()).collect();
         let max_queued = match p.max_queued {
@@ -440,10 +554,21 @@ fn pool(
             metrics.gate(name, &names),
         ))
     });
-    Some(Pool {
+    let dns = (!targets.is_empty()).then(|| {
+        let fraction = ctx.prefetch_fraction;
+        PoolDns::new(static_members.clone(), targets, answers, fraction)
+    });
+    let members = match &dns {
+        Some(d) => d.compose(name, &old_members, metrics),
+        None => static_members,
+    };
+    let pool_metrics = metrics.pool(name);
+    pool_metrics.members.set(members.len() as i64);
+    let balancer = lb.build(&members);
+    Some(Arc::new(Pool {
         name: name.to_string(),
-        members,
-        balancer,
+        membership: ArcSwap::from_pointee(Membership { members, balancer }),
+        lb,
         settings: PoolSettings {
             connect_timeout: ms(p.connect_timeout_ms),
             total_connect_timeout: ms(p.total_connect_timeout_ms),
@@ -457,10 +582,12 @@ fn pool(
         },
         health,
         budget: RetryBudget::new(p.retry.budget_ratio, p.retry.budget_min_per_s),
-        metrics: metrics.pool(name, &labels),
+        metrics: pool_metrics,
         health_due_ms: AtomicU64::new(0),
         gate,
-    })
+        dns,
+        def: p.clone(),
+    }))
 }
 
 fn header_ops(r: &HeaderRules, at: &FieldPath, errs: &mut Errors) -> HeaderOps {
@@ -612,7 +739,7 @@ fn routes(
     f: &FileConfig,
     pools: &BTreeMap<String, Arc<Pool>>,
     lanes: &[LaneSpec],
-    limiters: &BTreeMap<String, Arc<Limiter>>,
+    limiters: &LimiterMap,
     metrics: &Metrics,
     errs: &mut Errors,
 ) -> Router {
@@ -668,7 +795,7 @@ fn routes(
         let mut route_limiters = Vec::new();
         for (j, name) in r.rate_limits.iter().enumerate() {
             match limiters.get(name) {
-                Some(l) => route_limiters.push(l.clone()),
+                Some((_, l)) => route_limiters.push(l.clone()),
                 None if f.rate_limits.contains_key(name) => {}
                 None => errs.push(
                     at.k("rate_limits").i(j),

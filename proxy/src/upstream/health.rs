@@ -31,7 +31,7 @@ impl HealthChecker {
 }
 
 /// Consecutive-result counters of one member, keyed by pool name and address.
-type Streaks = HashMap<(String, String), (u32, u32)>;
+pub type Streaks = HashMap<(String, String), (u32, u32)>;
 
 #[async_trait]
 impl BackgroundService for HealthChecker {
@@ -58,44 +58,73 @@ impl BackgroundService for HealthChecker {
     }
 }
 
-async fn check_pool(pool: Arc<Pool>, streaks: &mut Streaks) {
+/// Run one round of probes over the pool's current members (also used to
+/// warm a new pool before a reload swaps it in).
+pub async fn check_pool(pool: Arc<Pool>, streaks: &mut Streaks) {
     let Some(h) = pool.health.clone() else { return };
-    let probes: Vec<_> = (0..pool.members.len())
-        .map(|i| {
-            let pool = pool.clone();
-            let h = h.clone();
+    let membership = pool.members();
+    let probes: Vec<_> = membership
+        .members
+        .iter()
+        .map(|m| {
+            let (m, h) = (m.clone(), h.clone());
             tokio::spawn(async move {
-                let m = &pool.members[i];
                 let host = h.host.clone().unwrap_or_else(|| m.label.clone());
-                tokio::time::timeout(h.timeout, probe(m, &host, &h.path))
+                tokio::time::timeout(h.timeout, probe(&m, &host, &h.path))
                     .await
                     .unwrap_or(false)
             })
         })
         .collect();
-    for (i, p) in probes.into_iter().enumerate() {
+    for (m, p) in membership.members.iter().zip(probes) {
         let ok = p.await.unwrap_or(false);
-        let m = &pool.members[i];
         let s = streaks
-            .entry((pool.name.clone(), m.label.clone()))
+            .entry((pool.name.clone(), m.addr.to_string()))
             .or_insert((0, 0));
         if ok {
             *s = (s.0 + 1, 0);
         } else {
             *s = (0, s.1 + 1);
         }
-        let was = m.healthy.load(Ordering::Relaxed);
+        let was = m.state.healthy.load(Ordering::Relaxed);
         let now = if was { s.1 < h.fall } else { s.0 >= h.rise };
         if now != was {
-            m.healthy.store(now, Ordering::Relaxed);
+            m.state.healthy.store(now, Ordering::Relaxed);
             log::warn!(
-                "pool {}: member {} is now {}",
+                "pool {}: member {} ({}) is now {}",
                 pool.name,
                 m.label,
+                m.addr,
                 if now { "up" } else { "down" }
             );
         }
-        pool.metrics.set_health(i, now);
+        m.state.metrics.healthy.set(now as i64);
+    }
+}
+
+/// Probe every member not in `carried` once and set its health from that
+/// single result (used before a reload swaps a new or changed pool in).
+pub async fn probe_new_members(pool: &Arc<Pool>, carried: &[std::net::SocketAddr]) {
+    let Some(h) = pool.health.clone() else { return };
+    let membership = pool.members();
+    let probes: Vec<_> = membership
+        .members
+        .iter()
+        .filter(|m| !carried.contains(&m.addr))
+        .map(|m| {
+            let (m, h) = (m.clone(), h.clone());
+            tokio::spawn(async move {
+                let host = h.host.clone().unwrap_or_else(|| m.label.clone());
+                let ok = tokio::time::timeout(h.timeout, probe(&m, &host, &h.path))
+                    .await
+                    .unwrap_or(false);
+                m.state.healthy.store(ok, Ordering::Relaxed);
+                m.state.metrics.healthy.set(ok as i64);
+            })
+        })
+        .collect();
+    for p in probes {
+        let _ = p.await;
     }
 }
 

@@ -10,7 +10,7 @@
 //! rather than failing outright, as nginx does when all servers are marked
 //! down: a possibly-wrong health verdict should not turn into a full outage.
 
-use super::Member;
+use super::{Member, MemberState};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
@@ -166,8 +166,7 @@ impl Balancer {
                     }
                     let m = &members[i];
                     // Compare outstanding/weight without division.
-                    let score = (m.outstanding.load(Ordering::Relaxed) + 1) * 1_000_000
-                        / m.weight.max(1) as u64;
+                    let score = (m.outstanding() + 1) * 1_000_000 / m.weight.max(1) as u64;
                     if best.is_none_or(|(b, _)| score < b) {
                         best = Some((score, i));
                     }
@@ -180,10 +179,7 @@ impl Balancer {
                 if ring.is_empty() {
                     return None;
                 }
-                let total: u64 = members
-                    .iter()
-                    .map(|m| m.outstanding.load(Ordering::Relaxed))
-                    .sum();
+                let total: u64 = members.iter().map(|m| m.outstanding()).sum();
                 // Bounded load (Mirrokni et al.): a member is full above
                 // ceil(c * (total + 1) / n); the key then walks on.
                 let cap = ((total + 1) as f64 * load_factor / n as f64).ceil() as u64;
@@ -194,7 +190,7 @@ impl Balancer {
                     if !ok(i) {
                         continue;
                     }
-                    if members[i].outstanding.load(Ordering::Relaxed) < cap {
+                    if members[i].outstanding() < cap {
                         return Some(i);
                     }
                     fallback.get_or_insert(i);
@@ -232,7 +228,7 @@ fn cost(m: &Member) -> f64 {
         0 => 1_000_000.0,
         v => v as f64,
     };
-    ewma * (m.outstanding.load(Ordering::Relaxed) + 1) as f64 / m.weight.max(1) as f64
+    ewma * (m.outstanding() + 1) as f64 / m.weight.max(1) as f64
 }
 
 /// Time constant of the EWMA decay.
@@ -240,7 +236,7 @@ const EWMA_TAU_MS: f64 = 10_000.0;
 
 /// Fold one observed latency into the member's peak-EWMA: a slower sample is
 /// taken at once (react to trouble immediately), a faster one decays in.
-pub fn update_peak_ewma(m: &Member, latency: Duration, now: u64) {
+pub fn update_peak_ewma(m: &MemberState, latency: Duration, now: u64) {
     let rtt = latency.as_nanos().min(u64::MAX as u128) as u64;
     let old = m.ewma_ns.load(Ordering::Relaxed);
     let last = m.ewma_stamp_ms.swap(now, Ordering::Relaxed);
@@ -261,7 +257,14 @@ mod tests {
         (0..n)
             .map(|i| {
                 let addr = format!("127.0.0.1:{}", 10000 + i);
-                Member::new(addr.parse().unwrap(), addr, 1)
+                Member {
+                    addr: addr.parse().unwrap(),
+                    label: addr,
+                    weight: 1,
+                    state: std::sync::Arc::new(MemberState::new(
+                        crate::metrics::MemberMetrics::detached(),
+                    )),
+                }
             })
             .collect()
     }

@@ -8,10 +8,12 @@
 //! proxy reports outcomes back through `Pool::record_*`.
 
 pub mod budget;
+pub mod dns;
 pub mod health;
 pub mod lb;
 
-use crate::metrics::PoolMetrics;
+use crate::metrics::{MemberMetrics, PoolMetrics};
+use arc_swap::ArcSwap;
 use budget::RetryBudget;
 use lb::Balancer;
 use pingora::upstreams::peer::HttpPeer;
@@ -58,15 +60,11 @@ pub struct PoolSettings {
     pub attempts: u32,
 }
 
-/// One upstream member and its live state.
+/// The live state of one member address. Shared (`Arc`) so it survives a
+/// change of the pool's membership (DNS update, reload) for addresses that
+/// stay: health, ejection, latency estimate and in-flight count carry over.
 #[derive(Debug)]
-pub struct Member {
-    /// Resolved address.
-    pub addr: SocketAddr,
-    /// Address as written in the config, for logs and labels.
-    pub label: String,
-    /// Relative weight.
-    pub weight: u32,
+pub struct MemberState {
     /// Result of active health checks (true until proven otherwise).
     pub healthy: AtomicBool,
     /// Requests in flight to this member.
@@ -76,33 +74,95 @@ pub struct Member {
     /// Peak-EWMA of response latency, nanoseconds.
     ewma_ns: AtomicU64,
     ewma_stamp_ms: AtomicU64,
+    /// This member's metric handles.
+    pub metrics: MemberMetrics,
 }
 
-impl Member {
-    /// A new member, healthy and idle.
-    pub fn new(addr: SocketAddr, label: String, weight: u32) -> Self {
-        Member {
-            addr,
-            label,
-            weight,
+impl MemberState {
+    /// A healthy, idle member state.
+    pub fn new(metrics: MemberMetrics) -> Self {
+        metrics.healthy.set(1);
+        MemberState {
             healthy: AtomicBool::new(true),
             outstanding: AtomicU64::new(0),
             consecutive_fails: AtomicU32::new(0),
             ejected_until_ms: AtomicU64::new(0),
             ewma_ns: AtomicU64::new(0),
             ewma_stamp_ms: AtomicU64::new(0),
+            metrics,
         }
     }
+}
 
+/// One upstream member address.
+#[derive(Debug, Clone)]
+pub struct Member {
+    /// Resolved address.
+    pub addr: SocketAddr,
+    /// Address as written in the config (a name keeps its name), for logs.
+    pub label: String,
+    /// Relative weight.
+    pub weight: u32,
+    /// Live state.
+    pub state: Arc<MemberState>,
+}
+
+impl Member {
     /// Whether the member may take new requests now.
     pub fn available(&self, now_ms: u64) -> bool {
-        self.healthy.load(Ordering::Relaxed)
-            && self.ejected_until_ms.load(Ordering::Relaxed) <= now_ms
+        self.state.healthy.load(Ordering::Relaxed)
+            && self.state.ejected_until_ms.load(Ordering::Relaxed) <= now_ms
     }
 
     /// Current peak-EWMA latency estimate in nanoseconds.
     pub fn ewma_ns(&self) -> u64 {
-        self.ewma_ns.load(Ordering::Relaxed)
+        self.state.ewma_ns.load(Ordering::Relaxed)
+    }
+
+    /// Requests in flight.
+    pub fn outstanding(&self) -> u64 {
+        self.state.outstanding.load(Ordering::Relaxed)
+    }
+}
+
+/// The pool's current member set and the balancer built over it; swapped
+/// whole when the set changes.
+#[derive(Debug)]
+pub struct Membership {
+    /// Members.
+    pub members: Vec<Member>,
+    /// Balancer over exactly these members.
+    pub balancer: Balancer,
+}
+
+/// How to build a balancer for a member set.
+#[derive(Debug, Clone, PartialEq)]
+pub enum LbSpec {
+    /// Smooth weighted round robin.
+    RoundRobin,
+    /// Least outstanding.
+    LeastOutstanding,
+    /// Consistent hash with bounded load.
+    ConsistentHash(lb::HashKey, f64),
+    /// Peak EWMA P2C.
+    PeakEwma,
+}
+
+impl LbSpec {
+    /// A balancer over `members`.
+    pub fn build(&self, members: &[Member]) -> Balancer {
+        match self {
+            LbSpec::RoundRobin => Balancer::round_robin(members),
+            LbSpec::LeastOutstanding => Balancer::LeastOutstanding {
+                next: AtomicU64::new(0),
+            },
+            LbSpec::ConsistentHash(key, factor) => {
+                Balancer::consistent_hash(members, *factor, key.clone())
+            }
+            LbSpec::PeakEwma => Balancer::PeakEwma {
+                rng: AtomicU64::new(0x5eed),
+            },
+        }
     }
 }
 
@@ -111,10 +171,10 @@ impl Member {
 pub struct Pool {
     /// Name from the config.
     pub name: String,
-    /// Members in config order.
-    pub members: Vec<Member>,
-    /// The load-balancing policy and its state.
-    pub balancer: Balancer,
+    /// Current members and balancer.
+    pub membership: ArcSwap<Membership>,
+    /// Balancing policy, to rebuild the balancer when members change.
+    pub lb: LbSpec,
     /// Connection and retry settings.
     pub settings: PoolSettings,
     /// Active health checks, if configured.
@@ -127,6 +187,10 @@ pub struct Pool {
     pub(crate) health_due_ms: AtomicU64,
     /// Admission gate (concurrency limit with lane queues), if configured.
     pub gate: Option<Arc<crate::admission::gate::Gate>>,
+    /// Members given by host name, kept fresh by DNS prefetch.
+    pub dns: Option<dns::PoolDns>,
+    /// The definition this pool was built from (reload reuses equal pools).
+    pub def: crate::config::file::PoolSection,
 }
 
 /// Milliseconds on a process-wide monotonic clock.
@@ -136,9 +200,21 @@ pub fn now_ms() -> u64 {
 }
 
 impl Pool {
-    /// Build the pingora peer for member `idx` with this pool's timeouts.
-    pub fn peer(&self, idx: usize) -> Box<HttpPeer> {
-        let m = &self.members[idx];
+    /// The current membership.
+    pub fn members(&self) -> Arc<Membership> {
+        self.membership.load_full()
+    }
+
+    /// Replace the member set, keeping the state of addresses that stay.
+    pub fn set_members(&self, members: Vec<Member>) {
+        self.metrics.members.set(members.len() as i64);
+        let balancer = self.lb.build(&members);
+        self.membership
+            .store(Arc::new(Membership { members, balancer }));
+    }
+
+    /// Build the pingora peer for `m` with this pool's timeouts.
+    pub fn peer(&self, m: &Member) -> Box<HttpPeer> {
         let mut peer = HttpPeer::new(m.addr, false, String::new());
         let s = &self.settings;
         peer.options.connection_timeout = s.connect_timeout;
@@ -151,40 +227,35 @@ impl Pool {
         Box::new(peer)
     }
 
-    /// Pick a member for a request, skipping `tried` members.
-    pub fn select(&self, hash: u64, tried: &[usize]) -> Option<usize> {
-        self.balancer.select(&self.members, hash, tried, now_ms())
-    }
-
-    /// A request to member `idx` failed (connect error, reset, timeout).
-    pub fn record_failure(&self, idx: usize) {
-        let m = &self.members[idx];
+    /// A request to `m` failed (connect error, reset, timeout).
+    pub fn record_failure(&self, m: &Member) {
         let max = self.settings.max_fails;
         if max == 0 {
             return;
         }
-        let fails = m.consecutive_fails.fetch_add(1, Ordering::Relaxed) + 1;
+        let st = &m.state;
+        let fails = st.consecutive_fails.fetch_add(1, Ordering::Relaxed) + 1;
         if fails >= max {
-            m.consecutive_fails.store(0, Ordering::Relaxed);
+            st.consecutive_fails.store(0, Ordering::Relaxed);
             let until = now_ms() + self.settings.cooldown.as_millis() as u64;
-            m.ejected_until_ms.store(until, Ordering::Relaxed);
-            self.metrics.ejected(idx);
+            st.ejected_until_ms.store(until, Ordering::Relaxed);
+            st.metrics.ejections.inc();
             log::warn!(
-                "pool {}: member {} ejected for {:?} after {fails} consecutive failures",
+                "pool {}: member {} ({}) ejected for {:?} after {fails} consecutive failures",
                 self.name,
                 m.label,
+                m.addr,
                 self.settings.cooldown
             );
         }
     }
 
-    /// A request to member `idx` got a response after `latency`.
-    pub fn record_success(&self, idx: usize, latency: Duration) {
-        let m = &self.members[idx];
-        if m.consecutive_fails.load(Ordering::Relaxed) != 0 {
-            m.consecutive_fails.store(0, Ordering::Relaxed);
+    /// A request to `m` got a response after `latency`.
+    pub fn record_success(&self, m: &Member, latency: Duration) {
+        if m.state.consecutive_fails.load(Ordering::Relaxed) != 0 {
+            m.state.consecutive_fails.store(0, Ordering::Relaxed);
         }
-        lb::update_peak_ewma(m, latency, now_ms());
+        lb::update_peak_ewma(&m.state, latency, now_ms());
     }
 
     /// Count a request that enters this pool (feeds the retry budget).
@@ -196,25 +267,18 @@ impl Pool {
 /// Holds one unit of a member's outstanding count and gives it back on drop,
 /// so every exit path (error, retry, client gone) releases it exactly once.
 #[derive(Debug)]
-pub struct Outstanding {
-    pool: Arc<Pool>,
-    idx: usize,
-}
+pub struct Outstanding(Arc<MemberState>);
 
 impl Outstanding {
-    /// Take one unit of member `idx`'s outstanding count.
-    pub fn acquire(pool: Arc<Pool>, idx: usize) -> Self {
-        pool.members[idx]
-            .outstanding
-            .fetch_add(1, Ordering::Relaxed);
-        Outstanding { pool, idx }
+    /// Take one unit of `m`'s outstanding count.
+    pub fn acquire(m: &Member) -> Self {
+        m.state.outstanding.fetch_add(1, Ordering::Relaxed);
+        Outstanding(m.state.clone())
     }
 }
 
 impl Drop for Outstanding {
     fn drop(&mut self) {
-        self.pool.members[self.idx]
-            .outstanding
-            .fetch_sub(1, Ordering::Relaxed);
+        self.0.outstanding.fetch_sub(1, Ordering::Relaxed);
     }
 }
