@@ -12,7 +12,25 @@ time-to-refusal p99; the unloaded ultra p50; ultrafast's RSS over the run.
 usage: benches/scripts/admission_bench.py [--duration 10] [--service-ms 50] [--slots 8]
 Build first: cargo build --release -p ultrafast
 """
-import argparse, asyncio, os, socket, statistics, subprocess, sys, tempfile, time
+import argparse, signal, asyncio, os, socket, statistics, subprocess, sys, tempfile, time
+
+def spawn(cmd, **kw):
+    """Start a child in its own process group, so stopping it stops its
+    whole tree (nginx's workers included)."""
+    return subprocess.Popen(cmd, start_new_session=True, **kw)
+
+
+def stop_tree(p):
+    """Stop a child started by `spawn` and everything it forked."""
+    try:
+        os.killpg(p.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+    try:
+        p.wait(timeout=5)
+    except Exception:
+        pass
+
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 
@@ -82,7 +100,7 @@ async def run_mode(name, cfg_text, tmp, args, origin_port, tag=True):
     cfg = os.path.join(tmp, f"{name}.toml")
     with open(cfg, "w") as f:
         f.write(cfg_text.format(port=port, origin=origin_port, tmp=tmp, name=name, slots=args.slots))
-    p = subprocess.Popen([os.path.join(ROOT, "target/release/ultrafast"), "serve", "-c", cfg],
+    p = spawn([os.path.join(ROOT, "target/release/ultrafast"), "serve", "-c", cfg],
                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env={**os.environ, "RUST_LOG": "warn"})
     try:
         for _ in range(200):
@@ -103,7 +121,7 @@ async def run_mode(name, cfg_text, tmp, args, origin_port, tag=True):
         s.cancel()
         peak = rss_kb(p.pid, "VmHWM")
     finally:
-        p.kill(); p.wait()
+        stop_tree(p)
     print(f"\n## {name}: capacity {capacity:.0f} req/s, offered {rate:.0f} req/s for {args.duration} s")
     print(f"unloaded ultra p50: {pct([x[2] for x in unloaded if x[1] == 200], 0.5):.1f} ms")
     print("| lane | admitted | admitted p50 ms | admitted p99 ms | shed (429/503) | time-to-refusal p99 ms | errors |")

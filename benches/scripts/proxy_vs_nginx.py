@@ -13,6 +13,24 @@ Build first: cargo build --release -p ultrafast -p ultrafast-benches
 """
 import argparse, os, re, shutil, signal, socket, statistics, subprocess, sys, tempfile, time
 
+def spawn(cmd, **kw):
+    """Start a child in its own process group, so stopping it stops its
+    whole tree (nginx's workers included)."""
+    return subprocess.Popen(cmd, start_new_session=True, **kw)
+
+
+def stop_tree(p):
+    """Stop a child started by `spawn` and everything it forked."""
+    try:
+        os.killpg(p.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+    try:
+        p.wait(timeout=5)
+    except Exception:
+        pass
+
+
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 CLK = os.sysconf("SC_CLK_TCK")
 
@@ -70,7 +88,7 @@ def nginx(tmp, name, body):
     conf = os.path.join(d, "nginx.conf")
     with open(conf, "w") as f:
         f.write(f"daemon off; pid {d}/nginx.pid; error_log {d}/error.log warn; user root;\n{body}")
-    p = subprocess.Popen(["nginx", "-p", d, "-c", conf], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    p = spawn(["nginx", "-p", d, "-c", conf], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     return p
 
 
@@ -119,8 +137,8 @@ def main():
                 f.write(f"""[server]\nthreads = {w}\npid_file = "{tmp}/uf{w}.pid"\nupgrade_sock = "{tmp}/uf{w}.sock"\nshutdown_grace_period_s = 0\n
 [admin]\nlisten = ""\n[log]\naccess_log = "off"\n[[listeners]]\naddress = "127.0.0.1:{ports['ultrafast']}"\n
 [pools.o]\nmembers = [{{ addr = "127.0.0.1:{op}" }}]\n[[routes]]\npath = "/"\npool = "o"\n""")
-            servers["ultrafast"] = subprocess.Popen([uf, "serve", "-c", cfg], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env={**os.environ, "RUST_LOG": "warn"})
-            servers["bare"] = subprocess.Popen([bare, f"127.0.0.1:{ports['bare']}", f"127.0.0.1:{op}", str(w)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env={**os.environ, "RUST_LOG": "warn"})
+            servers["ultrafast"] = spawn([uf, "serve", "-c", cfg], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env={**os.environ, "RUST_LOG": "warn"})
+            servers["bare"] = spawn([bare, f"127.0.0.1:{ports['bare']}", f"127.0.0.1:{op}", str(w)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env={**os.environ, "RUST_LOG": "warn"})
             procs += servers.values()
             for k in servers:
                 wait_port(ports[k])
@@ -137,7 +155,7 @@ def main():
                     results.setdefault((w, k), []).append((rps, p50, p99, cpu_us, errs))
                     print(f"w={w} round={r} {k:9s} {rps:9.0f} req/s p50 {p50:.3f} ms p99 {p99:.3f} ms cpu {cpu_us:.1f} us/req errors {errs}", flush=True)
             for p in servers.values():
-                p.kill(); p.wait()
+                stop_tree(p)
         print("\n| workers | proxy | req/s (median, min-max) | p50 ms | p99 ms | CPU us/req | req/s vs nginx | CPU vs bare Pingora |")
         print("|---|---|---|---|---|---|---|---|")
         for w in sorted({w for w, _ in results}):
@@ -150,7 +168,7 @@ def main():
     finally:
         for p in procs:
             try:
-                p.kill(); p.wait(timeout=5)
+                stop_tree(p)
             except Exception:
                 pass
         shutil.rmtree(tmp, ignore_errors=True)

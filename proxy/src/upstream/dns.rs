@@ -302,9 +302,9 @@ pub async fn resolve_all(
 ) -> HashMap<String, Result<Answer, String>> {
     let mut out = HashMap::new();
     for n in names {
-        if !out.contains_key(&n) {
-            let r = resolver.resolve(&n, metrics).await;
-            out.insert(n, r);
+        if let std::collections::hash_map::Entry::Vacant(slot) = out.entry(n) {
+            let r = resolver.resolve(slot.key(), metrics).await;
+            slot.insert(r);
         }
     }
     out

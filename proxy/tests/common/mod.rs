@@ -58,7 +58,12 @@ pub struct Origin {
 
 impl Origin {
     pub fn start(name: &str) -> Origin {
-        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        Self::start_at(name, "127.0.0.1:0")
+    }
+
+    /// An origin on a given address (another loopback IP, a fixed port).
+    pub fn start_at(name: &str, addr: &str) -> Origin {
+        let listener = TcpListener::bind(addr).unwrap();
         let addr = listener.local_addr().unwrap();
         let state = Arc::new(OriginState::default());
         state.status.store(200, Ordering::SeqCst);
@@ -215,6 +220,20 @@ fn serve_conn(conn: TcpStream, st: Arc<OriginState>, name: String) {
         st.requests.fetch_add(1, Ordering::SeqCst);
         st.order.lock().unwrap().push(path.clone());
         *st.last_headers.lock().unwrap() = headers.clone();
+        if path.starts_with("/stream") {
+            // A slow SSE-style stream: 20 events, 50 ms apart, chunked.
+            let _ = write!(w, "HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n");
+            for i in 0..20 {
+                let ev = format!("data: {name}-{i}\n\n");
+                if write!(w, "{:x}\r\n{ev}\r\n", ev.len()).is_err() {
+                    return;
+                }
+                let _ = w.flush();
+                std::thread::sleep(Duration::from_millis(50));
+            }
+            let _ = write!(w, "0\r\n\r\n");
+            continue;
+        }
         let fault = st.fault.lock().unwrap().unwrap_or(Fault::None);
         if fault == Fault::ResetAfterRequest {
             return;
@@ -249,6 +268,133 @@ fn serve_conn(conn: TcpStream, st: Arc<OriginState>, name: String) {
             return;
         }
     }
+}
+
+/// Name -> (A records, TTL).
+type Zone = BTreeMap<String, (Vec<std::net::Ipv4Addr>, u32)>;
+
+/// A real DNS server on UDP loopback whose answers the test changes: A
+/// records with a TTL per name, NXDOMAIN for unknown names, no AAAA records,
+/// and a switch that makes it stop answering.
+pub struct DnsServer {
+    pub addr: SocketAddr,
+    records: Arc<Mutex<Zone>>,
+    silent: Arc<AtomicBool>,
+    stop: Arc<AtomicBool>,
+    pub queries: Arc<AtomicU64>,
+    thread: Option<JoinHandle<()>>,
+}
+
+impl DnsServer {
+    pub fn start() -> DnsServer {
+        let sock = std::net::UdpSocket::bind("127.0.0.1:0").unwrap();
+        sock.set_read_timeout(Some(Duration::from_millis(50)))
+            .unwrap();
+        let addr = sock.local_addr().unwrap();
+        let records: Arc<Mutex<Zone>> = Arc::default();
+        let (silent, stop, queries) = (
+            Arc::new(AtomicBool::new(false)),
+            Arc::new(AtomicBool::new(false)),
+            Arc::new(AtomicU64::new(0)),
+        );
+        let (r, si, st, q) = (
+            records.clone(),
+            silent.clone(),
+            stop.clone(),
+            queries.clone(),
+        );
+        let thread = std::thread::spawn(move || {
+            let mut buf = [0u8; 1500];
+            while !st.load(Ordering::SeqCst) {
+                let Ok((n, from)) = sock.recv_from(&mut buf) else {
+                    continue;
+                };
+                q.fetch_add(1, Ordering::SeqCst);
+                if si.load(Ordering::SeqCst) || n < 12 {
+                    continue;
+                }
+                if let Some(resp) = dns_answer(&buf[..n], &r.lock().unwrap()) {
+                    let _ = sock.send_to(&resp, from);
+                }
+            }
+        });
+        DnsServer {
+            addr,
+            records,
+            silent,
+            stop,
+            queries,
+            thread: Some(thread),
+        }
+    }
+
+    pub fn set(&self, name: &str, ips: &[&str], ttl: u32) {
+        let ips = ips.iter().map(|i| i.parse().unwrap()).collect();
+        self.records
+            .lock()
+            .unwrap()
+            .insert(name.to_string(), (ips, ttl));
+    }
+
+    /// Stop (or resume) answering queries: the resolver sees timeouts.
+    pub fn set_silent(&self, silent: bool) {
+        self.silent.store(silent, Ordering::SeqCst);
+    }
+}
+
+impl Drop for DnsServer {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::SeqCst);
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+fn dns_answer(
+    q: &[u8],
+    records: &BTreeMap<String, (Vec<std::net::Ipv4Addr>, u32)>,
+) -> Option<Vec<u8>> {
+    // Question: labels from byte 12 up to a zero byte, then type and class.
+    let mut i = 12;
+    let mut labels = Vec::new();
+    while i < q.len() && q[i] != 0 {
+        let l = q[i] as usize;
+        labels.push(String::from_utf8_lossy(q.get(i + 1..i + 1 + l)?).to_ascii_lowercase());
+        i += 1 + l;
+    }
+    let qend = i + 5;
+    let qtype = u16::from_be_bytes([*q.get(i + 1)?, *q.get(i + 2)?]);
+    let name = labels.join(".");
+    let mut out = Vec::with_capacity(512);
+    out.extend_from_slice(&q[0..2]);
+    let found = records.get(&name);
+    let rcode = if found.is_some() { 0 } else { 3 };
+    out.extend_from_slice(&[0x81, 0x80 | rcode]);
+    let answers: Vec<std::net::Ipv4Addr> = match (found, qtype) {
+        (Some((ips, _)), 1) => ips.clone(),
+        _ => vec![],
+    };
+    let ttl = found.map(|f| f.1).unwrap_or(0);
+    out.extend_from_slice(&[0, 1]);
+    out.extend_from_slice(&(answers.len() as u16).to_be_bytes());
+    out.extend_from_slice(&[0, 0, 0, 0]);
+    out.extend_from_slice(q.get(12..qend)?);
+    for ip in answers {
+        out.extend_from_slice(&[0xc0, 0x0c, 0, 1, 0, 1]);
+        out.extend_from_slice(&ttl.to_be_bytes());
+        out.extend_from_slice(&[0, 4]);
+        out.extend_from_slice(&ip.octets());
+    }
+    Some(out)
+}
+
+/// POST to the admin API.
+pub fn admin_post(admin: SocketAddr, path: &str) -> Resp {
+    Client::connect(admin)
+        .unwrap()
+        .request("POST", path, &[], b"")
+        .unwrap()
 }
 
 /// An HTTP response as the client saw it.
@@ -403,6 +549,7 @@ pub fn get(addr: SocketAddr, path: &str, headers: &[(&str, &str)]) -> Resp {
 
 /// A running `ultrafast serve` with its own config, ports and files.
 pub struct Ultrafast {
+    pub head: String,
     pub child: Child,
     pub addr: SocketAddr,
     pub admin: SocketAddr,
@@ -440,7 +587,21 @@ impl Ultrafast {
         );
         let config = dir.join("ultrafast.toml");
         std::fs::write(&config, format!("{head}{body}")).unwrap();
-        Self::spawn(dir, config, port, admin_port, false)
+        let mut uf = Self::spawn(dir, config, port, admin_port, false);
+        uf.head = head;
+        uf
+    }
+
+    /// Replace the config body (the generated head stays).
+    pub fn write_config(&self, body: &str) {
+        let tmp = self.dir.join("next.toml");
+        std::fs::write(&tmp, format!("{}{body}", self.head)).unwrap();
+        std::fs::rename(&tmp, &self.config).unwrap();
+    }
+
+    /// `POST /admin/reload`.
+    pub fn reload(&self) -> Resp {
+        admin_post(self.admin, "/admin/reload")
     }
 
     pub fn spawn(
@@ -468,6 +629,7 @@ impl Ultrafast {
             .spawn()
             .unwrap();
         let uf = Ultrafast {
+            head: String::new(),
             child,
             addr: format!("127.0.0.1:{port}").parse().unwrap(),
             admin: format!("127.0.0.1:{admin_port}").parse().unwrap(),
