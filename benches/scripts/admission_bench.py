@@ -12,31 +12,15 @@ time-to-refusal p99; the unloaded ultra p50; ultrafast's RSS over the run.
 usage: benches/scripts/admission_bench.py [--duration 10] [--service-ms 50] [--slots 8]
 Build first: cargo build --release -p ultrafast
 """
-import argparse, signal, asyncio, os, socket, statistics, subprocess, sys, tempfile, time
-
-def spawn(cmd, **kw):
-    """Start a child in its own process group, so stopping it stops its
-    whole tree (nginx's workers included)."""
-    return subprocess.Popen(cmd, start_new_session=True, **kw)
+import argparse, asyncio, os, socket, subprocess, sys, tempfile, time
+from benchlib import ROOT, free_port, pct_ms, spawn, stop_tree
 
 
-def stop_tree(p):
-    """Stop a child started by `spawn` and everything it forked."""
-    try:
-        os.killpg(p.pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
-    try:
-        p.wait(timeout=5)
-    except Exception:
-        pass
 
 
-ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 
 
-def free_port():
-    s = socket.socket(); s.bind(("127.0.0.1", 0)); p = s.getsockname()[1]; s.close(); return p
+
 
 
 async def origin(port, service_s):
@@ -80,12 +64,6 @@ async def load(port, rate, duration, ultra_frac, results, tag=True, limit_s=30):
     await asyncio.gather(*tasks)
 
 
-def pct(v, q):
-    if not v:
-        return float("nan")
-    v = sorted(v)
-    return v[min(len(v) - 1, int(q * len(v)))] * 1000
-
 
 def rss_kb(pid, key="VmRSS"):
     with open(f"/proc/{pid}/status") as f:
@@ -123,16 +101,16 @@ async def run_mode(name, cfg_text, tmp, args, origin_port, tag=True):
     finally:
         stop_tree(p)
     print(f"\n## {name}: capacity {capacity:.0f} req/s, offered {rate:.0f} req/s for {args.duration} s")
-    print(f"unloaded ultra p50: {pct([x[2] for x in unloaded if x[1] == 200], 0.5):.1f} ms")
+    print(f"unloaded ultra p50: {pct_ms([x[2] for x in unloaded if x[1] == 200], 0.5):.1f} ms")
     print("| lane | admitted | admitted p50 ms | admitted p99 ms | shed (429/503) | time-to-refusal p99 ms | errors |")
     print("|---|---|---|---|---|---|---|")
     for lane in ("ultra", "standard"):
         ok = [x[2] for x in results if x[0] == lane and x[1] == 200]
         shed = [x[2] for x in results if x[0] == lane and x[1] in (429, 503)]
         err = [x for x in results if x[0] == lane and x[1] not in (200, 429, 503)]
-        print(f"| {lane} | {len(ok)} | {pct(ok, 0.5):.1f} | {pct(ok, 0.99):.1f} | {len(shed)} | {pct(shed, 0.99):.1f} | {len(err)} |")
+        print(f"| {lane} | {len(ok)} | {pct_ms(ok, 0.5):.1f} | {pct_ms(ok, 0.99):.1f} | {len(shed)} | {pct_ms(shed, 0.99):.1f} | {len(err)} |")
     print(f"RSS KiB over the run: first {rss[0] if rss else 0}, last {rss[-1] if rss else 0}, max {max(rss) if rss else 0}; VmHWM {peak}")
-    return pct([x[2] for x in unloaded if x[1] == 200], 0.5), results
+    return pct_ms([x[2] for x in unloaded if x[1] == 200], 0.5), results
 
 
 LANES = """[server]

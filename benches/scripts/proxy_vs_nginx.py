@@ -11,42 +11,18 @@ PID; every run is bounded by wrk's duration. Loopback only.
 usage: benches/scripts/proxy_vs_nginx.py [--rounds 3] [--duration 5] [--workers 1,2]
 Build first: cargo build --release -p ultrafast -p ultrafast-benches
 """
-import argparse, os, re, shutil, signal, socket, statistics, subprocess, sys, tempfile, time
-
-def spawn(cmd, **kw):
-    """Start a child in its own process group, so stopping it stops its
-    whole tree (nginx's workers included)."""
-    return subprocess.Popen(cmd, start_new_session=True, **kw)
+import argparse, os, re, shutil, statistics, subprocess, sys, tempfile, time
+from benchlib import ROOT, free_port, spawn, stop_tree, wait_port
 
 
-def stop_tree(p):
-    """Stop a child started by `spawn` and everything it forked."""
-    try:
-        os.killpg(p.pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
-    try:
-        p.wait(timeout=5)
-    except Exception:
-        pass
 
 
-ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
+
 CLK = os.sysconf("SC_CLK_TCK")
 
 
-def free_port():
-    s = socket.socket(); s.bind(("127.0.0.1", 0)); p = s.getsockname()[1]; s.close(); return p
 
 
-def wait_port(port, limit=10.0):
-    end = time.time() + limit
-    while time.time() < end:
-        try:
-            socket.create_connection(("127.0.0.1", port), 0.2).close(); return
-        except OSError:
-            time.sleep(0.05)
-    raise RuntimeError(f"port {port} never opened")
 
 
 def tree(pid):

@@ -13,40 +13,17 @@ started here is stopped by PID.
 usage: benches/scripts/reload_bench.py [--reloads 10] [--conns 8]
 Build first: cargo build --release -p ultrafast
 """
-import argparse, asyncio, os, shutil, signal, socket, statistics, subprocess, sys, tempfile, time
-
-def spawn(cmd, **kw):
-    """Start a child in its own process group, so stopping it stops its
-    whole tree (nginx's workers included)."""
-    return subprocess.Popen(cmd, start_new_session=True, **kw)
+import argparse, asyncio, os, shutil, signal, statistics, subprocess, sys, tempfile, time
+from benchlib import ROOT, free_port, pct_ms, spawn, stop_tree, wait_port
 
 
-def stop_tree(p):
-    """Stop a child started by `spawn` and everything it forked."""
-    try:
-        os.killpg(p.pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
-    try:
-        p.wait(timeout=5)
-    except Exception:
-        pass
 
 
-ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 
 
-def free_port():
-    s = socket.socket(); s.bind(("127.0.0.1", 0)); p = s.getsockname()[1]; s.close(); return p
 
 
-def wait_port(port):
-    for _ in range(200):
-        try:
-            socket.create_connection(("127.0.0.1", port), 0.1).close(); return
-        except OSError:
-            time.sleep(0.05)
-    raise RuntimeError(f"port {port} never opened")
+
 
 
 async def client(port, stop, log):
@@ -113,7 +90,7 @@ async def run(name, start_cmd, conf_path, make_conf, reload_fn, port, args):
             continue
         (in_win if any(0 <= t0 - t < 0.5 for t, _ in triggers) else out_win).append(lat)
     def p99(v):
-        v = sorted(v); return v[min(len(v) - 1, int(0.99 * len(v)))] * 1000 if v else float("nan")
+        return pct_ms(v, 0.99)
     delays = []
     for t, tag in triggers:
         first = next((t0 + lat for t0, lat, s, x in log if t0 >= t and x == tag), None)

@@ -1,0 +1,45 @@
+"""Shared helpers of the benchmark scripts: ports, child processes that are
+always stopped with their whole tree, readiness waits, percentiles."""
+import os, signal, socket, subprocess, time
+
+ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
+
+
+def free_port():
+    s = socket.socket(); s.bind(("127.0.0.1", 0)); p = s.getsockname()[1]; s.close(); return p
+
+
+def wait_port(port, limit=10.0):
+    end = time.time() + limit
+    while time.time() < end:
+        try:
+            socket.create_connection(("127.0.0.1", port), 0.2).close(); return
+        except OSError:
+            time.sleep(0.05)
+    raise RuntimeError(f"port {port} never opened")
+
+
+def spawn(cmd, **kw):
+    """Start a child in its own process group, so stopping it stops its
+    whole tree (nginx's workers included)."""
+    return subprocess.Popen(cmd, start_new_session=True, **kw)
+
+
+def stop_tree(p):
+    """Stop a child started by `spawn` and everything it forked."""
+    try:
+        os.killpg(p.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+    try:
+        p.wait(timeout=5)
+    except Exception:
+        pass
+
+
+def pct_ms(values, q):
+    """The q-quantile of durations in seconds, in ms (nan if empty)."""
+    if not values:
+        return float("nan")
+    v = sorted(values)
+    return v[min(len(v) - 1, int(q * len(v)))] * 1000
