@@ -143,7 +143,8 @@ impl Manager {
         let resolved = if names.is_empty() {
             Default::default()
         } else {
-            let resolver = Resolver::new(settings.clone()).map_err(|e| one_error(&path, e))?;
+            let resolver =
+                Resolver::new(settings.clone()).map_err(|e| config::file_error(&path, e))?;
             resolve_all(&resolver, names, &self.metrics).await
         };
         let ctx = BuildCtx {
@@ -161,16 +162,6 @@ impl Manager {
         self.shared.store(Arc::new(new));
         Ok(Report { hash, diff })
     }
-}
-
-fn one_error(path: &std::path::Path, message: String) -> Vec<ConfigError> {
-    vec![ConfigError {
-        file: path.display().to_string(),
-        line: 1,
-        col: 1,
-        field: String::new(),
-        message,
-    }]
 }
 
 fn diff(old: &Config, new: &Config) -> Diff {

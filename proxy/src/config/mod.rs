@@ -159,7 +159,8 @@ pub type LimiterMap = BTreeMap<
     ),
 >;
 
-fn file_error(path: &Path, message: String) -> Vec<ConfigError> {
+/// A whole-file error (unreadable file, resolver failure) at line 1.
+pub fn file_error(path: &Path, message: String) -> Vec<ConfigError> {
     vec![ConfigError {
         file: path.display().to_string(),
         line: 1,
