@@ -35,11 +35,27 @@ enum Cmd {
         #[arg(short, long, default_value = "conf/ultrafast.toml")]
         config: PathBuf,
     },
+    /// Certificate tools.
+    Certs {
+        #[command(subcommand)]
+        cmd: CertsCmd,
+    },
     /// Validate a configuration file and print every problem (like `nginx -t`).
     Check {
         /// Configuration file.
         #[arg(short, long, default_value = "conf/ultrafast.toml")]
         config: PathBuf,
+    },
+}
+
+#[derive(Subcommand, Debug)]
+enum CertsCmd {
+    /// Create a throwaway local CA and a certificate for localhost,
+    /// 127.0.0.1 and ::1 (ca.pem, localhost.pem, localhost.key).
+    Dev {
+        /// Output directory.
+        #[arg(long, default_value = "certs/dev")]
+        out: PathBuf,
     },
 }
 
@@ -63,6 +79,20 @@ fn main() -> ExitCode {
             }
             Err(msg) => {
                 eprintln!("{msg}");
+                ExitCode::FAILURE
+            }
+        },
+        Cmd::Certs {
+            cmd: CertsCmd::Dev { out },
+        } => match ultrafast::edge::devcerts::write(&out) {
+            Ok(files) => {
+                for f in files {
+                    println!("wrote {}", f.display());
+                }
+                ExitCode::SUCCESS
+            }
+            Err(e) => {
+                eprintln!("ultrafast: {e}");
                 ExitCode::FAILURE
             }
         },

@@ -41,6 +41,11 @@ pub struct Metrics {
     pub dns_answer_age: prometheus::GaugeVec,
     /// 1 while a stale answer is served, by pool and name.
     pub dns_stale: IntGaugeVec,
+    tls: crate::edge::listener::TlsMetrics,
+    certs: crate::edge::certs::CertMetrics,
+    tickets: IntCounterVec,
+    /// Certificate reloads by result.
+    pub cert_reloads: IntCounterVec,
 }
 
 fn must<T>(r: prometheus::Result<T>) -> T {
@@ -189,6 +194,73 @@ impl Metrics {
             ),
             &["pool", "name"],
         ));
+        let tls = crate::edge::listener::TlsMetrics {
+            handshakes: must(IntCounterVec::new(
+                Opts::new(
+                    "ultrafast_tls_handshakes_total",
+                    "TLS handshakes by result: full, resumed_ticket, resumed_cache, failed.",
+                ),
+                &["result"],
+            )),
+            failures: must(IntCounterVec::new(
+                Opts::new(
+                    "ultrafast_tls_handshake_failures_total",
+                    "Failed TLS handshakes by reason.",
+                ),
+                &["reason"],
+            )),
+            versions: must(IntCounterVec::new(
+                Opts::new(
+                    "ultrafast_tls_versions_total",
+                    "Completed TLS handshakes by protocol version.",
+                ),
+                &["version"],
+            )),
+            alpn: must(IntCounterVec::new(
+                Opts::new(
+                    "ultrafast_tls_alpn_total",
+                    "Completed TLS handshakes by negotiated ALPN protocol.",
+                ),
+                &["protocol"],
+            )),
+            duration: must(Histogram::with_opts(
+                HistogramOpts::new("ultrafast_tls_handshake_seconds", "TLS handshake duration.")
+                    .buckets(vec![
+                        0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0,
+                    ]),
+            )),
+        };
+        let certs = crate::edge::certs::CertMetrics {
+            expiry_s: must(IntGaugeVec::new(
+                Opts::new(
+                    "ultrafast_tls_cert_expiry_seconds",
+                    "Seconds until each certificate expires.",
+                ),
+                &["cert"],
+            )),
+            stale_staples: must(IntCounter::new(
+                "ultrafast_tls_ocsp_stale_total",
+                "OCSP responses not stapled because past their nextUpdate.",
+            )),
+            unknown_sni: must(IntCounter::new(
+                "ultrafast_tls_unknown_sni_total",
+                "Handshakes refused for a name with no certificate (no default).",
+            )),
+        };
+        let tickets = must(IntCounterVec::new(
+            Opts::new(
+                "ultrafast_tls_tickets_total",
+                "Session tickets issued and refused.",
+            ),
+            &["event"],
+        ));
+        let cert_reloads = must(IntCounterVec::new(
+            Opts::new(
+                "ultrafast_tls_cert_reloads_total",
+                "Certificate reloads by result.",
+            ),
+            &["result"],
+        ));
         let build = must(IntGaugeVec::new(
             Opts::new("ultrafast_build_info", "Build information."),
             &["version"],
@@ -215,6 +287,16 @@ impl Metrics {
             Box::new(dns_queries.clone()),
             Box::new(dns_answer_age.clone()),
             Box::new(dns_stale.clone()),
+            Box::new(tls.handshakes.clone()),
+            Box::new(tls.failures.clone()),
+            Box::new(tls.versions.clone()),
+            Box::new(tls.alpn.clone()),
+            Box::new(tls.duration.clone()),
+            Box::new(certs.expiry_s.clone()),
+            Box::new(certs.stale_staples.clone()),
+            Box::new(certs.unknown_sni.clone()),
+            Box::new(tickets.clone()),
+            Box::new(cert_reloads.clone()),
             Box::new(build),
         ] {
             must(registry.register(c));
@@ -241,6 +323,29 @@ impl Metrics {
             dns_queries,
             dns_answer_age,
             dns_stale,
+            tls,
+            certs,
+            tickets,
+            cert_reloads,
+        }
+    }
+
+    /// TLS listener handles.
+    pub fn tls(&self) -> crate::edge::listener::TlsMetrics {
+        self.tls.clone()
+    }
+
+    /// Certificate handles.
+    pub fn certs(&self) -> crate::edge::certs::CertMetrics {
+        self.certs.clone()
+    }
+
+    /// Ticket handles.
+    pub fn tickets(&self) -> crate::edge::ticket::TicketMetrics {
+        crate::edge::ticket::TicketMetrics {
+            issued: self.tickets.with_label_values(&["issued"]),
+            resumed: self.tls.handshakes.with_label_values(&["resumed_ticket"]),
+            rejected: self.tickets.with_label_values(&["rejected"]),
         }
     }
 

@@ -83,6 +83,7 @@ pub struct Ctx {
     upstream_time: Option<Duration>,
     body_bytes: u64,
     error_status: u16,
+    hsts: Option<http::HeaderValue>,
     _inflight: InFlight,
 }
 
@@ -325,6 +326,7 @@ impl ProxyHttp for EdgeProxy {
             upstream_time: None,
             body_bytes: 0,
             error_status: 0,
+            hsts: None,
             _inflight: InFlight::new(&self.inflight),
         }
     }
@@ -349,6 +351,41 @@ impl ProxyHttp for EdgeProxy {
             session.set_keepalive(None);
             filters::respond_error(session, status, msg, code, &rid).await?;
             return Ok(true);
+        }
+        let local = session.server_addr().and_then(|a| a.as_inet()).copied();
+        if let Some(rule) = ctx.cfg.listener_rule(local) {
+            ctx.hsts = rule.hsts.clone();
+            if let Some(port) = rule.redirect_https_port {
+                let req = session.req_header();
+                let host = req
+                    .headers
+                    .get(http::header::HOST)
+                    .and_then(|h| h.to_str().ok())
+                    .unwrap_or("localhost");
+                let host = host
+                    .rsplit_once(':')
+                    .filter(|(_, p)| p.bytes().all(|b| b.is_ascii_digit()))
+                    .map(|(h, _)| h)
+                    .unwrap_or(host);
+                let uri = req.uri.path_and_query().map(|p| p.as_str()).unwrap_or("/");
+                let loc = if port == 443 {
+                    format!("https://{host}{uri}")
+                } else {
+                    format!("https://{host}:{port}{uri}")
+                };
+                filters::respond(
+                    session,
+                    301,
+                    "text/plain",
+                    Bytes::new(),
+                    &[
+                        ("location", &loc),
+                        ("x-request-id", rid.to_str().unwrap_or("")),
+                    ],
+                )
+                .await?;
+                return Ok(true);
+            }
         }
         let req = session.req_header();
         let host = req
@@ -383,6 +420,22 @@ impl ProxyHttp for EdgeProxy {
                     session.enable_retry_buffering();
                 }
                 Ok(false)
+            }
+            Action::Fixed {
+                status,
+                body,
+                content_type,
+            } if ctx.hsts.is_some() => {
+                let hsts = ctx
+                    .hsts
+                    .clone()
+                    .unwrap_or(http::HeaderValue::from_static(""));
+                let extra = [
+                    ("x-request-id", rid.to_str().unwrap_or("")),
+                    ("strict-transport-security", hsts.to_str().unwrap_or("")),
+                ];
+                filters::respond(session, *status, content_type, body.clone(), &extra).await?;
+                Ok(true)
             }
             Action::Fixed {
                 status,
@@ -593,6 +646,9 @@ impl ProxyHttp for EdgeProxy {
         ctx: &mut Ctx,
     ) -> Result<()> {
         resp.insert_header("x-request-id", ctx.request_id.clone())?;
+        if let Some(h) = &ctx.hsts {
+            resp.insert_header(http::header::STRICT_TRANSPORT_SECURITY, h.clone())?;
+        }
         if let Some(route) = &ctx.route {
             if !route.response_headers.is_empty() {
                 filters::apply_response_ops(&route.response_headers, resp)?;

@@ -195,6 +195,7 @@ fn keep_process_settings(old: &Config, new: &mut Config, d: &mut Diff) {
         d.pending_upgrade
             .push(format!("listeners changed: {upgrade}"));
         new.listeners = old.listeners.clone();
+        new.listener_rules = old.listener_rules.clone();
     }
     if old.server != new.server {
         d.pending_upgrade

@@ -6,12 +6,16 @@
 use crate::accesslog::AccessLog;
 use crate::admin::{AdminApp, Readiness};
 use crate::config::{self, Config, Shared};
+use crate::edge::certs::{CertStore, CertWatcher, FullHandshakes, SniResolver};
+use crate::edge::listener::{server_config, TlsBuild, TlsService};
+use crate::edge::ticket::RotatingTicketer;
 use crate::metrics::Metrics;
 use crate::proxy::EdgeProxy;
 use crate::reload::{DnsRefresher, Manager, SighupService, WatchService};
 use crate::upstream::health::HealthChecker;
 use arc_swap::ArcSwap;
 use pingora::apps::http_app::HttpServer;
+use pingora::apps::HttpServerOptions;
 use pingora::server::configuration::{Opt, ServerConf};
 use pingora::server::{ExecutionPhase, Server};
 use pingora::services::background::background_service;
@@ -67,6 +71,7 @@ pub fn serve(path: &Path, opts: ServeOptions) -> anyhow::Result<()> {
         metrics.access_log_dropped.clone(),
     )?;
     let listeners = cfg.listeners.clone();
+    let threads = cfg.server.threads;
     let admin_listen = cfg.admin_listen.clone();
     let shared: Shared = Arc::new(ArcSwap::from_pointee(cfg));
     let readiness = Arc::new(Readiness::new("starting"));
@@ -75,18 +80,63 @@ pub fn serve(path: &Path, opts: ServeOptions) -> anyhow::Result<()> {
     let mut server = Server::new_with_opt_and_conf(pingora_opt, conf);
     server.bootstrap();
 
-    let proxy = EdgeProxy::new(
-        shared.clone(),
-        metrics.clone(),
-        log.clone(),
-        inflight.clone(),
-    );
-    let mut traffic =
-        pingora::proxy::http_proxy_service_with_name(&server.configuration, proxy, "ultrafast");
-    for l in &listeners {
+    let edge = || {
+        EdgeProxy::new(
+            shared.clone(),
+            metrics.clone(),
+            log.clone(),
+            inflight.clone(),
+        )
+    };
+    let mut app = pingora::proxy::http_proxy(&server.configuration, edge());
+    if listeners.iter().any(|l| l.tls.is_none() && l.h2c) {
+        let mut opts = HttpServerOptions::default();
+        opts.h2c = true;
+        app.server_options = Some(opts);
+    }
+    let mut traffic = Service::new("ultrafast".to_string(), app);
+    for l in listeners.iter().filter(|l| l.tls.is_none()) {
         traffic.add_tcp(&l.address);
     }
     server.add_service(traffic);
+    let mut watched = Vec::new();
+    for l in &listeners {
+        let Some(tls) = &l.tls else { continue };
+        let store = CertStore::load(&tls.certs, &metrics.certs()).map_err(anyhow::Error::msg)?;
+        let full = FullHandshakes(metrics.tls().handshakes.with_label_values(&["full"]));
+        let resolver = Arc::new(SniResolver::new(store, metrics.certs(), Some(full)));
+        let ticketer = match tls.tickets {
+            true => Some(Arc::new(
+                RotatingTicketer::new(tls.ticket_secret.clone(), tls.rotation, metrics.tickets())
+                    .map_err(anyhow::Error::msg)?,
+            )),
+            false => None,
+        };
+        let build = TlsBuild {
+            resolver: resolver.clone(),
+            ticketer,
+            cache_size: tls.cache_size,
+            h2: tls.h2,
+        };
+        let config = server_config(build, &metrics.tls());
+        let app = Arc::new(pingora::proxy::http_proxy(&server.configuration, edge()));
+        let name = format!("tls {}", l.name);
+        let svc = TlsService::new(
+            name,
+            l.address.clone(),
+            config,
+            app,
+            tls.handshake_timeout,
+            threads,
+            metrics.tls(),
+        );
+        server.add_service(svc);
+        watched.push((resolver, tls.certs.clone()));
+    }
+    if !watched.is_empty() {
+        let watcher = CertWatcher::new(watched, metrics.cert_reloads.clone());
+        server.add_service(background_service("cert watch", watcher));
+    }
 
     let manager = Arc::new(Manager::new(
         path.to_path_buf(),

@@ -253,6 +253,65 @@ pub struct ListenerSection {
     pub name: String,
     /// `ip:port` to listen on.
     pub address: String,
+    /// TLS termination on this listener.
+    pub tls: Option<TlsSection>,
+    /// Accept HTTP/2 without TLS (prior knowledge) on a plain listener.
+    pub h2c: bool,
+    /// Answer every request with a 301 to `https://HOST:PORT/...` (0 = off).
+    pub redirect_https_port: u16,
+}
+
+/// `tls = { ... }` of a listener.
+#[derive(Debug, Clone, PartialEq, Deserialize, Serialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct TlsSection {
+    /// Certificates, chosen by SNI.
+    pub certs: Vec<CertSection>,
+    /// Offer HTTP/2 in ALPN.
+    pub h2: bool,
+    /// Issue session tickets (TLS 1.3 and 1.2).
+    pub session_tickets: bool,
+    /// Seconds between ticket key rotations; a key is accepted for two periods.
+    pub ticket_rotation_s: u64,
+    /// Hex secret shared by instances behind one address (mode 0600).
+    pub ticket_key_file: String,
+    /// Sessions kept for stateful resumption (0 = off).
+    pub session_cache_size: usize,
+    /// A handshake that takes longer is closed.
+    pub handshake_timeout_ms: u64,
+    /// Send `Strict-Transport-Security: max-age=N` (0 = off).
+    pub hsts_max_age_s: u64,
+}
+
+impl Default for TlsSection {
+    fn default() -> Self {
+        Self {
+            certs: Vec::new(),
+            h2: true,
+            session_tickets: true,
+            ticket_rotation_s: 12 * 3600,
+            ticket_key_file: String::new(),
+            session_cache_size: 20_480,
+            handshake_timeout_ms: 10_000,
+            hsts_max_age_s: 0,
+        }
+    }
+}
+
+/// One certificate of a TLS listener.
+#[derive(Debug, Clone, Default, PartialEq, Deserialize, Serialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct CertSection {
+    /// PEM chain, leaf first.
+    pub cert: String,
+    /// PEM private key.
+    pub key: String,
+    /// DER OCSP response to staple.
+    pub ocsp: String,
+    /// SNI names: exact or `*.suffix`.
+    pub names: Vec<String>,
+    /// Serve when no name matches.
+    pub default: bool,
 }
 
 /// `[[routes]]`: one route.

@@ -105,12 +105,39 @@ pub struct Limits {
 }
 
 /// A traffic listener.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct Listener {
     /// Name.
     pub name: String,
     /// `ip:port`.
     pub address: String,
+    /// TLS settings, for a TLS listener.
+    pub tls: Option<TlsListener>,
+    /// HTTP/2 with prior knowledge on a plain listener.
+    pub h2c: bool,
+    /// Redirect everything to HTTPS on this port (0 = off).
+    pub redirect_https_port: u16,
+}
+
+/// TLS settings of a listener.
+#[derive(Debug, Clone, PartialEq)]
+pub struct TlsListener {
+    /// Certificates.
+    pub certs: Vec<crate::edge::certs::CertSpec>,
+    /// Offer h2.
+    pub h2: bool,
+    /// Issue tickets.
+    pub tickets: bool,
+    /// Ticket key rotation period.
+    pub rotation: std::time::Duration,
+    /// Shared ticket secret, read at start.
+    pub ticket_secret: Option<Vec<u8>>,
+    /// Session cache size.
+    pub cache_size: usize,
+    /// Handshake deadline.
+    pub handshake_timeout: std::time::Duration,
+    /// HSTS max-age (None: no header).
+    pub hsts_max_age_s: Option<u64>,
 }
 
 /// The validated runtime configuration.
@@ -148,6 +175,51 @@ pub struct Config {
     pub loaded_at: std::time::SystemTime,
     /// The file structs it came from (for `/admin/config` and diffs).
     pub file: file::FileConfig,
+    /// Per-listener request rules (HTTPS redirect, HSTS); empty on the fast path.
+    pub listener_rules: Vec<ListenerRule>,
+}
+
+/// What a listener does to every request it receives.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ListenerRule {
+    /// The listener's address.
+    pub addr: std::net::SocketAddr,
+    /// Redirect to HTTPS on this port.
+    pub redirect_https_port: Option<u16>,
+    /// HSTS header value for responses.
+    pub hsts: Option<http::HeaderValue>,
+}
+
+impl Config {
+    /// The rule of the listener a request arrived on, if it has one.
+    pub fn listener_rule(&self, local: Option<std::net::SocketAddr>) -> Option<&ListenerRule> {
+        if self.listener_rules.is_empty() {
+            return None;
+        }
+        let local = local?;
+        self.listener_rules.iter().find(|r| r.addr == local)
+    }
+}
+
+/// Rules for listeners that redirect or send HSTS.
+pub fn listener_rules(listeners: &[Listener]) -> Vec<ListenerRule> {
+    listeners
+        .iter()
+        .filter_map(|l| {
+            let addr = l.address.parse().ok()?;
+            let redirect = (l.redirect_https_port != 0).then_some(l.redirect_https_port);
+            let hsts = l
+                .tls
+                .as_ref()
+                .and_then(|t| t.hsts_max_age_s)
+                .and_then(|s| http::HeaderValue::from_str(&format!("max-age={s}")).ok());
+            (redirect.is_some() || hsts.is_some()).then_some(ListenerRule {
+                addr,
+                redirect_https_port: redirect,
+                hsts,
+            })
+        })
+        .collect()
 }
 
 /// Rate limiters by name, each with its definition.

@@ -64,6 +64,7 @@ pub(super) fn validate(
     let (log_target, log_format) = log(f, &mut errs);
     let limits = limits(f, &mut errs);
     let listeners = listeners(f, &mut errs);
+    let listener_rules = super::listener_rules(&listeners);
     let lanes = lanes(f, &mut errs);
     let limiters = rate_limits(f, ctx.prev, &mut errs);
     let mut pools = BTreeMap::new();
@@ -108,6 +109,7 @@ pub(super) fn validate(
         hash: format!("{:016x}", crate::upstream::lb::hash_bytes(text.as_bytes())),
         loaded_at: std::time::SystemTime::now(),
         file: f.clone(),
+        listener_rules,
     })
 }
 
@@ -365,6 +367,16 @@ fn listeners(f: &FileConfig, errs: &mut Errors) -> Vec<Listener> {
                 format!("`{}` is already used by another listener", l.address),
             );
         }
+        let tls = l
+            .tls
+            .as_ref()
+            .and_then(|t| tls_listener(t, &at.i(i).k("tls"), errs));
+        if tls.is_some() && (l.h2c || l.redirect_https_port != 0) {
+            errs.push(
+                at.i(i),
+                "h2c and redirect_https_port apply to plain listeners only",
+            );
+        }
         let name = if l.name.is_empty() {
             format!("listener{i}")
         } else {
@@ -373,9 +385,85 @@ fn listeners(f: &FileConfig, errs: &mut Errors) -> Vec<Listener> {
         out.push(Listener {
             name,
             address: l.address.clone(),
+            tls,
+            h2c: l.h2c,
+            redirect_https_port: l.redirect_https_port,
         });
     }
     out
+}
+
+fn tls_listener(
+    t: &super::file::TlsSection,
+    at: &FieldPath,
+    errs: &mut Errors,
+) -> Option<TlsListener> {
+    use crate::edge::certs::{CertMetrics, CertSpec, CertStore};
+    let before = errs.0.len();
+    if t.certs.is_empty() {
+        errs.push(
+            at.k("certs"),
+            "a TLS listener needs at least one certificate",
+        );
+    }
+    if t.certs.iter().filter(|c| c.default).count() > 1 {
+        errs.push(at.k("certs"), "at most one certificate may be the default");
+    }
+    if t.ticket_rotation_s == 0 {
+        errs.push(at.k("ticket_rotation_s"), "must be > 0");
+    }
+    if t.handshake_timeout_ms == 0 {
+        errs.push(at.k("handshake_timeout_ms"), "must be > 0");
+    }
+    let ticket_secret = if t.ticket_key_file.is_empty() {
+        None
+    } else {
+        match crate::edge::ticket::read_key_file(Path::new(&t.ticket_key_file)) {
+            Ok(k) => Some(k),
+            Err(e) => {
+                errs.push(at.k("ticket_key_file"), e);
+                None
+            }
+        }
+    };
+    let metrics = CertMetrics::detached();
+    let mut certs = Vec::new();
+    for (j, c) in t.certs.iter().enumerate() {
+        let cat = at.k("certs").i(j);
+        for (k, n) in c.names.iter().enumerate() {
+            if !valid_host(&n.to_ascii_lowercase()) {
+                errs.push(
+                    cat.k("names").i(k),
+                    format!("`{n}` is not a host name or *.suffix"),
+                );
+            }
+        }
+        let spec = CertSpec {
+            cert: PathBuf::from(&c.cert),
+            key: PathBuf::from(&c.key),
+            ocsp: (!c.ocsp.is_empty()).then(|| PathBuf::from(&c.ocsp)),
+            names: c.names.clone(),
+            default: c.default,
+        };
+        // Load now so a bad certificate is refused with its location.
+        if let Err(e) = CertStore::load(std::slice::from_ref(&spec), &metrics) {
+            errs.push(cat.k("cert"), e);
+        }
+        certs.push(spec);
+    }
+    if errs.0.len() != before {
+        return None;
+    }
+    Some(TlsListener {
+        certs,
+        h2: t.h2,
+        tickets: t.session_tickets,
+        rotation: Duration::from_secs(t.ticket_rotation_s.max(1)),
+        ticket_secret,
+        cache_size: t.session_cache_size,
+        handshake_timeout: Duration::from_millis(t.handshake_timeout_ms.max(1)),
+        hsts_max_age_s: (t.hsts_max_age_s > 0).then_some(t.hsts_max_age_s),
+    })
 }
 
 /// A member address: a literal `ip:port`, or `name:port` for DNS.
