@@ -503,3 +503,132 @@ fn http_redirects_to_https_and_hsts_is_sent() {
     assert_eq!(r.status, 200);
     assert!(r.header("strict-transport-security").is_none());
 }
+
+/// `openssl s_server -www` on `port`: a real HTTPS origin (one connection
+/// at a time), optionally demanding a client certificate.
+struct SServer(std::process::Child);
+
+impl SServer {
+    fn start(dir: &Path, port: u16, cert: &str, verify_clients: bool) -> SServer {
+        let mut cmd = Command::new("openssl");
+        cmd.current_dir(dir)
+            .args(["s_server", "-www", "-accept", &port.to_string(), "-cert"])
+            .arg(format!("{cert}.pem"))
+            .arg("-key")
+            .arg(format!("{cert}.key"))
+            .stdin(Stdio::piped())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null());
+        if verify_clients {
+            cmd.args(["-Verify", "1", "-CAfile", "ca.pem"]);
+        }
+        let s = SServer(cmd.spawn().unwrap());
+        assert!(eventually(Duration::from_secs(5), || {
+            std::net::TcpStream::connect(("127.0.0.1", port)).is_ok()
+        }));
+        s
+    }
+}
+
+impl Drop for SServer {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+#[test]
+fn upstream_tls_with_sni_ca_verification_and_client_certificates() {
+    let dir = scratch("uptls");
+    ca(&dir);
+    leaf(&dir, "origin", "origin.test", true);
+    let (cc, ck) = leaf(&dir, "client", "client.test", true);
+    let port = free_port();
+    let _origin = SServer::start(&dir, port, "origin", true);
+    let pool = |extra: &str| {
+        format!(
+            "[pools.up]\nmembers = [{{ addr = \"127.0.0.1:{port}\" }}]\nretry = {{ attempts = 1 }}\ntls = {{ sni = \"origin.test\", ca_file = \"{}/ca.pem\"{extra} }}\n[[routes]]\npath = \"/\"\npool = \"up\"\n",
+            dir.display()
+        )
+    };
+    let mtls = format!(
+        ", client_cert = \"{}\", client_key = \"{}\"",
+        cc.display(),
+        ck.display()
+    );
+    let uf = Ultrafast::start(&pool(&mtls));
+    let r = uf.get("/");
+    assert_eq!(r.status, 200, "{}", r.text());
+    assert!(r.text().contains("s_server"), "{}", r.text());
+    // Without a client certificate the origin refuses: a clean 502.
+    let uf2 = Ultrafast::start(&pool(""));
+    assert_eq!(uf2.get("/").status, 502);
+    // A name the certificate does not carry fails verification: 502.
+    let wrong = pool(&mtls).replace("sni = \"origin.test\"", "sni = \"other.test\"");
+    let uf3 = Ultrafast::start(&wrong);
+    assert_eq!(uf3.get("/").status, 502);
+    // A missing CA file is a config error with its location.
+    let bad = dir.join("bad.toml");
+    let text = pool("").replace("ca.pem", "missing.pem");
+    std::fs::write(
+        &bad,
+        format!(
+            "[[listeners]]\naddress = \"127.0.0.1:{}\"\n{text}",
+            free_port()
+        ),
+    )
+    .unwrap();
+    let out = Command::new(bin())
+        .args(["check", "-c"])
+        .arg(&bad)
+        .output()
+        .unwrap();
+    assert!(String::from_utf8_lossy(&out.stderr).contains("pools.up.tls.ca_file"));
+}
+
+#[test]
+fn h2c_on_a_plain_listener_when_enabled() {
+    let origin = Origin::start("o");
+    let port = free_port();
+    let uf = Ultrafast::start(&format!(
+        "[[listeners]]\nname = \"h2c\"\naddress = \"127.0.0.1:{port}\"\nh2c = true\n{}[[routes]]\npath = \"/\"\npool = \"p\"\n",
+        pool_toml("p", &[&origin], "")
+    ));
+    assert!(eventually(Duration::from_secs(5), || {
+        std::net::TcpStream::connect(("127.0.0.1", port)).is_ok()
+    }));
+    let (rc, out) = sh(&format!("curl -s --http2-prior-knowledge -o /dev/null -w '%{{http_version}} %{{http_code}}' http://127.0.0.1:{port}/"), "");
+    assert_eq!((rc, out.trim()), (0, "2 200"));
+    drop(uf);
+}
+
+#[test]
+fn tls_listener_survives_a_graceful_upgrade() {
+    let (mut t, _dir) = localhost_tls("");
+    let curl = |port: u16| {
+        sh(
+            &format!("curl -sk -o /dev/null -w '%{{http_code}}' https://127.0.0.1:{port}/"),
+            "",
+        )
+        .1
+    };
+    assert_eq!(curl(t.port), "200");
+    let new = Ultrafast::spawn(
+        t.uf.dir.clone(),
+        t.uf.config.clone(),
+        t.uf.addr.port(),
+        t.uf.admin.port(),
+        true,
+    );
+    std::thread::sleep(Duration::from_millis(500));
+    t.uf.signal(3);
+    assert!(
+        t.uf.wait_exit(Duration::from_secs(10)).is_some(),
+        "old process did not exit"
+    );
+    assert!(
+        eventually(Duration::from_secs(5), || curl(t.port) == "200"),
+        "TLS listener not served after the upgrade"
+    );
+    drop(new);
+}

@@ -422,6 +422,36 @@ pub struct PoolSection {
     pub max_concurrency: usize,
     /// Requests waiting in all lanes together (0 = the sum of the lanes' queue_len).
     pub max_queued: usize,
+    /// Connect to members over TLS.
+    pub tls: Option<UpstreamTlsSection>,
+}
+
+/// `tls = { ... }` of a pool: HTTPS to the members.
+#[derive(Debug, Clone, PartialEq, Deserialize, Serialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct UpstreamTlsSection {
+    /// SNI and the name verified (default: the member's host name).
+    pub sni: String,
+    /// Verify the member's certificate and name.
+    pub verify: bool,
+    /// PEM CA bundle to verify against (default: the system roots).
+    pub ca_file: String,
+    /// PEM client certificate chain for mTLS.
+    pub client_cert: String,
+    /// PEM client key for mTLS.
+    pub client_key: String,
+}
+
+impl Default for UpstreamTlsSection {
+    fn default() -> Self {
+        Self {
+            sni: String::new(),
+            verify: true,
+            ca_file: String::new(),
+            client_cert: String::new(),
+            client_key: String::new(),
+        }
+    }
 }
 
 impl Default for PoolSection {
@@ -441,6 +471,7 @@ impl Default for PoolSection {
             retry: RetrySection::default(),
             max_concurrency: 0,
             max_queued: 0,
+            tls: None,
         }
     }
 }

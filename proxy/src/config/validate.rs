@@ -664,6 +664,10 @@ fn pool(
             write_timeout: ms(p.write_timeout_ms),
             keepalive_idle: (p.keepalive_idle_s > 0)
                 .then(|| Duration::from_secs(p.keepalive_idle_s)),
+            tls: p
+                .tls
+                .as_ref()
+                .and_then(|t| upstream_tls(t, &at.k("tls"), errs)),
             max_fails: p.passive.max_fails,
             cooldown: Duration::from_millis(p.passive.cooldown_ms),
             attempts: p.retry.attempts,
@@ -676,6 +680,94 @@ fn pool(
         dns,
         def: p.clone(),
     }))
+}
+
+fn upstream_tls(
+    t: &super::file::UpstreamTlsSection,
+    at: &FieldPath,
+    errs: &mut Errors,
+) -> Option<crate::upstream::UpstreamTls> {
+    use pingora::utils::tls::{parse_x509, CertKey, WrappedX509};
+    use rustls::pki_types::{pem::PemObject, CertificateDer};
+    let mut ok = true;
+    let ca = if t.ca_file.is_empty() {
+        None
+    } else {
+        let certs: Result<Vec<CertificateDer<'static>>, _> =
+            CertificateDer::pem_file_iter(&t.ca_file).and_then(|it| it.collect());
+        match certs {
+            Ok(certs) if !certs.is_empty() => {
+                let mut store = rustls::RootCertStore::empty();
+                // Parse-check every certificate: pingora's own parser panics on bad DER.
+                if certs.iter().all(|c| store.add(c.clone()).is_ok()) {
+                    let wrapped: Vec<WrappedX509> = certs
+                        .into_iter()
+                        .map(|c| WrappedX509::new(c.to_vec(), parse_x509))
+                        .collect();
+                    Some(Arc::from(wrapped))
+                } else {
+                    errs.push(
+                        at.k("ca_file"),
+                        format!("{}: a certificate does not parse", t.ca_file),
+                    );
+                    ok = false;
+                    None
+                }
+            }
+            _ => {
+                errs.push(
+                    at.k("ca_file"),
+                    format!("{}: no PEM certificates found", t.ca_file),
+                );
+                ok = false;
+                None
+            }
+        }
+    };
+    let client = match (t.client_cert.is_empty(), t.client_key.is_empty()) {
+        (true, true) => None,
+        (false, false) => {
+            let spec = crate::edge::certs::CertSpec {
+                cert: PathBuf::from(&t.client_cert),
+                key: PathBuf::from(&t.client_key),
+                ocsp: None,
+                names: vec![],
+                default: false,
+            };
+            let metrics = crate::edge::certs::CertMetrics::detached();
+            match crate::edge::certs::CertStore::load(std::slice::from_ref(&spec), &metrics) {
+                Ok(_) => {
+                    match pingora::tls::load_certs_and_key_files(&t.client_cert, &t.client_key) {
+                        Ok(Some((chain, key))) => Some(Arc::new(CertKey::new(
+                            chain.iter().map(|c| c.to_vec()).collect(),
+                            key.secret_der().to_vec(),
+                        ))),
+                        _ => {
+                            errs.push(at.k("client_cert"), "cannot load the client certificate");
+                            ok = false;
+                            None
+                        }
+                    }
+                }
+                Err(e) => {
+                    errs.push(at.k("client_cert"), e);
+                    ok = false;
+                    None
+                }
+            }
+        }
+        _ => {
+            errs.push(at.k("client_key"), "client_cert and client_key go together");
+            ok = false;
+            None
+        }
+    };
+    ok.then(|| crate::upstream::UpstreamTls {
+        sni: t.sni.clone(),
+        verify: t.verify,
+        ca,
+        client,
+    })
 }
 
 fn header_ops(r: &HeaderRules, at: &FieldPath, errs: &mut Errors) -> HeaderOps {

@@ -225,6 +225,24 @@ async fn serve_conn<A: ServerApp + Send + Sync + 'static>(
     }
 }
 
+/// Bind with SO_REUSEPORT, so a new process started for a graceful upgrade
+/// can bind the same address while the old one drains (Pingora hands its
+/// own listeners over a socket; ours are simply shared by the kernel until
+/// the old process closes them).
+fn bind_reuseport(address: &str) -> std::io::Result<tokio::net::TcpListener> {
+    use socket2::{Domain, Socket, Type};
+    let addr: std::net::SocketAddr = address
+        .parse()
+        .map_err(|_| std::io::Error::new(std::io::ErrorKind::InvalidInput, "bad address"))?;
+    let sock = Socket::new(Domain::for_address(addr), Type::STREAM, None)?;
+    sock.set_reuse_address(true)?;
+    sock.set_reuse_port(true)?;
+    sock.set_nonblocking(true)?;
+    sock.bind(&addr.into())?;
+    sock.listen(1024)?;
+    tokio::net::TcpListener::from_std(sock.into())
+}
+
 #[async_trait]
 impl<A: ServerApp + Send + Sync + 'static> Service for TlsService<A> {
     async fn start_service(
@@ -233,7 +251,7 @@ impl<A: ServerApp + Send + Sync + 'static> Service for TlsService<A> {
         mut shutdown: ShutdownWatch,
         _per_fd: usize,
     ) {
-        let listener = match tokio::net::TcpListener::bind(&self.address).await {
+        let listener = match bind_reuseport(&self.address) {
             Ok(l) => l,
             Err(e) => {
                 log::error!(

@@ -62,6 +62,7 @@ impl BackgroundService for HealthChecker {
 /// warm a new pool before a reload swaps it in).
 pub async fn check_pool(pool: Arc<Pool>, streaks: &mut Streaks) {
     let Some(h) = pool.health.clone() else { return };
+    let tls = pool.settings.tls.is_some();
     let membership = pool.members();
     let probes: Vec<_> = membership
         .members
@@ -70,7 +71,7 @@ pub async fn check_pool(pool: Arc<Pool>, streaks: &mut Streaks) {
             let (m, h) = (m.clone(), h.clone());
             tokio::spawn(async move {
                 let host = h.host.clone().unwrap_or_else(|| m.label.clone());
-                tokio::time::timeout(h.timeout, probe(&m, &host, &h.path))
+                tokio::time::timeout(h.timeout, probe(&m, &host, &h.path, tls))
                     .await
                     .unwrap_or(false)
             })
@@ -106,6 +107,7 @@ pub async fn check_pool(pool: Arc<Pool>, streaks: &mut Streaks) {
 /// single result (used before a reload swaps a new or changed pool in).
 pub async fn probe_new_members(pool: &Arc<Pool>, carried: &[std::net::SocketAddr]) {
     let Some(h) = pool.health.clone() else { return };
+    let tls = pool.settings.tls.is_some();
     let membership = pool.members();
     let probes: Vec<_> = membership
         .members
@@ -115,7 +117,7 @@ pub async fn probe_new_members(pool: &Arc<Pool>, carried: &[std::net::SocketAddr
             let (m, h) = (m.clone(), h.clone());
             tokio::spawn(async move {
                 let host = h.host.clone().unwrap_or_else(|| m.label.clone());
-                let ok = tokio::time::timeout(h.timeout, probe(&m, &host, &h.path))
+                let ok = tokio::time::timeout(h.timeout, probe(&m, &host, &h.path, tls))
                     .await
                     .unwrap_or(false);
                 m.state.healthy.store(ok, Ordering::Relaxed);
@@ -129,10 +131,16 @@ pub async fn probe_new_members(pool: &Arc<Pool>, carried: &[std::net::SocketAddr
 }
 
 /// One probe: any 2xx or 3xx status is healthy.
-async fn probe(m: &Member, host: &str, path: &str) -> bool {
+async fn probe(m: &Member, host: &str, path: &str, tls: bool) -> bool {
     let Ok(mut s) = TcpStream::connect(m.addr).await else {
         return false;
     };
+    if tls {
+        // HTTPS members: liveness is a completed TCP connect (the HTTP probe
+        // would need its own TLS client; the proxy's retries and passive
+        // ejection still judge real responses).
+        return true;
+    }
     let req = format!("GET {path} HTTP/1.1\r\nHost: {host}\r\nUser-Agent: ultrafast-health\r\nConnection: close\r\n\r\n");
     if s.write_all(req.as_bytes()).await.is_err() {
         return false;

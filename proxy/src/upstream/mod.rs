@@ -58,6 +58,43 @@ pub struct PoolSettings {
     pub cooldown: Duration,
     /// Total tries per request.
     pub attempts: u32,
+    /// HTTPS to the members.
+    pub tls: Option<UpstreamTls>,
+}
+
+/// TLS towards a pool's members.
+#[derive(Clone)]
+pub struct UpstreamTls {
+    /// SNI (empty: the member's host name, or none for an IP).
+    pub sni: String,
+    /// Verify certificate and host name.
+    pub verify: bool,
+    /// CA certificates (None: system roots).
+    pub ca: Option<Arc<pingora::protocols::tls::CaType>>,
+    /// Client certificate and key for mTLS.
+    pub client: Option<Arc<pingora::utils::tls::CertKey>>,
+}
+
+impl std::fmt::Debug for UpstreamTls {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "UpstreamTls(sni={:?}, verify={}, ca={}, mtls={})",
+            self.sni,
+            self.verify,
+            self.ca.is_some(),
+            self.client.is_some()
+        )
+    }
+}
+
+impl PartialEq for UpstreamTls {
+    fn eq(&self, o: &Self) -> bool {
+        self.sni == o.sni
+            && self.verify == o.verify
+            && self.ca.is_some() == o.ca.is_some()
+            && self.client.is_some() == o.client.is_some()
+    }
 }
 
 /// The live state of one member address. Shared (`Arc`) so it survives a
@@ -215,8 +252,28 @@ impl Pool {
 
     /// Build the pingora peer for `m` with this pool's timeouts.
     pub fn peer(&self, m: &Member) -> Box<HttpPeer> {
-        let mut peer = HttpPeer::new(m.addr, false, String::new());
         let s = &self.settings;
+        let mut peer = match &s.tls {
+            None => HttpPeer::new(m.addr, false, String::new()),
+            Some(t) => {
+                let sni = if t.sni.is_empty() {
+                    let host = m.label.rsplit_once(':').map(|(h, _)| h).unwrap_or(&m.label);
+                    if host.parse::<std::net::IpAddr>().is_ok() {
+                        String::new()
+                    } else {
+                        host.to_string()
+                    }
+                } else {
+                    t.sni.clone()
+                };
+                let mut p = HttpPeer::new(m.addr, true, sni);
+                p.options.verify_cert = t.verify;
+                p.options.verify_hostname = t.verify;
+                p.options.ca = t.ca.clone();
+                p.client_cert_key = t.client.clone();
+                p
+            }
+        };
         peer.options.connection_timeout = s.connect_timeout;
         peer.options.total_connection_timeout = s.total_connect_timeout;
         peer.options.read_timeout = s.read_timeout;
