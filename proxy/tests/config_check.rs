@@ -68,6 +68,41 @@ fn check_accepts_the_shipped_configs() {
 }
 
 #[test]
+fn the_tls_example_validates_with_dev_certificates() {
+    // The example's paths are relative to the working directory, as in the
+    // README: run `certs dev` then `check` from the same directory.
+    let dir = common::scratch("tlsexample");
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+    std::fs::create_dir_all(dir.join("conf/examples")).unwrap();
+    std::fs::copy(
+        root.join("conf/examples/tls.toml"),
+        dir.join("conf/examples/tls.toml"),
+    )
+    .unwrap();
+    let out = Command::new(common::bin())
+        .current_dir(&dir)
+        .args(["certs", "dev"])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let out = Command::new(common::bin())
+        .current_dir(&dir)
+        .args(["check", "-c", "conf/examples/tls.toml"])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let _ = std::fs::remove_dir_all(dir);
+}
+
+#[test]
 fn check_reports_every_error_not_just_the_first() {
     let dir = common::scratch("multi");
     let p = dir.join("multi.toml");
