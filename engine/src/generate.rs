@@ -1,0 +1,53 @@
+//! Loading a model with its tokenizer, and a single-sequence greedy
+//! generation loop used by tests and tools until the scheduler lands.
+
+use crate::error::{EngineError, Result};
+use crate::model::llama::Model;
+use crate::tokenizer::{ChatMessage, TextCodec};
+use candle_core::quantized::gguf_file;
+use candle_core::{Device, D};
+use std::path::Path;
+
+/// A model and its text codec.
+pub struct Loaded {
+    /// The network.
+    pub model: Model,
+    /// Tokenizer and template.
+    pub codec: TextCodec,
+}
+
+/// Load a GGUF model and its tokenizer on the CPU.
+pub fn load(path: &Path) -> Result<Loaded> {
+    let device = Device::Cpu;
+    let mut f = std::fs::File::open(path).map_err(|e| EngineError::model(path, e.to_string()))?;
+    let ct = gguf_file::Content::read(&mut f)
+        .map_err(|e| EngineError::model(path, format!("not a valid GGUF file: {e}")))?;
+    let codec = TextCodec::from_gguf(&ct).map_err(|e| EngineError::model(path, e.to_string()))?;
+    let model = Model::load(path, &device)?;
+    Ok(Loaded { model, codec })
+}
+
+/// Greedy generation: the prompt's token ids, then up to `max_tokens` new
+/// ids (stopping at an end-of-sequence token, not included).
+pub fn greedy(l: &Loaded, prompt: &[u32], max_tokens: usize) -> Result<Vec<u32>> {
+    let mut cache = l.model.new_cache();
+    let mut logits = l.model.forward(prompt, &mut cache)?;
+    let mut out = Vec::with_capacity(max_tokens);
+    for _ in 0..max_tokens {
+        let next = logits.argmax(D::Minus1)?.to_scalar::<u32>()?;
+        if l.codec.eos.contains(&next) {
+            break;
+        }
+        out.push(next);
+        logits = l.model.forward(&[next], &mut cache)?;
+    }
+    Ok(out)
+}
+
+/// Chat helper: render, tokenize, generate greedily, decode.
+pub fn chat(l: &Loaded, messages: &[ChatMessage], max_tokens: usize) -> Result<String> {
+    let prompt = l.codec.render_chat(messages)?;
+    let ids = l.codec.encode(&prompt)?;
+    let out = greedy(l, &ids, max_tokens)?;
+    l.codec.decode(&out, true)
+}

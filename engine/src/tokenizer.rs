@@ -1,0 +1,256 @@
+//! The tokenizer and chat template, both from the GGUF metadata.
+//!
+//! A byte-level BPE (`tokenizers` crate) built from `tokenizer.ggml.tokens`
+//! and `merges`, with the pre-tokenizer chosen by `tokenizer.ggml.pre` (as
+//! llama.cpp does), control tokens registered as special (so `<|im_start|>`
+//! in a rendered template is one token), and the Jinja chat template
+//! rendered with `minijinja`. `StreamDecoder` turns tokens into text pieces
+//! that never split a UTF-8 character.
+
+use crate::error::{EngineError, Result};
+use candle_core::quantized::gguf_file::{Content, Value};
+use tokenizers::decoders::byte_level::ByteLevel as ByteLevelDecoder;
+use tokenizers::models::bpe::{Merges, Vocab, BPE};
+use tokenizers::pre_tokenizers::byte_level::ByteLevel;
+use tokenizers::pre_tokenizers::digits::Digits;
+use tokenizers::pre_tokenizers::sequence::Sequence;
+use tokenizers::pre_tokenizers::split::Split;
+use tokenizers::pre_tokenizers::PreTokenizerWrapper;
+use tokenizers::{AddedToken, SplitDelimiterBehavior, Tokenizer};
+
+/// One chat message.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct ChatMessage {
+    /// `system`, `user` or `assistant`.
+    pub role: String,
+    /// Text.
+    pub content: String,
+}
+
+/// Tokenizer, special ids and chat template of a model.
+pub struct TextCodec {
+    tok: Tokenizer,
+    /// End-of-sequence token ids (generation stops on any).
+    pub eos: Vec<u32>,
+    /// Beginning-of-sequence token id.
+    pub bos: Option<u32>,
+    /// Whether prompts start with BOS.
+    pub add_bos: bool,
+    template: Option<String>,
+    bos_text: String,
+    eos_text: String,
+}
+
+fn err(e: impl std::fmt::Display) -> EngineError {
+    EngineError::Tokenizer(e.to_string())
+}
+
+fn strings(v: &Value) -> Result<Vec<String>> {
+    v.to_vec()
+        .map_err(err)?
+        .iter()
+        .map(|x| x.to_string().cloned().map_err(err))
+        .collect()
+}
+
+const QWEN2_PATTERN: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
+
+impl TextCodec {
+    /// Build from GGUF metadata.
+    pub fn from_gguf(ct: &Content) -> Result<Self> {
+        let md = |k: &str| {
+            ct.metadata
+                .get(k)
+                .ok_or_else(|| err(format!("missing `{k}`")))
+        };
+        let model = md("tokenizer.ggml.model")?
+            .to_string()
+            .map_err(err)?
+            .clone();
+        if model != "gpt2" {
+            return Err(err(format!(
+                "unsupported tokenizer model `{model}` (byte-level BPE `gpt2` only)"
+            )));
+        }
+        let tokens = strings(md("tokenizer.ggml.tokens")?)?;
+        let merges: Merges = strings(md("tokenizer.ggml.merges")?)?
+            .into_iter()
+            .filter_map(|m| {
+                m.split_once(' ')
+                    .map(|(a, b)| (a.to_string(), b.to_string()))
+            })
+            .collect();
+        let vocab: Vocab = tokens
+            .iter()
+            .enumerate()
+            .map(|(i, t)| (t.clone(), i as u32))
+            .collect();
+        let bpe = BPE::builder()
+            .vocab_and_merges(vocab, merges)
+            .build()
+            .map_err(err)?;
+        let mut tok = Tokenizer::new(bpe);
+        let pre = ct
+            .metadata
+            .get("tokenizer.ggml.pre")
+            .and_then(|v| v.to_string().ok().cloned())
+            .unwrap_or_default();
+        let pre_tok: PreTokenizerWrapper = match pre.as_str() {
+            "smollm" => Sequence::new(vec![
+                Digits::new(true).into(),
+                ByteLevel::new(false, true, true).into(),
+            ])
+            .into(),
+            "qwen2" => Sequence::new(vec![
+                Split::new(
+                    tokenizers::pre_tokenizers::split::SplitPattern::Regex(QWEN2_PATTERN.into()),
+                    SplitDelimiterBehavior::Isolated,
+                    false,
+                )
+                .map_err(err)?
+                .into(),
+                ByteLevel::new(false, true, false).into(),
+            ])
+            .into(),
+            _ => ByteLevel::new(false, true, true).into(),
+        };
+        tok.with_pre_tokenizer(Some(pre_tok));
+        tok.with_decoder(Some(ByteLevelDecoder::default()));
+        if let Some(types) = ct
+            .metadata
+            .get("tokenizer.ggml.token_type")
+            .and_then(|v| v.to_vec().ok())
+        {
+            let special: Vec<AddedToken> = types
+                .iter()
+                .enumerate()
+                .filter(|(_, t)| matches!(t.to_i32(), Ok(3) | Ok(4)))
+                .filter_map(|(i, _)| tokens.get(i))
+                .map(|t| AddedToken::from(t.clone(), true))
+                .collect();
+            tok.add_special_tokens(&special);
+        }
+        let id = |k: &str| ct.metadata.get(k).and_then(|v| v.to_u32().ok());
+        let mut eos: Vec<u32> = id("tokenizer.ggml.eos_token_id").into_iter().collect();
+        // ChatML models end a turn with <|im_end|>; stop there too.
+        for t in ["<|im_end|>", "<|endoftext|>", "<|eot_id|>"] {
+            if let Some(i) = tokens.iter().position(|x| x == t) {
+                if !eos.contains(&(i as u32)) {
+                    eos.push(i as u32);
+                }
+            }
+        }
+        let bos = id("tokenizer.ggml.bos_token_id");
+        let text_of = |i: Option<u32>| {
+            i.and_then(|i| tokens.get(i as usize).cloned())
+                .unwrap_or_default()
+        };
+        Ok(TextCodec {
+            tok,
+            bos_text: text_of(bos),
+            eos_text: text_of(id("tokenizer.ggml.eos_token_id")),
+            eos,
+            bos,
+            add_bos: ct
+                .metadata
+                .get("tokenizer.ggml.add_bos_token")
+                .and_then(|v| v.to_bool().ok())
+                .unwrap_or(false),
+            template: ct
+                .metadata
+                .get("tokenizer.chat_template")
+                .and_then(|v| v.to_string().ok().cloned()),
+        })
+    }
+
+    /// Token ids of `text` (special tokens in it are recognised).
+    pub fn encode(&self, text: &str) -> Result<Vec<u32>> {
+        let enc = self.tok.encode(text, false).map_err(err)?;
+        let mut ids = enc.get_ids().to_vec();
+        if self.add_bos {
+            if let Some(b) = self.bos {
+                ids.insert(0, b);
+            }
+        }
+        Ok(ids)
+    }
+
+    /// Text of `ids`.
+    pub fn decode(&self, ids: &[u32], skip_special: bool) -> Result<String> {
+        self.tok.decode(ids, skip_special).map_err(err)
+    }
+
+    /// Render the chat template for `messages`, ready for generation.
+    pub fn render_chat(&self, messages: &[ChatMessage]) -> Result<String> {
+        let Some(t) = &self.template else {
+            // No template: plain concatenation, one message per line.
+            return Ok(messages
+                .iter()
+                .map(|m| format!("{}: {}\n", m.role, m.content))
+                .collect::<String>()
+                + "assistant: ");
+        };
+        let mut env = minijinja::Environment::new();
+        env.add_function(
+            "raise_exception",
+            |msg: String| -> std::result::Result<String, minijinja::Error> {
+                Err(minijinja::Error::new(
+                    minijinja::ErrorKind::InvalidOperation,
+                    msg,
+                ))
+            },
+        );
+        env.add_template("chat", t).map_err(err)?;
+        let tmpl = env.get_template("chat").map_err(err)?;
+        tmpl.render(minijinja::context! {
+            messages => messages
+                .iter()
+                .map(|m| {
+                    let map: std::collections::BTreeMap<String, String> =
+                        [("role".to_string(), m.role.clone()), ("content".to_string(), m.content.clone())].into();
+                    minijinja::Value::from(map)
+                })
+                .collect::<Vec<_>>(),
+            add_generation_prompt => true,
+            bos_token => self.bos_text.clone(),
+            eos_token => self.eos_text.clone(),
+        })
+        .map_err(err)
+    }
+
+    /// A decoder for one generated stream.
+    pub fn stream(&self) -> StreamDecoder<'_> {
+        StreamDecoder {
+            codec: self,
+            ids: Vec::new(),
+            prefix: 0,
+            read: 0,
+        }
+    }
+}
+
+/// Incremental detokenization: each new token yields the text it completes,
+/// holding back bytes of an unfinished UTF-8 character.
+pub struct StreamDecoder<'a> {
+    codec: &'a TextCodec,
+    ids: Vec<u32>,
+    prefix: usize,
+    read: usize,
+}
+
+impl StreamDecoder<'_> {
+    /// Add a token; returns the text it completes (possibly empty).
+    pub fn push(&mut self, id: u32) -> Result<String> {
+        self.ids.push(id);
+        let before = self.codec.decode(&self.ids[self.prefix..self.read], true)?;
+        let now = self.codec.decode(&self.ids[self.prefix..], true)?;
+        if now.len() > before.len() && !now.ends_with('\u{FFFD}') {
+            let piece = now[before.len()..].to_string();
+            self.prefix = self.read;
+            self.read = self.ids.len();
+            Ok(piece)
+        } else {
+            Ok(String::new())
+        }
+    }
+}
