@@ -11,6 +11,7 @@ pub mod error;
 pub mod fetch;
 pub mod generate;
 pub mod model;
+pub mod sampling;
 pub mod tokenizer;
 
 pub use error::{EngineError, Result};
