@@ -10,6 +10,7 @@
 pub mod error;
 pub mod fetch;
 pub mod generate;
+pub mod kv;
 pub mod model;
 pub mod sampling;
 pub mod tokenizer;
