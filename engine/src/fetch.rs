@@ -39,9 +39,12 @@ pub const SMOLLM2: ModelSource = ModelSource {
     file: "SmolLM2-135M-Instruct.Q4_1.gguf",
 };
 
+/// Every model `pull` knows.
+pub const KNOWN: &[&ModelSource] = &[&SMOLLM2];
+
 /// Known models by name.
 pub fn known(name: &str) -> Option<&'static ModelSource> {
-    [&SMOLLM2].into_iter().find(|m| m.name == name)
+    KNOWN.iter().copied().find(|m| m.name == name)
 }
 
 /// The model cache directory.

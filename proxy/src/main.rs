@@ -81,7 +81,7 @@ fn models(cmd: ModelsCmd) -> ExitCode {
     match cmd {
         ModelsCmd::List => {
             println!("cache: {}", fetch::cache_dir().display());
-            for m in [&fetch::SMOLLM2] {
+            for m in fetch::KNOWN {
                 let state = fetch::cached(m)
                     .map(|p| p.display().to_string())
                     .unwrap_or_else(|| "not cached".into());
