@@ -69,7 +69,7 @@ fn rms_norm(x: &Tensor, w: &Tensor, eps: f64) -> candle_core::Result<Tensor> {
     x.broadcast_div(&(ms + eps)?.sqrt()?)?.broadcast_mul(w)
 }
 
-fn softmax_last(x: &Tensor) -> candle_core::Result<Tensor> {
+pub(super) fn softmax_last(x: &Tensor) -> candle_core::Result<Tensor> {
     let max = x.max_keepdim(D::Minus1)?;
     let e = x.broadcast_sub(&max)?.exp()?;
     let s = e.sum_keepdim(D::Minus1)?;
@@ -165,19 +165,37 @@ impl Model {
         }
     }
 
-    fn rope(&self, x: &Tensor, pos: usize) -> candle_core::Result<Tensor> {
-        // x: (heads, len, head_dim)
-        let (h, len, hd) = x.dims3()?;
-        let cos = self.cos.narrow(0, pos, len)?;
-        let sin = self.sin.narrow(0, pos, len)?;
+    /// Positions the rotary tables cover.
+    pub fn max_positions(&self) -> usize {
+        self.cos.dims()[0]
+    }
+
+    /// Rotary cos/sin rows for each token's position: (tokens, head_dim/2).
+    pub(super) fn rope_tables(&self, positions: &Tensor) -> candle_core::Result<(Tensor, Tensor)> {
+        Ok((
+            self.cos.index_select(positions, 0)?,
+            self.sin.index_select(positions, 0)?,
+        ))
+    }
+
+    /// Embedding rows of `ids`: (tokens, dim).
+    pub(super) fn embed_rows(&self, ids: &Tensor) -> candle_core::Result<Tensor> {
+        self.embed.index_select(ids, 0)
+    }
+
+    /// Rotate (tokens, heads, head_dim) by per-token (tokens, head_dim/2) tables.
+    fn rope_tokens(&self, x: &Tensor, cos: &Tensor, sin: &Tensor) -> candle_core::Result<Tensor> {
+        let (t, h, hd) = x.dims3()?;
+        let cos = cos.unsqueeze(1)?;
+        let sin = sin.unsqueeze(1)?;
         match self.cfg.arch {
             Arch::Llama => {
-                let x = x.reshape((h, len, hd / 2, 2))?;
+                let x = x.reshape((t, h, hd / 2, 2))?;
                 let x0 = x.narrow(D::Minus1, 0, 1)?.squeeze(D::Minus1)?;
                 let x1 = x.narrow(D::Minus1, 1, 1)?.squeeze(D::Minus1)?;
                 let r0 = (x0.broadcast_mul(&cos)? - x1.broadcast_mul(&sin)?)?;
                 let r1 = (x0.broadcast_mul(&sin)? + x1.broadcast_mul(&cos)?)?;
-                Tensor::stack(&[r0, r1], D::Minus1)?.reshape((h, len, hd))
+                Tensor::stack(&[r0, r1], D::Minus1)?.reshape((t, h, hd))
             }
             Arch::Qwen2 => {
                 let x0 = x.narrow(D::Minus1, 0, hd / 2)?;
@@ -189,15 +207,63 @@ impl Model {
         }
     }
 
-    /// Run `tokens` at positions `cache.len()..`; returns the logits of the
-    /// last position (vocab,), f32.
+    /// Layer `i`'s rotated queries (tokens, dim), rotated keys and values
+    /// (tokens, kv_heads * head_dim) for the (tokens, dim) input `x`.
+    pub(super) fn qkv(
+        &self,
+        i: usize,
+        x: &Tensor,
+        cos: &Tensor,
+        sin: &Tensor,
+    ) -> candle_core::Result<(Tensor, Tensor, Tensor)> {
+        let (c, l) = (&self.cfg, &self.layers[i]);
+        let t = x.dims()[0];
+        let h = rms_norm(x, &l.attn_norm, c.rms_eps)?;
+        let add = |y: Tensor, b: &Option<Tensor>| -> candle_core::Result<Tensor> {
+            match b {
+                Some(b) => y.broadcast_add(b),
+                None => Ok(y),
+            }
+        };
+        let q = add(l.wq.forward(&h)?, &l.bq)?.reshape((t, c.n_head, c.head_dim))?;
+        let k = add(l.wk.forward(&h)?, &l.bk)?.reshape((t, c.n_kv_head, c.head_dim))?;
+        let v = add(l.wv.forward(&h)?, &l.bv)?;
+        let q = self.rope_tokens(&q, cos, sin)?.reshape((t, c.dim))?;
+        let k = self
+            .rope_tokens(&k, cos, sin)?
+            .reshape((t, c.n_kv_head * c.head_dim))?;
+        Ok((q, k, v))
+    }
+
+    /// Residual after attention, then the feed-forward block, for layer `i`.
+    pub(super) fn finish_layer(
+        &self,
+        i: usize,
+        x: Tensor,
+        attn: &Tensor,
+    ) -> candle_core::Result<Tensor> {
+        let l = &self.layers[i];
+        let x = (x + l.wo.forward(attn)?)?;
+        let h = rms_norm(&x, &l.ffn_norm, self.cfg.rms_eps)?;
+        let ff = (l.w_gate.forward(&h)?.silu()? * l.w_up.forward(&h)?)?;
+        x + l.w_down.forward(&ff)?
+    }
+
+    /// Final norm and output head over (rows, dim): (rows, vocab) f32.
+    pub(super) fn head(&self, rows: &Tensor) -> candle_core::Result<Tensor> {
+        let r = rms_norm(rows, &self.norm, self.cfg.rms_eps)?;
+        self.output.forward(&r)?.to_dtype(DType::F32)
+    }
+
+    /// Run `tokens` at positions `cache.len()..` for one sequence with a
+    /// contiguous cache; returns the last position's logits (vocab,).
     pub fn forward(&self, tokens: &[u32], cache: &mut KvCache) -> Result<Tensor> {
         let pos = cache.len();
         let len = tokens.len();
         if len == 0 {
             return Err(EngineError::Invalid("no tokens".into()));
         }
-        if pos + len > self.cos.dims()[0] {
+        if pos + len > self.max_positions() {
             return Err(EngineError::Invalid(format!(
                 "sequence of {} tokens exceeds the context",
                 pos + len
@@ -205,7 +271,9 @@ impl Model {
         }
         let c = &self.cfg;
         let ids = Tensor::from_slice(tokens, len, &self.device)?;
-        let mut x = self.embed.index_select(&ids, 0)?;
+        let positions: Vec<u32> = (pos..pos + len).map(|p| p as u32).collect();
+        let (cos, sin) = self.rope_tables(&Tensor::from_slice(&positions, len, &self.device)?)?;
+        let mut x = self.embed_rows(&ids)?;
         let rep = c.n_head / c.n_kv_head;
         let scale = 1.0 / (c.head_dim as f64).sqrt();
         let mask = if len > 1 {
@@ -219,17 +287,8 @@ impl Model {
         } else {
             None
         };
-        for (i, l) in self.layers.iter().enumerate() {
-            let h = rms_norm(&x, &l.attn_norm, c.rms_eps)?;
-            let add = |t: Tensor, b: &Option<Tensor>| -> candle_core::Result<Tensor> {
-                match b {
-                    Some(b) => t.broadcast_add(b),
-                    None => Ok(t),
-                }
-            };
-            let q = add(l.wq.forward(&h)?, &l.bq)?;
-            let k = add(l.wk.forward(&h)?, &l.bk)?;
-            let v = add(l.wv.forward(&h)?, &l.bv)?;
+        for i in 0..c.n_layer {
+            let (q, k, v) = self.qkv(i, &x, &cos, &sin)?;
             let q = q
                 .reshape((len, c.n_head, c.head_dim))?
                 .transpose(0, 1)?
@@ -242,8 +301,6 @@ impl Model {
                 .reshape((len, c.n_kv_head, c.head_dim))?
                 .transpose(0, 1)?
                 .contiguous()?;
-            let q = self.rope(&q, pos)?;
-            let k = self.rope(&k, pos)?;
             let k = match cache.k[i].take() {
                 Some(prev) => Tensor::cat(&[&prev, &k], 1)?,
                 None => k,
@@ -273,18 +330,9 @@ impl Model {
                 .matmul(&v.contiguous()?)?
                 .transpose(0, 1)?
                 .reshape((len, c.dim))?;
-            x = (x + l.wo.forward(&out)?)?;
-            let h = rms_norm(&x, &l.ffn_norm, c.rms_eps)?;
-            let ff = (l.w_gate.forward(&h)?.silu()? * l.w_up.forward(&h)?)?;
-            x = (x + l.w_down.forward(&ff)?)?;
+            x = self.finish_layer(i, x, &out)?;
         }
         let last = x.narrow(0, len - 1, 1)?;
-        let last = rms_norm(&last, &self.norm, c.rms_eps)?;
-        let logits = self
-            .output
-            .forward(&last)?
-            .squeeze(0)?
-            .to_dtype(DType::F32)?;
-        Ok(logits)
+        Ok(self.head(&last)?.squeeze(0)?)
     }
 }

@@ -3,6 +3,7 @@
 //! Q/K/V, a separate output head, NEOX rotary).
 
 pub mod llama;
+pub mod paged;
 
 use crate::error::{EngineError, Result};
 use candle_core::quantized::gguf_file::{Content, Value};
