@@ -7,12 +7,14 @@
 //! greedy generation (`generate`). The paged KV cache, the continuous-batching
 //! scheduler with lanes and the backend seam for the proxy build on these.
 
+pub mod api;
 pub mod error;
 pub mod fetch;
 pub mod generate;
 pub mod kv;
 pub mod model;
 pub mod sampling;
+pub mod scheduler;
 pub mod tokenizer;
 
 pub use error::{EngineError, Result};

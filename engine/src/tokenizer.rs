@@ -223,10 +223,31 @@ impl TextCodec {
         StreamDecoder {
             codec: self,
             ids: Vec::new(),
-            prefix: 0,
-            read: 0,
+            offsets: DecodeOffsets::default(),
         }
     }
+
+    /// The text completed by the last id of `ids` (ids so far of one
+    /// stream), holding back an unfinished UTF-8 character.
+    pub fn decode_step(&self, ids: &[u32], o: &mut DecodeOffsets) -> Result<String> {
+        let before = self.decode(&ids[o.prefix..o.read], true)?;
+        let now = self.decode(&ids[o.prefix..], true)?;
+        if now.len() > before.len() && !now.ends_with('\u{FFFD}') {
+            let piece = now[before.len()..].to_string();
+            o.prefix = o.read;
+            o.read = ids.len();
+            Ok(piece)
+        } else {
+            Ok(String::new())
+        }
+    }
+}
+
+/// Where a stream's decoding stands.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct DecodeOffsets {
+    prefix: usize,
+    read: usize,
 }
 
 /// Incremental detokenization: each new token yields the text it completes,
@@ -234,23 +255,13 @@ impl TextCodec {
 pub struct StreamDecoder<'a> {
     codec: &'a TextCodec,
     ids: Vec<u32>,
-    prefix: usize,
-    read: usize,
+    offsets: DecodeOffsets,
 }
 
 impl StreamDecoder<'_> {
     /// Add a token; returns the text it completes (possibly empty).
     pub fn push(&mut self, id: u32) -> Result<String> {
         self.ids.push(id);
-        let before = self.codec.decode(&self.ids[self.prefix..self.read], true)?;
-        let now = self.codec.decode(&self.ids[self.prefix..], true)?;
-        if now.len() > before.len() && !now.ends_with('\u{FFFD}') {
-            let piece = now[before.len()..].to_string();
-            self.prefix = self.read;
-            self.read = self.ids.len();
-            Ok(piece)
-        } else {
-            Ok(String::new())
-        }
+        self.codec.decode_step(&self.ids, &mut self.offsets)
     }
 }

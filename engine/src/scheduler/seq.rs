@@ -1,0 +1,130 @@
+//! One sequence inside the engine: its tokens, blocks, sampler, stop
+//! matcher and event channel, and what happens when a step produces its
+//! next-token logits.
+
+use crate::api::{Event, FinishReason, GenerateRequest, Usage};
+use crate::kv::SeqBlocks;
+use crate::sampling::{Sampler, StopMatcher};
+use crate::tokenizer::{DecodeOffsets, TextCodec};
+use std::time::{Duration, Instant};
+use tokio::sync::mpsc::UnboundedSender;
+
+/// Whether the sequence goes on.
+pub(super) enum Outcome {
+    Continue,
+    Finished,
+}
+
+pub(super) struct Seq {
+    pub req: GenerateRequest,
+    tx: UnboundedSender<Event>,
+    /// Prompt then generated tokens.
+    pub tokens: Vec<u32>,
+    /// Tokens whose keys and values are in the cache.
+    pub computed: usize,
+    pub cached_tokens: usize,
+    pub blocks: Option<SeqBlocks>,
+    pub arrived: Instant,
+    pub first_step: Option<Instant>,
+    pub compute: Duration,
+    pub finished: bool,
+    sampler: Sampler,
+    stop: StopMatcher,
+    offsets: DecodeOffsets,
+    prompt_len: usize,
+}
+
+impl Seq {
+    pub fn new(req: GenerateRequest, tx: UnboundedSender<Event>) -> Self {
+        Seq {
+            tokens: req.prompt.clone(),
+            prompt_len: req.prompt.len(),
+            computed: 0,
+            cached_tokens: 0,
+            blocks: None,
+            arrived: Instant::now(),
+            first_step: None,
+            compute: Duration::ZERO,
+            finished: false,
+            sampler: Sampler::new(req.sampling.clone()),
+            stop: StopMatcher::new(&req.stop),
+            offsets: DecodeOffsets::default(),
+            req,
+            tx,
+        }
+    }
+
+    /// The client is gone (its receiver was dropped).
+    pub fn cancelled(&self) -> bool {
+        self.tx.is_closed()
+    }
+
+    pub fn fail(&mut self, why: &str) {
+        let _ = self.tx.send(Event::Error(why.to_string()));
+        self.finished = true;
+    }
+
+    fn done(&mut self, finish: FinishReason) -> Outcome {
+        let usage = Usage {
+            prompt_tokens: self.prompt_len,
+            completion_tokens: self.tokens.len() - self.prompt_len,
+            cached_tokens: self.cached_tokens,
+        };
+        let queue = self
+            .first_step
+            .map(|f| f.duration_since(self.arrived))
+            .unwrap_or_default();
+        let text = self.stop.finish();
+        let _ = self.tx.send(Event::Done {
+            text,
+            finish,
+            usage,
+            queue,
+            compute: self.compute,
+        });
+        Outcome::Finished
+    }
+
+    /// Sample the next token from `logits` and report it.
+    pub fn advance(&mut self, logits: &[f32], codec: &TextCodec) -> Outcome {
+        let next = self.sampler.sample(logits);
+        if codec.eos.contains(&next) {
+            return self.done(FinishReason::Stop);
+        }
+        self.tokens.push(next);
+        let generated = &self.tokens[self.prompt_len..];
+        let piece = match codec.decode_step(generated, &mut self.offsets) {
+            Ok(p) => p,
+            Err(e) => {
+                self.fail(&e.to_string());
+                return Outcome::Finished;
+            }
+        };
+        let out = self.stop.push(&piece);
+        if out.stopped {
+            if !out.emit.is_empty() {
+                let _ = self.tx.send(Event::Token {
+                    id: next,
+                    text: out.emit,
+                });
+            }
+            // The stop text is not part of the completion.
+            return self.done(FinishReason::Stop);
+        }
+        if self
+            .tx
+            .send(Event::Token {
+                id: next,
+                text: out.emit,
+            })
+            .is_err()
+        {
+            self.finished = true;
+            return Outcome::Finished;
+        }
+        if self.tokens.len() - self.prompt_len >= self.req.max_tokens {
+            return self.done(FinishReason::Length);
+        }
+        Outcome::Continue
+    }
+}
