@@ -58,27 +58,42 @@ impl BackgroundService for HealthChecker {
     }
 }
 
-/// Run one round of probes over the pool's current members (also used to
-/// warm a new pool before a reload swaps it in).
-pub async fn check_pool(pool: Arc<Pool>, streaks: &mut Streaks) {
-    let Some(h) = pool.health.clone() else { return };
+/// Probe, concurrently, the pool's current members that `pick` selects.
+async fn probe_members(pool: &Arc<Pool>, pick: impl Fn(&Member) -> bool) -> Vec<(Member, bool)> {
+    let Some(h) = pool.health.clone() else {
+        return Vec::new();
+    };
     let tls = pool.settings.tls.is_some();
-    let membership = pool.members();
-    let probes: Vec<_> = membership
+    let probes: Vec<_> = pool
+        .members()
         .members
         .iter()
+        .filter(|m| pick(m))
         .map(|m| {
             let (m, h) = (m.clone(), h.clone());
             tokio::spawn(async move {
                 let host = h.host.clone().unwrap_or_else(|| m.label.clone());
-                tokio::time::timeout(h.timeout, probe(&m, &host, &h.path, tls))
+                let ok = tokio::time::timeout(h.timeout, probe(&m, &host, &h.path, tls))
                     .await
-                    .unwrap_or(false)
+                    .unwrap_or(false);
+                (m, ok)
             })
         })
         .collect();
-    for (m, p) in membership.members.iter().zip(probes) {
-        let ok = p.await.unwrap_or(false);
+    let mut out = Vec::with_capacity(probes.len());
+    for p in probes {
+        if let Ok(r) = p.await {
+            out.push(r);
+        }
+    }
+    out
+}
+
+/// Run one round of probes over the pool's current members, applying the
+/// rise/fall rules.
+pub async fn check_pool(pool: Arc<Pool>, streaks: &mut Streaks) {
+    let Some(h) = pool.health.clone() else { return };
+    for (m, ok) in probe_members(&pool, |_| true).await {
         let s = streaks
             .entry((pool.name.clone(), m.addr.to_string()))
             .or_insert((0, 0));
@@ -106,27 +121,9 @@ pub async fn check_pool(pool: Arc<Pool>, streaks: &mut Streaks) {
 /// Probe every member not in `carried` once and set its health from that
 /// single result (used before a reload swaps a new or changed pool in).
 pub async fn probe_new_members(pool: &Arc<Pool>, carried: &[std::net::SocketAddr]) {
-    let Some(h) = pool.health.clone() else { return };
-    let tls = pool.settings.tls.is_some();
-    let membership = pool.members();
-    let probes: Vec<_> = membership
-        .members
-        .iter()
-        .filter(|m| !carried.contains(&m.addr))
-        .map(|m| {
-            let (m, h) = (m.clone(), h.clone());
-            tokio::spawn(async move {
-                let host = h.host.clone().unwrap_or_else(|| m.label.clone());
-                let ok = tokio::time::timeout(h.timeout, probe(&m, &host, &h.path, tls))
-                    .await
-                    .unwrap_or(false);
-                m.state.healthy.store(ok, Ordering::Relaxed);
-                m.state.metrics.healthy.set(ok as i64);
-            })
-        })
-        .collect();
-    for p in probes {
-        let _ = p.await;
+    for (m, ok) in probe_members(pool, |m| !carried.contains(&m.addr)).await {
+        m.state.healthy.store(ok, Ordering::Relaxed);
+        m.state.metrics.healthy.set(ok as i64);
     }
 }
 
