@@ -113,16 +113,21 @@ fn metrics_pass_promtool_and_health_endpoints_answer() {
     assert_eq!(get(uf.admin, "/healthz", &[]).status, 200);
     assert_eq!(get(uf.admin, "/readyz", &[]).status, 200);
     assert_eq!(get(uf.admin, "/nope", &[]).status, 404);
-    let text = uf.metrics();
-    for m in [
+    // Requests are counted in the logging phase, just after the response
+    // is written: poll until the counts are in.
+    let wanted = [
         "ultrafast_requests_total{class=\"2xx\",pool=\"p\",route=\"route0\"} 2",
         "ultrafast_requests_total{class=\"2xx\",pool=\"none\",route=\"fixed\"} 2",
         "ultrafast_upstream_response_seconds_count{pool=\"p\"} 2",
         "ultrafast_upstream_member_healthy{",
         "ultrafast_upstream_connections_total{pool=\"p\",reused=\"false\"}",
-    ] {
-        assert!(text.contains(m), "missing `{m}` in:\n{text}");
-    }
+    ];
+    let mut text = String::new();
+    let complete = eventually(Duration::from_secs(5), || {
+        text = uf.metrics();
+        wanted.iter().all(|m| text.contains(m))
+    });
+    assert!(complete, "missing some of {wanted:?} in:\n{text}");
     let file = uf.dir.join("metrics.txt");
     std::fs::write(&file, &text).unwrap();
     let out = std::process::Command::new("promtool")

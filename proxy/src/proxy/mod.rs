@@ -4,6 +4,12 @@
 //! Per request we take one `ArcSwap` snapshot of the config (in `new_ctx`)
 //! and keep it to the end, so a reload never changes a request midway.
 
+mod admit;
+mod ctx;
+
+use ctx::Tried;
+pub use ctx::{Ctx, InFlight};
+
 use crate::accesslog::{AccessLog, Entry};
 use crate::admission::gate::{Denied, Permit};
 use crate::admission::queue::Reason;
@@ -24,104 +30,6 @@ use pingora::{Error, ErrorSource, ErrorType};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime};
-
-/// Counts requests in flight, for draining at shutdown.
-#[derive(Debug)]
-pub struct InFlight(Arc<AtomicUsize>);
-
-impl InFlight {
-    fn new(c: &Arc<AtomicUsize>) -> Self {
-        c.fetch_add(1, Ordering::Relaxed);
-        InFlight(c.clone())
-    }
-}
-
-impl Drop for InFlight {
-    fn drop(&mut self) {
-        self.0.fetch_sub(1, Ordering::Relaxed);
-    }
-}
-
-/// Members already tried by a request (at most 10 tries, never allocates).
-#[derive(Debug, Default)]
-struct Tried {
-    ids: [usize; 10],
-    n: usize,
-}
-
-impl Tried {
-    fn push(&mut self, i: usize) {
-        if self.n < self.ids.len() {
-            self.ids[self.n] = i;
-            self.n += 1;
-        }
-    }
-    fn as_slice(&self) -> &[usize] {
-        &self.ids[..self.n]
-    }
-    fn len(&self) -> usize {
-        self.n
-    }
-}
-
-/// Per-request state.
-pub struct Ctx {
-    cfg: Arc<Config>,
-    started: Instant,
-    started_wall: SystemTime,
-    request_id: http::HeaderValue,
-    route: Option<Arc<Route>>,
-    lane: usize,
-    permit: Option<Permit>,
-    queue_wait: Option<Duration>,
-    hash: u64,
-    tried: Tried,
-    membership: Option<Arc<Membership>>,
-    member: Option<usize>,
-    outstanding: Option<Outstanding>,
-    upstream_start: Option<Instant>,
-    upstream_time: Option<Duration>,
-    body_bytes: u64,
-    error_status: u16,
-    hsts: Option<http::HeaderValue>,
-    _inflight: InFlight,
-}
-
-impl Ctx {
-    fn pool(&self) -> Option<&Arc<Pool>> {
-        match &self.route.as_ref()?.action {
-            Action::Proxy(p) => Some(p),
-            _ => None,
-        }
-    }
-
-    fn member(&self) -> Option<&Member> {
-        self.membership.as_ref()?.members.get(self.member?)
-    }
-
-    /// Whether one more try is allowed for this request.
-    fn may_retry(&self, session: &Session) -> bool {
-        let Some(pool) = self.pool() else {
-            return false;
-        };
-        if self.tried.len() as u32 >= pool.settings.attempts
-            || self
-                .membership
-                .as_ref()
-                .is_some_and(|m| self.tried.len() >= m.members.len())
-            || session.response_written().is_some()
-        {
-            return false;
-        }
-        if pool.budget.try_withdraw() {
-            pool.metrics.retries.inc();
-            true
-        } else {
-            pool.metrics.retries_denied.inc();
-            false
-        }
-    }
-}
 
 /// The edge proxy.
 pub struct EdgeProxy {
@@ -144,125 +52,6 @@ impl EdgeProxy {
             metrics,
             log,
             inflight,
-        }
-    }
-}
-
-impl EdgeProxy {
-    async fn bad_request(
-        &self,
-        session: &mut Session,
-        ctx: &Ctx,
-        why: &str,
-        code: &str,
-    ) -> Result<bool> {
-        self.metrics.rejected.with_label_values(&[code]).inc();
-        filters::respond_error(session, 400, why, code, &ctx.request_id).await?;
-        Ok(true)
-    }
-
-    async fn shed(
-        &self,
-        session: &mut Session,
-        ctx: &Ctx,
-        reason: Reason,
-        retry_after: Duration,
-    ) -> Result<bool> {
-        let lane = ctx
-            .cfg
-            .lanes
-            .get(ctx.lane)
-            .map(|l| l.name.as_str())
-            .unwrap_or("");
-        self.metrics.shed(lane, reason.as_str());
-        let (status, headers, body) = admission::refusal(reason, retry_after);
-        let mut extra: Vec<(&str, &str)> = headers.iter().map(|(k, v)| (*k, v.as_str())).collect();
-        let rid = ctx.request_id.clone();
-        extra.push(("x-request-id", rid.to_str().unwrap_or("")));
-        filters::respond(session, status, "application/json", body, &extra).await?;
-        Ok(true)
-    }
-
-    /// Lane, rate limits and the pool's queue. Ok(true) means a response
-    /// was sent (refused); Ok(false) means go on (holding a slot if any).
-    async fn admit(
-        &self,
-        session: &mut Session,
-        ctx: &mut Ctx,
-        route: &Arc<Route>,
-    ) -> Result<bool> {
-        let header = session
-            .req_header()
-            .headers
-            .get(PRIORITY_HEADER)
-            .map(|v| v.as_bytes());
-        ctx.lane = match admission::select_lane(&ctx.cfg.lanes, header, route.lane) {
-            Ok(l) => l,
-            Err(why) => {
-                return self
-                    .bad_request(session, ctx, &why, "invalid_priority")
-                    .await
-            }
-        };
-        let pool = match &route.action {
-            Action::Proxy(p) => Some(p.clone()),
-            _ => None,
-        };
-        if !route.limiters.is_empty() {
-            let input = KeyInput {
-                client_ip: session
-                    .client_addr()
-                    .and_then(|a| a.as_inet())
-                    .map(|a| a.ip()),
-                headers: &session.req_header().headers,
-                route: &route.name,
-                pool: pool.as_ref().map(|p| p.name.as_str()),
-            };
-            for l in &route.limiters {
-                match l.check(&input) {
-                    Verdict::Allow => {}
-                    Verdict::Limited(wait) => {
-                        return self.shed(session, ctx, Reason::RateLimit, wait).await
-                    }
-                    Verdict::BadKey(why) => {
-                        return self.bad_request(session, ctx, why, "invalid_api_key").await
-                    }
-                }
-            }
-        }
-        let Some(gate) = pool.and_then(|p| p.gate.clone()) else {
-            return Ok(false);
-        };
-        let watch_disconnect = !filters::has_body(session.req_header());
-        let lane = ctx.lane;
-        let outcome = {
-            // Without a body to read, an idle read only returns when the
-            // client closes: that is how a queued request notices it.
-            let gone = async {
-                if watch_disconnect {
-                    while let Ok(Some(_)) = session.read_body_or_idle(true).await {}
-                } else {
-                    std::future::pending::<()>().await;
-                }
-            };
-            gate.acquire(lane, None, gone).await
-        };
-        match outcome {
-            Ok((permit, waited)) => {
-                ctx.permit = Some(permit);
-                ctx.queue_wait = Some(waited);
-                Ok(false)
-            }
-            Err(Denied::Shed(reason, retry_after)) => {
-                self.shed(session, ctx, reason, retry_after).await
-            }
-            Err(Denied::Gone) => {
-                self.metrics
-                    .rejected
-                    .with_label_values(&["client_gone"])
-                    .inc();
-                Err(Error::new_down(ErrorType::ConnectionClosed))
-            }
         }
     }
 }

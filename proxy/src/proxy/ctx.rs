@@ -1,0 +1,104 @@
+//! Per-request state of the proxy: the config snapshot, the route, the
+//! members tried, held slots and timings. Everything that must be released
+//! (in-flight count, member outstanding count, admission slot) is held as a
+//! guard, so every exit path releases it exactly once.
+
+use super::*;
+
+/// Counts requests in flight, for draining at shutdown.
+#[derive(Debug)]
+pub struct InFlight(Arc<AtomicUsize>);
+
+impl InFlight {
+    pub(super) fn new(c: &Arc<AtomicUsize>) -> Self {
+        c.fetch_add(1, Ordering::Relaxed);
+        InFlight(c.clone())
+    }
+}
+
+impl Drop for InFlight {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::Relaxed);
+    }
+}
+
+/// Members already tried by a request (at most 10 tries, never allocates).
+#[derive(Debug, Default)]
+pub(super) struct Tried {
+    ids: [usize; 10],
+    n: usize,
+}
+
+impl Tried {
+    pub(super) fn push(&mut self, i: usize) {
+        if self.n < self.ids.len() {
+            self.ids[self.n] = i;
+            self.n += 1;
+        }
+    }
+    pub(super) fn as_slice(&self) -> &[usize] {
+        &self.ids[..self.n]
+    }
+    pub(super) fn len(&self) -> usize {
+        self.n
+    }
+}
+
+/// Per-request state.
+pub struct Ctx {
+    pub(super) cfg: Arc<Config>,
+    pub(super) started: Instant,
+    pub(super) started_wall: SystemTime,
+    pub(super) request_id: http::HeaderValue,
+    pub(super) route: Option<Arc<Route>>,
+    pub(super) lane: usize,
+    pub(super) permit: Option<Permit>,
+    pub(super) queue_wait: Option<Duration>,
+    pub(super) hash: u64,
+    pub(super) tried: Tried,
+    pub(super) membership: Option<Arc<Membership>>,
+    pub(super) member: Option<usize>,
+    pub(super) outstanding: Option<Outstanding>,
+    pub(super) upstream_start: Option<Instant>,
+    pub(super) upstream_time: Option<Duration>,
+    pub(super) body_bytes: u64,
+    pub(super) error_status: u16,
+    pub(super) hsts: Option<http::HeaderValue>,
+    pub(super) _inflight: InFlight,
+}
+
+impl Ctx {
+    pub(super) fn pool(&self) -> Option<&Arc<Pool>> {
+        match &self.route.as_ref()?.action {
+            Action::Proxy(p) => Some(p),
+            _ => None,
+        }
+    }
+
+    pub(super) fn member(&self) -> Option<&Member> {
+        self.membership.as_ref()?.members.get(self.member?)
+    }
+
+    /// Whether one more try is allowed for this request.
+    pub(super) fn may_retry(&self, session: &Session) -> bool {
+        let Some(pool) = self.pool() else {
+            return false;
+        };
+        if self.tried.len() as u32 >= pool.settings.attempts
+            || self
+                .membership
+                .as_ref()
+                .is_some_and(|m| self.tried.len() >= m.members.len())
+            || session.response_written().is_some()
+        {
+            return false;
+        }
+        if pool.budget.try_withdraw() {
+            pool.metrics.retries.inc();
+            true
+        } else {
+            pool.metrics.retries_denied.inc();
+            false
+        }
+    }
+}
