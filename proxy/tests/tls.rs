@@ -634,3 +634,37 @@ fn tls_listener_survives_a_graceful_upgrade() {
     );
     drop(new);
 }
+
+#[test]
+fn https_member_syntax_and_mixed_pools() {
+    let dir = scratch("httpsmember");
+    ca(&dir);
+    leaf(&dir, "origin", "origin.test", true);
+    let port = free_port();
+    let _origin = SServer::start(&dir, port, "origin", false);
+    let uf = Ultrafast::start(&format!(
+        "[pools.up]\nmembers = [{{ addr = \"https://127.0.0.1:{port}/\" }}]\nretry = {{ attempts = 1 }}\n\
+         tls = {{ sni = \"origin.test\", ca_file = \"{}/ca.pem\" }}\n[[routes]]\npath = \"/\"\npool = \"up\"\n",
+        dir.display()
+    ));
+    let r = uf.get("/");
+    assert_eq!(r.status, 200, "{}", r.text());
+    // An https:// member with no `tls` section verifies against the system
+    // roots, which do not know the test CA: a clean 502, not plaintext.
+    let uf2 = Ultrafast::start(&format!(
+        "[pools.up]\nmembers = [{{ addr = \"https://127.0.0.1:{port}\" }}]\nretry = {{ attempts = 1 }}\n[[routes]]\npath = \"/\"\npool = \"up\"\n"
+    ));
+    assert_eq!(uf2.get("/").status, 502);
+    let bad = dir.join("mixed.toml");
+    std::fs::write(
+        &bad,
+        format!("[[listeners]]\naddress = \"127.0.0.1:{}\"\n[pools.m]\nmembers = [{{ addr = \"https://127.0.0.1:1\" }}, {{ addr = \"127.0.0.1:2\" }}]\n", free_port()),
+    )
+    .unwrap();
+    let out = Command::new(bin())
+        .args(["check", "-c"])
+        .arg(&bad)
+        .output()
+        .unwrap();
+    assert!(String::from_utf8_lossy(&out.stderr).contains("cannot mix https://"));
+}

@@ -11,6 +11,7 @@ pub(in crate::config) enum MemberAddr {
 }
 
 pub(in crate::config) fn parse_member_addr(addr: &str) -> Result<MemberAddr, String> {
+    let addr = strip_scheme(addr);
     if let Ok(a) = addr.parse::<SocketAddr>() {
         return Ok(MemberAddr::Literal(a));
     }
@@ -29,6 +30,14 @@ pub(in crate::config) fn parse_member_addr(addr: &str) -> Result<MemberAddr, Str
         ));
     }
     Ok(MemberAddr::Name(host.to_ascii_lowercase(), port))
+}
+
+/// `https://host:port/` -> `host:port` (the scheme is the pool's TLS setting).
+fn strip_scheme(addr: &str) -> &str {
+    addr.strip_prefix("https://")
+        .or_else(|| addr.strip_prefix("http://"))
+        .unwrap_or(addr)
+        .trim_end_matches('/')
 }
 
 pub(super) fn pool(
@@ -62,6 +71,22 @@ pub(super) fn pool(
             .map(|m| m.state.clone())
             .unwrap_or_else(|| Arc::new(MemberState::new(metrics.member(name, &addr.to_string()))))
     };
+    // `https://` members mean TLS with the defaults unless `tls` says more.
+    let https = p
+        .members
+        .iter()
+        .filter(|m| m.addr.starts_with("https://"))
+        .count();
+    if https > 0 && https < p.members.len() {
+        errs.push(
+            at.k("members"),
+            "a pool cannot mix https:// and plain members",
+        );
+    }
+    let tls_section = p.tls.clone().or_else(|| {
+        (https > 0 && https == p.members.len())
+            .then(crate::config::file::UpstreamTlsSection::default)
+    });
     let mut static_members = Vec::new();
     let mut targets = Vec::new();
     let mut answers = Vec::new();
@@ -74,7 +99,7 @@ pub(super) fn pool(
         match parse_member_addr(&m.addr) {
             Ok(MemberAddr::Literal(a)) => static_members.push(Member {
                 addr: a,
-                label: m.addr.clone(),
+                label: strip_scheme(&m.addr).to_string(),
                 weight,
                 state: state_for(a),
             }),
@@ -202,8 +227,7 @@ pub(super) fn pool(
             write_timeout: ms(p.write_timeout_ms),
             keepalive_idle: (p.keepalive_idle_s > 0)
                 .then(|| Duration::from_secs(p.keepalive_idle_s)),
-            tls: p
-                .tls
+            tls: tls_section
                 .as_ref()
                 .and_then(|t| upstream_tls(t, &at.k("tls"), errs)),
             max_fails: p.passive.max_fails,
