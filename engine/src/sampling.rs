@@ -49,7 +49,8 @@ pub struct Sampler {
     scratch: Vec<(f32, u32)>,
 }
 
-fn argmax(logits: &[f32]) -> u32 {
+/// Index of the largest logit (the first on ties).
+pub fn argmax(logits: &[f32]) -> u32 {
     let mut best = 0;
     for (i, v) in logits.iter().enumerate() {
         if *v > logits[best] {

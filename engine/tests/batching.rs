@@ -8,19 +8,10 @@ use ultrafast_engine::fetch::{self, SMOLLM2};
 use ultrafast_engine::generate;
 use ultrafast_engine::kv::BlockPool;
 use ultrafast_engine::model::paged::{PagedKv, SeqStep};
+use ultrafast_engine::sampling::argmax;
 use ultrafast_engine::tokenizer::ChatMessage;
 
 const NEW: usize = 12;
-
-fn argmax(v: &[f32]) -> u32 {
-    let mut b = 0;
-    for (i, x) in v.iter().enumerate() {
-        if *x > v[b] {
-            b = i;
-        }
-    }
-    b as u32
-}
 
 #[test]
 fn greedy_tokens_are_the_same_alone_and_in_a_mixed_batch() {

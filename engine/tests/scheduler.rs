@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 use ultrafast_engine::api::{Event, FinishReason, GenerateRequest};
 use ultrafast_engine::fetch::{self, SMOLLM2};
 use ultrafast_engine::generate::{self, Loaded};
-use ultrafast_engine::sampling::SamplingParams;
+use ultrafast_engine::sampling::{argmax, SamplingParams};
 use ultrafast_engine::scheduler::{Engine, EngineConfig};
 use ultrafast_engine::tokenizer::ChatMessage;
 
@@ -85,10 +85,7 @@ fn solo_with_margins(p: &[u32], n: usize) -> (Vec<u32>, Vec<f32>) {
         .to_vec1::<f32>()
         .unwrap();
     for _ in 0..n {
-        let t = logits
-            .iter()
-            .enumerate()
-            .fold(0, |b, (i, v)| if *v > logits[b] { i } else { b }) as u32;
+        let t = argmax(&logits);
         let mut sorted = logits.clone();
         sorted.sort_by(|a, b| b.total_cmp(a));
         margins.push(sorted[0] - sorted[1]);

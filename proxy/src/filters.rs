@@ -109,21 +109,18 @@ pub fn hash_key(session: &Session, key: &HashKey) -> u64 {
                 .unwrap_or(b""),
         ),
         HashKey::Cookie(name) => {
-            let mut val: &[u8] = b"";
-            for h in session.req_header().headers.get_all(http::header::COOKIE) {
-                if let Ok(s) = h.to_str() {
-                    if let Some(v) = s
-                        .split(';')
-                        .filter_map(|kv| kv.trim().split_once('='))
-                        .find(|(k, _)| k == name)
-                        .map(|(_, v)| v)
-                    {
-                        val = v.as_bytes();
-                        return hash_bytes(val);
-                    }
-                }
-            }
-            hash_bytes(val)
+            let value = session
+                .req_header()
+                .headers
+                .get_all(http::header::COOKIE)
+                .iter()
+                .filter_map(|h| h.to_str().ok())
+                .flat_map(|s| s.split(';'))
+                .filter_map(|kv| kv.trim().split_once('='))
+                .find(|(k, _)| k == name)
+                .map(|(_, v)| v)
+                .unwrap_or("");
+            hash_bytes(value.as_bytes())
         }
     }
 }

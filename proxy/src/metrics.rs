@@ -373,11 +373,6 @@ impl Metrics {
         }
     }
 
-    /// The registry, for components that add their own families.
-    pub fn registry(&self) -> &Registry {
-        &self.registry
-    }
-
     /// Prometheus text exposition of everything.
     pub fn render(&self) -> Vec<u8> {
         let mut out = Vec::with_capacity(16 * 1024);

@@ -237,11 +237,6 @@ impl Router {
             .or(self.default_table)?;
         self.tables[table].find(path).map(|i| &self.routes[i])
     }
-
-    /// Every route, in config order.
-    pub fn routes(&self) -> &[Arc<Route>] {
-        &self.routes
-    }
 }
 
 fn strip_port(host: &str) -> &str {

@@ -45,6 +45,28 @@ fn s_client(port: u16, args: &str) -> String {
     .1
 }
 
+/// A full handshake that saves its session to `path`.
+fn save_session(port: u16, version: &str, path: &Path) -> String {
+    s_client(
+        port,
+        &format!(
+            "{version} -servername localhost -sess_out {}",
+            path.display()
+        ),
+    )
+}
+
+/// A handshake offering the session saved in `path`.
+fn resume(port: u16, version: &str, path: &Path) -> String {
+    s_client(
+        port,
+        &format!(
+            "{version} -servername localhost -sess_in {}",
+            path.display()
+        ),
+    )
+}
+
 /// A CA (key + cert) made with openssl in `dir`.
 fn ca(dir: &Path) {
     let d = dir.display();
@@ -147,16 +169,10 @@ fn localhost_tls(extra: &str) -> (Tls, PathBuf) {
 fn tls13_ticket_and_tls12_reconnect_resume() {
     let (t, dir) = localhost_tls("");
     let sess = dir.join("s13.pem");
-    let first = s_client(
-        t.port,
-        &format!("-tls1_3 -servername localhost -sess_out {}", sess.display()),
-    );
+    let first = save_session(t.port, "-tls1_3", &sess);
     assert!(first.contains("New, TLSv1.3"), "{first}");
     assert!(first.contains("HTTP/1.1 200"), "{first}");
-    let second = s_client(
-        t.port,
-        &format!("-tls1_3 -servername localhost -sess_in {}", sess.display()),
-    );
+    let second = resume(t.port, "-tls1_3", &sess);
     assert!(second.contains("Reused, TLSv1.3"), "{second}");
     let r12 = sh(
         &format!(
@@ -185,14 +201,8 @@ fn session_cache_resumes_without_tickets() {
     // With tickets off, TLS 1.3 resumes statefully from the cache too.
     let (t, dir) = localhost_tls(", session_tickets = false");
     let sess = dir.join("cache.pem");
-    let _ = s_client(
-        t.port,
-        &format!("-tls1_3 -servername localhost -sess_out {}", sess.display()),
-    );
-    let second = s_client(
-        t.port,
-        &format!("-tls1_3 -servername localhost -sess_in {}", sess.display()),
-    );
+    let _ = save_session(t.port, "-tls1_3", &sess);
+    let second = resume(t.port, "-tls1_3", &sess);
     assert!(second.contains("Reused, TLSv1.3"), "{second}");
     assert!(t.uf.metric("ultrafast_tls_handshakes_total", &["resumed_cache"]) >= 1.0);
     assert_eq!(
@@ -205,20 +215,11 @@ fn session_cache_resumes_without_tickets() {
 fn a_ticket_from_two_rotations_ago_gets_a_full_handshake() {
     let (t, dir) = localhost_tls(", ticket_rotation_s = 1");
     let sess = dir.join("old.pem");
-    let _ = s_client(
-        t.port,
-        &format!("-tls1_2 -servername localhost -sess_out {}", sess.display()),
-    );
-    let fresh = s_client(
-        t.port,
-        &format!("-tls1_2 -servername localhost -sess_in {}", sess.display()),
-    );
+    let _ = save_session(t.port, "-tls1_2", &sess);
+    let fresh = resume(t.port, "-tls1_2", &sess);
     assert!(fresh.contains("Reused"), "{fresh}");
     std::thread::sleep(Duration::from_millis(2200));
-    let old = s_client(
-        t.port,
-        &format!("-tls1_2 -servername localhost -sess_in {}", sess.display()),
-    );
+    let old = resume(t.port, "-tls1_2", &sess);
     assert!(old.contains("New, TLSv1.2"), "{old}");
     assert!(
         old.contains("HTTP/1.1 200"),
@@ -247,14 +248,8 @@ fn instances_sharing_a_ticket_key_file_resume_each_other() {
         start_tls(std::slice::from_ref(&entry), &extra),
     );
     let sess = dir.join("s.pem");
-    let _ = s_client(
-        a.port,
-        &format!("-tls1_3 -servername localhost -sess_out {}", sess.display()),
-    );
-    let on_b = s_client(
-        b.port,
-        &format!("-tls1_3 -servername localhost -sess_in {}", sess.display()),
-    );
+    let _ = save_session(a.port, "-tls1_3", &sess);
+    let on_b = resume(b.port, "-tls1_3", &sess);
     assert!(on_b.contains("Reused, TLSv1.3"), "{on_b}");
     // A world-readable key file is refused, with its location.
     set_mode("644");

@@ -159,7 +159,7 @@ impl Gate {
             // it from the lane that just released (capacity accounting is
             // what matters; lanes re-balance on the next grant).
             if tx.send(()).is_err() {
-                granted.extend(g.q.return_slot(lane));
+                granted.extend(g.q.release(lane));
             }
         }
         self.update_depths(&g.q);

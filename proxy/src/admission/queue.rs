@@ -292,11 +292,6 @@ impl<T> LaneQueue<T> {
             return out;
         }
     }
-
-    /// Undo a grant whose receiver was gone: the slot is free again.
-    pub fn return_slot(&mut self, lane: usize) -> Vec<(u64, T)> {
-        self.release(lane)
-    }
 }
 
 #[cfg(test)]

@@ -46,8 +46,6 @@ pub enum Balancer {
         ring: Vec<(u64, usize)>,
         /// Max load as a factor of the average (e.g. 1.25).
         load_factor: f64,
-        /// Where the key comes from.
-        key: HashKey,
     },
     /// Power of two choices on latency EWMA times outstanding.
     PeakEwma {
@@ -102,30 +100,19 @@ impl Balancer {
     }
 
     /// A consistent-hash ring over `members`.
-    pub fn consistent_hash(members: &[Member], load_factor: f64, key: HashKey) -> Self {
+    pub fn consistent_hash(members: &[Member], load_factor: f64) -> Self {
         let mut ring = Vec::new();
         for (i, m) in members.iter().enumerate() {
             for v in 0..(m.weight as usize * VNODES_PER_WEIGHT) {
-                // Points depend only on the member's own label, so adding a
-                // member leaves every other member's points where they were.
-                let point = hash_bytes(format!("{}#{v}", m.label).as_bytes());
+                // Points depend only on the member's own address, so adding
+                // a member leaves every other member's points where they
+                // were (and the addresses of one DNS name stay distinct).
+                let point = hash_bytes(format!("{}#{v}", m.addr).as_bytes());
                 ring.push((point, i));
             }
         }
         ring.sort_unstable();
-        Balancer::ConsistentHash {
-            ring,
-            load_factor,
-            key,
-        }
-    }
-
-    /// The hash key source, for consistent hashing.
-    pub fn hash_key(&self) -> Option<&HashKey> {
-        match self {
-            Balancer::ConsistentHash { key, .. } => Some(key),
-            _ => None,
-        }
+        Balancer::ConsistentHash { ring, load_factor }
     }
 
     /// Pick a member, never one in `tried`.
@@ -198,23 +185,22 @@ impl Balancer {
                 fallback
             }
             Balancer::PeakEwma { rng } => {
+                // Two random available members, without collecting them: start
+                // at two random offsets and take the first available index.
                 let r = mix64(rng.fetch_add(0x9e37_79b9_7f4a_7c15, Ordering::Relaxed));
-                let cands: Vec<usize> = (0..n).filter(|&i| ok(i)).collect();
-                match cands.len() {
-                    0 => None,
-                    1 => Some(cands[0]),
-                    c => {
-                        let a = cands[(r % c as u64) as usize];
-                        let mut b = cands[((r >> 32) % (c as u64 - 1)) as usize];
-                        if b == a {
-                            b = cands[c - 1];
-                        }
-                        Some(if cost(&members[a]) <= cost(&members[b]) {
-                            a
-                        } else {
-                            b
-                        })
-                    }
+                let from = |start: usize, skip: Option<usize>| {
+                    (0..n)
+                        .map(|k| (start + k) % n)
+                        .find(|&i| ok(i) && Some(i) != skip)
+                };
+                let a = from((r % n as u64) as usize, None)?;
+                match from(((r >> 32) % n as u64) as usize, Some(a)) {
+                    None => Some(a),
+                    Some(b) => Some(if cost(&members[a]) <= cost(&members[b]) {
+                        a
+                    } else {
+                        b
+                    }),
                 }
             }
         }
@@ -282,11 +268,10 @@ mod tests {
 
     #[test]
     fn consistent_hash_moves_about_one_nth_of_keys() {
-        let key = HashKey::ClientIp;
         let four = members(4);
         let five = members(5);
-        let a = Balancer::consistent_hash(&four, 100.0, key.clone());
-        let b = Balancer::consistent_hash(&five, 100.0, key);
+        let a = Balancer::consistent_hash(&four, 100.0);
+        let b = Balancer::consistent_hash(&five, 100.0);
         let keys = 10_000u64;
         let moved = (0..keys)
             .map(|k| hash_bytes(&k.to_le_bytes()))

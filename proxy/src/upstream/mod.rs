@@ -193,9 +193,7 @@ impl LbSpec {
             LbSpec::LeastOutstanding => Balancer::LeastOutstanding {
                 next: AtomicU64::new(0),
             },
-            LbSpec::ConsistentHash(key, factor) => {
-                Balancer::consistent_hash(members, *factor, key.clone())
-            }
+            LbSpec::ConsistentHash(_, factor) => Balancer::consistent_hash(members, *factor),
             LbSpec::PeakEwma => Balancer::PeakEwma {
                 rng: AtomicU64::new(0x5eed),
             },
