@@ -78,3 +78,122 @@ pub enum Event {
     /// The request failed (it can never fit, or the model failed).
     Error(String),
 }
+
+/// A prompt before tokenization.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Prompt {
+    /// Chat messages, rendered with the model's template.
+    Chat(Vec<crate::tokenizer::ChatMessage>),
+    /// Raw text (completions).
+    Text(String),
+}
+
+/// A validated inference request as the front hands it to a backend.
+#[derive(Debug, Clone)]
+pub struct InferenceRequest {
+    /// Model name the client asked for.
+    pub model: String,
+    /// What to continue.
+    pub prompt: Prompt,
+    /// Most tokens to generate (None: as many as fit).
+    pub max_tokens: Option<usize>,
+    /// Sampling settings.
+    pub sampling: SamplingParams,
+    /// Stop sequences.
+    pub stop: Vec<String>,
+    /// Lane name (`ultra`, `standard`, ...).
+    pub lane: String,
+    /// Lane rank: lower is more urgent.
+    pub lane_rank: u32,
+    /// Request id, passed on to upstreams.
+    pub request_id: String,
+    /// End-user id (OpenAI's `user`), passed on.
+    pub user: Option<String>,
+}
+
+/// What a backend learned while preparing a request: its size (for
+/// admission) and backend-private data needed to run it.
+#[derive(Debug, Clone, Default)]
+pub struct Prepared {
+    /// Prompt tokens (exact for the engine, estimated for upstreams).
+    pub prompt_tokens: usize,
+    /// Tokens the request may generate.
+    pub max_tokens: usize,
+    /// Token ids (engine only).
+    pub tokens: Vec<u32>,
+    /// Hash of the conversation prefix (for prefix affinity).
+    pub prefix_hash: u64,
+}
+
+/// A request a backend cannot take, in OpenAI's error vocabulary.
+#[derive(Debug, Clone, PartialEq)]
+pub struct BackendError {
+    /// HTTP status.
+    pub status: u16,
+    /// OpenAI error `type`.
+    pub kind: &'static str,
+    /// OpenAI error `code`.
+    pub code: &'static str,
+    /// The request field at fault.
+    pub param: Option<&'static str>,
+    /// Human-readable reason.
+    pub message: String,
+}
+
+impl BackendError {
+    /// A 400 about one field.
+    pub fn invalid(code: &'static str, param: Option<&'static str>, message: String) -> Self {
+        BackendError {
+            status: 400,
+            kind: "invalid_request_error",
+            code,
+            param,
+            message,
+        }
+    }
+
+    /// A 503: the backend cannot serve now.
+    pub fn unavailable(message: String) -> Self {
+        BackendError {
+            status: 503,
+            kind: "server_error",
+            code: "backend_unavailable",
+            param: None,
+            message,
+        }
+    }
+}
+
+/// Whether a backend can take requests, and if not why.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Readiness {
+    /// Serving.
+    Ready,
+    /// Starting (fetching, loading, warming up): the phase.
+    Starting(String),
+    /// Failed for good: the reason (names the file and the problem).
+    Failed(String),
+}
+
+/// The events of one running request. Dropping it cancels the work.
+pub type EventStream = tokio::sync::mpsc::UnboundedReceiver<Event>;
+
+/// The seam between the inference front and whatever generates tokens: the
+/// in-process engine or a pool of OpenAI-compatible upstream servers. Both
+/// get the same lanes, pacing, async mode and metrics from the front.
+#[async_trait::async_trait]
+pub trait Backend: Send + Sync {
+    /// `engine` or `upstream`, for metrics labels.
+    fn kind(&self) -> &'static str;
+    /// Whether it can serve now.
+    fn readiness(&self) -> Readiness;
+    /// Tokenize (or estimate) and check that the request can ever fit.
+    fn prepare(&self, req: &InferenceRequest) -> Result<Prepared, BackendError>;
+    /// Start generating. Events arrive in order and end with `Done` or
+    /// `Error`; dropping the stream cancels the request.
+    async fn generate(
+        &self,
+        req: InferenceRequest,
+        prepared: Prepared,
+    ) -> Result<EventStream, BackendError>;
+}

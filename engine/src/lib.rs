@@ -15,6 +15,7 @@ pub mod kv;
 pub mod model;
 pub mod sampling;
 pub mod scheduler;
+pub mod service;
 pub mod tokenizer;
 
 pub use error::{EngineError, Result};

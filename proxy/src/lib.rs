@@ -14,6 +14,7 @@ pub mod cli;
 pub mod config;
 pub mod edge;
 pub mod filters;
+pub mod inference;
 pub mod metrics;
 pub mod proxy;
 pub mod reload;

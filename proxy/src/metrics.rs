@@ -46,6 +46,8 @@ pub struct Metrics {
     tickets: IntCounterVec,
     /// Certificate reloads by result.
     pub cert_reloads: IntCounterVec,
+    /// Inference front and engine families.
+    pub inference: crate::inference::metrics::InferenceMetrics,
 }
 
 fn must<T>(r: prometheus::Result<T>) -> T {
@@ -301,8 +303,10 @@ impl Metrics {
         ] {
             must(registry.register(c));
         }
+        let inference = crate::inference::metrics::InferenceMetrics::new(&registry);
         Metrics {
             registry,
+            inference,
             requests,
             upstream_latency,
             upstream_conns,
@@ -375,6 +379,7 @@ impl Metrics {
 
     /// Prometheus text exposition of everything.
     pub fn render(&self) -> Vec<u8> {
+        self.inference.refresh();
         let mut out = Vec::with_capacity(16 * 1024);
         // Encoding into a Vec cannot fail for well-formed families.
         let _ = TextEncoder::new().encode(&self.registry.gather(), &mut out);

@@ -43,6 +43,8 @@ pub enum Action {
         /// Content type.
         content_type: String,
     },
+    /// Serve the OpenAI-compatible API from the configured models.
+    Inference,
     /// Answer with a redirect.
     Redirect {
         /// 3xx status.

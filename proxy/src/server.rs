@@ -70,11 +70,20 @@ pub fn serve(path: &Path, opts: ServeOptions) -> anyhow::Result<()> {
         cfg.log_format,
         metrics.access_log_dropped.clone(),
     )?;
+    let front = Arc::new(crate::proxy::Front {
+        engines: crate::inference::Engines::start(&cfg.models, &metrics.inference),
+        jobs: crate::inference::jobs::Store::new(
+            cfg.file.inference.async_max_entries,
+            cfg.file.inference.async_max_bytes,
+            Duration::from_secs(cfg.file.inference.async_ttl_s),
+        ),
+    });
     let listeners = cfg.listeners.clone();
     let threads = cfg.server.threads;
     let admin_listen = cfg.admin_listen.clone();
     let shared: Shared = Arc::new(ArcSwap::from_pointee(cfg));
     let readiness = Arc::new(Readiness::new("starting"));
+    readiness.watch_models(front.clone());
     let inflight = Arc::new(AtomicUsize::new(0));
 
     let mut server = Server::new_with_opt_and_conf(pingora_opt, conf);
@@ -86,6 +95,7 @@ pub fn serve(path: &Path, opts: ServeOptions) -> anyhow::Result<()> {
             metrics.clone(),
             log.clone(),
             inflight.clone(),
+            front.clone(),
         )
     };
     let mut app = pingora::proxy::http_proxy(&server.configuration, edge());

@@ -69,6 +69,15 @@ pub struct EngineStats {
     pub last_step_tokens: AtomicUsize,
     /// Sequences in the last step.
     pub last_step_seqs: AtomicUsize,
+    /// Waiting sequences by lane rank (ranks above 3 count as 3).
+    pub waiting_by_rank: [AtomicUsize; 4],
+}
+
+/// Told about every step (for metrics); runs on the engine thread, so it
+/// must be cheap.
+pub trait StepObserver: Send + Sync {
+    /// A step ran `seqs` sequences and `tokens` tokens in `elapsed`.
+    fn step(&self, elapsed: Duration, seqs: usize, tokens: usize);
 }
 
 enum Cmd {
@@ -87,6 +96,15 @@ pub struct Engine {
 impl Engine {
     /// Start the engine thread over a loaded model.
     pub fn start(loaded: Arc<Loaded>, cfg: EngineConfig) -> Result<Engine> {
+        Self::start_observed(loaded, cfg, None)
+    }
+
+    /// Start the engine thread, reporting every step to `observer`.
+    pub fn start_observed(
+        loaded: Arc<Loaded>,
+        cfg: EngineConfig,
+        observer: Option<Arc<dyn StepObserver>>,
+    ) -> Result<Engine> {
         let pool = BlockPool::new(cfg.num_blocks, cfg.block_size);
         let (tx, rx) = channel();
         let stats = Arc::new(EngineStats::default());
@@ -99,6 +117,7 @@ impl Engine {
             stats: stats.clone(),
             waiting: Vec::new(),
             running: Vec::new(),
+            observer,
         };
         std::thread::Builder::new()
             .name("engine".into())
@@ -166,6 +185,7 @@ struct Worker {
     stats: Arc<EngineStats>,
     waiting: Vec<Seq>,
     running: Vec<Seq>,
+    observer: Option<Arc<dyn StepObserver>>,
 }
 
 impl Worker {
@@ -198,6 +218,13 @@ impl Worker {
             self.stats
                 .waiting
                 .store(self.waiting.len(), Ordering::Relaxed);
+            let mut by_rank = [0usize; 4];
+            for s in &self.waiting {
+                by_rank[(s.req.lane_rank as usize).min(3)] += 1;
+            }
+            for (slot, n) in self.stats.waiting_by_rank.iter().zip(by_rank) {
+                slot.store(n, Ordering::Relaxed);
+            }
             if plan.is_empty() {
                 // Nothing runnable (waiting for blocks that only frees on
                 // cancellation): do not spin.
@@ -337,6 +364,13 @@ impl Worker {
         let result = self.loaded.model.forward_paged(&mut self.kv, &steps);
         self.stats.steps.fetch_add(1, Ordering::Relaxed);
         let elapsed = started.elapsed();
+        if let Some(o) = &self.observer {
+            o.step(
+                elapsed,
+                steps.len(),
+                steps.iter().map(|s| s.tokens.len()).sum(),
+            );
+        }
         let logits = match result {
             Ok(l) => l,
             Err(e) => {

@@ -18,13 +18,32 @@ use std::sync::Arc;
 pub struct Readiness {
     ready: AtomicBool,
     reason: Mutex<String>,
+    front: Mutex<Option<Arc<crate::proxy::Front>>>,
 }
 
 impl Readiness {
+    /// Also require every in-process model to be loaded and warmed up.
+    pub fn watch_models(&self, front: Arc<crate::proxy::Front>) {
+        *self.front.lock() = Some(front);
+    }
+
+    fn models_not_ready(&self) -> Option<String> {
+        let front = self.front.lock().clone()?;
+        let pending = front.engines.not_ready();
+        (!pending.is_empty()).then(|| {
+            pending
+                .iter()
+                .map(|(m, why)| format!("model {m}: {why}"))
+                .collect::<Vec<_>>()
+                .join("; ")
+        })
+    }
+
     /// Not ready, with a reason.
     pub fn new(reason: &str) -> Self {
         Readiness {
             ready: AtomicBool::new(false),
+            front: Mutex::new(None),
             reason: Mutex::new(reason.to_string()),
         }
     }
@@ -43,11 +62,17 @@ impl Readiness {
 
     /// Ready now?
     pub fn is_ready(&self) -> bool {
+        if self.models_not_ready().is_some() {
+            return false;
+        }
         self.ready.load(Ordering::Acquire)
     }
 
     /// Why not ready (empty when ready).
     pub fn reason(&self) -> String {
+        if let Some(why) = self.models_not_ready() {
+            return why;
+        }
         self.reason.lock().clone()
     }
 }

@@ -34,6 +34,103 @@ pub struct FileConfig {
     pub dns: DnsSection,
     /// Reload behaviour.
     pub reload: ReloadSection,
+    /// Served models by the name clients use (`/v1/models`).
+    pub models: BTreeMap<String, ModelSection>,
+    /// Inference front settings (async mode store, heartbeats).
+    pub inference: InferenceSection,
+}
+
+/// `[models.NAME]`: a model served on inference routes, by the in-process
+/// engine or by a pool of OpenAI-compatible upstream servers.
+#[derive(Debug, Clone, PartialEq, Deserialize, Serialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct ModelSection {
+    /// `engine` (in-process) or `upstream` (a pool of OpenAI-compatible servers).
+    pub backend: String,
+    /// Engine: a known model name, `hf:owner/repo/file.gguf`, or a path to a GGUF file.
+    pub source: String,
+    /// Engine: expected sha256 of the GGUF (hf and path sources).
+    pub sha256: String,
+    /// Engine: KV cache blocks.
+    pub kv_blocks: usize,
+    /// Engine: tokens per KV block.
+    pub block_size: usize,
+    /// Engine: sequences per step at most.
+    pub max_num_seqs: usize,
+    /// Engine: tokens per step at most (decodes plus prefill chunks).
+    pub max_batched_tokens: usize,
+    /// Engine: warm-up prompt lengths in tokens, run before `/readyz` turns ready.
+    pub warmup_prompt_lens: Vec<usize>,
+    /// `max_tokens` when a request gives none (0 = what fits in the context).
+    pub default_max_tokens: usize,
+    /// Upstream: the pool of servers.
+    pub pool: String,
+    /// Upstream: model name sent upstream (default: this model's name).
+    pub upstream_model: String,
+    /// Upstream: `least_outstanding` (default) or `prefix_affinity`.
+    pub lb: String,
+    /// Upstream: prefix affinity's bounded-load factor.
+    pub affinity_load_factor: f64,
+    /// Upstream: send the lane as the server's priority field: `vllm` or `none`.
+    pub priority_field: String,
+    /// Upstream: tries (members) before the first token; never after it.
+    pub attempts: u32,
+    /// Upstream: longest silence (ms) before the first token or between tokens.
+    pub stall_timeout_ms: u64,
+    /// Requests generating at once (admission gate; 0 = no gate).
+    pub max_concurrency: usize,
+    /// Requests waiting at most, all lanes (0 = sum of lane queue lengths).
+    pub max_queued: usize,
+}
+
+impl Default for ModelSection {
+    fn default() -> Self {
+        Self {
+            backend: "engine".into(),
+            source: String::new(),
+            sha256: String::new(),
+            kv_blocks: 512,
+            block_size: 16,
+            max_num_seqs: 32,
+            max_batched_tokens: 512,
+            warmup_prompt_lens: vec![16, 128],
+            default_max_tokens: 0,
+            pool: String::new(),
+            upstream_model: String::new(),
+            lb: "least_outstanding".into(),
+            affinity_load_factor: 1.25,
+            priority_field: "none".into(),
+            attempts: 2,
+            stall_timeout_ms: 30_000,
+            max_concurrency: 64,
+            max_queued: 0,
+        }
+    }
+}
+
+/// `[inference]`: the inference front.
+#[derive(Debug, Clone, PartialEq, Deserialize, Serialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct InferenceSection {
+    /// How long finished async results are kept (seconds).
+    pub async_ttl_s: u64,
+    /// Async requests kept at most (queued, running and finished).
+    pub async_max_entries: usize,
+    /// Bytes of async events and results kept at most.
+    pub async_max_bytes: usize,
+    /// SSE comment heartbeat interval while a stream waits (ms).
+    pub heartbeat_ms: u64,
+}
+
+impl Default for InferenceSection {
+    fn default() -> Self {
+        Self {
+            async_ttl_s: 600,
+            async_max_entries: 1024,
+            async_max_bytes: 64 << 20,
+            heartbeat_ms: 1000,
+        }
+    }
 }
 
 /// `[dns]`: how upstream host names are resolved and refreshed.
@@ -107,6 +204,13 @@ pub struct LaneSection {
     pub high_watermark: f64,
     /// Shortest-work-first weight: microseconds of queue position per unit of work.
     pub sjf_us_per_unit: u64,
+    /// Token cadence smoothing of streams: `off`, `fixed` or `adaptive`
+    /// (default: `adaptive` for the lane named `ultra`, else `off`).
+    pub pace: String,
+    /// Pacing interval in ms (`fixed`), or the shortest interval (`adaptive`).
+    pub pace_interval_ms: u64,
+    /// Tokens the pacer may hold back at most; beyond that it catches up.
+    pub pace_max_lead: usize,
 }
 
 impl Default for LaneSection {
@@ -119,6 +223,9 @@ impl Default for LaneSection {
             preempt: false,
             high_watermark: 1.0,
             sjf_us_per_unit: 0,
+            pace: String::new(),
+            pace_interval_ms: 0,
+            pace_max_lead: 8,
         }
     }
 }
@@ -343,6 +450,9 @@ pub struct RouteSection {
     pub lane: String,
     /// Names of `[rate_limits.*]` applied to this route.
     pub rate_limits: Vec<String>,
+    /// Serve the OpenAI-compatible API (`/v1/chat/completions`,
+    /// `/v1/completions`, `/v1/models`, async requests) from `[models]`.
+    pub inference: bool,
 }
 
 /// `return = { status, body }`.

@@ -177,6 +177,10 @@ pub struct Config {
     pub file: file::FileConfig,
     /// Per-listener request rules (HTTPS redirect, HSTS); empty on the fast path.
     pub listener_rules: Vec<ListenerRule>,
+    /// Models on inference routes, by name.
+    pub models: BTreeMap<String, Arc<crate::inference::Model>>,
+    /// Stream pacing per lane (same order as `lanes`).
+    pub pacing: Vec<crate::inference::pacer::PaceSpec>,
 }
 
 /// What a listener does to every request it receives.

@@ -63,27 +63,11 @@ impl EdgeProxy {
             Action::Proxy(p) => Some(p.clone()),
             _ => None,
         };
-        if !route.limiters.is_empty() {
-            let input = KeyInput {
-                client_ip: session
-                    .client_addr()
-                    .and_then(|a| a.as_inet())
-                    .map(|a| a.ip()),
-                headers: &session.req_header().headers,
-                route: &route.name,
-                pool: pool.as_ref().map(|p| p.name.as_str()),
-            };
-            for l in &route.limiters {
-                match l.check(&input) {
-                    Verdict::Allow => {}
-                    Verdict::Limited(wait) => {
-                        return self.shed(session, ctx, Reason::RateLimit, wait).await
-                    }
-                    Verdict::BadKey(why) => {
-                        return self.bad_request(session, ctx, why, "invalid_api_key").await
-                    }
-                }
-            }
+        if self
+            .rate_limited(session, ctx, route, pool.as_ref().map(|p| p.name.as_str()))
+            .await?
+        {
+            return Ok(true);
         }
         let Some(gate) = pool.and_then(|p| p.gate.clone()) else {
             return Ok(false);

@@ -6,9 +6,11 @@
 
 mod admit;
 mod ctx;
+mod infer;
 
 use ctx::Tried;
 pub use ctx::{Ctx, InFlight};
+pub use infer::Front;
 
 use crate::accesslog::{AccessLog, Entry};
 use crate::admission::gate::{Denied, Permit};
@@ -37,6 +39,7 @@ pub struct EdgeProxy {
     metrics: Arc<Metrics>,
     log: AccessLog,
     inflight: Arc<AtomicUsize>,
+    front: Arc<Front>,
 }
 
 impl EdgeProxy {
@@ -46,12 +49,14 @@ impl EdgeProxy {
         metrics: Arc<Metrics>,
         log: AccessLog,
         inflight: Arc<AtomicUsize>,
+        front: Arc<Front>,
     ) -> Self {
         EdgeProxy {
             config,
             metrics,
             log,
             inflight,
+            front,
         }
     }
 }
@@ -196,6 +201,9 @@ impl ProxyHttp for EdgeProxy {
             return Ok(true);
         };
         ctx.route = Some(route.clone());
+        if matches!(route.action, Action::Inference) {
+            return self.inference(session, ctx, &route).await;
+        }
         if self.admit(session, ctx, &route).await? {
             return Ok(true);
         }
@@ -241,6 +249,7 @@ impl ProxyHttp for EdgeProxy {
                 .await?;
                 Ok(true)
             }
+            Action::Inference => Ok(true),
             Action::Redirect { status, location } => {
                 let uri = session
                     .req_header()

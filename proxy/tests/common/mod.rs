@@ -14,6 +14,8 @@ use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
+pub mod infer;
+
 /// A port that was free a moment ago (bind port 0, read it, release it).
 pub fn free_port() -> u16 {
     TcpListener::bind("127.0.0.1:0")

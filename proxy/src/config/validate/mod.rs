@@ -3,7 +3,7 @@
 //! resolved at the end against the original text. Nothing here panics on any
 //! input: the property test in `tests/config_check.rs` feeds it arbitrary TOML.
 
-use super::file::{FileConfig, HeaderRules, PoolSection, RouteSection};
+use super::file::{FileConfig, HeaderRules, LaneSection, ModelSection, PoolSection, RouteSection};
 use super::locate::{locate, FieldPath};
 use super::*;
 use crate::admission::gate::Gate;
@@ -22,6 +22,7 @@ use std::sync::atomic::AtomicU64;
 use std::time::Duration;
 
 mod admission;
+mod models;
 mod pools;
 
 use admission::{lanes, rate_limits};
@@ -82,6 +83,9 @@ pub(super) fn validate(
         }
     }
     let router = routes(f, &pools, &lanes, &limiters, metrics, &mut errs);
+    let pacing = models::pacing(f, &lanes, &mut errs);
+    models::inference(f, &mut errs);
+    let models = models::models(f, &pools, &lanes, ctx, &mut errs);
     if !errs.0.is_empty() {
         let file = path.display().to_string();
         return Err(errs
@@ -117,6 +121,8 @@ pub(super) fn validate(
         loaded_at: std::time::SystemTime::now(),
         file: f.clone(),
         listener_rules,
+        models,
+        pacing,
     })
 }
 
@@ -457,13 +463,19 @@ fn action(
     file_pools: &[&String],
     errs: &mut Errors,
 ) -> Option<(Action, String)> {
-    let n = r.pool.is_some() as u8 + r.fixed.is_some() as u8 + r.redirect.is_some() as u8;
+    let n = r.pool.is_some() as u8
+        + r.fixed.is_some() as u8
+        + r.redirect.is_some() as u8
+        + r.inference as u8;
     if n != 1 {
         errs.push(
             at.clone(),
-            "a route needs exactly one of `pool`, `return` or `redirect`",
+            "a route needs exactly one of `pool`, `return`, `redirect` or `inference = true`",
         );
         return None;
+    }
+    if r.inference {
+        return Some((Action::Inference, "inference".into()));
     }
     if let Some(p) = &r.pool {
         return match pools.get(p) {

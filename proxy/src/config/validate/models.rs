@@ -1,0 +1,256 @@
+//! Validation of `[models.*]`, `[inference]` and lane pacing. Unchanged
+//! models are reused on reload, so their admission queues carry over.
+
+use super::*;
+use crate::inference::pacer::{PaceMode, PaceSpec};
+use crate::inference::upstream::{PriorityField, UpstreamBackend, UpstreamSpec};
+use crate::inference::{Model, ModelBackend};
+use ultrafast_engine::fetch::Source;
+use ultrafast_engine::scheduler::EngineConfig;
+use ultrafast_engine::service::ServiceSpec;
+
+pub(super) fn pacing(f: &FileConfig, lanes: &[LaneSpec], errs: &mut Errors) -> Vec<PaceSpec> {
+    lanes
+        .iter()
+        .map(|l| {
+            let (sec, at) = match f.lanes.get(&l.name) {
+                Some(s) => (s.clone(), FieldPath::key("lanes").k(&l.name)),
+                None => (LaneSection::default(), FieldPath::key("lanes")),
+            };
+            let mode = match sec.pace.as_str() {
+                "" if l.name == "ultra" => "adaptive",
+                "" => "off",
+                m => m,
+            };
+            let interval = Duration::from_millis(sec.pace_interval_ms);
+            let mode = match mode {
+                "off" => PaceMode::Off,
+                "fixed" => {
+                    if sec.pace_interval_ms == 0 {
+                        errs.push(
+                            at.k("pace_interval_ms"),
+                            "fixed pacing needs an interval > 0",
+                        );
+                    }
+                    PaceMode::Fixed(interval)
+                }
+                "adaptive" => PaceMode::Adaptive { min: interval },
+                other => {
+                    errs.push(
+                        at.k("pace"),
+                        format!("`{other}` is not one of off, fixed, adaptive"),
+                    );
+                    PaceMode::Off
+                }
+            };
+            PaceSpec {
+                mode,
+                max_lead: sec.pace_max_lead.max(1),
+            }
+        })
+        .collect()
+}
+
+pub(super) fn inference(f: &FileConfig, errs: &mut Errors) {
+    let at = FieldPath::key("inference");
+    let i = &f.inference;
+    if i.heartbeat_ms == 0 {
+        errs.push(at.k("heartbeat_ms"), "must be > 0");
+    }
+    if i.async_max_entries == 0 {
+        errs.push(at.k("async_max_entries"), "must be at least 1");
+    }
+    if i.async_ttl_s == 0 {
+        errs.push(at.k("async_ttl_s"), "must be > 0");
+    }
+}
+
+fn sha256(v: &str, at: &FieldPath, errs: &mut Errors) -> Option<String> {
+    if v.is_empty() {
+        return None;
+    }
+    if v.len() != 64 || !v.bytes().all(|b| b.is_ascii_hexdigit()) {
+        errs.push(at.k("sha256"), "must be 64 hex digits");
+    }
+    Some(v.to_ascii_lowercase())
+}
+
+fn engine_spec(
+    name: &str,
+    m: &ModelSection,
+    at: &FieldPath,
+    errs: &mut Errors,
+) -> Option<ServiceSpec> {
+    if !m.pool.is_empty() {
+        errs.push(at.k("pool"), "only an `upstream` model has a pool");
+    }
+    let source = match Source::parse(if m.source.is_empty() { name } else { &m.source }) {
+        Ok(s) => s,
+        Err(e) => {
+            errs.push(at.k("source"), e);
+            return None;
+        }
+    };
+    for (k, v) in [
+        ("kv_blocks", m.kv_blocks),
+        ("block_size", m.block_size),
+        ("max_num_seqs", m.max_num_seqs),
+    ] {
+        if v == 0 {
+            errs.push(at.k(k), "must be at least 1");
+        }
+    }
+    if m.max_batched_tokens < m.max_num_seqs {
+        errs.push(at.k("max_batched_tokens"), "must be at least max_num_seqs");
+    }
+    Some(ServiceSpec {
+        name: name.to_string(),
+        source,
+        sha256: sha256(&m.sha256, at, errs),
+        engine: EngineConfig {
+            num_blocks: m.kv_blocks.max(1),
+            block_size: m.block_size.max(1),
+            max_num_seqs: m.max_num_seqs.max(1),
+            max_batched_tokens: m.max_batched_tokens.max(1),
+            ..EngineConfig::default()
+        },
+        warmup: m.warmup_prompt_lens.clone(),
+        default_max_tokens: (m.default_max_tokens > 0).then_some(m.default_max_tokens),
+    })
+}
+
+fn upstream_spec(
+    name: &str,
+    m: &ModelSection,
+    at: &FieldPath,
+    pools: &BTreeMap<String, Arc<Pool>>,
+    f: &FileConfig,
+    errs: &mut Errors,
+) -> Option<UpstreamSpec> {
+    if !m.source.is_empty() {
+        errs.push(at.k("source"), "only an `engine` model has a source");
+    }
+    let pool = match pools.get(&m.pool) {
+        Some(p) => p.clone(),
+        None => {
+            if m.pool.is_empty() {
+                errs.push(at.k("pool"), "an upstream model needs a pool");
+            } else if !f.pools.contains_key(&m.pool) {
+                errs.push(at.k("pool"), format!("unknown pool `{}`", m.pool));
+            }
+            return None;
+        }
+    };
+    let affinity = match m.lb.as_str() {
+        "least_outstanding" => None,
+        "prefix_affinity" => {
+            if m.affinity_load_factor < 1.0 {
+                errs.push(at.k("affinity_load_factor"), "must be at least 1.0");
+            }
+            Some(m.affinity_load_factor.max(1.0))
+        }
+        other => {
+            errs.push(
+                at.k("lb"),
+                format!("`{other}` is not one of least_outstanding, prefix_affinity"),
+            );
+            None
+        }
+    };
+    let priority = match m.priority_field.as_str() {
+        "none" | "" => PriorityField::None,
+        "vllm" => PriorityField::Vllm,
+        other => {
+            errs.push(
+                at.k("priority_field"),
+                format!("`{other}` is not one of none, vllm"),
+            );
+            PriorityField::None
+        }
+    };
+    if !(1..=10).contains(&m.attempts) {
+        errs.push(at.k("attempts"), "must be between 1 and 10");
+    }
+    if m.stall_timeout_ms == 0 {
+        errs.push(at.k("stall_timeout_ms"), "must be > 0");
+    }
+    Some(UpstreamSpec {
+        pool,
+        upstream_model: if m.upstream_model.is_empty() {
+            name.to_string()
+        } else {
+            m.upstream_model.clone()
+        },
+        affinity,
+        priority,
+        attempts: m.attempts.clamp(1, 10),
+        stall: Duration::from_millis(m.stall_timeout_ms.max(1)),
+    })
+}
+
+pub(super) fn models(
+    f: &FileConfig,
+    pools: &BTreeMap<String, Arc<Pool>>,
+    lanes: &[LaneSpec],
+    ctx: &BuildCtx,
+    errs: &mut Errors,
+) -> BTreeMap<String, Arc<Model>> {
+    let mut out = BTreeMap::new();
+    for (name, m) in &f.models {
+        let at = FieldPath::key("models").k(name);
+        let before = errs.0.len();
+        let backend = match m.backend.as_str() {
+            "engine" => engine_spec(name, m, &at, errs).map(ModelBackend::Engine),
+            "upstream" => upstream_spec(name, m, &at, pools, f, errs)
+                .map(|s| ModelBackend::Upstream(Arc::new(UpstreamBackend::new(s)))),
+            other => {
+                errs.push(
+                    at.k("backend"),
+                    format!("`{other}` is not one of engine, upstream"),
+                );
+                None
+            }
+        };
+        let Some(backend) = backend else { continue };
+        if errs.0.len() != before {
+            continue;
+        }
+        // An unchanged model (same section, same pool object) is kept whole.
+        if let Some(old) = ctx.prev.and_then(|c| c.models.get(name)) {
+            let same_pool = match (&old.backend, &backend) {
+                (ModelBackend::Upstream(a), ModelBackend::Upstream(b)) => {
+                    Arc::ptr_eq(&a.spec().pool, &b.spec().pool)
+                }
+                _ => true,
+            };
+            let same_lanes = ctx.prev.is_some_and(|c| c.file.lanes == f.lanes);
+            if old.def == *m && same_pool && same_lanes {
+                out.insert(name.clone(), old.clone());
+                continue;
+            }
+        }
+        let gate = (m.max_concurrency > 0).then(|| {
+            let names: Vec<String> = lanes.iter().map(|l| l.name.clone()).collect();
+            let max_queued = match m.max_queued {
+                0 => lanes.iter().map(|l| l.queue_len).sum(),
+                n => n,
+            };
+            Arc::new(Gate::new(
+                lanes.to_vec(),
+                m.max_concurrency,
+                max_queued,
+                ctx.metrics.gate(&format!("model:{name}"), &names),
+            ))
+        });
+        out.insert(
+            name.clone(),
+            Arc::new(Model {
+                name: name.clone(),
+                backend,
+                gate,
+                def: m.clone(),
+            }),
+        );
+    }
+    out
+}

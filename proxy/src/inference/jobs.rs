@@ -1,0 +1,340 @@
+//! Async mode: `202 Accepted` now, events later.
+//!
+//! Each job keeps the SSE payloads of its chunks (so `Last-Event-ID` can
+//! resume exactly where a client left off), its status and, when finished,
+//! the whole result. The store is bounded in entries and bytes: finished
+//! jobs expire after the TTL and the oldest finished ones are evicted first
+//! when room is needed; when only running jobs remain, new async requests
+//! are refused (503) rather than growing without bound.
+
+use parking_lot::Mutex;
+use serde_json::Value;
+use std::collections::{HashMap, VecDeque};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+use tokio::sync::watch;
+
+/// Where a job is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Status {
+    /// Waiting for admission or the backend.
+    Queued,
+    /// Generating.
+    InProgress,
+    /// Finished with a result.
+    Completed,
+    /// Finished with an error.
+    Failed,
+    /// Cancelled by `DELETE`.
+    Cancelled,
+}
+
+impl Status {
+    /// The wire spelling.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Status::Queued => "queued",
+            Status::InProgress => "in_progress",
+            Status::Completed => "completed",
+            Status::Failed => "failed",
+            Status::Cancelled => "cancelled",
+        }
+    }
+
+    /// Whether the job is over.
+    pub fn finished(self) -> bool {
+        matches!(self, Status::Completed | Status::Failed | Status::Cancelled)
+    }
+}
+
+struct Inner {
+    status: Status,
+    events: Vec<String>,
+    result: Option<Value>,
+    error: Option<Value>,
+    finished_at: Option<Instant>,
+}
+
+/// One async request.
+pub struct Job {
+    /// Request id.
+    pub id: String,
+    /// Unix seconds at creation.
+    pub created: u64,
+    inner: Mutex<Inner>,
+    /// Number of events so far (bumped on every change).
+    changed: watch::Sender<usize>,
+    cancel: watch::Sender<bool>,
+    bytes: AtomicUsize,
+    store_bytes: Arc<AtomicUsize>,
+    max_bytes: usize,
+}
+
+impl Job {
+    /// Status now.
+    pub fn status(&self) -> Status {
+        self.inner.lock().status
+    }
+
+    /// Mark as generating.
+    pub fn start(&self) {
+        let mut g = self.inner.lock();
+        if g.status == Status::Queued {
+            g.status = Status::InProgress;
+        }
+    }
+
+    /// Append one event payload; false when the store has no room left
+    /// (the job is then failed).
+    pub fn push(&self, payload: String) -> bool {
+        let n = payload.len();
+        if self.store_bytes.fetch_add(n, Ordering::Relaxed) + n > self.max_bytes {
+            self.store_bytes.fetch_sub(n, Ordering::Relaxed);
+            self.finish(
+                Status::Failed,
+                None,
+                Some(serde_json::json!({"message": "the async result store is full", "type": "server_error", "code": "async_store_full"})),
+            );
+            return false;
+        }
+        self.bytes.fetch_add(n, Ordering::Relaxed);
+        let len = {
+            let mut g = self.inner.lock();
+            if g.status.finished() {
+                self.store_bytes.fetch_sub(n, Ordering::Relaxed);
+                self.bytes.fetch_sub(n, Ordering::Relaxed);
+                return false;
+            }
+            g.events.push(payload);
+            g.events.len()
+        };
+        self.changed.send_replace(len);
+        true
+    }
+
+    /// End the job (the first call wins).
+    pub fn finish(&self, status: Status, result: Option<Value>, error: Option<Value>) {
+        let len = {
+            let mut g = self.inner.lock();
+            if g.status.finished() {
+                return;
+            }
+            g.status = status;
+            g.result = result;
+            g.error = error;
+            g.finished_at = Some(Instant::now());
+            g.events.len()
+        };
+        self.changed.send_replace(len);
+    }
+
+    /// Ask the runner to stop.
+    pub fn cancel(&self) {
+        self.cancel.send_replace(true);
+        self.finish(Status::Cancelled, None, None);
+    }
+
+    /// Resolves when the job is cancelled.
+    pub fn cancelled(&self) -> watch::Receiver<bool> {
+        self.cancel.subscribe()
+    }
+
+    /// Events from index `from`, and whether the job is finished.
+    pub fn events_from(&self, from: usize) -> (Vec<(usize, String)>, bool) {
+        let g = self.inner.lock();
+        let evs = g
+            .events
+            .iter()
+            .enumerate()
+            .skip(from)
+            .map(|(i, e)| (i, e.clone()))
+            .collect();
+        (evs, g.status.finished())
+    }
+
+    /// Wakes on every new event or status change.
+    pub fn subscribe(&self) -> watch::Receiver<usize> {
+        self.changed.subscribe()
+    }
+
+    /// `GET /v1/requests/{id}`.
+    pub fn view(&self) -> Value {
+        let g = self.inner.lock();
+        let mut v = serde_json::json!({"id": self.id, "object": "request", "created": self.created,
+            "status": g.status.as_str(), "events": g.events.len()});
+        if let Some(r) = &g.result {
+            v["result"] = r.clone();
+        }
+        if let Some(e) = &g.error {
+            v["error"] = e.clone();
+        }
+        v
+    }
+}
+
+/// Why a job could not be created.
+#[derive(Debug, PartialEq, Eq)]
+pub struct Full;
+
+/// The bounded job store.
+pub struct Store {
+    jobs: Mutex<(HashMap<String, Arc<Job>>, VecDeque<String>)>,
+    bytes: Arc<AtomicUsize>,
+    max_entries: usize,
+    max_bytes: usize,
+    ttl: Duration,
+}
+
+impl Store {
+    /// A store with these bounds.
+    pub fn new(max_entries: usize, max_bytes: usize, ttl: Duration) -> Self {
+        Store {
+            jobs: Mutex::new((HashMap::new(), VecDeque::new())),
+            bytes: Arc::new(AtomicUsize::new(0)),
+            max_entries: max_entries.max(1),
+            max_bytes,
+            ttl,
+        }
+    }
+
+    /// Entries and bytes held.
+    pub fn usage(&self) -> (usize, usize) {
+        (self.jobs.lock().0.len(), self.bytes.load(Ordering::Relaxed))
+    }
+
+    fn remove(&self, map: &mut HashMap<String, Arc<Job>>, id: &str) {
+        if let Some(j) = map.remove(id) {
+            self.bytes
+                .fetch_sub(j.bytes.load(Ordering::Relaxed), Ordering::Relaxed);
+        }
+    }
+
+    /// Drop expired jobs, then the oldest finished ones while over `need`
+    /// entries or over the byte bound.
+    fn evict(&self, g: &mut (HashMap<String, Arc<Job>>, VecDeque<String>), keep_entries: usize) {
+        let now = Instant::now();
+        let (map, order) = g;
+        let expired: Vec<String> = order
+            .iter()
+            .filter(|id| {
+                map.get(*id).is_none_or(|j| {
+                    j.inner
+                        .lock()
+                        .finished_at
+                        .is_some_and(|t| now.duration_since(t) >= self.ttl)
+                })
+            })
+            .cloned()
+            .collect();
+        for id in &expired {
+            self.remove(map, id);
+        }
+        order.retain(|id| map.contains_key(id));
+        while map.len() > keep_entries || self.bytes.load(Ordering::Relaxed) >= self.max_bytes {
+            let Some(pos) = order
+                .iter()
+                .position(|id| map.get(id).is_some_and(|j| j.status().finished()))
+            else {
+                break;
+            };
+            if let Some(id) = order.remove(pos) {
+                self.remove(map, &id);
+            }
+        }
+    }
+
+    /// A new queued job, or `Full` when only unfinished jobs fill the store.
+    pub fn create(&self, id: String) -> Result<Arc<Job>, Full> {
+        let mut g = self.jobs.lock();
+        self.evict(&mut g, self.max_entries - 1);
+        if g.0.len() >= self.max_entries || self.bytes.load(Ordering::Relaxed) >= self.max_bytes {
+            return Err(Full);
+        }
+        let job = Arc::new(Job {
+            id: id.clone(),
+            created: std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map(|d| d.as_secs())
+                .unwrap_or(0),
+            inner: Mutex::new(Inner {
+                status: Status::Queued,
+                events: Vec::new(),
+                result: None,
+                error: None,
+                finished_at: None,
+            }),
+            changed: watch::Sender::new(0),
+            cancel: watch::Sender::new(false),
+            bytes: AtomicUsize::new(0),
+            store_bytes: self.bytes.clone(),
+            max_bytes: self.max_bytes,
+        });
+        g.0.insert(id.clone(), job.clone());
+        g.1.push_back(id);
+        Ok(job)
+    }
+
+    /// A job by id (expired ones are gone).
+    pub fn get(&self, id: &str) -> Option<Arc<Job>> {
+        let mut g = self.jobs.lock();
+        let j = g.0.get(id)?.clone();
+        let expired = j
+            .inner
+            .lock()
+            .finished_at
+            .is_some_and(|t| t.elapsed() >= self.ttl);
+        if expired {
+            self.remove(&mut g.0, id);
+            return None;
+        }
+        Some(j)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn bounded_in_entries_evicting_oldest_finished_first() {
+        let s = Store::new(2, 1 << 20, Duration::from_secs(60));
+        let a = s.create("a".into()).unwrap();
+        let _b = s.create("b".into()).unwrap();
+        assert_eq!(
+            s.create("c".into()).err(),
+            Some(Full),
+            "two running jobs fill it"
+        );
+        a.finish(Status::Completed, None, None);
+        assert!(s.create("c".into()).is_ok(), "finished a is evicted");
+        assert!(s.get("a").is_none());
+        assert!(s.get("b").is_some());
+    }
+
+    #[test]
+    fn bounded_in_bytes() {
+        let s = Store::new(10, 100, Duration::from_secs(60));
+        let a = s.create("a".into()).unwrap();
+        assert!(a.push("x".repeat(60)));
+        assert!(!a.push("y".repeat(60)), "over the byte bound");
+        assert_eq!(a.status(), Status::Failed);
+        assert!(s.create("b".into()).is_ok(), "failed a is evicted for room");
+        assert_eq!(s.usage(), (1, 0));
+    }
+
+    #[test]
+    fn expires_after_ttl_and_resumes_from_an_index() {
+        let s = Store::new(10, 1 << 20, Duration::from_millis(30));
+        let a = s.create("a".into()).unwrap();
+        for i in 0..5 {
+            assert!(a.push(format!("e{i}")));
+        }
+        let (evs, done) = a.events_from(3);
+        assert_eq!(evs, vec![(3, "e3".to_string()), (4, "e4".to_string())]);
+        assert!(!done);
+        a.finish(Status::Completed, None, None);
+        std::thread::sleep(Duration::from_millis(40));
+        assert!(s.get("a").is_none());
+    }
+}

@@ -1,0 +1,272 @@
+//! Metrics of the inference front (per lane and backend: TTFT, delivered
+//! inter-token interval, end-to-end, queue wait, the latency breakdown,
+//! tokens in and out) and of the in-process engine (step time, batch size,
+//! KV blocks, prefix-cache hit rate, preemptions, queue depth per lane,
+//! start-up and warm-up time, readiness). Engine gauges are read from the
+//! engine's counters when `/metrics` is scraped.
+
+use parking_lot::Mutex;
+use prometheus::{
+    GaugeVec, Histogram, HistogramOpts, HistogramVec, IntCounterVec, IntGaugeVec, Opts, Registry,
+};
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::Duration;
+use ultrafast_engine::api::{Backend, Readiness};
+use ultrafast_engine::scheduler::StepObserver;
+use ultrafast_engine::service::EngineService;
+
+fn must<T>(r: prometheus::Result<T>) -> T {
+    #[allow(clippy::expect_used)]
+    r.expect("static metric definition")
+}
+
+const LAT: &[f64] = &[
+    0.001, 0.0025, 0.005, 0.01, 0.02, 0.035, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 1.0, 2.5, 5.0,
+    10.0, 30.0,
+];
+
+/// Handles of the inference families.
+pub struct InferenceMetrics {
+    /// Time to first token (at the client socket), by lane and backend.
+    pub ttft: HistogramVec,
+    /// Delivered inter-token interval (at the socket write), by lane and backend.
+    pub itl: HistogramVec,
+    /// End to end, by lane and backend.
+    pub e2e: HistogramVec,
+    /// Queue wait (admission plus backend queue), by lane and backend.
+    pub queue: HistogramVec,
+    /// Latency breakdown, by phase (network, queue, compute, output) and lane.
+    pub phase: HistogramVec,
+    /// Prompt and completion tokens, by model and kind.
+    pub tokens: IntCounterVec,
+    /// Inference requests by model, lane and outcome.
+    pub requests: IntCounterVec,
+    /// Async store entries and bytes.
+    pub async_store: IntGaugeVec,
+    step: Histogram,
+    batch_seqs: Histogram,
+    batch_tokens: Histogram,
+    kv_blocks: IntGaugeVec,
+    prefix_hit: GaugeVec,
+    preemptions: IntCounterVec,
+    engine_queue: IntGaugeVec,
+    startup: GaugeVec,
+    ready: IntGaugeVec,
+    engines: Mutex<Vec<(Arc<EngineService>, Vec<String>, u64)>>,
+}
+
+/// Feeds engine steps into the histograms.
+pub struct Steps {
+    step: Histogram,
+    seqs: Histogram,
+    tokens: Histogram,
+}
+
+impl StepObserver for Steps {
+    fn step(&self, elapsed: Duration, seqs: usize, tokens: usize) {
+        self.step.observe(elapsed.as_secs_f64());
+        self.seqs.observe(seqs as f64);
+        self.tokens.observe(tokens as f64);
+    }
+}
+
+impl InferenceMetrics {
+    /// Create and register the families.
+    pub fn new(r: &Registry) -> Self {
+        let hv = |name: &str, help: &str, labels: &[&str], buckets: &[f64]| {
+            let h = must(HistogramVec::new(
+                HistogramOpts::new(name, help).buckets(buckets.to_vec()),
+                labels,
+            ));
+            must(r.register(Box::new(h.clone())));
+            h
+        };
+        let h = |name: &str, help: &str, buckets: Vec<f64>| {
+            let h = must(Histogram::with_opts(
+                HistogramOpts::new(name, help).buckets(buckets),
+            ));
+            must(r.register(Box::new(h.clone())));
+            h
+        };
+        let icv = |name: &str, help: &str, labels: &[&str]| {
+            let c = must(IntCounterVec::new(Opts::new(name, help), labels));
+            must(r.register(Box::new(c.clone())));
+            c
+        };
+        let igv = |name: &str, help: &str, labels: &[&str]| {
+            let g = must(IntGaugeVec::new(Opts::new(name, help), labels));
+            must(r.register(Box::new(g.clone())));
+            g
+        };
+        let gv = |name: &str, help: &str, labels: &[&str]| {
+            let g = must(GaugeVec::new(Opts::new(name, help), labels));
+            must(r.register(Box::new(g.clone())));
+            g
+        };
+        let lb = &["lane", "backend"];
+        let batch: Vec<f64> = vec![
+            1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0, 512.0, 1024.0,
+        ];
+        InferenceMetrics {
+            ttft: hv(
+                "ultrafast_inference_ttft_seconds",
+                "Time to first token, request read to first token written.",
+                lb,
+                LAT,
+            ),
+            itl: hv(
+                "ultrafast_inference_inter_token_seconds",
+                "Delivered inter-token interval, measured at the socket write.",
+                lb,
+                LAT,
+            ),
+            e2e: hv(
+                "ultrafast_inference_e2e_seconds",
+                "End-to-end time of inference requests.",
+                lb,
+                LAT,
+            ),
+            queue: hv(
+                "ultrafast_inference_queue_seconds",
+                "Queue wait of inference requests (admission and backend).",
+                lb,
+                LAT,
+            ),
+            phase: hv(
+                "ultrafast_inference_phase_seconds",
+                "Latency breakdown by phase: network, queue, compute, output.",
+                &["phase", "lane"],
+                LAT,
+            ),
+            tokens: icv(
+                "ultrafast_inference_tokens_total",
+                "Tokens in (prompt) and out (completion).",
+                &["model", "kind"],
+            ),
+            requests: icv(
+                "ultrafast_inference_requests_total",
+                "Inference requests by model, lane and outcome.",
+                &["model", "lane", "outcome"],
+            ),
+            async_store: igv(
+                "ultrafast_inference_async_store",
+                "Async request store usage (entries, bytes).",
+                &["what"],
+            ),
+            step: h(
+                "ultrafast_engine_step_seconds",
+                "Engine step time.",
+                vec![
+                    0.001, 0.0025, 0.005, 0.01, 0.02, 0.035, 0.05, 0.1, 0.25, 0.5, 1.0,
+                ],
+            ),
+            batch_seqs: h(
+                "ultrafast_engine_batch_sequences",
+                "Sequences per engine step.",
+                batch.clone(),
+            ),
+            batch_tokens: h(
+                "ultrafast_engine_batch_tokens",
+                "Tokens per engine step.",
+                batch,
+            ),
+            kv_blocks: igv(
+                "ultrafast_engine_kv_blocks",
+                "KV cache blocks by state (used, free, cached).",
+                &["model", "state"],
+            ),
+            prefix_hit: gv(
+                "ultrafast_engine_prefix_cache_hit_ratio",
+                "Full prompt blocks found in the prefix cache / all full prompt blocks.",
+                &["model"],
+            ),
+            preemptions: icv(
+                "ultrafast_engine_preemptions_total",
+                "Sequences preempted (recomputed later).",
+                &["model"],
+            ),
+            engine_queue: igv(
+                "ultrafast_engine_queue_depth",
+                "Sequences waiting in the engine, by lane rank.",
+                &["model", "rank"],
+            ),
+            startup: gv(
+                "ultrafast_engine_startup_seconds",
+                "Model start-up time by phase (load includes fetch, warmup).",
+                &["model", "phase"],
+            ),
+            ready: igv(
+                "ultrafast_engine_ready",
+                "1 when the model is loaded and warmed up.",
+                &["model"],
+            ),
+            engines: Mutex::new(Vec::new()),
+        }
+    }
+
+    /// Step observer for a new engine.
+    pub fn steps(&self) -> Arc<Steps> {
+        Arc::new(Steps {
+            step: self.step.clone(),
+            seqs: self.batch_seqs.clone(),
+            tokens: self.batch_tokens.clone(),
+        })
+    }
+
+    /// Export an engine's gauges on every scrape.
+    pub fn watch(&self, name: &str, svc: Arc<EngineService>) {
+        self.engines.lock().push((svc, vec![name.to_string()], 0));
+    }
+
+    /// Read engine counters into the gauges (called on scrape).
+    pub fn refresh(&self) {
+        let mut engines = self.engines.lock();
+        for (svc, names, seen_preempt) in engines.iter_mut() {
+            let name = names[0].as_str();
+            let ready = svc.readiness() == Readiness::Ready;
+            self.ready.with_label_values(&[name]).set(ready as i64);
+            let t = svc.times();
+            if let Some(d) = t.load {
+                self.startup
+                    .with_label_values(&[name, "load"])
+                    .set(d.as_secs_f64());
+            }
+            if let Some(d) = t.warmup {
+                self.startup
+                    .with_label_values(&[name, "warmup"])
+                    .set(d.as_secs_f64());
+            }
+            let Some(e) = svc.engine() else { continue };
+            let p = e.pool_stats();
+            self.kv_blocks
+                .with_label_values(&[name, "used"])
+                .set(p.used as i64);
+            self.kv_blocks
+                .with_label_values(&[name, "free"])
+                .set(p.free as i64);
+            self.kv_blocks
+                .with_label_values(&[name, "cached"])
+                .set(p.cached as i64);
+            let lookups = p.hits + p.misses;
+            let ratio = if lookups == 0 {
+                0.0
+            } else {
+                p.hits as f64 / lookups as f64
+            };
+            self.prefix_hit.with_label_values(&[name]).set(ratio);
+            let s = e.stats();
+            let pre = s.preemptions.load(Ordering::Relaxed);
+            self.preemptions
+                .with_label_values(&[name])
+                .inc_by(pre.saturating_sub(*seen_preempt));
+            *seen_preempt = pre;
+            for (rank, n) in s.waiting_by_rank.iter().enumerate() {
+                let r = rank.to_string();
+                self.engine_queue
+                    .with_label_values(&[name, &r])
+                    .set(n.load(Ordering::Relaxed) as i64);
+            }
+        }
+    }
+}

@@ -1,0 +1,472 @@
+//! OpenAI request parsing and response shapes.
+//!
+//! Parsing walks a `serde_json::Value` instead of deriving, so a wrong type
+//! is a 400 that names the field (as OpenAI does) and unknown fields are
+//! ignored (also as OpenAI does).
+
+use bytes::Bytes;
+use serde_json::{json, Map, Value};
+use ultrafast_engine::api::{BackendError, FinishReason, Prompt, Usage};
+use ultrafast_engine::sampling::SamplingParams;
+use ultrafast_engine::tokenizer::ChatMessage;
+
+/// Which endpoint a request came to.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Endpoint {
+    /// `/v1/chat/completions`.
+    Chat,
+    /// `/v1/completions`.
+    Completions,
+}
+
+/// A parsed, type-checked request.
+#[derive(Debug, Clone)]
+pub struct Parsed {
+    /// Endpoint.
+    pub endpoint: Endpoint,
+    /// Model name.
+    pub model: String,
+    /// Prompt.
+    pub prompt: Prompt,
+    /// `max_completion_tokens` or `max_tokens`.
+    pub max_tokens: Option<usize>,
+    /// Sampling.
+    pub sampling: SamplingParams,
+    /// Stop sequences.
+    pub stop: Vec<String>,
+    /// Stream the answer as SSE.
+    pub stream: bool,
+    /// Send a usage chunk at the end of a stream.
+    pub include_usage: bool,
+    /// End-user id.
+    pub user: Option<String>,
+    /// Async mode asked in the body.
+    pub background: bool,
+    /// Lane asked in the body.
+    pub priority: Option<String>,
+}
+
+fn bad(param: &'static str, message: String) -> BackendError {
+    BackendError::invalid("invalid_request_error", Some(param), message)
+}
+
+fn wrong_type(param: &'static str, want: &str, v: &Value) -> BackendError {
+    let got = match v {
+        Value::Null => "null",
+        Value::Bool(_) => "a boolean",
+        Value::Number(_) => "a number",
+        Value::String(_) => "a string",
+        Value::Array(_) => "an array",
+        Value::Object(_) => "an object",
+    };
+    BackendError::invalid(
+        "invalid_type",
+        Some(param),
+        format!("Invalid type for '{param}': expected {want}, but got {got}."),
+    )
+}
+
+fn opt<'a>(o: &'a Map<String, Value>, k: &str) -> Option<&'a Value> {
+    o.get(k).filter(|v| !v.is_null())
+}
+
+fn num(
+    o: &Map<String, Value>,
+    k: &'static str,
+    lo: f64,
+    hi: f64,
+) -> Result<Option<f64>, BackendError> {
+    let Some(v) = opt(o, k) else { return Ok(None) };
+    let x = v.as_f64().ok_or_else(|| wrong_type(k, "a number", v))?;
+    if !(lo..=hi).contains(&x) {
+        return Err(bad(
+            k,
+            format!("'{k}' must be between {lo} and {hi}, got {x}."),
+        ));
+    }
+    Ok(Some(x))
+}
+
+fn uint(o: &Map<String, Value>, k: &'static str) -> Result<Option<u64>, BackendError> {
+    let Some(v) = opt(o, k) else { return Ok(None) };
+    match v.as_u64() {
+        Some(x) => Ok(Some(x)),
+        None if v.as_i64().is_some() => {
+            Err(bad(k, format!("'{k}' must be a non-negative integer.")))
+        }
+        None => Err(wrong_type(k, "an integer", v)),
+    }
+}
+
+fn boolean(o: &Map<String, Value>, k: &'static str) -> Result<bool, BackendError> {
+    match opt(o, k) {
+        None => Ok(false),
+        Some(Value::Bool(b)) => Ok(*b),
+        Some(v) => Err(wrong_type(k, "a boolean", v)),
+    }
+}
+
+fn string(o: &Map<String, Value>, k: &'static str) -> Result<Option<String>, BackendError> {
+    match opt(o, k) {
+        None => Ok(None),
+        Some(Value::String(s)) => Ok(Some(s.clone())),
+        Some(v) => Err(wrong_type(k, "a string", v)),
+    }
+}
+
+/// Message content: a string, or a list of `{"type": "text", "text"}` parts.
+fn content(v: &Value) -> Result<String, BackendError> {
+    match v {
+        Value::String(s) => Ok(s.clone()),
+        Value::Null => Ok(String::new()),
+        Value::Array(parts) => {
+            let mut out = String::new();
+            for p in parts {
+                match (p.get("type").and_then(Value::as_str), p.get("text")) {
+                    (Some("text"), Some(Value::String(t))) => out.push_str(t),
+                    (Some(t), _) if t != "text" => return Err(bad(
+                        "messages",
+                        format!(
+                            "content part type '{t}' is not supported by this model; only 'text'."
+                        ),
+                    )),
+                    _ => return Err(wrong_type("messages", "text content parts", p)),
+                }
+            }
+            Ok(out)
+        }
+        other => Err(wrong_type(
+            "messages",
+            "a string or an array of content parts",
+            other,
+        )),
+    }
+}
+
+fn messages(o: &Map<String, Value>) -> Result<Vec<ChatMessage>, BackendError> {
+    let v = opt(o, "messages")
+        .ok_or_else(|| bad("messages", "Missing required parameter: 'messages'.".into()))?;
+    let arr = v
+        .as_array()
+        .ok_or_else(|| wrong_type("messages", "an array", v))?;
+    if arr.is_empty() {
+        return Err(bad(
+            "messages",
+            "'messages' must contain at least one message.".into(),
+        ));
+    }
+    let mut out = Vec::with_capacity(arr.len());
+    for m in arr {
+        let mo = m
+            .as_object()
+            .ok_or_else(|| wrong_type("messages", "an array of objects", m))?;
+        let role = match mo.get("role") {
+            Some(Value::String(r)) => r.clone(),
+            Some(v) => return Err(wrong_type("messages", "a string role", v)),
+            None => return Err(bad("messages", "every message needs a 'role'.".into())),
+        };
+        if !matches!(
+            role.as_str(),
+            "system" | "user" | "assistant" | "developer" | "tool"
+        ) {
+            return Err(bad("messages", format!("unknown role '{role}'.")));
+        }
+        // `developer` is OpenAI's newer name for `system`.
+        let role = if role == "developer" {
+            "system".to_string()
+        } else {
+            role
+        };
+        out.push(ChatMessage {
+            role,
+            content: content(mo.get("content").unwrap_or(&Value::Null))?,
+        });
+    }
+    Ok(out)
+}
+
+fn prompt_text(o: &Map<String, Value>) -> Result<String, BackendError> {
+    match opt(o, "prompt") {
+        None => Err(bad(
+            "prompt",
+            "Missing required parameter: 'prompt'.".into(),
+        )),
+        Some(Value::String(s)) => Ok(s.clone()),
+        Some(Value::Array(a)) if a.len() == 1 && a[0].is_string() => {
+            Ok(a[0].as_str().unwrap_or_default().to_string())
+        }
+        Some(Value::Array(_)) => Err(bad(
+            "prompt",
+            "only one prompt per request is supported (a string or a one-element list).".into(),
+        )),
+        Some(v) => Err(wrong_type("prompt", "a string", v)),
+    }
+}
+
+fn stop(o: &Map<String, Value>) -> Result<Vec<String>, BackendError> {
+    let out = match opt(o, "stop") {
+        None => Vec::new(),
+        Some(Value::String(s)) => vec![s.clone()],
+        Some(Value::Array(a)) => {
+            let mut v = Vec::new();
+            for s in a {
+                v.push(
+                    s.as_str()
+                        .ok_or_else(|| wrong_type("stop", "a string or an array of strings", s))?
+                        .to_string(),
+                );
+            }
+            v
+        }
+        Some(v) => return Err(wrong_type("stop", "a string or an array of strings", v)),
+    };
+    if out.len() > 4 {
+        return Err(bad("stop", "at most 4 stop sequences are allowed.".into()));
+    }
+    Ok(out.into_iter().filter(|s| !s.is_empty()).collect())
+}
+
+/// Parse a request body for `endpoint`.
+pub fn parse(endpoint: Endpoint, body: &[u8]) -> Result<Parsed, BackendError> {
+    let v: Value = serde_json::from_slice(body).map_err(|e| {
+        BackendError::invalid(
+            "invalid_json",
+            None,
+            format!("We could not parse the JSON body of your request: {e}"),
+        )
+    })?;
+    let o = v.as_object().ok_or_else(|| {
+        BackendError::invalid(
+            "invalid_json",
+            None,
+            "the request body must be a JSON object".into(),
+        )
+    })?;
+    let model = string(o, "model")?
+        .ok_or_else(|| bad("model", "Missing required parameter: 'model'.".into()))?;
+    let prompt = match endpoint {
+        Endpoint::Chat => Prompt::Chat(messages(o)?),
+        Endpoint::Completions => Prompt::Text(prompt_text(o)?),
+    };
+    let max_tokens = match uint(o, "max_completion_tokens")? {
+        Some(m) => Some(m),
+        None => uint(o, "max_tokens")?,
+    };
+    if max_tokens == Some(0) {
+        let p = if opt(o, "max_completion_tokens").is_some() {
+            "max_completion_tokens"
+        } else {
+            "max_tokens"
+        };
+        return Err(bad(p, format!("'{p}' must be at least 1.")));
+    }
+    // OpenAI's legacy completions default to 16 tokens.
+    let max_tokens = max_tokens
+        .map(|m| m.min(u32::MAX as u64) as usize)
+        .or((endpoint == Endpoint::Completions).then_some(16));
+    if let Some(n) = uint(o, "n")? {
+        if n != 1 {
+            return Err(bad("n", format!("only n=1 is supported, got n={n}.")));
+        }
+    }
+    let temperature = num(o, "temperature", 0.0, 2.0)?.unwrap_or(1.0) as f32;
+    let top_p = num(o, "top_p", 0.0, 1.0)?.unwrap_or(1.0) as f32;
+    let top_k = uint(o, "top_k")?.unwrap_or(0) as usize;
+    let seed = match opt(o, "seed") {
+        None => None,
+        Some(v) => Some(
+            v.as_i64()
+                .map(|s| s as u64)
+                .or_else(|| v.as_u64())
+                .ok_or_else(|| wrong_type("seed", "an integer", v))?,
+        ),
+    };
+    let stream = boolean(o, "stream")?;
+    let include_usage = match opt(o, "stream_options") {
+        None => false,
+        Some(Value::Object(so)) => boolean(so, "include_usage")?,
+        Some(v) => return Err(wrong_type("stream_options", "an object", v)),
+    };
+    let priority = match opt(o, "priority") {
+        None => None,
+        Some(Value::String(s)) => Some(s.clone()),
+        Some(v) => return Err(wrong_type("priority", "a lane name", v)),
+    };
+    Ok(Parsed {
+        endpoint,
+        model,
+        prompt,
+        max_tokens,
+        sampling: SamplingParams {
+            temperature,
+            top_k,
+            top_p,
+            seed,
+        },
+        stop: stop(o)?,
+        stream,
+        include_usage,
+        user: string(o, "user")?,
+        background: boolean(o, "background")?,
+        priority,
+    })
+}
+
+/// An OpenAI-style error body.
+pub fn error_json(e: &BackendError) -> Bytes {
+    Bytes::from(
+        json!({"error": {"message": e.message, "type": e.kind, "param": e.param, "code": e.code}})
+            .to_string(),
+    )
+}
+
+fn usage_json(u: &Usage) -> Value {
+    json!({
+        "prompt_tokens": u.prompt_tokens,
+        "completion_tokens": u.completion_tokens,
+        "total_tokens": u.prompt_tokens + u.completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": u.cached_tokens},
+    })
+}
+
+/// Identity of one response, shared by all its chunks.
+#[derive(Debug, Clone)]
+pub struct Ident {
+    /// `chatcmpl-...` or `cmpl-...`.
+    pub id: String,
+    /// Unix seconds.
+    pub created: u64,
+    /// Model name as asked.
+    pub model: String,
+    /// Endpoint.
+    pub endpoint: Endpoint,
+}
+
+impl Ident {
+    /// A fresh identity.
+    pub fn new(endpoint: Endpoint, model: &str, request_id: &str) -> Self {
+        let prefix = match endpoint {
+            Endpoint::Chat => "chatcmpl-",
+            Endpoint::Completions => "cmpl-",
+        };
+        Ident {
+            id: format!("{prefix}{request_id}"),
+            created: std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map(|d| d.as_secs())
+                .unwrap_or(0),
+            model: model.to_string(),
+            endpoint,
+        }
+    }
+
+    /// One streamed chunk: text (or the role on the first chunk of a chat),
+    /// and the finish reason on the last.
+    pub fn chunk(&self, text: &str, first: bool, finish: Option<FinishReason>) -> Value {
+        let finish = finish.map(FinishReason::as_str);
+        match self.endpoint {
+            Endpoint::Chat => {
+                let delta = if first {
+                    json!({"role": "assistant", "content": text})
+                } else if finish.is_some() && text.is_empty() {
+                    json!({})
+                } else {
+                    json!({"content": text})
+                };
+                json!({"id": self.id, "object": "chat.completion.chunk", "created": self.created,
+                    "model": self.model, "system_fingerprint": "ultrafast",
+                    "choices": [{"index": 0, "delta": delta, "logprobs": null, "finish_reason": finish}]})
+            }
+            Endpoint::Completions => json!({"id": self.id, "object": "text_completion",
+                "created": self.created, "model": self.model, "system_fingerprint": "ultrafast",
+                "choices": [{"index": 0, "text": text, "logprobs": null, "finish_reason": finish}]}),
+        }
+    }
+
+    /// The usage chunk that ends a stream with `include_usage`.
+    pub fn usage_chunk(&self, u: &Usage) -> Value {
+        let object = match self.endpoint {
+            Endpoint::Chat => "chat.completion.chunk",
+            Endpoint::Completions => "text_completion",
+        };
+        json!({"id": self.id, "object": object, "created": self.created, "model": self.model,
+            "system_fingerprint": "ultrafast", "choices": [], "usage": usage_json(u)})
+    }
+
+    /// A whole (non-streamed) response.
+    pub fn full(&self, text: &str, finish: FinishReason, u: &Usage) -> Value {
+        match self.endpoint {
+            Endpoint::Chat => {
+                json!({"id": self.id, "object": "chat.completion", "created": self.created,
+                "model": self.model, "system_fingerprint": "ultrafast",
+                "choices": [{"index": 0, "message": {"role": "assistant", "content": text, "refusal": null},
+                    "logprobs": null, "finish_reason": finish.as_str()}],
+                "usage": usage_json(u)})
+            }
+            Endpoint::Completions => json!({"id": self.id, "object": "text_completion",
+                "created": self.created, "model": self.model, "system_fingerprint": "ultrafast",
+                "choices": [{"index": 0, "text": text, "logprobs": null, "finish_reason": finish.as_str()}],
+                "usage": usage_json(u)}),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn chat_request_fields() {
+        let p = parse(
+            Endpoint::Chat,
+            br#"{"model":"m","messages":[{"role":"system","content":"s"},{"role":"user","content":[{"type":"text","text":"a"},{"type":"text","text":"b"}]}],
+                "max_completion_tokens":7,"temperature":0,"stop":"x","seed":3,"stream":true,
+                "stream_options":{"include_usage":true},"user":"u","n":1,"unknown_field":{"a":1}}"#,
+        )
+        .unwrap();
+        assert_eq!(p.model, "m");
+        assert_eq!(p.max_tokens, Some(7));
+        assert_eq!(p.stop, vec!["x"]);
+        assert_eq!(p.sampling.seed, Some(3));
+        assert_eq!(p.sampling.temperature, 0.0);
+        assert!(p.stream && p.include_usage);
+        match p.prompt {
+            Prompt::Chat(m) => assert_eq!(m[1].content, "ab"),
+            _ => panic!("chat prompt expected"),
+        }
+    }
+
+    #[test]
+    fn errors_name_the_field() {
+        let e = parse(
+            Endpoint::Chat,
+            br#"{"model":"m","messages":[{"role":"user","content":"x"}],"temperature":"hot"}"#,
+        )
+        .unwrap_err();
+        assert_eq!((e.status, e.param), (400, Some("temperature")));
+        let e = parse(
+            Endpoint::Chat,
+            br#"{"model":"m","messages":[{"role":"user","content":"x"}],"n":2}"#,
+        )
+        .unwrap_err();
+        assert_eq!(e.param, Some("n"));
+        let e = parse(Endpoint::Chat, br#"{"model":"m","messages":"hi"}"#).unwrap_err();
+        assert_eq!(e.param, Some("messages"));
+        let e = parse(Endpoint::Chat, b"{not json").unwrap_err();
+        assert_eq!(e.code, "invalid_json");
+        let e = parse(Endpoint::Completions, br#"{"model":"m"}"#).unwrap_err();
+        assert_eq!(e.param, Some("prompt"));
+        let e = parse(
+            Endpoint::Chat,
+            br#"{"model":"m","messages":[{"role":"user","content":"x"}],"max_tokens":-1}"#,
+        )
+        .unwrap_err();
+        assert_eq!(e.param, Some("max_tokens"));
+    }
+
+    #[test]
+    fn completions_default_to_16_tokens() {
+        let p = parse(Endpoint::Completions, br#"{"model":"m","prompt":["hi"]}"#).unwrap();
+        assert_eq!(p.max_tokens, Some(16));
+    }
+}

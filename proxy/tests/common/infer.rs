@@ -1,0 +1,175 @@
+//! Inference test parts: the fake OpenAI upstream (the benches binary), a
+//! raw SSE reader with arrival times, and the Python `openai` checks.
+#![allow(dead_code, clippy::unwrap_used)]
+
+use super::*;
+
+/// The fake upstream binary, built on first use.
+pub fn fake_bin() -> PathBuf {
+    let dir = PathBuf::from(bin()).parent().unwrap().to_path_buf();
+    let p = dir.join("fake-openai");
+    static BUILD: Mutex<()> = Mutex::new(());
+    let _g = BUILD.lock().unwrap();
+    if !p.exists() {
+        let st = Command::new(env!("CARGO"))
+            .args(["build", "-p", "ultrafast-benches", "--bin", "fake-openai"])
+            .status()
+            .unwrap();
+        assert!(st.success(), "building fake-openai failed");
+    }
+    p
+}
+
+/// A running fake OpenAI-compatible server.
+pub struct Fake {
+    pub child: Child,
+    pub addr: SocketAddr,
+}
+
+impl Fake {
+    pub fn start(args: &[&str]) -> Fake {
+        let mut child = Command::new(fake_bin())
+            .args(args)
+            .stdout(Stdio::piped())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap();
+        let mut line = String::new();
+        BufReader::new(child.stdout.take().unwrap())
+            .read_line(&mut line)
+            .unwrap();
+        let addr = line
+            .trim()
+            .strip_prefix("listening on ")
+            .unwrap()
+            .parse()
+            .unwrap();
+        Fake { child, addr }
+    }
+
+    pub fn stats(&self) -> serde_json::Value {
+        get(self.addr, "/stats", &[]).json()
+    }
+
+    pub fn stat(&self, k: &str) -> u64 {
+        self.stats()[k].as_u64().unwrap()
+    }
+}
+
+impl Drop for Fake {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// Config text of an upstream model over these fakes.
+pub fn upstream_model(name: &str, fakes: &[&Fake], extra: &str) -> String {
+    let members: Vec<String> = fakes
+        .iter()
+        .map(|f| format!("{{ addr = \"{}\" }}", f.addr))
+        .collect();
+    format!(
+        "[pools.{name}-pool]\nmembers = [{}]\n\n[models.{name}]\nbackend = \"upstream\"\npool = \"{name}-pool\"\n{extra}\n",
+        members.join(", ")
+    )
+}
+
+pub const INFERENCE_ROUTE: &str =
+    "[[routes]]\nname = \"openai\"\npath = \"/v1/\"\ninference = true\n\n";
+
+/// Run a check of `py/openai_checks.py`; panics with its output on failure.
+pub fn python_check(check: &str, uf: &Ultrafast, model: &str) {
+    let script = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/py/openai_checks.py");
+    let out = Command::new("python3")
+        .arg(script)
+        .arg(check)
+        .arg(format!("http://{}/v1", uf.addr))
+        .arg(model)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "python check `{check}` failed:\n{}\n{}\nserver log:\n{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr),
+        uf.stderr()
+    );
+}
+
+/// One SSE `data:` payload and when its bytes arrived.
+#[derive(Debug, Clone)]
+pub struct Arrival {
+    pub at: Instant,
+    pub data: String,
+}
+
+/// POST a streaming request on a raw socket; returns the open socket after
+/// the request is written.
+pub fn post_stream(
+    addr: SocketAddr,
+    path: &str,
+    body: &str,
+    headers: &[(&str, &str)],
+) -> TcpStream {
+    let mut s = TcpStream::connect(addr).unwrap();
+    s.set_nodelay(true).unwrap();
+    let mut req = format!(
+        "POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {}\r\n",
+        body.len()
+    );
+    for (k, v) in headers {
+        req.push_str(&format!("{k}: {v}\r\n"));
+    }
+    req.push_str("\r\n");
+    req.push_str(body);
+    s.write_all(req.as_bytes()).unwrap();
+    s
+}
+
+/// Read SSE data events (chunked HTTP/1.1) until `[DONE]` or close, with
+/// arrival times; also returns SSE comments seen.
+pub fn read_sse(s: TcpStream, limit: Duration) -> (Vec<Arrival>, Vec<String>) {
+    s.set_read_timeout(Some(limit)).unwrap();
+    let mut r = BufReader::new(s);
+    let mut line = String::new();
+    // Head.
+    loop {
+        line.clear();
+        if r.read_line(&mut line).unwrap_or(0) == 0 || line == "\r\n" {
+            break;
+        }
+    }
+    let mut out = Vec::new();
+    let mut comments = Vec::new();
+    loop {
+        line.clear();
+        if r.read_line(&mut line).unwrap_or(0) == 0 {
+            break;
+        }
+        let l = line.trim_end();
+        if let Some(d) = l.strip_prefix("data: ") {
+            out.push(Arrival {
+                at: Instant::now(),
+                data: d.to_string(),
+            });
+            if d == "[DONE]" {
+                break;
+            }
+        } else if let Some(c) = l.strip_prefix(": ") {
+            comments.push(c.to_string());
+        }
+    }
+    (out, comments)
+}
+
+/// Content pieces of chat chunks.
+pub fn contents(evs: &[Arrival]) -> Vec<(Instant, String)> {
+    evs.iter()
+        .filter_map(|a| {
+            let v: serde_json::Value = serde_json::from_str(&a.data).ok()?;
+            let c = v["choices"][0]["delta"]["content"].as_str()?;
+            (!c.is_empty()).then(|| (a.at, c.to_string()))
+        })
+        .collect()
+}

@@ -1,0 +1,388 @@
+//! The inference front over upstream pools of OpenAI-compatible servers
+//! (the fake upstream from `benches/`, speaking the real protocol): the
+//! official `openai` client, SSE framing, async mode, admission, cadence
+//! pacing, cancellation, retries before the first token, prefix affinity,
+//! priority passing and bad upstream behaviour.
+#![allow(clippy::unwrap_used)]
+
+mod common;
+use common::infer::*;
+use common::*;
+use std::time::{Duration, Instant};
+
+fn chat_body(max_tokens: u32, stream: bool) -> String {
+    format!(
+        r#"{{"model":"m","messages":[{{"role":"system","content":"Be brief."}},{{"role":"user","content":"hi"}}],"max_tokens":{max_tokens},"stream":{stream}}}"#
+    )
+}
+
+#[test]
+fn openai_client_against_an_upstream_pool() {
+    let fake = Fake::start(&["--tokens", "400", "--itl-ms", "2", "--ttft-ms", "5"]);
+    let uf = Ultrafast::start(&format!(
+        "{INFERENCE_ROUTE}{}",
+        upstream_model("m", &[&fake], "")
+    ));
+    python_check("basics", &uf, "m");
+    python_check("async", &uf, "m");
+    // Tokens were counted from the upstream's SSE.
+    assert!(uf.metric("ultrafast_inference_tokens_total", &["kind=\"completion\""]) > 0.0);
+    assert!(
+        uf.metric(
+            "ultrafast_inference_ttft_seconds_count",
+            &["backend=\"upstream\""]
+        ) > 0.0
+    );
+}
+
+#[test]
+fn admission_refusals_surface_as_client_exceptions() {
+    let fake = Fake::start(&["--tokens", "30", "--itl-ms", "20"]);
+    let uf = Ultrafast::start(&format!(
+        "[rate_limits.tenant]\nkey = \"header:x-tenant\"\nrate_per_s = 0.01\nburst = 1\n\n\
+         [[routes]]\nname = \"openai\"\npath = \"/v1/\"\ninference = true\nrate_limits = [\"tenant\"]\n\n\
+         [lanes.standard]\nrank = 1\nqueue_len = 1\nmax_wait_ms = 200\n\n{}",
+        upstream_model("m", &[&fake], "max_concurrency = 2\nmax_queued = 1")
+    ));
+    python_check("shed", &uf, "m");
+}
+
+#[test]
+fn disconnect_mid_stream_cancels_the_upstream_request() {
+    let fake = Fake::start(&["--tokens", "400", "--itl-ms", "10"]);
+    let uf = Ultrafast::start(&format!(
+        "{INFERENCE_ROUTE}{}",
+        upstream_model("m", &[&fake], "")
+    ));
+    let s = post_stream(uf.addr, "/v1/chat/completions", &chat_body(400, true), &[]);
+    let mut r = std::io::BufReader::new(s.try_clone().unwrap());
+    let mut line = String::new();
+    // Wait for the first data event, then hang up.
+    while !line.starts_with("data:") {
+        line.clear();
+        std::io::BufRead::read_line(&mut r, &mut line).unwrap();
+    }
+    assert_eq!(fake.stat("active"), 1);
+    let t = Instant::now();
+    drop(r);
+    drop(s);
+    assert!(
+        eventually(Duration::from_secs(2), || fake.stat("cancelled") == 1
+            && fake.stat("active") == 0),
+        "upstream request not cancelled: {}",
+        fake.stats()
+    );
+    eprintln!("upstream cancelled {:?} after the client left", t.elapsed());
+    assert_eq!(fake.stat("completed"), 0);
+}
+
+#[test]
+fn retries_before_the_first_token_never_after() {
+    let failing = Fake::start(&["--fail-first", "1000"]);
+    let good = Fake::start(&["--tokens", "5", "--itl-ms", "1"]);
+    let uf = Ultrafast::start(&format!(
+        "{INFERENCE_ROUTE}{}",
+        upstream_model("m", &[&failing, &good], "attempts = 2")
+    ));
+    for _ in 0..4 {
+        let (evs, _) = read_sse(
+            post_stream(uf.addr, "/v1/chat/completions", &chat_body(5, true), &[]),
+            Duration::from_secs(10),
+        );
+        assert_eq!(contents(&evs).len(), 5, "{evs:?}");
+        assert_eq!(evs.last().unwrap().data, "[DONE]");
+    }
+    assert!(
+        failing.stat("requests") >= 1,
+        "the failing member was tried"
+    );
+    assert_eq!(good.stat("completed"), 4);
+
+    // A member that breaks after tokens were sent: the stream ends with an
+    // error event and nothing is retried elsewhere.
+    let breaking = Fake::start(&["--tokens", "10", "--itl-ms", "2", "--malformed-after", "3"]);
+    let spare = Fake::start(&[]);
+    uf.write_config(&format!(
+        "{INFERENCE_ROUTE}{}",
+        upstream_model("m", &[&breaking], "attempts = 3")
+    ));
+    assert_eq!(uf.reload().status, 200);
+    let (evs, _) = read_sse(
+        post_stream(uf.addr, "/v1/chat/completions", &chat_body(10, true), &[]),
+        Duration::from_secs(10),
+    );
+    assert_eq!(contents(&evs).len(), 3, "{evs:?}");
+    let err = evs
+        .iter()
+        .find(|a| a.data.contains("\"error\""))
+        .expect("an error event");
+    assert!(err.data.contains("malformed"), "{}", err.data);
+    assert_eq!(evs.last().unwrap().data, "[DONE]");
+    assert_eq!(breaking.stat("requests"), 1);
+    assert_eq!(spare.stat("requests"), 0);
+}
+
+#[test]
+fn stalled_upstream_ends_the_stream_with_an_error() {
+    let stalling = Fake::start(&["--tokens", "10", "--itl-ms", "2", "--stall-after", "2"]);
+    let uf = Ultrafast::start(&format!(
+        "{INFERENCE_ROUTE}{}",
+        upstream_model("m", &[&stalling], "stall_timeout_ms = 300")
+    ));
+    let t = Instant::now();
+    let (evs, _) = read_sse(
+        post_stream(uf.addr, "/v1/chat/completions", &chat_body(10, true), &[]),
+        Duration::from_secs(10),
+    );
+    assert!(t.elapsed() < Duration::from_secs(5));
+    assert_eq!(contents(&evs).len(), 2);
+    assert!(evs.iter().any(|a| a.data.contains("stalled")), "{evs:?}");
+    assert_eq!(evs.last().unwrap().data, "[DONE]");
+    // Whole responses get a 502 in OpenAI's shape instead.
+    let r = Client::connect(uf.addr)
+        .unwrap()
+        .request(
+            "POST",
+            "/v1/chat/completions",
+            &[("content-type", "application/json")],
+            chat_body(10, false).as_bytes(),
+        )
+        .unwrap();
+    assert_eq!(r.status, 502, "{}", r.text());
+    assert!(r.json()["error"]["message"]
+        .as_str()
+        .unwrap()
+        .contains("stalled"));
+}
+
+#[test]
+fn prefix_affinity_keeps_a_conversation_on_one_member_with_bounded_load() {
+    let fakes: Vec<Fake> = (0..3)
+        .map(|_| Fake::start(&["--tokens", "2", "--itl-ms", "1", "--ttft-ms", "1"]))
+        .collect();
+    let refs: Vec<&Fake> = fakes.iter().collect();
+    let uf = Ultrafast::start(&format!(
+        "{INFERENCE_ROUTE}{}",
+        upstream_model(
+            "m",
+            &refs,
+            "lb = \"prefix_affinity\"\naffinity_load_factor = 1.25"
+        )
+    ));
+    let body = |sys: &str, q: usize| {
+        format!(
+            r#"{{"model":"m","messages":[{{"role":"system","content":"{sys}"}},{{"role":"user","content":"question {q}"}}],"max_tokens":2}}"#
+        )
+    };
+    for q in 0..9 {
+        let r = Client::connect(uf.addr)
+            .unwrap()
+            .request(
+                "POST",
+                "/v1/chat/completions",
+                &[],
+                body("You are a pirate.", q).as_bytes(),
+            )
+            .unwrap();
+        assert_eq!(r.status, 200, "{}", r.text());
+    }
+    let counts: Vec<u64> = fakes.iter().map(|f| f.stat("requests")).collect();
+    assert!(
+        counts.contains(&9),
+        "one member took the shared prefix: {counts:?}"
+    );
+
+    // Under concurrency the same prefix spills over once a member is above
+    // 1.25x the average load.
+    let slow: Vec<Fake> = (0..3)
+        .map(|_| Fake::start(&["--tokens", "2", "--ttft-ms", "400"]))
+        .collect();
+    let refs: Vec<&Fake> = slow.iter().collect();
+    uf.write_config(&format!(
+        "{INFERENCE_ROUTE}{}",
+        upstream_model(
+            "m",
+            &refs,
+            "lb = \"prefix_affinity\"\naffinity_load_factor = 1.25"
+        )
+    ));
+    assert_eq!(uf.reload().status, 200);
+    let addr = uf.addr;
+    let handles: Vec<_> = (0..9)
+        .map(|q| {
+            let b = body("You are a pirate.", q);
+            std::thread::spawn(move || {
+                Client::connect(addr)
+                    .unwrap()
+                    .request("POST", "/v1/chat/completions", &[], b.as_bytes())
+                    .unwrap()
+                    .status
+            })
+        })
+        .collect();
+    for h in handles {
+        assert_eq!(h.join().unwrap(), 200);
+    }
+    let counts: Vec<u64> = slow.iter().map(|f| f.stat("requests")).collect();
+    assert!(counts.iter().all(|&c| c < 9), "load is bounded: {counts:?}");
+    assert!(*counts.iter().max().unwrap() >= 3, "{counts:?}");
+}
+
+#[test]
+fn lane_is_passed_as_vllm_priority_and_heartbeats_flow_while_queued() {
+    let fake = Fake::start(&["--tokens", "20", "--itl-ms", "15", "--capacity", "4"]);
+    let uf = Ultrafast::start(&format!(
+        "{INFERENCE_ROUTE}[inference]\nheartbeat_ms = 50\n\n{}",
+        upstream_model(
+            "m",
+            &[&fake],
+            "priority_field = \"vllm\"\nmax_concurrency = 1"
+        )
+    ));
+    let r = Client::connect(uf.addr)
+        .unwrap()
+        .request(
+            "POST",
+            "/v1/chat/completions",
+            &[("x-request-priority", "ultra")],
+            chat_body(1, false).as_bytes(),
+        )
+        .unwrap();
+    assert_eq!(r.status, 200, "{}", r.text());
+    assert_eq!(fake.stats()["last_body"]["priority"], 0);
+    assert_eq!(
+        fake.stats()["last_body"]["stream"],
+        true,
+        "upstreams are always streamed"
+    );
+    // Body `priority` picks the lane when no header does.
+    let b = r#"{"model":"m","messages":[{"role":"user","content":"x"}],"max_tokens":1,"priority":"standard"}"#;
+    Client::connect(uf.addr)
+        .unwrap()
+        .request("POST", "/v1/chat/completions", &[], b.as_bytes())
+        .unwrap();
+    assert_eq!(fake.stats()["last_body"]["priority"], 1);
+    let b = r#"{"model":"m","messages":[{"role":"user","content":"x"}],"priority":"urgent"}"#;
+    let r = Client::connect(uf.addr)
+        .unwrap()
+        .request("POST", "/v1/chat/completions", &[], b.as_bytes())
+        .unwrap();
+    assert_eq!(r.status, 400);
+    assert_eq!(r.json()["error"]["param"], "priority");
+
+    // One slot: the second stream waits, with heartbeat comments.
+    let first = post_stream(uf.addr, "/v1/chat/completions", &chat_body(20, true), &[]);
+    std::thread::sleep(Duration::from_millis(50));
+    let (evs, comments) = read_sse(
+        post_stream(uf.addr, "/v1/chat/completions", &chat_body(3, true), &[]),
+        Duration::from_secs(10),
+    );
+    assert!(comments.iter().any(|c| c == "waiting"), "{comments:?}");
+    assert_eq!(contents(&evs).len(), 3);
+    let (evs, _) = read_sse(first, Duration::from_secs(10));
+    assert_eq!(contents(&evs).len(), 20);
+}
+
+fn stddev_ms(times: &[Instant]) -> (f64, f64) {
+    let gaps: Vec<f64> = times
+        .windows(2)
+        .map(|w| (w[1] - w[0]).as_secs_f64() * 1000.0)
+        .collect();
+    let mean = gaps.iter().sum::<f64>() / gaps.len() as f64;
+    let var = gaps.iter().map(|g| (g - mean).powi(2)).sum::<f64>() / gaps.len() as f64;
+    (mean, var.sqrt())
+}
+
+#[test]
+fn pacing_smooths_a_bursty_upstream_without_delaying_the_first_token() {
+    // Tokens in bursts of 4 every 80 ms: 20 ms per token on average.
+    let fake = Fake::start(&[
+        "--tokens",
+        "40",
+        "--itl-ms",
+        "20",
+        "--burst",
+        "4",
+        "--ttft-ms",
+        "50",
+    ]);
+    let uf = Ultrafast::start(&format!(
+        "{INFERENCE_ROUTE}[lanes.ultra]\nrank = 0\npace = \"fixed\"\npace_interval_ms = 20\n\n\
+         [lanes.standard]\nrank = 1\npace = \"off\"\n\n{}",
+        upstream_model("m", &[&fake], "")
+    ));
+    let run = |lane: &str| {
+        let t0 = Instant::now();
+        let (evs, _) = read_sse(
+            post_stream(
+                uf.addr,
+                "/v1/chat/completions",
+                &chat_body(40, true),
+                &[("x-request-priority", lane)],
+            ),
+            Duration::from_secs(10),
+        );
+        let c = contents(&evs);
+        assert_eq!(c.len(), 40);
+        let times: Vec<Instant> = c.iter().map(|(t, _)| *t).collect();
+        // The last burst arrives together with the end of the stream, which
+        // the pacer flushes at once by design: measure the cadence before it.
+        (times[0] - t0, stddev_ms(&times[..36]))
+    };
+    let (ttft_off, (mean_off, sd_off)) = run("standard");
+    let (ttft_on, (mean_on, sd_on)) = run("ultra");
+    eprintln!("off: ttft {ttft_off:?} mean {mean_off:.1} ms sd {sd_off:.1} ms; on: ttft {ttft_on:?} mean {mean_on:.1} ms sd {sd_on:.1} ms");
+    assert!(sd_off > 20.0, "the fake really is bursty: {sd_off}");
+    assert!(sd_on < 5.0, "paced stream is steady: sd {sd_on} ms");
+    assert!(
+        ttft_on < ttft_off + Duration::from_millis(25),
+        "first token not delayed: {ttft_on:?} vs {ttft_off:?}"
+    );
+    // Delivered intervals were measured at the socket write.
+    assert!(
+        uf.metric(
+            "ultrafast_inference_inter_token_seconds_count",
+            &["lane=\"ultra\""]
+        ) >= 39.0
+    );
+}
+
+#[test]
+fn bad_requests_get_openai_errors() {
+    let fake = Fake::start(&[]);
+    let uf = Ultrafast::start(&format!(
+        "[limits]\nclient_max_body_bytes = 4096\n\n{INFERENCE_ROUTE}{}",
+        upstream_model("m", &[&fake], "")
+    ));
+    let post = |body: &[u8]| {
+        Client::connect(uf.addr)
+            .unwrap()
+            .request("POST", "/v1/chat/completions", &[], body)
+            .unwrap()
+    };
+    let r = post(b"{\"model\": ");
+    assert_eq!(r.status, 400);
+    assert_eq!(r.json()["error"]["code"], "invalid_json");
+    let big = format!(
+        r#"{{"model":"m","messages":[{{"role":"user","content":"{}"}}]}}"#,
+        "x".repeat(10_000)
+    );
+    let r = post(big.as_bytes());
+    assert_eq!(r.status, 413, "{}", r.text());
+    let r = post(br#"{"model":"m","messages":[{"role":"user","content":"x"}],"stop":[1,2]}"#);
+    assert_eq!(
+        (r.status, r.json()["error"]["param"].as_str()),
+        (400, Some("stop"))
+    );
+    let r = post(br#"{"model":"nope","messages":[{"role":"user","content":"x"}]}"#);
+    assert_eq!(
+        (r.status, r.json()["error"]["code"].as_str()),
+        (404, Some("model_not_found"))
+    );
+    let r = Client::connect(uf.addr)
+        .unwrap()
+        .request("GET", "/v1/chat/completions", &[], b"")
+        .unwrap();
+    assert_eq!(r.status, 405);
+    assert_eq!(fake.stat("requests"), 0, "nothing bad reached the upstream");
+}
