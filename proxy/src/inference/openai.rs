@@ -124,12 +124,14 @@ fn content(v: &Value) -> Result<String, BackendError> {
             for p in parts {
                 match (p.get("type").and_then(Value::as_str), p.get("text")) {
                     (Some("text"), Some(Value::String(t))) => out.push_str(t),
-                    (Some(t), _) if t != "text" => return Err(bad(
-                        "messages",
-                        format!(
+                    (Some(t), _) if t != "text" => {
+                        return Err(bad(
+                            "messages",
+                            format!(
                             "content part type '{t}' is not supported by this model; only 'text'."
                         ),
-                    )),
+                        ))
+                    }
                     _ => return Err(wrong_type("messages", "text content parts", p)),
                 }
             }

@@ -579,6 +579,11 @@ impl Ultrafast {
     /// Start with `body` appended to a generated head that sets ports,
     /// pid/upgrade paths and the access log file.
     pub fn start(body: &str) -> Ultrafast {
+        Self::start_with_env(body, &[])
+    }
+
+    /// `start` with extra environment variables for the server process.
+    pub fn start_with_env(body: &str, env: &[(&str, &str)]) -> Ultrafast {
         let dir = scratch("uf");
         let (port, admin_port) = (free_port(), free_port());
         let head = format!(
@@ -589,7 +594,7 @@ impl Ultrafast {
         );
         let config = dir.join("ultrafast.toml");
         std::fs::write(&config, format!("{head}{body}")).unwrap();
-        let mut uf = Self::spawn(dir, config, port, admin_port, false);
+        let mut uf = Self::spawn_env(dir, config, port, admin_port, false, env);
         uf.head = head;
         uf
     }
@@ -613,7 +618,19 @@ impl Ultrafast {
         admin_port: u16,
         upgrade: bool,
     ) -> Ultrafast {
+        Self::spawn_env(dir, config, port, admin_port, upgrade, &[])
+    }
+
+    pub fn spawn_env(
+        dir: PathBuf,
+        config: PathBuf,
+        port: u16,
+        admin_port: u16,
+        upgrade: bool,
+        env: &[(&str, &str)],
+    ) -> Ultrafast {
         let mut cmd = Command::new(bin());
+        cmd.envs(env.iter().copied());
         cmd.arg("serve").arg("-c").arg(&config);
         if upgrade {
             cmd.arg("--upgrade");
@@ -665,6 +682,17 @@ impl Ultrafast {
 
     pub fn get(&self, path: &str) -> Resp {
         get(self.addr, path, &[])
+    }
+
+    /// Wait until `/readyz` answers 200 (model loaded and warmed up).
+    pub fn wait_models_ready(&self, limit: Duration) {
+        let ok = eventually(limit, || get(self.admin, "/readyz", &[]).status == 200);
+        assert!(
+            ok,
+            "not ready: {} {}",
+            get(self.admin, "/readyz", &[]).text(),
+            self.stderr()
+        );
     }
 
     pub fn metrics(&self) -> String {

@@ -1,0 +1,184 @@
+//! The inference front over the in-process engine with the real model
+//! (SmolLM2-135M-Instruct, fetched into the model cache on first use): the
+//! official `openai` client end to end, readiness after warm-up, engine
+//! metrics, cancellation freeing KV blocks, model sources, and a bad model
+//! file leaving the proxy up and not ready with the reason.
+#![allow(clippy::unwrap_used)]
+
+mod common;
+use common::infer::*;
+use common::*;
+use std::time::Duration;
+
+const MODEL: &str = "smollm2-135m-instruct";
+
+fn engine_model(source: &str, extra: &str) -> String {
+    format!(
+        "[models.{MODEL}]\nbackend = \"engine\"\nsource = \"{source}\"\nkv_blocks = 256\nmax_num_seqs = 8\nwarmup_prompt_lens = [16]\nmax_concurrency = 8\n{extra}\n"
+    )
+}
+
+fn used_blocks(uf: &Ultrafast) -> f64 {
+    uf.metric("ultrafast_engine_kv_blocks", &["state=\"used\""])
+}
+
+#[test]
+fn the_engine_serves_the_openai_api() {
+    let uf = Ultrafast::start(&format!("{INFERENCE_ROUTE}{}", engine_model(MODEL, "")));
+    uf.wait_models_ready(Duration::from_secs(300));
+    assert_eq!(uf.metric("ultrafast_engine_ready", &[]), 1.0);
+    assert!(uf.metric("ultrafast_engine_startup_seconds", &["phase=\"warmup\""]) > 0.0);
+    python_check("basics", &uf, MODEL);
+    python_check("stop", &uf, MODEL);
+    python_check("async", &uf, MODEL);
+    // Every request finished or was cancelled: no KV block is held.
+    assert!(
+        eventually(Duration::from_secs(5), || used_blocks(&uf) == 0.0),
+        "{}",
+        uf.metrics()
+    );
+    assert!(uf.metric("ultrafast_engine_step_seconds_count", &[]) > 10.0);
+    assert!(uf.metric("ultrafast_engine_batch_tokens_sum", &[]) > 100.0);
+    assert!(
+        uf.metric(
+            "ultrafast_inference_ttft_seconds_count",
+            &["backend=\"engine\""]
+        ) > 0.0
+    );
+    // The repeated system prompt of the checks hit the prefix cache.
+    assert!(uf.metric("ultrafast_engine_prefix_cache_hit_ratio", &[]) > 0.0);
+}
+
+#[test]
+fn a_client_that_leaves_frees_its_engine_sequence() {
+    let uf = Ultrafast::start(&format!("{INFERENCE_ROUTE}{}", engine_model(MODEL, "")));
+    uf.wait_models_ready(Duration::from_secs(300));
+    let body = format!(
+        r#"{{"model":"{MODEL}","messages":[{{"role":"user","content":"Write a long story."}}],"max_tokens":2000,"stream":true}}"#
+    );
+    let s = post_stream(uf.addr, "/v1/chat/completions", &body, &[]);
+    let mut r = std::io::BufReader::new(s.try_clone().unwrap());
+    let mut line = String::new();
+    while !line.starts_with("data:") {
+        line.clear();
+        std::io::BufRead::read_line(&mut r, &mut line).unwrap();
+    }
+    assert!(
+        used_blocks(&uf) > 0.0,
+        "the sequence holds blocks while it runs"
+    );
+    drop(r);
+    drop(s);
+    assert!(
+        eventually(Duration::from_secs(2), || used_blocks(&uf) == 0.0),
+        "blocks not freed after the client left: {}",
+        uf.metrics()
+    );
+}
+
+#[test]
+fn bad_model_files_leave_the_proxy_up_and_not_ready_with_the_reason() {
+    let dir = scratch("badgguf");
+    let truncated = dir.join("truncated.gguf");
+    std::fs::write(&truncated, b"GGUF\x03\x00\x00\x00\x10").unwrap();
+    let missing = dir.join("missing.gguf");
+    let cases = [
+        (
+            truncated.display().to_string(),
+            String::new(),
+            "not a valid GGUF",
+        ),
+        (
+            missing.display().to_string(),
+            String::new(),
+            "model file not found",
+        ),
+        (
+            truncated.display().to_string(),
+            format!("sha256 = \"{}\"", "0".repeat(64)),
+            "sha256 mismatch",
+        ),
+    ];
+    for (source, extra, why) in cases {
+        let uf = Ultrafast::start(&format!(
+            "{INFERENCE_ROUTE}[[routes]]\npath = \"/\"\nreturn = {{ status = 200, body = \"up\" }}\n\n{}",
+            engine_model(&source, &extra)
+        ));
+        assert!(
+            eventually(Duration::from_secs(10), || get(uf.admin, "/readyz", &[])
+                .text()
+                .contains(why)),
+            "{}",
+            get(uf.admin, "/readyz", &[]).text()
+        );
+        let ready = get(uf.admin, "/readyz", &[]);
+        assert_eq!(ready.status, 503);
+        assert!(
+            ready.text().contains(&source),
+            "the reason names the file: {}",
+            ready.text()
+        );
+        assert_eq!(uf.get("/").text(), "up", "the proxy serves");
+        let body = format!(r#"{{"model":"{MODEL}","messages":[{{"role":"user","content":"x"}}]}}"#);
+        let r = Client::connect(uf.addr)
+            .unwrap()
+            .request("POST", "/v1/chat/completions", &[], body.as_bytes())
+            .unwrap();
+        assert_eq!(r.status, 503);
+        assert!(
+            r.json()["error"]["message"].as_str().unwrap().contains(why),
+            "{}",
+            r.text()
+        );
+        assert_eq!(uf.metric("ultrafast_engine_ready", &[]), 0.0);
+        assert!(!uf.stderr().contains("panicked"));
+    }
+}
+
+#[test]
+fn models_come_from_a_hugging_face_repo_or_a_path() {
+    // A local mirror stands in for the hub (HF_ENDPOINT, as huggingface_hub
+    // reads it); the file is the real model.
+    let cached = ultrafast_engine::fetch::pull(&ultrafast_engine::fetch::SMOLLM2).unwrap();
+    let sha = ultrafast_engine::fetch::SMOLLM2.sha256;
+    let mirror = scratch("hf");
+    let repo_dir = mirror.join("someone/smol/resolve/main");
+    std::fs::create_dir_all(&repo_dir).unwrap();
+    std::fs::copy(&cached, repo_dir.join("model.gguf")).unwrap();
+    let cache = scratch("hfcache");
+    let endpoint = format!("file://{}", mirror.display());
+    let uf = Ultrafast::start_with_env(
+        &format!(
+            "{INFERENCE_ROUTE}{}",
+            engine_model("hf:someone/smol/model.gguf", &format!("sha256 = \"{sha}\""))
+        ),
+        &[
+            ("HF_ENDPOINT", &endpoint),
+            ("ULTRAFAST_MODEL_DIR", cache.to_str().unwrap()),
+        ],
+    );
+    uf.wait_models_ready(Duration::from_secs(300));
+    assert!(
+        cache.join("hf/someone/smol/model.gguf").is_file(),
+        "cached under the documented directory"
+    );
+    let body = format!(r#"{{"model":"{MODEL}","prompt":"Hello","max_tokens":3}}"#);
+    let r = Client::connect(uf.addr)
+        .unwrap()
+        .request("POST", "/v1/completions", &[], body.as_bytes())
+        .unwrap();
+    assert_eq!(r.status, 200, "{}", r.text());
+    drop(uf);
+
+    // A path source.
+    let uf = Ultrafast::start(&format!(
+        "{INFERENCE_ROUTE}{}",
+        engine_model(cached.to_str().unwrap(), "")
+    ));
+    uf.wait_models_ready(Duration::from_secs(300));
+    let r = Client::connect(uf.addr)
+        .unwrap()
+        .request("POST", "/v1/completions", &[], body.as_bytes())
+        .unwrap();
+    assert_eq!(r.status, 200, "{}", r.text());
+}
