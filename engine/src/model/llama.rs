@@ -1,31 +1,32 @@
 //! The llama-family forward pass on candle-core with quantized weights.
 //!
 //! Weights are looked up by their GGUF names (`blk.N.attn_q.weight`, ...).
-//! Matmuls run on the quantized weights (`QMatMul`); activations are f32.
+//! Matmuls run on the quantized weights (`linear`); activations are f32.
 //! The KV cache is an explicit argument of `forward`, so the caller owns
 //! sequence state (the scheduler will hand in paged blocks through the same
 //! seam). Rotary embeddings follow the GGUF layout: interleaved pairs for
 //! llama (the converter permutes Q/K), half-split (NEOX) for qwen2.
 
+use super::linear::Linear;
 use super::{Arch, ModelConfig};
 use crate::error::{EngineError, Result};
-use candle_core::quantized::{gguf_file, QMatMul};
-use candle_core::{DType, Device, Module, Tensor, D};
+use candle_core::quantized::gguf_file;
+use candle_core::{DType, Device, Tensor, D};
 use std::path::Path;
 
 struct Layer {
     attn_norm: Tensor,
-    wq: QMatMul,
-    wk: QMatMul,
-    wv: QMatMul,
+    wq: Linear,
+    wk: Linear,
+    wv: Linear,
     bq: Option<Tensor>,
     bk: Option<Tensor>,
     bv: Option<Tensor>,
-    wo: QMatMul,
+    wo: Linear,
     ffn_norm: Tensor,
-    w_gate: QMatMul,
-    w_up: QMatMul,
-    w_down: QMatMul,
+    w_gate: Linear,
+    w_up: Linear,
+    w_down: Linear,
 }
 
 /// A loaded model.
@@ -35,7 +36,7 @@ pub struct Model {
     embed: Tensor,
     layers: Vec<Layer>,
     norm: Tensor,
-    output: QMatMul,
+    output: Linear,
     cos: Tensor,
     sin: Tensor,
     device: Device,
@@ -92,15 +93,15 @@ impl Model {
         let embed_q = qt("token_embd.weight")?;
         let embed = embed_q.dequantize(device).map_err(bad)?;
         let output = match qt("output.weight") {
-            Ok(o) => QMatMul::from_qtensor(o).map_err(bad)?,
+            Ok(o) => Linear::from_qtensor(o).map_err(bad)?,
             // Tied embeddings (SmolLM2): the output head is the embedding.
-            Err(_) => QMatMul::from_qtensor(embed_q).map_err(bad)?,
+            Err(_) => Linear::from_qtensor(embed_q).map_err(bad)?,
         };
         let norm = qt("output_norm.weight")?.dequantize(device).map_err(bad)?;
         let mut layers = Vec::with_capacity(cfg.n_layer);
         for i in 0..cfg.n_layer {
-            let mut mm = |n: &str| -> Result<QMatMul> {
-                QMatMul::from_qtensor(qt(&format!("blk.{i}.{n}.weight"))?).map_err(bad)
+            let mut mm = |n: &str| -> Result<Linear> {
+                Linear::from_qtensor(qt(&format!("blk.{i}.{n}.weight"))?).map_err(bad)
             };
             let wq = mm("attn_q")?;
             let wk = mm("attn_k")?;

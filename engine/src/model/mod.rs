@@ -2,6 +2,7 @@
 //! forward pass (`llama`, which also covers the qwen2 layout: biases on
 //! Q/K/V, a separate output head, NEOX rotary).
 
+pub mod linear;
 pub mod llama;
 pub mod paged;
 

@@ -22,7 +22,7 @@ use crate::inference::{sse, Engines, Model};
 use bytes::BytesMut;
 use serde_json::{json, Value};
 use ultrafast_engine::api::{
-    Backend, BackendError, Event, EventStream, FinishReason, InferenceRequest, Prepared, Usage,
+    Backend, BackendError, Event, EventStream, InferenceRequest, Prepared, Usage,
 };
 
 /// Inference state of the process: started engines and the async store.
@@ -645,7 +645,11 @@ impl EdgeProxy {
                 }
                 Ok(Some(t))
             }
-            Some(Event::Error(msg)) | Some(Event::Token { text: msg, .. }) => {
+            Some(other) => {
+                let msg = match other {
+                    Event::Error(m) => m,
+                    _ => "the backend ended the stream unexpectedly".into(),
+                };
                 let e = BackendError {
                     status: 502,
                     kind: "server_error",
@@ -972,7 +976,6 @@ async fn run_job(job: Arc<Job>, call: Call, ident: Ident) {
                 }
             }
         }
-        let _ = FinishReason::Stop;
     };
     tokio::select! {
         _ = work => {}

@@ -1,0 +1,137 @@
+//! Engine throughput on the real model through the scheduler (the path the
+//! proxy uses): prefill tokens/s on a 512-token prompt, TTFT of a 128-token
+//! prompt, single-stream decode tokens/s and aggregate decode tokens/s at 4
+//! and 16 concurrent streams. Prints one JSON object.
+//! `cargo run --release -p ultrafast-engine --example bench [-- REPEATS]`
+#![allow(clippy::unwrap_used)]
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+use ultrafast_engine::api::{Event, GenerateRequest};
+use ultrafast_engine::sampling::SamplingParams;
+use ultrafast_engine::scheduler::{Engine, EngineConfig};
+use ultrafast_engine::{fetch, generate};
+
+fn prompt(n: usize, salt: u32) -> Vec<u32> {
+    (0..n as u32)
+        .map(|i| 1 + (i * 7919 + salt * 104_729) % 49_000)
+        .collect()
+}
+
+fn req(p: Vec<u32>, max_tokens: usize) -> GenerateRequest {
+    GenerateRequest {
+        prompt: p,
+        max_tokens,
+        sampling: SamplingParams {
+            temperature: 0.0,
+            ..SamplingParams::default()
+        },
+        stop: Vec::new(),
+        lane_rank: 1,
+    }
+}
+
+/// Run `n` streams at once; returns (time to first token of each, total
+/// generated tokens, wall time from first token of the last to the end).
+fn run(
+    e: &Engine,
+    n: usize,
+    prompt_len: usize,
+    max_tokens: usize,
+    salt: u32,
+) -> (Vec<Duration>, usize, Duration, Duration) {
+    let t0 = Instant::now();
+    let rxs: Vec<_> = (0..n)
+        .map(|i| {
+            e.submit(req(prompt(prompt_len, salt * 100 + i as u32), max_tokens))
+                .unwrap()
+        })
+        .collect();
+    // One receiver thread per stream, so arrival times are real.
+    let handles: Vec<_> = rxs
+        .into_iter()
+        .map(|mut rx| {
+            std::thread::spawn(move || {
+                let mut first = None;
+                let mut tokens = 0;
+                while let Some(ev) = rx.blocking_recv() {
+                    match ev {
+                        Event::Token { .. } => {
+                            first.get_or_insert_with(|| t0.elapsed());
+                            tokens += 1;
+                        }
+                        Event::Done { .. } => break,
+                        Event::Error(e) => panic!("{e}"),
+                    }
+                }
+                (first.unwrap_or_default(), tokens)
+            })
+        })
+        .collect();
+    let res: Vec<(Duration, usize)> = handles.into_iter().map(|h| h.join().unwrap()).collect();
+    let ttft: Vec<Duration> = res.iter().map(|r| r.0).collect();
+    let tokens = res.iter().map(|r| r.1).sum();
+    let first_all = *ttft.iter().max().unwrap();
+    (ttft, tokens, first_all, t0.elapsed())
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(|a, b| a.partial_cmp(b).unwrap());
+    v[v.len() / 2]
+}
+
+fn main() {
+    let repeats: usize = std::env::args()
+        .nth(1)
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(3);
+    let quick = std::env::args().any(|a| a == "quick");
+    let l = Arc::new(generate::load(&fetch::pull(&fetch::SMOLLM2).unwrap()).unwrap());
+    let e = Engine::start(
+        l,
+        EngineConfig {
+            num_blocks: 1024,
+            max_num_seqs: 32,
+            max_batched_tokens: 512,
+            ..EngineConfig::default()
+        },
+    )
+    .unwrap();
+    run(&e, 1, 64, 8, 999); // warm-up
+    if quick {
+        let (t, _, _, _) = run(&e, 1, 128, 1, 5);
+        let (_, tokens, first, total) = run(&e, 1, 32, 32, 6);
+        println!(
+            "ttft128 {:?} decode {:.1} tok/s",
+            t[0],
+            (tokens - 1) as f64 / (total - first).as_secs_f64()
+        );
+        return;
+    }
+    let mut prefill = Vec::new();
+    let mut ttft128 = Vec::new();
+    let mut single = Vec::new();
+    let mut agg4 = Vec::new();
+    let mut agg16 = Vec::new();
+    for r in 0..repeats as u32 {
+        let (t, _, _, _) = run(&e, 1, 512, 1, r * 10 + 1);
+        prefill.push(512.0 / t[0].as_secs_f64());
+        let (t, _, _, _) = run(&e, 1, 128, 1, r * 10 + 2);
+        ttft128.push(t[0].as_secs_f64() * 1000.0);
+        for (n, out) in [(1, &mut single), (4, &mut agg4), (16, &mut agg16)] {
+            let (_, tokens, first, total) = run(&e, n, 32, 128, r * 10 + 3 + n as u32);
+            // Decode rate: tokens after each stream's first, over the time
+            // after the last first token (prefill excluded).
+            let decode_tokens = tokens - n;
+            out.push(decode_tokens as f64 / (total - first).as_secs_f64());
+        }
+    }
+    println!(
+        "{{\"threads\": {}, \"prefill_512_tok_s\": {:.1}, \"ttft_128_ms\": {:.1}, \"decode_1_tok_s\": {:.1}, \"decode_4_tok_s\": {:.1}, \"decode_16_tok_s\": {:.1}}}",
+        std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1),
+        median(prefill),
+        median(ttft128),
+        median(single),
+        median(agg4),
+        median(agg16)
+    );
+}
