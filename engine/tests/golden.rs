@@ -23,9 +23,16 @@ const NEAR_TIE: f64 = 0.5;
 /// prompts are about 0.4-0.7.
 const LOGIT_TOL: f32 = 1.0;
 
+/// The model checked: SmolLM2 (fetched), or any GGUF named by
+/// `ULTRAFAST_GOLDEN_MODEL` (the optional Qwen2 compatibility check:
+/// `ULTRAFAST_GOLDEN_MODEL=qwen2.5-coder-0.5b-instruct-q4_k_m.gguf cargo test
+/// -p ultrafast-engine --test golden`).
 #[test]
 fn greedy_tokens_and_logits_match_the_float32_reference() {
-    let path = fetch::pull(&SMOLLM2).unwrap();
+    let path = match std::env::var_os("ULTRAFAST_GOLDEN_MODEL") {
+        Some(p) => std::path::PathBuf::from(p),
+        None => fetch::pull(&SMOLLM2).unwrap(),
+    };
     let l = generate::load(&path).unwrap();
     let questions = [
         "What is the capital of France? Answer in one sentence.",

@@ -386,3 +386,53 @@ fn bad_requests_get_openai_errors() {
     assert_eq!(r.status, 405);
     assert_eq!(fake.stat("requests"), 0, "nothing bad reached the upstream");
 }
+
+#[test]
+fn sse_is_not_buffered_over_http2() {
+    // 6 tokens 250 ms apart: the first event must reach an HTTP/2 client
+    // long before the stream ends.
+    let fake = Fake::start(&["--tokens", "6", "--itl-ms", "250", "--ttft-ms", "10"]);
+    let port = free_port();
+    let uf = Ultrafast::start(&format!(
+        "[[listeners]]\nname = \"h2c\"\naddress = \"127.0.0.1:{port}\"\nh2c = true\n\n{INFERENCE_ROUTE}{}",
+        upstream_model("m", &[&fake], "")
+    ));
+    let t0 = std::time::Instant::now();
+    let mut curl = std::process::Command::new("curl")
+        .args([
+            "-sN",
+            "--http2-prior-knowledge",
+            "-H",
+            "content-type: application/json",
+            "-d",
+        ])
+        .arg(chat_body(6, true))
+        .arg(format!("http://127.0.0.1:{port}/v1/chat/completions"))
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut r = std::io::BufReader::new(curl.stdout.take().unwrap());
+    let mut line = String::new();
+    let mut arrivals = Vec::new();
+    while std::io::BufRead::read_line(&mut r, &mut line).unwrap() > 0 {
+        if line.starts_with("data: {")
+            && line.contains("\"content\":\"")
+            && !line.contains("\"content\":\"\"")
+        {
+            arrivals.push(t0.elapsed());
+        }
+        line.clear();
+    }
+    curl.wait().unwrap();
+    let _ = &uf;
+    assert_eq!(arrivals.len(), 6, "{arrivals:?}");
+    assert!(
+        arrivals[0] < Duration::from_millis(700),
+        "first token at {:?}",
+        arrivals[0]
+    );
+    assert!(
+        arrivals[5] - arrivals[0] > Duration::from_millis(1000),
+        "events arrived together: {arrivals:?}"
+    );
+}

@@ -35,12 +35,16 @@ def rms(x, g, eps):
     return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps) * g
 
 
-def rope(x, pos, theta):
-    # x: (heads, len, hd); GGUF llama weights use interleaved pairs.
+def rope(x, pos, theta, neox=False):
+    # x: (heads, len, hd); GGUF llama weights use interleaved pairs, qwen2
+    # (NEOX) rotates the first half against the second.
     h, n, hd = x.shape
     inv = 1.0 / theta ** (np.arange(0, hd, 2, dtype=np.float32) / hd)
     ang = np.outer(np.arange(pos, pos + n, dtype=np.float32), inv)
     c, s = np.cos(ang), np.sin(ang)
+    if neox:
+        x0, x1 = x[..., : hd // 2], x[..., hd // 2:]
+        return np.concatenate([x0 * c - x1 * s, x0 * s + x1 * c], axis=-1)
     x0, x1 = x[..., 0::2], x[..., 1::2]
     out = np.empty_like(x)
     out[..., 0::2] = x0 * c - x1 * s
@@ -60,6 +64,7 @@ class Ref:
         self.theta = float(m.get(f"{a}.rope.freq_base", 10000.0))
         self.eps = float(m.get(f"{a}.attention.layer_norm_rms_epsilon", 1e-5))
         self.out = self.w.get("output.weight", self.w["token_embd.weight"])
+        self.neox = a == "qwen2"
 
     def forward(self, ids, cache):
         w, pos, n = self.w, cache["len"], len(ids)
@@ -67,10 +72,11 @@ class Ref:
         for i in range(self.L):
             p = f"blk.{i}."
             h = rms(x, w[p + "attn_norm.weight"], self.eps)
-            q = (h @ w[p + "attn_q.weight"].T).reshape(n, self.nh, self.hd).transpose(1, 0, 2)
-            k = (h @ w[p + "attn_k.weight"].T).reshape(n, self.nkv, self.hd).transpose(1, 0, 2)
-            v = (h @ w[p + "attn_v.weight"].T).reshape(n, self.nkv, self.hd).transpose(1, 0, 2)
-            q, k = rope(q, pos, self.theta), rope(k, pos, self.theta)
+            def proj(name, heads):
+                y = h @ w[p + name + ".weight"].T + w.get(p + name + ".bias", 0.0)
+                return y.reshape(n, heads, self.hd).transpose(1, 0, 2)
+            q, k, v = proj("attn_q", self.nh), proj("attn_k", self.nkv), proj("attn_v", self.nkv)
+            q, k = rope(q, pos, self.theta, self.neox), rope(k, pos, self.theta, self.neox)
             if i in cache["k"]:
                 k = np.concatenate([cache["k"][i], k], axis=1)
                 v = np.concatenate([cache["v"][i], v], axis=1)

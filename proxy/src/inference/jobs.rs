@@ -67,8 +67,7 @@ pub struct Job {
     changed: watch::Sender<usize>,
     cancel: watch::Sender<bool>,
     bytes: AtomicUsize,
-    store_bytes: Arc<AtomicUsize>,
-    max_bytes: usize,
+    store: std::sync::Weak<Shared>,
 }
 
 impl Job {
@@ -89,8 +88,16 @@ impl Job {
     /// (the job is then failed).
     pub fn push(&self, payload: String) -> bool {
         let n = payload.len();
-        if self.store_bytes.fetch_add(n, Ordering::Relaxed) + n > self.max_bytes {
-            self.store_bytes.fetch_sub(n, Ordering::Relaxed);
+        let Some(st) = self.store.upgrade() else {
+            return false;
+        };
+        if st.bytes.load(Ordering::Relaxed) + n > st.max_bytes {
+            // Older finished results make room for a running job first.
+            let mut g = st.jobs.lock();
+            st.evict(&mut g, st.max_entries, n);
+        }
+        if st.bytes.fetch_add(n, Ordering::Relaxed) + n > st.max_bytes {
+            st.bytes.fetch_sub(n, Ordering::Relaxed);
             self.finish(
                 Status::Failed,
                 None,
@@ -102,7 +109,7 @@ impl Job {
         let len = {
             let mut g = self.inner.lock();
             if g.status.finished() {
-                self.store_bytes.fetch_sub(n, Ordering::Relaxed);
+                st.bytes.fetch_sub(n, Ordering::Relaxed);
                 self.bytes.fetch_sub(n, Ordering::Relaxed);
                 return false;
             }
@@ -173,33 +180,8 @@ impl Job {
     }
 }
 
-/// Why a job could not be created.
-#[derive(Debug, PartialEq, Eq)]
-pub struct Full;
-
-/// The bounded job store.
-pub struct Store {
-    jobs: Mutex<(HashMap<String, Arc<Job>>, VecDeque<String>)>,
-    bytes: Arc<AtomicUsize>,
-    max_entries: usize,
-    max_bytes: usize,
-    ttl: Duration,
-}
-
-impl Store {
-    /// A store with these bounds.
-    pub fn new(max_entries: usize, max_bytes: usize, ttl: Duration) -> Self {
-        Store {
-            jobs: Mutex::new((HashMap::new(), VecDeque::new())),
-            bytes: Arc::new(AtomicUsize::new(0)),
-            max_entries: max_entries.max(1),
-            max_bytes,
-            ttl,
-        }
-    }
-
-    /// Entries and bytes held.
-    pub fn usage(&self) -> (usize, usize) {
+impl Shared {
+    fn usage(&self) -> (usize, usize) {
         (self.jobs.lock().0.len(), self.bytes.load(Ordering::Relaxed))
     }
 
@@ -212,7 +194,7 @@ impl Store {
 
     /// Drop expired jobs, then the oldest finished ones while over `need`
     /// entries or over the byte bound.
-    fn evict(&self, g: &mut (HashMap<String, Arc<Job>>, VecDeque<String>), keep_entries: usize) {
+    fn evict(&self, g: &mut Jobs, keep_entries: usize, need_bytes: usize) {
         let now = Instant::now();
         let (map, order) = g;
         let expired: Vec<String> = order
@@ -231,7 +213,9 @@ impl Store {
             self.remove(map, id);
         }
         order.retain(|id| map.contains_key(id));
-        while map.len() > keep_entries || self.bytes.load(Ordering::Relaxed) >= self.max_bytes {
+        while map.len() > keep_entries
+            || self.bytes.load(Ordering::Relaxed) + need_bytes > self.max_bytes
+        {
             let Some(pos) = order
                 .iter()
                 .position(|id| map.get(id).is_some_and(|j| j.status().finished()))
@@ -243,12 +227,49 @@ impl Store {
             }
         }
     }
+}
+
+/// Why a job could not be created.
+#[derive(Debug, PartialEq, Eq)]
+pub struct Full;
+
+/// The bounded job store.
+pub struct Store(Arc<Shared>);
+
+type Jobs = (HashMap<String, Arc<Job>>, VecDeque<String>);
+
+/// The store's state, shared with its jobs (which make room on push).
+pub struct Shared {
+    jobs: Mutex<Jobs>,
+    bytes: Arc<AtomicUsize>,
+    max_entries: usize,
+    max_bytes: usize,
+    ttl: Duration,
+}
+
+impl Store {
+    /// Entries and bytes held.
+    pub fn usage(&self) -> (usize, usize) {
+        self.0.usage()
+    }
+
+    /// A store with these bounds.
+    pub fn new(max_entries: usize, max_bytes: usize, ttl: Duration) -> Self {
+        Store(Arc::new(Shared {
+            jobs: Mutex::new((HashMap::new(), VecDeque::new())),
+            bytes: Arc::new(AtomicUsize::new(0)),
+            max_entries: max_entries.max(1),
+            max_bytes,
+            ttl,
+        }))
+    }
 
     /// A new queued job, or `Full` when only unfinished jobs fill the store.
     pub fn create(&self, id: String) -> Result<Arc<Job>, Full> {
-        let mut g = self.jobs.lock();
-        self.evict(&mut g, self.max_entries - 1);
-        if g.0.len() >= self.max_entries || self.bytes.load(Ordering::Relaxed) >= self.max_bytes {
+        let st = &self.0;
+        let mut g = st.jobs.lock();
+        st.evict(&mut g, st.max_entries - 1, 1);
+        if g.0.len() >= st.max_entries || st.bytes.load(Ordering::Relaxed) >= st.max_bytes {
             return Err(Full);
         }
         let job = Arc::new(Job {
@@ -267,8 +288,7 @@ impl Store {
             changed: watch::Sender::new(0),
             cancel: watch::Sender::new(false),
             bytes: AtomicUsize::new(0),
-            store_bytes: self.bytes.clone(),
-            max_bytes: self.max_bytes,
+            store: Arc::downgrade(&self.0),
         });
         g.0.insert(id.clone(), job.clone());
         g.1.push_back(id);
@@ -277,15 +297,16 @@ impl Store {
 
     /// A job by id (expired ones are gone).
     pub fn get(&self, id: &str) -> Option<Arc<Job>> {
-        let mut g = self.jobs.lock();
+        let st = &self.0;
+        let mut g = st.jobs.lock();
         let j = g.0.get(id)?.clone();
         let expired = j
             .inner
             .lock()
             .finished_at
-            .is_some_and(|t| t.elapsed() >= self.ttl);
+            .is_some_and(|t| t.elapsed() >= st.ttl);
         if expired {
-            self.remove(&mut g.0, id);
+            st.remove(&mut g.0, id);
             return None;
         }
         Some(j)
@@ -319,8 +340,14 @@ mod tests {
         assert!(a.push("x".repeat(60)));
         assert!(!a.push("y".repeat(60)), "over the byte bound");
         assert_eq!(a.status(), Status::Failed);
-        assert!(s.create("b".into()).is_ok(), "failed a is evicted for room");
-        assert_eq!(s.usage(), (1, 0));
+        let b = s.create("b".into()).unwrap();
+        assert!(b.push("z".repeat(70)), "the failed, finished a makes room");
+        assert!(s.get("a").is_none());
+        assert_eq!(s.usage(), (1, 70));
+        assert!(
+            !b.push("w".repeat(40)),
+            "only running b is left: over the bound"
+        );
     }
 
     #[test]

@@ -24,8 +24,8 @@ def basics(base, model):
 
     r = c.chat.completions.create(
         model=model,
-        messages=[{"role": "system", "content": "You are terse."},
-                  {"role": "user", "content": "What is the capital of France?"}],
+        messages=[{"role": "system", "content": "You are a storyteller."},
+                  {"role": "user", "content": "Tell me a long story about a dragon."}],
         max_tokens=8, temperature=0)
     assert r.object == "chat.completion"
     assert r.choices[0].message.role == "assistant"
@@ -38,7 +38,7 @@ def basics(base, model):
     # usage chunk with empty choices, then the stream ends ([DONE]).
     text, finish, usage, n = "", None, None, 0
     with c.chat.completions.create(
-            model=model, messages=[{"role": "user", "content": "Say hello"}],
+            model=model, messages=[{"role": "user", "content": "Write a long poem about the sea."}],
             max_tokens=6, temperature=0, stream=True,
             stream_options={"include_usage": True}) as s:
         for ch in s:
