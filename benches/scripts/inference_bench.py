@@ -74,8 +74,8 @@ async def one(port, body, headers, planned, res):
         r["status"] = int(status.split()[1])
         while (await reader.readline()) not in (b"\r\n", b""):
             pass
-        buf = b""
-        while True:
+        buf, done = b"", False
+        while not done:
             chunk = await reader.read(65536)
             if not chunk:
                 break
@@ -85,12 +85,12 @@ async def one(port, body, headers, planned, res):
                 ev, buf = buf.split(b"\n\n", 1)
                 for line in ev.split(b"\n"):
                     line = line.split(b"\r\n")[-1]
+                    if line == b"data: [DONE]":
+                        done = True
                     if line.startswith(b"data: {") and b'"content"' in line and b'"content":""' not in line:
                         r["times"].append(now)
                         if r["ttft"] is None:
                             r["ttft"] = now - planned
-            if b"data: [DONE]" in buf:
-                break
         r["e2e"] = time.perf_counter() - planned
         writer.close()
     except Exception as e:  # a refused or broken request counts as such

@@ -97,6 +97,14 @@ fn main() {
     )
     .unwrap();
     run(&e, 1, 64, 8, 999); // warm-up
+    if std::env::args().any(|a| a == "agg16") {
+        let (_, tokens, first, total) = run(&e, 16, 32, 64, 7);
+        println!(
+            "agg16 decode {:.1} tok/s",
+            (tokens - 16) as f64 / (total - first).as_secs_f64()
+        );
+        return;
+    }
     if quick {
         let (t, _, _, _) = run(&e, 1, 128, 1, 5);
         let (_, tokens, first, total) = run(&e, 1, 32, 32, 6);

@@ -12,6 +12,9 @@
 //! arrays so the compiler vectorizes them (AVX2/FMA with the workspace's
 //! x86-64-v3 target). Other types go through candle.
 
+// Index loops over fixed-size arrays are how the kernels get vectorized.
+#![allow(clippy::needless_range_loop)]
+
 use candle_core::quantized::{GgmlDType, QMatMul, QTensor};
 use candle_core::{Module, Tensor};
 use rayon::prelude::*;

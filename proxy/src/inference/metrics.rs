@@ -53,8 +53,12 @@ pub struct InferenceMetrics {
     engine_queue: IntGaugeVec,
     startup: GaugeVec,
     ready: IntGaugeVec,
-    engines: Mutex<Vec<(Arc<EngineService>, Vec<String>, u64)>>,
+    engines: Mutex<Vec<Watched>>,
 }
+
+/// An engine exported on scrape: the service, its model name, and the
+/// preemption count already added to the counter.
+type Watched = (Arc<EngineService>, String, u64);
 
 /// Feeds engine steps into the histograms.
 pub struct Steps {
@@ -216,14 +220,14 @@ impl InferenceMetrics {
 
     /// Export an engine's gauges on every scrape.
     pub fn watch(&self, name: &str, svc: Arc<EngineService>) {
-        self.engines.lock().push((svc, vec![name.to_string()], 0));
+        self.engines.lock().push((svc, name.to_string(), 0));
     }
 
     /// Read engine counters into the gauges (called on scrape).
     pub fn refresh(&self) {
         let mut engines = self.engines.lock();
-        for (svc, names, seen_preempt) in engines.iter_mut() {
-            let name = names[0].as_str();
+        for (svc, name, seen_preempt) in engines.iter_mut() {
+            let name = name.as_str();
             let ready = svc.readiness() == Readiness::Ready;
             self.ready.with_label_values(&[name]).set(ready as i64);
             let t = svc.times();

@@ -54,11 +54,14 @@ pub struct UpstreamSpec {
     pub stall: Duration,
 }
 
+/// The balancer built for one member set.
+type Ring = (Arc<Membership>, Arc<Balancer>);
+
 /// An upstream-served model.
 #[derive(Clone)]
 pub struct UpstreamBackend {
     spec: Arc<UpstreamSpec>,
-    ring: Arc<Mutex<Option<(Arc<Membership>, Arc<Balancer>)>>>,
+    ring: Arc<Mutex<Option<Ring>>>,
 }
 
 impl std::fmt::Debug for UpstreamBackend {
@@ -152,6 +155,7 @@ impl UpstreamBackend {
     }
 
     /// Connect, send, read the head and the stream up to the first token.
+    #[allow(clippy::too_many_arguments)]
     async fn try_member(
         &self,
         peer: &HttpPeer,
