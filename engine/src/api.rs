@@ -152,6 +152,21 @@ impl BackendError {
         }
     }
 
+    /// An error of the request as a whole (no single field at fault).
+    pub fn request(status: u16, code: &'static str, message: String) -> Self {
+        BackendError {
+            status,
+            kind: if status >= 500 {
+                "server_error"
+            } else {
+                "invalid_request_error"
+            },
+            code,
+            param: None,
+            message,
+        }
+    }
+
     /// A 503: the backend cannot serve now.
     pub fn unavailable(message: String) -> Self {
         BackendError {

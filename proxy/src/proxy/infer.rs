@@ -113,6 +113,15 @@ impl Out {
         Ok(())
     }
 
+    /// End a stream whose headers are sent with an error event and `[DONE]`.
+    async fn end_with_error(&mut self, session: &mut Session, body: &[u8]) -> Result<()> {
+        self.write(session, sse::data(&String::from_utf8_lossy(body)))
+            .await?;
+        session
+            .write_response_body(Some(Bytes::from_static(sse::DONE)), true)
+            .await
+    }
+
     /// Wait for `fut`, sending heartbeats on a stream and watching for the
     /// client going away.
     async fn wait<T>(
@@ -238,23 +247,19 @@ impl EdgeProxy {
                 None => self.send_err(session, ctx, &no_job(id)).await,
             },
             (_, ["v1", "chat", "completions"] | ["v1", "completions"] | ["v1", "models"]) => {
-                let e = BackendError {
-                    status: 405,
-                    kind: "invalid_request_error",
-                    code: "method_not_allowed",
-                    param: None,
-                    message: format!("{method} is not allowed on {path}"),
-                };
+                let e = BackendError::request(
+                    405,
+                    "method_not_allowed",
+                    format!("{method} is not allowed on {path}"),
+                );
                 self.send_err(session, ctx, &e).await
             }
             _ => {
-                let e = BackendError {
-                    status: 404,
-                    kind: "invalid_request_error",
-                    code: "unknown_url",
-                    param: None,
-                    message: format!("Unknown request URL: {method} {path}."),
-                };
+                let e = BackendError::request(
+                    404,
+                    "unknown_url",
+                    format!("Unknown request URL: {method} {path}."),
+                );
                 self.send_err(session, ctx, &e).await
             }
         }
@@ -284,13 +289,7 @@ impl EdgeProxy {
     ) -> Result<bool> {
         let Some(body) = self.read_body(session, ctx).await? else {
             session.set_keepalive(None);
-            let e = BackendError {
-                status: 413,
-                kind: "invalid_request_error",
-                code: "body_too_large",
-                param: None,
-                message: "request body too large".into(),
-            };
+            let e = BackendError::request(413, "body_too_large", "request body too large".into());
             return self.send_err(session, ctx, &e).await;
         };
         let network = ctx.started.elapsed();
@@ -393,11 +392,7 @@ impl EdgeProxy {
                         outcome("shed");
                         if out.sent_head {
                             let (_, _, body) = admission::refusal(reason, retry_after);
-                            let text = String::from_utf8_lossy(&body).to_string();
-                            out.write(session, sse::data(&text)).await?;
-                            session
-                                .write_response_body(Some(Bytes::from_static(sse::DONE)), true)
-                                .await?;
+                            out.end_with_error(session, &body).await?;
                             return Ok(true);
                         }
                         return self.shed(session, ctx, reason, retry_after).await;
@@ -423,14 +418,7 @@ impl EdgeProxy {
             Some(Err(e)) => {
                 outcome("error");
                 if out.sent_head {
-                    out.write(
-                        session,
-                        sse::data(&String::from_utf8_lossy(&openai::error_json(&e))),
-                    )
-                    .await?;
-                    session
-                        .write_response_body(Some(Bytes::from_static(sse::DONE)), true)
-                        .await?;
+                    out.end_with_error(session, &openai::error_json(&e)).await?;
                     return Ok(true);
                 }
                 return self.send_err(session, ctx, &e).await;
@@ -585,14 +573,7 @@ impl EdgeProxy {
                 } else {
                     compute
                 };
-                let usage = Usage {
-                    prompt_tokens: if usage.prompt_tokens == 0 {
-                        call.prepared.prompt_tokens
-                    } else {
-                        usage.prompt_tokens
-                    },
-                    ..usage
-                };
+                let usage = call.usage(usage);
                 im.tokens
                     .with_label_values(&[&call.model.name, "prompt"])
                     .inc_by(usage.prompt_tokens as u64);
@@ -650,22 +631,9 @@ impl EdgeProxy {
                     Event::Error(m) => m,
                     _ => "the backend ended the stream unexpectedly".into(),
                 };
-                let e = BackendError {
-                    status: 502,
-                    kind: "server_error",
-                    code: "backend_error",
-                    param: None,
-                    message: msg,
-                };
+                let e = BackendError::request(502, "backend_error", msg);
                 if stream {
-                    out.write(
-                        session,
-                        sse::data(&String::from_utf8_lossy(&openai::error_json(&e))),
-                    )
-                    .await?;
-                    session
-                        .write_response_body(Some(Bytes::from_static(sse::DONE)), true)
-                        .await?;
+                    out.end_with_error(session, &openai::error_json(&e)).await?;
                 } else {
                     self.send_err(session, ctx, &e).await?;
                 }
@@ -860,6 +828,21 @@ struct Call {
     network: Duration,
 }
 
+impl Call {
+    /// The backend's counts, with the prompt size we measured when the
+    /// backend did not report one (an upstream without usage).
+    fn usage(&self, u: Usage) -> Usage {
+        Usage {
+            prompt_tokens: if u.prompt_tokens == 0 {
+                self.prepared.prompt_tokens
+            } else {
+                u.prompt_tokens
+            },
+            ..u
+        }
+    }
+}
+
 /// The generation side of one completion.
 struct Run {
     rx: EventStream,
@@ -877,13 +860,11 @@ fn model_json(id: &str) -> Value {
 }
 
 fn no_job(id: &str) -> BackendError {
-    BackendError {
-        status: 404,
-        kind: "invalid_request_error",
-        code: "request_not_found",
-        param: None,
-        message: format!("No async request `{id}` (unknown, or its results expired)."),
-    }
+    BackendError::request(
+        404,
+        "request_not_found",
+        format!("No async request `{id}` (unknown, or its results expired)."),
+    )
 }
 
 /// Run an async job to its end: admission, generation, events into the
@@ -950,14 +931,7 @@ async fn run_job(job: Arc<Job>, call: Call, ident: Ident) {
                         text.push_str(&t);
                         job.push(ident.chunk(&t, first, None).to_string());
                     }
-                    let usage = Usage {
-                        prompt_tokens: if usage.prompt_tokens == 0 {
-                            call.prepared.prompt_tokens
-                        } else {
-                            usage.prompt_tokens
-                        },
-                        ..usage
-                    };
+                    let usage = call.usage(usage);
                     job.push(ident.chunk("", false, Some(finish)).to_string());
                     job.push(ident.usage_chunk(&usage).to_string());
                     job.finish(

@@ -37,6 +37,30 @@ impl Errors {
     }
 }
 
+/// The admission gate of a pool or model (None without a concurrency
+/// limit); `max_queued` 0 means the sum of the lanes' queue lengths.
+fn gate(
+    name: &str,
+    lanes: &[LaneSpec],
+    max_concurrency: usize,
+    max_queued: usize,
+    metrics: &Metrics,
+) -> Option<Arc<Gate>> {
+    (max_concurrency > 0).then(|| {
+        let names: Vec<String> = lanes.iter().map(|l| l.name.clone()).collect();
+        let max_queued = match max_queued {
+            0 => lanes.iter().map(|l| l.queue_len).sum(),
+            n => n,
+        };
+        Arc::new(Gate::new(
+            lanes.to_vec(),
+            max_concurrency,
+            max_queued,
+            metrics.gate(name, &names),
+        ))
+    })
+}
+
 fn ms(v: u64) -> Option<Duration> {
     (v > 0).then(|| Duration::from_millis(v))
 }

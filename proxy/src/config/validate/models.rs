@@ -229,19 +229,14 @@ pub(super) fn models(
                 continue;
             }
         }
-        let gate = (m.max_concurrency > 0).then(|| {
-            let names: Vec<String> = lanes.iter().map(|l| l.name.clone()).collect();
-            let max_queued = match m.max_queued {
-                0 => lanes.iter().map(|l| l.queue_len).sum(),
-                n => n,
-            };
-            Arc::new(Gate::new(
-                lanes.to_vec(),
-                m.max_concurrency,
-                max_queued,
-                ctx.metrics.gate(&format!("model:{name}"), &names),
-            ))
-        });
+        let gate_name = format!("model:{name}");
+        let gate = super::gate(
+            &gate_name,
+            lanes,
+            m.max_concurrency,
+            m.max_queued,
+            ctx.metrics,
+        );
         out.insert(
             name.clone(),
             Arc::new(Model {

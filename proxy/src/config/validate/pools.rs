@@ -192,19 +192,7 @@ pub(super) fn pool(
     if errs.0.len() != before {
         return None;
     }
-    let gate = (p.max_concurrency > 0).then(|| {
-        let names: Vec<String> = lanes.iter().map(|l| l.name.clone()).collect();
-        let max_queued = match p.max_queued {
-            0 => lanes.iter().map(|l| l.queue_len).sum(),
-            n => n,
-        };
-        Arc::new(Gate::new(
-            lanes.to_vec(),
-            p.max_concurrency,
-            max_queued,
-            metrics.gate(name, &names),
-        ))
-    });
+    let gate = super::gate(name, lanes, p.max_concurrency, p.max_queued, metrics);
     let dns = (!targets.is_empty()).then(|| {
         let fraction = ctx.prefetch_fraction;
         PoolDns::new(static_members.clone(), targets, answers, fraction)
