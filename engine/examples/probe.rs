@@ -1,5 +1,6 @@
-//! Print the top next tokens for a chat prompt (a debugging aid):
-//! `cargo run -p ultrafast-engine --example probe -- "question"`.
+//! Print the top next tokens for a chat prompt and a greedy answer (a
+//! debugging aid): `cargo run -p ultrafast-engine --example probe --
+//! "question" [MODEL.gguf]` (default: SmolLM2 from the cache).
 #![allow(clippy::unwrap_used)]
 use candle_core::D;
 use ultrafast_engine::{fetch, generate, tokenizer::ChatMessage};
@@ -8,7 +9,13 @@ fn main() {
     let q = std::env::args()
         .nth(1)
         .unwrap_or_else(|| "What is the capital of France?".into());
-    let l = generate::load(&fetch::pull(&fetch::SMOLLM2).unwrap()).unwrap();
+    let path = match std::env::args().nth(2) {
+        Some(p) => std::path::PathBuf::from(p),
+        None => fetch::pull(&fetch::SMOLLM2).unwrap(),
+    };
+    let t0 = std::time::Instant::now();
+    let l = generate::load(&path).unwrap();
+    println!("loaded {} in {:?}", path.display(), t0.elapsed());
     let prompt = l
         .codec
         .render_chat(&[ChatMessage {
