@@ -3,8 +3,8 @@
 //! over 32 steps both follow the reference's greedy tokens (teacher forcing),
 //! and at every step where the reference's top-two margin is at least 0.5
 //! logits our argmax must be the reference's token (below that, a near-tie
-//! that 8-bit activation quantization may legitimately flip, the step is
-//! skipped, never loosened); first-step logits must agree within the stated
+//! that quantized arithmetic may legitimately flip, the step is skipped,
+//! never loosened); first-step logits must agree within the stated
 //! tolerance.
 
 #![allow(clippy::unwrap_used)]
@@ -17,10 +17,11 @@ use ultrafast_engine::tokenizer::ChatMessage;
 
 const STEPS: usize = 32;
 const NEAR_TIE: f64 = 0.5;
-/// Largest allowed first-step logit difference. Our matmuls quantize
-/// activations to 8 bits (as llama.cpp does) while the reference runs pure
-/// float32 on the dequantized weights; measured max differences on these
-/// prompts are about 0.4-0.7.
+/// Largest allowed first-step logit difference. Q4_1 layers run on f32
+/// activations, but the Q8_0 output head (candle) quantizes them to 8 bits
+/// while the reference runs pure float32 on the dequantized weights;
+/// measured max differences on these prompts are 0.30-0.40 (0.4-0.7 when
+/// every matmul quantized its activations).
 const LOGIT_TOL: f32 = 1.0;
 
 /// The model checked: SmolLM2 (fetched), or any GGUF named by

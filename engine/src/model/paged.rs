@@ -5,12 +5,73 @@
 //! weights are read once per step instead of once per sequence (what makes
 //! continuous batching pay on a CPU). Keys and values live in fixed-size
 //! blocks (`PagedKv`) addressed through each sequence's block table from
-//! `kv::BlockPool`; attention gathers a sequence's own blocks and applies
-//! RoPE at each token's own position.
+//! `kv::BlockPool`; attention reads a sequence's own slots in place, with
+//! RoPE applied at each token's own position.
 
 use super::llama::Model;
+use super::ModelConfig;
 use crate::error::{EngineError, Result};
 use candle_core::{Device, Tensor};
+use rayon::prelude::*;
+
+/// Causal attention of every row of a step over its own sequence's slots
+/// (grouped-query: query head `h` reads kv head `h / rep`), in plain loops:
+/// no tensor, gather or mask is built per sequence and layer, and rows run
+/// in parallel. Returns (rows, dim).
+fn attend(c: &ModelConfig, q: &[f32], rows: &[Vec<usize>], k: &[f32], v: &[f32]) -> Vec<f32> {
+    let (hd, dim) = (c.head_dim, c.dim);
+    let kvd = c.n_kv_head * hd;
+    let rep = c.n_head / c.n_kv_head;
+    let scale = 1.0 / (hd as f32).sqrt();
+    let mut out = vec![0f32; rows.len() * dim];
+    out.par_chunks_mut(dim).enumerate().for_each(|(r, o)| {
+        let slots = &rows[r];
+        let mut p = vec![0f32; slots.len()];
+        for h in 0..c.n_head {
+            let qh = &q[r * dim + h * hd..][..hd];
+            let off = (h / rep) * hd;
+            let mut max = f32::NEG_INFINITY;
+            for (pj, &s) in p.iter_mut().zip(slots) {
+                let kh = &k[s * kvd + off..][..hd];
+                *pj = dot(qh, kh) * scale;
+                max = max.max(*pj);
+            }
+            let mut sum = 0f32;
+            for pj in p.iter_mut() {
+                *pj = (*pj - max).exp();
+                sum += *pj;
+            }
+            let oh = &mut o[h * hd..(h + 1) * hd];
+            for (pj, &s) in p.iter().zip(slots) {
+                let w = pj / sum;
+                let vh = &v[s * kvd + off..][..hd];
+                for (a, b) in oh.iter_mut().zip(vh) {
+                    *a += w * b;
+                }
+            }
+        }
+    });
+    out
+}
+
+/// Dot product in eight lanes (vectorizes; a single sum does not).
+#[allow(clippy::needless_range_loop)]
+fn dot(a: &[f32], b: &[f32]) -> f32 {
+    let mut acc = [0f32; 8];
+    for (ca, cb) in a.chunks_exact(8).zip(b.chunks_exact(8)) {
+        for l in 0..8 {
+            acc[l] += ca[l] * cb[l];
+        }
+    }
+    let tail: f32 = a
+        .chunks_exact(8)
+        .remainder()
+        .iter()
+        .zip(b.chunks_exact(8).remainder())
+        .map(|(x, y)| x * y)
+        .sum();
+    acc.iter().sum::<f32>() + tail
+}
 
 /// Key/value storage: per layer, `num_blocks * block_size` slots of
 /// `kv_heads * head_dim` floats.
@@ -92,75 +153,36 @@ impl Model {
         let pos_t = Tensor::from_slice(&positions, total, &dev)?;
         let (cos, sin) = self.rope_tables(&pos_t)?;
         let mut x = self.embed_rows(&ids_t)?;
-        let rep = c.n_head / c.n_kv_head;
-        let scale = 1.0 / (c.head_dim as f64).sqrt();
+        // Per row of the step: its sequence's slots up to and including
+        // its own position (resolved once per step, not per layer).
+        let mut rows: Vec<Vec<usize>> = Vec::with_capacity(total);
+        let mut slots_by_seq = Vec::with_capacity(seqs.len());
+        for s in seqs {
+            let ctx = s.start + s.tokens.len();
+            let slots = (0..ctx)
+                .map(|p| kv.slot(s.blocks, p))
+                .collect::<Result<Vec<usize>>>()?;
+            slots_by_seq.push(slots);
+        }
+        for (s, slots) in seqs.iter().zip(&slots_by_seq) {
+            for i in 0..s.tokens.len() {
+                rows.push(slots[..=s.start + i].to_vec());
+            }
+        }
+        let d = kv.kv_dim;
         for layer in 0..c.n_layer {
             let (q, k, v) = self.qkv(layer, &x, &cos, &sin)?;
             // Store this step's keys and values in their slots.
             let k_rows: Vec<f32> = k.flatten_all()?.to_vec1()?;
             let v_rows: Vec<f32> = v.flatten_all()?.to_vec1()?;
-            let mut t = 0;
-            for s in seqs {
-                for i in 0..s.tokens.len() {
-                    let slot = kv.slot(s.blocks, s.start + i)?;
-                    let d = kv.kv_dim;
-                    kv.k[layer][slot * d..(slot + 1) * d]
-                        .copy_from_slice(&k_rows[t * d..(t + 1) * d]);
-                    kv.v[layer][slot * d..(slot + 1) * d]
-                        .copy_from_slice(&v_rows[t * d..(t + 1) * d]);
-                    t += 1;
-                }
+            for (t, slots) in rows.iter().enumerate() {
+                let slot = slots[slots.len() - 1];
+                kv.k[layer][slot * d..(slot + 1) * d].copy_from_slice(&k_rows[t * d..(t + 1) * d]);
+                kv.v[layer][slot * d..(slot + 1) * d].copy_from_slice(&v_rows[t * d..(t + 1) * d]);
             }
-            // Attention, one sequence at a time over its own blocks.
-            let mut outs = Vec::with_capacity(seqs.len());
-            let mut row = 0;
-            for s in seqs {
-                let len = s.tokens.len();
-                let ctx = s.start + len;
-                let d = kv.kv_dim;
-                let mut kg = Vec::with_capacity(ctx * d);
-                let mut vg = Vec::with_capacity(ctx * d);
-                for p in 0..ctx {
-                    let slot = kv.slot(s.blocks, p)?;
-                    kg.extend_from_slice(&kv.k[layer][slot * d..(slot + 1) * d]);
-                    vg.extend_from_slice(&kv.v[layer][slot * d..(slot + 1) * d]);
-                }
-                let to_heads = |data: Vec<f32>| -> candle_core::Result<Tensor> {
-                    let t = Tensor::from_vec(data, (ctx, c.n_kv_head, c.head_dim), &dev)?
-                        .transpose(0, 1)?;
-                    if rep == 1 {
-                        return t.contiguous();
-                    }
-                    t.unsqueeze(1)?
-                        .expand((c.n_kv_head, rep, ctx, c.head_dim))?
-                        .reshape((c.n_head, ctx, c.head_dim))
-                };
-                let (kh, vh) = (to_heads(kg)?, to_heads(vg)?);
-                let qs = q
-                    .narrow(0, row, len)?
-                    .reshape((len, c.n_head, c.head_dim))?
-                    .transpose(0, 1)?
-                    .contiguous()?;
-                let mut att = (qs.matmul(&kh.t()?.contiguous()?)? * scale)?;
-                if len > 1 {
-                    let m: Vec<f32> = (0..len)
-                        .flat_map(|i| {
-                            (0..ctx).map(move |j| {
-                                if j > s.start + i {
-                                    f32::NEG_INFINITY
-                                } else {
-                                    0.0
-                                }
-                            })
-                        })
-                        .collect();
-                    att = att.broadcast_add(&Tensor::from_vec(m, (1, len, ctx), &dev)?)?;
-                }
-                let att = super::llama::softmax_last(&att)?;
-                outs.push(att.matmul(&vh)?.transpose(0, 1)?.reshape((len, c.dim))?);
-                row += len;
-            }
-            let out = Tensor::cat(&outs, 0)?;
+            let q_rows: Vec<f32> = q.flatten_all()?.to_vec1()?;
+            let out = attend(&c, &q_rows, &rows, &kv.k[layer], &kv.v[layer]);
+            let out = Tensor::from_vec(out, (total, c.dim), &dev)?;
             x = self.finish_layer(layer, x, &out)?;
         }
         // Logits for the last token of each sequence, in one matmul.
