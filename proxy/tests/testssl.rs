@@ -27,25 +27,25 @@ fn testssl_finds_no_weak_protocol_or_cipher_and_resumption_works() {
     assert!(eventually(Duration::from_secs(5), || {
         std::net::TcpStream::connect(("127.0.0.1", port)).is_ok()
     }));
-    let out = Command::new("timeout")
-        .args([
-            "120",
-            "testssl",
-            "--quiet",
-            "--color",
-            "0",
-            "--warnings",
-            "off",
-            "-p",
-            "-s",
-            "-S",
-        ])
-        .arg(format!("127.0.0.1:{port}"))
-        .output()
-        .expect("testssl is required (Debian package testssl.sh; .ci/run installs it)");
+    let run = |sections: &[&str]| {
+        Command::new("timeout")
+            .args([
+                "120",
+                "testssl",
+                "--quiet",
+                "--color",
+                "0",
+                "--warnings",
+                "off",
+            ])
+            .args(sections)
+            .arg(format!("127.0.0.1:{port}"))
+            .output()
+            .expect("testssl is required (Debian package testssl.sh; .ci/run installs it)")
+    };
+    let out = run(&["-p", "-s", "-S"]);
     let rc = out.status.code().unwrap_or(-1);
     let out = String::from_utf8_lossy(&out.stdout).into_owned();
-    drop(uf);
     assert_ne!(rc, 124, "testssl timed out: {out}");
     for proto in ["SSLv2", "SSLv3", "TLS 1 ", "TLS 1.1"] {
         let line = out
@@ -71,12 +71,26 @@ fn testssl_finds_no_weak_protocol_or_cipher_and_resumption_works() {
     // back "connect problem". Resumption working means at least one of them
     // says yes; both mechanisms are asserted deterministically with s_client
     // in tests/tls.rs.
-    let resumption = out
-        .lines()
-        .find(|l| l.contains("Session Resumption"))
-        .unwrap_or("");
-    assert!(
-        resumption.contains("Tickets: yes") || resumption.contains("ID: yes"),
-        "{resumption}\n{out}"
-    );
+    // Both probes can lose that race on a loaded machine: probe again (up
+    // to two more times) before calling it a failure.
+    let resumed = |out: &str| {
+        let line = out
+            .lines()
+            .find(|l| l.contains("Session Resumption"))
+            .unwrap_or("")
+            .to_string();
+        (
+            line.contains("Tickets: yes") || line.contains("ID: yes"),
+            line,
+        )
+    };
+    let mut result = resumed(&out);
+    for _ in 0..2 {
+        if result.0 {
+            break;
+        }
+        result = resumed(&String::from_utf8_lossy(&run(&["-S"]).stdout));
+    }
+    drop(uf);
+    assert!(result.0, "{}\n{out}", result.1);
 }
