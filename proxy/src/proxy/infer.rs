@@ -336,7 +336,18 @@ impl EdgeProxy {
             request_id: ctx.request_id.to_str().unwrap_or("").to_string(),
             user: parsed.user.clone(),
         };
-        let prepared = match backend.prepare(&req) {
+        // The engine tokenizes and renders the template here: off the
+        // request runtime, so a long prompt never stalls other requests.
+        let prepared = if backend.kind() == "engine" {
+            let (b, r) = (backend.clone(), req.clone());
+            match tokio::task::spawn_blocking(move || b.prepare(&r)).await {
+                Ok(p) => p,
+                Err(_) => Err(BackendError::unavailable("tokenization failed".into())),
+            }
+        } else {
+            backend.prepare(&req)
+        };
+        let prepared = match prepared {
             Ok(p) => p,
             Err(e) => return self.send_err(session, ctx, &e).await,
         };
