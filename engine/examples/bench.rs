@@ -3,17 +3,27 @@
 //! prompt, single-stream decode tokens/s and aggregate decode tokens/s at 4
 //! and 16 concurrent streams. Prints one JSON object.
 //! `cargo run --release -p ultrafast-engine --example bench [-- REPEATS]`
+//!
+//! `-- steps [CTX]`: step time against tokens per step instead (decode
+//! steps of 1 to 32 streams at about CTX tokens of context, default 48, and
+//! prefill chunks of as many tokens), with the engine's fitted step cost.
 #![allow(clippy::unwrap_used)]
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 use ultrafast_engine::api::{Event, GenerateRequest};
+use ultrafast_engine::generate::Loaded;
 use ultrafast_engine::sampling::SamplingParams;
-use ultrafast_engine::scheduler::{Engine, EngineConfig};
+use ultrafast_engine::scheduler::{Engine, EngineConfig, StepObserver, StepWork};
 use ultrafast_engine::{fetch, generate};
 
 fn prompt(n: usize, salt: u32) -> Vec<u32> {
     (0..n as u32)
-        .map(|i| 1 + (i * 7919 + salt * 104_729) % 49_000)
+        .map(|i| {
+            1 + i
+                .wrapping_mul(7919)
+                .wrapping_add(salt.wrapping_mul(104_729))
+                % 49_000
+        })
         .collect()
 }
 
@@ -75,11 +85,122 @@ fn run(
 }
 
 fn median(mut v: Vec<f64>) -> f64 {
+    if v.is_empty() {
+        return f64::NAN;
+    }
     v.sort_by(|a, b| a.partial_cmp(b).unwrap());
     v[v.len() / 2]
 }
 
+/// One step: wall time, process CPU time since the previous step, work.
+struct Step {
+    wall: f64,
+    cpu: f64,
+    work: Vec<StepWork>,
+}
+
+/// Every step, with the process CPU time it used (robust to other load on
+/// the machine, which inflates wall time).
+#[derive(Default)]
+struct Log {
+    steps: Mutex<Vec<Step>>,
+    last_cpu: Mutex<f64>,
+}
+
+/// User plus system CPU seconds of this process (Linux; 0 elsewhere).
+fn process_cpu_s() -> f64 {
+    let stat = std::fs::read_to_string("/proc/self/stat").unwrap_or_default();
+    let f: Vec<f64> = stat
+        .rsplit(')')
+        .next()
+        .unwrap_or_default()
+        .split_whitespace()
+        .filter_map(|v| v.parse().ok())
+        .collect();
+    // utime and stime (fields 14 and 15) in clock ticks of 1/100 s.
+    f.get(11)
+        .zip(f.get(12))
+        .map_or(0.0, |(u, s)| (u + s) / 100.0)
+}
+
+impl StepObserver for Log {
+    fn step(&self, _: Duration, _: usize, _: usize) {}
+    fn step_work(&self, elapsed: Duration, work: &[StepWork]) {
+        let now = process_cpu_s();
+        let cpu = now - std::mem::replace(&mut *self.last_cpu.lock().unwrap(), now);
+        self.steps.lock().unwrap().push(Step {
+            wall: elapsed.as_secs_f64(),
+            cpu,
+            work: work.to_vec(),
+        });
+    }
+}
+
+impl Log {
+    /// Wall median / min and mean CPU per step (ms) of the steps so far
+    /// that `pick` selects; clears the log.
+    fn take(&self, pick: impl Fn(&[StepWork]) -> bool) -> String {
+        let steps: Vec<Step> = std::mem::take(&mut *self.steps.lock().unwrap());
+        let chosen: Vec<&Step> = steps.iter().filter(|s| pick(&s.work)).collect();
+        let wall: Vec<f64> = chosen.iter().map(|s| s.wall).collect();
+        let min = wall.iter().copied().fold(f64::INFINITY, f64::min);
+        let cpu = chosen.iter().map(|s| s.cpu).sum::<f64>() / chosen.len().max(1) as f64;
+        format!(
+            "{:>6.1} {:>6.1} {:>6.1}",
+            median(wall) * 1000.0,
+            min * 1000.0,
+            cpu * 1000.0
+        )
+    }
+}
+
+/// Step time against tokens per step: decode steps `n` sequences wide, and
+/// steps of one `n`-token prompt.
+fn steps_mode(l: Arc<Loaded>, ctx: usize) {
+    let log = Arc::new(Log::default());
+    let e = Engine::start_observed(
+        l,
+        EngineConfig {
+            num_blocks: 2048,
+            max_num_seqs: 32,
+            max_batched_tokens: 512,
+            ..EngineConfig::default()
+        },
+        Some(log.clone() as Arc<dyn StepObserver>),
+    )
+    .unwrap();
+    run(&e, 1, 64, 8, 999); // warm-up
+    println!("context ~{ctx} tokens; ms: wall median, wall min, process CPU per step");
+    println!("tokens  decode (med    min    cpu)  prefill (med    min    cpu)");
+    for (k, n) in [1usize, 8, 16, 24, 32].into_iter().enumerate() {
+        log.take(|_| false);
+        run(&e, n, ctx, 24, 500 + k as u32);
+        let decode = log.take(|w| w.len() == n && w.iter().all(|w| !w.prefill));
+        for r in 0..5 {
+            run(&e, 1, n, 1, 700 + (k * 10 + r) as u32);
+        }
+        let prefill = log.take(|w| w.len() == 1 && w[0].tokens == n);
+        println!("{n:>6}  {decode:>26}  {prefill:>27}");
+    }
+    let c = e.step_cost();
+    println!(
+        "fitted: {:.2} ms + {:.3} ms/token over {} steps; {} threads",
+        c.fixed_s * 1000.0,
+        c.per_token_s * 1000.0,
+        c.samples,
+        std::thread::available_parallelism().map_or(1, |n| n.get())
+    );
+}
+
 fn main() {
+    if std::env::args().nth(1).as_deref() == Some("steps") {
+        let ctx = std::env::args()
+            .nth(2)
+            .and_then(|s| s.parse().ok())
+            .unwrap_or(48);
+        let l = Arc::new(generate::load(&fetch::pull(&fetch::SMOLLM2).unwrap()).unwrap());
+        return steps_mode(l, ctx);
+    }
     let repeats: usize = std::env::args()
         .nth(1)
         .and_then(|s| s.parse().ok())

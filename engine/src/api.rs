@@ -204,6 +204,11 @@ pub trait Backend: Send + Sync {
     fn readiness(&self) -> Readiness;
     /// Tokenize (or estimate) and check that the request can ever fit.
     fn prepare(&self, req: &InferenceRequest) -> Result<Prepared, BackendError>;
+    /// The backend's own measured step cost, if it measures one (the
+    /// engine does; upstreams are modelled by the front from their streams).
+    fn step_cost(&self) -> Option<crate::scheduler::StepCost> {
+        None
+    }
     /// Start generating. Events arrive in order and end with `Done` or
     /// `Error`; dropping the stream cancels the request.
     async fn generate(

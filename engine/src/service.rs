@@ -194,6 +194,12 @@ impl Backend for EngineService {
         }
     }
 
+    fn step_cost(&self) -> Option<crate::scheduler::StepCost> {
+        self.engine()
+            .map(|e| e.step_cost())
+            .filter(|c| c.samples > 0)
+    }
+
     fn prepare(&self, req: &InferenceRequest) -> Result<Prepared, BackendError> {
         let Some(engine) = self.engine() else {
             let why = match self.readiness() {

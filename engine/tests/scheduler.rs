@@ -1,17 +1,21 @@
 //! The engine thread on the real model: continuous batching gives the same
 //! greedy tokens as a lone sequence, preemption by recompute keeps outputs
 //! right and returns every block, cancellation frees blocks, the ultra lane
-//! goes first, a repeated system prompt is served from the prefix cache, and
-//! an impossible request is refused up front.
+//! goes first (starting within two steps of a full engine, its prompt in a
+//! step of its own, worse lanes paused rather than recomputed and never held
+//! back for long), the step-cost model fits the steps, a repeated system
+//! prompt is served from the prefix cache, and an impossible request is
+//! refused up front.
 
 #![allow(clippy::unwrap_used)]
-use std::sync::{Arc, OnceLock};
+use std::sync::atomic::Ordering;
+use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 use ultrafast_engine::api::{Event, FinishReason, GenerateRequest};
 use ultrafast_engine::fetch::{self, SMOLLM2};
 use ultrafast_engine::generate::{self, Loaded};
 use ultrafast_engine::sampling::{argmax, SamplingParams};
-use ultrafast_engine::scheduler::{Engine, EngineConfig};
+use ultrafast_engine::scheduler::{Engine, EngineConfig, StepObserver, StepWork, MAX_HELD_STEPS};
 use ultrafast_engine::tokenizer::ChatMessage;
 
 fn loaded() -> Arc<Loaded> {
@@ -47,10 +51,17 @@ fn req(p: Vec<u32>, max_tokens: usize, lane: u32) -> GenerateRequest {
 
 /// Drain a request's events: (token ids, finish, cached tokens, text).
 fn collect(
-    mut rx: tokio::sync::mpsc::UnboundedReceiver<Event>,
+    rx: tokio::sync::mpsc::UnboundedReceiver<Event>,
 ) -> (Vec<u32>, FinishReason, usize, String) {
-    let mut ids = Vec::new();
-    let mut text = String::new();
+    drain(rx, Vec::new(), String::new())
+}
+
+/// `collect` for a stream whose first `ids` (and `text`) were read.
+fn drain(
+    mut rx: tokio::sync::mpsc::UnboundedReceiver<Event>,
+    mut ids: Vec<u32>,
+    mut text: String,
+) -> (Vec<u32>, FinishReason, usize, String) {
     while let Some(ev) = rx.blocking_recv() {
         match ev {
             Event::Token { id, text: t } => {
@@ -126,6 +137,14 @@ const QS: [&str; 4] = [
     "How many legs does a spider have?",
 ];
 
+/// Prompts with answers longer than 40 tokens.
+const LONG: [&str; 4] = [
+    "Write a long story about a dragon.",
+    "Describe the history of Rome in detail.",
+    "Explain in detail how computers work.",
+    "Write a long poem about the ocean.",
+];
+
 fn wait_idle(e: &Engine) {
     let deadline = Instant::now() + Duration::from_secs(10);
     while Instant::now() < deadline && e.pool_stats().used > 0 {
@@ -171,13 +190,7 @@ fn preemption_by_recompute_keeps_outputs_and_frees_every_block() {
         },
     )
     .unwrap();
-    let long = [
-        "Write a long story about a dragon.",
-        "Describe the history of Rome in detail.",
-        "Explain in detail how computers work.",
-        "Write a long poem about the ocean.",
-    ];
-    let rxs: Vec<_> = long
+    let rxs: Vec<_> = LONG
         .iter()
         .map(|q| e.submit(req(prompt(q), 40, 1)).unwrap())
         .collect();
@@ -186,7 +199,7 @@ fn preemption_by_recompute_keeps_outputs_and_frees_every_block() {
     // logits agree to ~1e-5, so the outputs may part only at a near-tie
     // (top-two margin under 0.5 logits, as in the golden test), never
     // where the choice is clear.
-    for (q, rx) in long.iter().zip(rxs) {
+    for (q, rx) in LONG.iter().zip(rxs) {
         let (ids, _, _, _) = collect(rx);
         assert_eq!(ids.len(), 40, "{q}: expected a long answer");
         assert_matches_solo(&ids, q, 40);
@@ -249,8 +262,196 @@ fn ultra_is_served_before_waiting_standard_work() {
     for h in hs {
         h.join().unwrap();
     }
+    // Ultra starts even though the one slot is taken: the standard request
+    // already running is paused (keeps its blocks, not recomputed) and
+    // resumes before the waiting standard one starts.
     let order = order.lock().unwrap().clone();
-    assert_eq!(order[..2], ["first", "ultra"], "{order:?}");
+    assert_eq!(order[..2], ["ultra", "first"], "{order:?}");
+    assert_eq!(e.stats().preemptions.load(Ordering::Relaxed), 0);
+}
+
+/// Every step, sequence by sequence, with its duration.
+#[derive(Default)]
+struct Log(Mutex<Vec<(Duration, Vec<StepWork>)>>);
+
+impl StepObserver for Log {
+    fn step(&self, _: Duration, _: usize, _: usize) {}
+    fn step_work(&self, elapsed: Duration, work: &[StepWork]) {
+        self.0.lock().unwrap().push((elapsed, work.to_vec()));
+    }
+}
+
+impl Log {
+    fn steps(&self) -> Vec<(Duration, Vec<StepWork>)> {
+        self.0.lock().unwrap().clone()
+    }
+    fn len(&self) -> usize {
+        self.0.lock().unwrap().len()
+    }
+}
+
+fn observed(cfg: EngineConfig) -> (Engine, Arc<Log>) {
+    let log = Arc::new(Log::default());
+    let e = Engine::start_observed(loaded(), cfg, Some(log.clone() as Arc<dyn StepObserver>));
+    (e.unwrap(), log)
+}
+
+fn ranks(work: &[StepWork]) -> Vec<(u32, usize, bool)> {
+    work.iter()
+        .map(|w| (w.lane_rank, w.tokens, w.prefill))
+        .collect()
+}
+
+/// A stream whose first token has arrived.
+struct Started {
+    first: (u32, String),
+    rx: tokio::sync::mpsc::UnboundedReceiver<Event>,
+}
+
+/// Wait for a stream's first token.
+fn started(mut rx: tokio::sync::mpsc::UnboundedReceiver<Event>) -> Started {
+    match rx.blocking_recv() {
+        Some(Event::Token { id, text }) => Started {
+            first: (id, text),
+            rx,
+        },
+        other => panic!("expected a token, got {other:?}"),
+    }
+}
+
+impl Started {
+    fn collect(self) -> (Vec<u32>, FinishReason, usize, String) {
+        drain(self.rx, vec![self.first.0], self.first.1)
+    }
+}
+
+#[test]
+fn ultra_starts_within_two_steps_of_a_full_engine_and_prefills_alone() {
+    let (e, log) = observed(EngineConfig {
+        max_num_seqs: 4,
+        ..Default::default()
+    });
+    assert_eq!(e.max_num_seqs(), 4);
+    // Four standard streams fill every slot and keep decoding.
+    let std_rx: Vec<_> = LONG
+        .iter()
+        .map(|q| started(e.submit(req(prompt(q), 40, 1)).unwrap()))
+        .collect();
+    let before = log.len();
+    let q = "Write one word that rhymes with cat.";
+    let ultra_prompt = prompt(q);
+    let ultra = started(e.submit(req(ultra_prompt.clone(), 6, 0)).unwrap());
+    let (ids, _, cached, _) = ultra.collect();
+    assert_matches_solo(&ids, q, 6);
+    let steps = log.steps();
+    let p = steps
+        .iter()
+        .position(|(_, w)| w.iter().any(|w| w.lane_rank == 0))
+        .expect("the ultra request never ran");
+    // Submitted during step `before` at the latest (or between steps): its
+    // prompt runs in the step after that at the latest.
+    assert!(
+        p <= before + 1,
+        "ultra prefilled in step {p}, submitted at step {before}"
+    );
+    // (b) Its prompt (less what the prefix cache held) runs whole, with no
+    // standard work in the step.
+    assert_eq!(
+        ranks(&steps[p].1),
+        [(0, ultra_prompt.len() - cached, true)],
+        "step {p}"
+    );
+    // Standard decodes resume as soon as it is done: ultra's decode and
+    // three of them fill the four slots (the latest one waits, paused).
+    assert_eq!(
+        ranks(&steps[p + 1].1),
+        [(0, 1, false), (1, 1, false), (1, 1, false), (1, 1, false)],
+        "step {}",
+        p + 1
+    );
+    // The standard streams were paused, never recomputed, and finish with
+    // the tokens they would have had alone.
+    for (q, s) in LONG.iter().zip(std_rx) {
+        let (ids, _, _, _) = s.collect();
+        assert_eq!(ids.len(), 40, "{q}: expected a long answer");
+        assert_matches_solo(&ids, q, 40);
+    }
+    assert_eq!(e.stats().preemptions.load(Ordering::Relaxed), 0);
+    for (i, (_, w)) in log.steps().iter().enumerate() {
+        assert!(w.len() <= 4, "step {i} ran {} sequences", w.len());
+    }
+    wait_idle(&e);
+    assert_eq!(e.pool_stats().used, 0);
+}
+
+#[test]
+fn a_long_ultra_prompt_holds_standard_back_only_a_few_steps_in_a_row() {
+    // 16-token chunks: the ultra prompt takes many steps to prefill.
+    let (e, log) = observed(EngineConfig {
+        max_batched_tokens: 16,
+        ..Default::default()
+    });
+    let standard = started(e.submit(req(prompt(LONG[0]), 40, 1)).unwrap());
+    let long = "Describe the history of Rome in detail, from its founding to the fall of the western empire. ".repeat(5);
+    let ultra_prompt = prompt(&long);
+    assert!(ultra_prompt.len() > 16 * (MAX_HELD_STEPS as usize + 2));
+    drop(started(e.submit(req(ultra_prompt, 2, 0)).unwrap()));
+    let (ids, _, _, _) = standard.collect();
+    assert_matches_solo(&ids, LONG[0], 40);
+    let steps = log.steps();
+    let prefill: Vec<&Vec<StepWork>> = steps
+        .iter()
+        .map(|(_, w)| w)
+        .filter(|w| w.iter().any(|w| w.lane_rank == 0 && w.prefill))
+        .collect();
+    assert!(prefill.len() > MAX_HELD_STEPS as usize + 1);
+    // Standard sits out at most MAX_HELD_STEPS prefill steps in a row,
+    // then shares one.
+    let mut run = 0;
+    let mut shared = 0;
+    for w in &prefill {
+        if w.iter().any(|w| w.lane_rank == 1) {
+            run = 0;
+            shared += 1;
+        } else {
+            run += 1;
+            assert!(run <= MAX_HELD_STEPS, "held back {run} steps in a row");
+        }
+    }
+    assert!(
+        shared > 0 && shared < prefill.len(),
+        "{shared} of {}",
+        prefill.len()
+    );
+}
+
+#[test]
+fn the_step_cost_model_fits_the_steps() {
+    let (e, log) = observed(EngineConfig::default());
+    assert_eq!(e.step_cost().samples, 0);
+    // Warm-up-like requests: prefill steps of several sizes, then decodes.
+    for n in [8usize, 64, 160, 32] {
+        let p: Vec<u32> = (0..n as u32).map(|i| 1 + (i * 7919) % 40_000).collect();
+        collect(e.submit(req(p, 3, 1)).unwrap());
+    }
+    let c = e.step_cost();
+    let steps = log.steps();
+    assert_eq!(c.samples, steps.len() as u64);
+    assert_eq!(c.samples, e.stats().steps.load(Ordering::Relaxed));
+    assert!(c.fixed_s >= 0.0, "{c:?}");
+    assert!(c.per_token_s > 1e-5 && c.per_token_s < 0.1, "{c:?}");
+    // The line accounts for the time the steps took (within a factor of
+    // two over all of them; single steps are noisy on a shared machine).
+    let tokens = |w: &[StepWork]| w.iter().map(|w| w.tokens).sum::<usize>();
+    let took: f64 = steps.iter().map(|(d, _)| d.as_secs_f64()).sum();
+    let predicted: f64 = steps
+        .iter()
+        .map(|(_, w)| c.predict(tokens(w)).as_secs_f64())
+        .sum();
+    assert!(
+        predicted > took / 2.0 && predicted < took * 2.0,
+        "{c:?}: predicted {predicted:.3}s, took {took:.3}s"
+    );
 }
 
 #[test]

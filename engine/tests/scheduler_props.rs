@@ -1,20 +1,23 @@
 //! Property tests of the scheduler on the real model: random mixes of
 //! prompt lengths, token budgets, lanes and cancellations on a KV pool small
 //! enough to force preemption. Invariants: every step stays within
-//! `max_batched_tokens` and `max_num_seqs`; every request not cancelled
-//! finishes with exactly its token count or a stop; nothing is leaked (the
-//! pool is back to full, no block still used) when the engine is idle.
+//! `max_batched_tokens` and `max_num_seqs`; a step with a prefill chunk of
+//! lane `r` has no work of a worse lane unless it is a guard step (the
+//! `MAX_HELD_STEPS` steps before it all had a prefill); every request not
+//! cancelled finishes with exactly its token count or a stop; nothing is
+//! leaked (the pool is back to full, no block still used) when the engine
+//! is idle.
 #![allow(clippy::unwrap_used)]
 
 use proptest::prelude::*;
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::{Arc, OnceLock};
+use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 use ultrafast_engine::api::{Event, FinishReason, GenerateRequest};
 use ultrafast_engine::fetch::{self, SMOLLM2};
 use ultrafast_engine::generate::{self, Loaded};
 use ultrafast_engine::sampling::SamplingParams;
-use ultrafast_engine::scheduler::{Engine, EngineConfig, StepObserver};
+use ultrafast_engine::scheduler::{Engine, EngineConfig, StepObserver, StepWork, MAX_HELD_STEPS};
 
 fn loaded() -> Arc<Loaded> {
     static L: OnceLock<Arc<Loaded>> = OnceLock::new();
@@ -27,6 +30,10 @@ struct Budget {
     max_tokens: AtomicUsize,
     max_seqs: AtomicUsize,
     steps: AtomicUsize,
+    /// Steps in a row (up to the last) that had a prefill chunk.
+    prefill_run: Mutex<u32>,
+    /// Steps mixing a prefill with worse-lane work outside a guard step.
+    unheld: AtomicUsize,
 }
 
 impl StepObserver for Budget {
@@ -34,6 +41,19 @@ impl StepObserver for Budget {
         self.max_tokens.fetch_max(tokens, Ordering::Relaxed);
         self.max_seqs.fetch_max(seqs, Ordering::Relaxed);
         self.steps.fetch_add(1, Ordering::Relaxed);
+    }
+
+    fn step_work(&self, _: Duration, work: &[StepWork]) {
+        let best_prefill = work.iter().filter(|w| w.prefill).map(|w| w.lane_rank).min();
+        let mut run = self.prefill_run.lock().unwrap();
+        if let Some(r) = best_prefill {
+            if work.iter().any(|w| w.lane_rank > r) && *run < MAX_HELD_STEPS {
+                self.unheld.fetch_add(1, Ordering::Relaxed);
+            }
+            *run += 1;
+        } else {
+            *run = 0;
+        }
     }
 }
 
@@ -112,6 +132,7 @@ proptest! {
         }
         prop_assert!(budget.max_tokens.load(Ordering::Relaxed) <= batched);
         prop_assert!(budget.max_seqs.load(Ordering::Relaxed) <= seqs);
+        prop_assert_eq!(budget.unheld.load(Ordering::Relaxed), 0);
         let end = Instant::now() + Duration::from_secs(10);
         while (e.stats().running.load(Ordering::Relaxed) + e.stats().waiting.load(Ordering::Relaxed) > 0
             || e.pool_stats().used > 0) && Instant::now() < end

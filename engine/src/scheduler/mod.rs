@@ -2,29 +2,41 @@
 //!
 //! The thread owns every piece of scheduling state (queue, running batch,
 //! KV blocks); callers talk to it through a command channel and get events
-//! on their own channel. Each step: running sequences first, in lane order
-//! (one decode token each, or the next prefill chunk), then new sequences
-//! from the queue (best lane first, then shortest prompt with aging), all
-//! under `max_batched_tokens` and `max_num_seqs`. Long prompts are split into
-//! chunks, so they never stall the decodes that share the step. When blocks
-//! run out, the lowest-priority running sequence is preempted by recompute
-//! (its blocks are freed and it re-enters the queue), so an ultra request is
-//! never stuck behind standard ones. A closed event channel cancels the
-//! sequence at the next step and frees its blocks.
+//! on their own channel. Each step is planned best lane first (`plan`):
+//! running sequences and waiting ones that may start, each getting one
+//! decode token or its next prefill chunk, under `max_batched_tokens` and
+//! `max_num_seqs`. A better lane starts at once even when worse lanes fill
+//! the engine (they pause, keeping their KV blocks), and its prompt runs in
+//! steps of its own. Long prompts are split into chunks. When blocks run
+//! out, the lowest-priority running sequence is preempted by recompute (its
+//! blocks are freed and it re-enters the queue). A closed event channel
+//! cancels the sequence at the next step and frees its blocks.
+//!
+//! Steps run on the engine's own rayon pool at a lower OS priority than the
+//! proxy (`threads`), and every step feeds the online step-cost model
+//! (`cost`) that the proxy reads to predict time to first token.
 
+mod cost;
+mod plan;
 mod seq;
+mod threads;
 
 use crate::api::{Event, GenerateRequest};
 use crate::error::{EngineError, Result};
 use crate::generate::Loaded;
 use crate::kv::{BlockPool, PoolStats};
 use crate::model::paged::{PagedKv, SeqStep};
+use plan::Planned;
 use seq::{Outcome, Seq};
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::mpsc::{channel, Receiver, Sender, TryRecvError};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver};
+
+pub use cost::StepCost;
+pub use plan::MAX_HELD_STEPS;
+pub use threads::NICE_INCREMENT;
 
 /// Engine sizing.
 #[derive(Debug, Clone)]
@@ -33,7 +45,9 @@ pub struct EngineConfig {
     pub num_blocks: usize,
     /// Tokens per block.
     pub block_size: usize,
-    /// Sequences per step at most.
+    /// Sequences per step at most. A waiting sequence starts while fewer
+    /// than this many sequences of its lane rank or better are running, so
+    /// more may be running (worse lanes paused) when better lanes arrive.
     pub max_num_seqs: usize,
     /// Tokens per step at most (decodes plus prefill chunks).
     pub max_batched_tokens: usize,
@@ -69,8 +83,23 @@ pub struct EngineStats {
     pub last_step_tokens: AtomicUsize,
     /// Sequences in the last step.
     pub last_step_seqs: AtomicUsize,
+    /// Running sequences that sat out the last step (worse lanes held back
+    /// by better ones, or waiting for KV blocks).
+    pub paused: AtomicUsize,
     /// Waiting sequences by lane rank (ranks above 3 count as 3).
     pub waiting_by_rank: [AtomicUsize; 4],
+}
+
+/// One sequence's part of a step, as observers see it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct StepWork {
+    /// The sequence's lane rank.
+    pub lane_rank: u32,
+    /// Tokens it computed in the step.
+    pub tokens: usize,
+    /// Whether this was a prefill chunk (prompt, or recompute after
+    /// preemption) rather than one decode token.
+    pub prefill: bool,
 }
 
 /// Told about every step (for metrics); runs on the engine thread, so it
@@ -78,6 +107,10 @@ pub struct EngineStats {
 pub trait StepObserver: Send + Sync {
     /// A step ran `seqs` sequences and `tokens` tokens in `elapsed`.
     fn step(&self, elapsed: Duration, seqs: usize, tokens: usize);
+
+    /// The same step sequence by sequence, in plan order (best lane
+    /// first); called after `step`. Does nothing unless implemented.
+    fn step_work(&self, _elapsed: Duration, _work: &[StepWork]) {}
 }
 
 enum Cmd {
@@ -90,6 +123,7 @@ pub struct Engine {
     loaded: Arc<Loaded>,
     pool: BlockPool,
     stats: Arc<EngineStats>,
+    cost: Arc<cost::SharedCost>,
     cfg: EngineConfig,
 }
 
@@ -108,6 +142,10 @@ impl Engine {
         let pool = BlockPool::new(cfg.num_blocks, cfg.block_size);
         let (tx, rx) = channel();
         let stats = Arc::new(EngineStats::default());
+        let shared_cost = Arc::new(cost::SharedCost::default());
+        // Built here, so its threads take this thread's priority before
+        // lowering their own.
+        let compute = threads::compute_pool()?;
         let worker = Worker {
             rx,
             kv: PagedKv::new(&loaded.model, cfg.num_blocks, cfg.block_size),
@@ -118,18 +156,43 @@ impl Engine {
             waiting: Vec::new(),
             running: Vec::new(),
             observer,
+            compute,
+            held_steps: 0,
+            fit: cost::CostFit::default(),
+            shared_cost: shared_cost.clone(),
         };
         std::thread::Builder::new()
             .name("engine".into())
-            .spawn(move || worker.run())
+            .spawn(move || {
+                threads::lower_this_thread();
+                worker.run()
+            })
             .map_err(|e| EngineError::Invalid(format!("cannot start the engine thread: {e}")))?;
         Ok(Engine {
             tx,
             loaded,
             pool,
             stats,
+            cost: shared_cost,
             cfg,
         })
+    }
+
+    /// The sizing it runs with.
+    pub fn config(&self) -> &EngineConfig {
+        &self.cfg
+    }
+
+    /// Sequences per step at most (and running sequences per lane rank and
+    /// better).
+    pub fn max_num_seqs(&self) -> usize {
+        self.cfg.max_num_seqs
+    }
+
+    /// The current estimate of a step's duration on this machine (see
+    /// [`StepCost`]); lock-free, for any thread.
+    pub fn step_cost(&self) -> StepCost {
+        self.cost.load()
     }
 
     /// The model and tokenizer (for tokenizing off the engine thread).
@@ -186,6 +249,12 @@ struct Worker {
     waiting: Vec<Seq>,
     running: Vec<Seq>,
     observer: Option<Arc<dyn StepObserver>>,
+    /// The pool the model kernels run on (lowered priority).
+    compute: rayon::ThreadPool,
+    /// Steps in a row in which a better lane's prefill held worse ones back.
+    held_steps: u32,
+    fit: cost::CostFit,
+    shared_cost: Arc<cost::SharedCost>,
 }
 
 impl Worker {
@@ -235,112 +304,14 @@ impl Worker {
         }
     }
 
-    /// Pick this step's work: (index into `running`, tokens to compute).
-    fn plan(&mut self) -> Vec<(usize, usize)> {
-        let mut budget = self.cfg.max_batched_tokens;
-        self.running.sort_by_key(|s| (s.req.lane_rank, s.arrived));
-        let mut plan: Vec<(usize, usize)> = Vec::new();
-        let mut i = 0;
-        while i < self.running.len() && budget > 0 {
-            let s = &self.running[i];
-            let need = s.tokens.len() - s.computed;
-            let chunk = need.min(budget);
-            if !self.ensure_blocks(i, s.computed + chunk) {
-                i += 1;
-                continue;
-            }
-            // ensure_blocks may have preempted sequences after i.
-            plan.push((i, chunk));
-            budget -= chunk;
-            i += 1;
-        }
-        let aging = self.cfg.aging_ms_per_token.max(1) as u128;
-        let now = Instant::now();
-        self.waiting.sort_by_key(|s| {
-            let age = now.duration_since(s.arrived).as_millis() / aging;
-            (
-                s.req.lane_rank,
-                (s.tokens.len() as u128).saturating_sub(age),
-            )
-        });
-        while budget > 0 && self.running.len() < self.cfg.max_num_seqs && !self.waiting.is_empty() {
-            let rank = self.waiting[0].req.lane_rank;
-            let blocks = match self.pool.allocate(&self.waiting[0].tokens) {
-                Some(b) => b,
-                None => {
-                    // Preempt a running sequence of a worse lane, if any.
-                    if !self.preempt_worse_than(rank, &mut plan) {
-                        break;
-                    }
-                    continue;
-                }
-            };
-            let mut s = self.waiting.remove(0);
-            s.computed = blocks.cached_tokens;
-            s.cached_tokens = blocks.cached_tokens;
-            s.blocks = Some(blocks);
-            let chunk = (s.tokens.len() - s.computed).min(budget);
-            budget -= chunk;
-            self.running.push(s);
-            plan.push((self.running.len() - 1, chunk));
-        }
-        plan
-    }
-
-    /// Make running[i] hold `len` tokens, preempting the lowest-priority
-    /// other running sequence when blocks run out.
-    fn ensure_blocks(&mut self, i: usize, len: usize) -> bool {
-        loop {
-            let ok = match self.running[i].blocks.as_mut() {
-                Some(b) => self.pool.grow(b, len),
-                None => false,
-            };
-            if ok {
-                return true;
-            }
-            // The last running sequence has the lowest priority (sorted).
-            if self.running.len() - 1 <= i {
-                return false;
-            }
-            let victim = self.running.pop();
-            if let Some(v) = victim {
-                self.requeue(v);
-            }
-        }
-    }
-
-    fn preempt_worse_than(&mut self, rank: u32, plan: &mut [(usize, usize)]) -> bool {
-        let Some(pos) = self.running.iter().rposition(|s| s.req.lane_rank > rank) else {
-            return false;
-        };
-        // A sequence already planned this step keeps its slot.
-        if plan.iter().any(|(i, _)| *i == pos) {
-            return false;
-        }
-        let v = self.running.remove(pos);
-        for p in plan.iter_mut() {
-            if p.0 > pos {
-                p.0 -= 1;
-            }
-        }
-        self.requeue(v);
-        true
-    }
-
-    fn requeue(&mut self, mut s: Seq) {
-        s.blocks = None; // frees the blocks
-        s.computed = 0; // recompute prompt + generated tokens on return
-        self.stats.preemptions.fetch_add(1, Ordering::Relaxed);
-        self.waiting.push(s);
-    }
-
-    fn step(&mut self, plan: Vec<(usize, usize)>) {
+    fn step(&mut self, plan: Vec<Planned>) {
         let started = Instant::now();
         let chunks: Vec<(usize, usize, Vec<u32>)> = plan
             .iter()
-            .map(|&(i, n)| {
-                let s = &self.running[i];
-                (i, s.computed, s.tokens[s.computed..s.computed + n].to_vec())
+            .map(|p| {
+                let s = &self.running[p.seq];
+                let end = s.computed + p.tokens;
+                (p.seq, s.computed, s.tokens[s.computed..end].to_vec())
             })
             .collect();
         let steps: Vec<SeqStep> = chunks
@@ -354,23 +325,16 @@ impl Worker {
                 })
             })
             .collect();
+        let tokens: usize = steps.iter().map(|s| s.tokens.len()).sum();
         self.stats
             .last_step_seqs
             .store(steps.len(), Ordering::Relaxed);
-        self.stats.last_step_tokens.store(
-            steps.iter().map(|s| s.tokens.len()).sum(),
-            Ordering::Relaxed,
-        );
-        let result = self.loaded.model.forward_paged(&mut self.kv, &steps);
+        self.stats.last_step_tokens.store(tokens, Ordering::Relaxed);
+        let (model, kv) = (&self.loaded.model, &mut self.kv);
+        let result = self.compute.install(|| model.forward_paged(kv, &steps));
         self.stats.steps.fetch_add(1, Ordering::Relaxed);
         let elapsed = started.elapsed();
-        if let Some(o) = &self.observer {
-            o.step(
-                elapsed,
-                steps.len(),
-                steps.iter().map(|s| s.tokens.len()).sum(),
-            );
-        }
+        self.record(elapsed, &chunks, result.is_ok());
         let logits = match result {
             Ok(l) => l,
             Err(e) => {
@@ -396,5 +360,28 @@ impl Worker {
             }
         }
         self.running.retain(|s| !s.finished);
+    }
+
+    /// Feed a finished step to the cost model and the observer.
+    fn record(&mut self, elapsed: Duration, chunks: &[(usize, usize, Vec<u32>)], ok: bool) {
+        let tokens = chunks.iter().map(|c| c.2.len()).sum();
+        if ok {
+            self.fit.observe(tokens, elapsed);
+            self.shared_cost.publish(self.fit.cost());
+        }
+        let Some(o) = &self.observer else { return };
+        o.step(elapsed, chunks.len(), tokens);
+        let work: Vec<StepWork> = chunks
+            .iter()
+            .map(|(i, start, toks)| {
+                let s = &self.running[*i];
+                StepWork {
+                    lane_rank: s.req.lane_rank,
+                    tokens: toks.len(),
+                    prefill: s.tokens.len() - start > 1,
+                }
+            })
+            .collect();
+        o.step_work(elapsed, &work);
     }
 }

@@ -1,0 +1,95 @@
+//! The engine's compute threads run below the proxy's.
+//!
+//! The engine thread and the rayon pool that runs the model kernels (its
+//! own pool, not rayon's global one: every step runs inside it) each raise
+//! their nice value by [`NICE_INCREMENT`] when they start. The proxy's
+//! network threads keep theirs, so when both want the CPU the scheduler
+//! favours the network and a busy engine slows its own steps rather than
+//! every request the proxy relays. Threads take their creator's nice value
+//! and all of these are created by the thread that starts the engine, so
+//! each ends at the creator's value plus the increment.
+//!
+//! Failure (a sandbox forbidding it, a platform without per-thread nice
+//! values) is logged once and otherwise ignored: priorities are a
+//! preference, not a requirement.
+
+use crate::error::{EngineError, Result};
+use std::sync::atomic::{AtomicBool, Ordering};
+
+/// How much nicer than the thread that starts it the engine's threads run.
+pub const NICE_INCREMENT: i32 = 5;
+
+/// A thread pool for the model kernels whose threads run at the lowered
+/// priority.
+pub(super) fn compute_pool() -> Result<rayon::ThreadPool> {
+    rayon::ThreadPoolBuilder::new()
+        .thread_name(|i| format!("engine-compute-{i}"))
+        .start_handler(|_| lower_this_thread())
+        .build()
+        .map_err(|e| EngineError::Invalid(format!("cannot start the engine's threads: {e}")))
+}
+
+/// Lower the calling thread's priority by [`NICE_INCREMENT`]; on failure,
+/// warn the first time.
+pub(super) fn lower_this_thread() {
+    static WARNED: AtomicBool = AtomicBool::new(false);
+    if let Err(e) = renice_this_thread(NICE_INCREMENT) {
+        if !WARNED.swap(true, Ordering::Relaxed) {
+            log::warn!("engine: cannot lower the compute threads' priority: {e}");
+        }
+    }
+}
+
+/// Add `by` to the calling thread's nice value.
+#[cfg(target_os = "linux")]
+#[allow(unsafe_code)]
+fn renice_this_thread(by: i32) -> std::io::Result<()> {
+    // SAFETY: getpriority and setpriority take integers only and touch no
+    // memory of ours. On Linux the nice value is per thread and `who = 0`
+    // with PRIO_PROCESS names the calling thread only. getpriority cannot
+    // fail for the calling thread, so its -1 is a real nice value.
+    let rc = unsafe {
+        let now = libc::getpriority(libc::PRIO_PROCESS, 0);
+        libc::setpriority(libc::PRIO_PROCESS, 0, now + by)
+    };
+    if rc == 0 {
+        Ok(())
+    } else {
+        Err(std::io::Error::last_os_error())
+    }
+}
+
+/// Elsewhere `setpriority` may act on the whole process (the proxy too).
+#[cfg(not(target_os = "linux"))]
+fn renice_this_thread(_by: i32) -> std::io::Result<()> {
+    Err(std::io::Error::new(
+        std::io::ErrorKind::Unsupported,
+        "per-thread nice values are Linux-only",
+    ))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The calling thread's nice value, from procfs.
+    fn nice() -> i32 {
+        let stat = std::fs::read_to_string("/proc/thread-self/stat").unwrap_or_default();
+        // Field 19, the 17th after the parenthesised command name.
+        let rest = stat.rsplit(')').next().unwrap_or_default();
+        rest.split_whitespace()
+            .nth(16)
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(i32::MIN)
+    }
+
+    #[cfg(target_os = "linux")]
+    #[test]
+    fn pool_threads_run_nicer_than_their_creator() {
+        let before = nice();
+        let pool = compute_pool().expect("pool");
+        let inside = pool.install(nice);
+        assert_eq!(inside, (before + NICE_INCREMENT).min(19));
+        assert_eq!(nice(), before, "the creating thread was reniced");
+    }
+}
