@@ -243,7 +243,24 @@ async fn complete(
     let max = req["max_tokens"].as_u64().unwrap_or(u64::MAX);
     let total = st.o.tokens.min(max);
     let finish = if max <= st.o.tokens { "length" } else { "stop" };
-    let prompt_tokens = body.len() as u64 / 4;
+    // Like a real server: the prompt's text (4 characters a token) plus a
+    // few tokens of chat template per message, not the JSON around it.
+    let prompt_tokens = match req["messages"].as_array() {
+        Some(ms) => ms
+            .iter()
+            .map(|m| {
+                m["content"]
+                    .as_str()
+                    .map_or(0, |c| c.len() as u64)
+                    .div_ceil(4)
+                    + 4
+            })
+            .sum(),
+        None => req["prompt"]
+            .as_str()
+            .map_or(0, |p| p.len() as u64)
+            .div_ceil(4),
+    };
     // Capacity: wait for a slot like a loaded server (FIFO semaphore).
     let _slot = tokio::select! {
         p = st.slots.acquire() => p.ok()?,

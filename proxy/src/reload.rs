@@ -157,6 +157,11 @@ impl Manager {
         let mut diff = diff(&old, &new);
         keep_process_settings(&old, &mut new, &mut diff);
         warm(&old, &new).await;
+        // An unchanged `[api_keys]` section keeps the live key store: read
+        // its file again (a bad file keeps the old keys; it is logged).
+        if let Some(keys) = new.api_keys.clone() {
+            let _ = tokio::task::spawn_blocking(move || keys.reload()).await;
+        }
         let hash = new.hash.clone();
         self.publish(&new);
         self.shared.store(Arc::new(new));

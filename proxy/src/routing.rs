@@ -104,6 +104,9 @@ pub struct Route {
     pub lane: usize,
     /// Rate limits checked for every request.
     pub limiters: Vec<Arc<crate::admission::ratelimit::Limiter>>,
+    /// Token budgets of the route's rate limits (reserve before running an
+    /// inference request, settle with its usage).
+    pub budgets: Vec<Arc<crate::admission::budget::TokenBudget>>,
 }
 
 #[derive(Debug, Default)]
@@ -272,6 +275,7 @@ mod tests {
             metrics: Metrics::new().route(name, "none"),
             lane: 0,
             limiters: Vec::new(),
+            budgets: Vec::new(),
         })
     }
 

@@ -169,6 +169,10 @@ pub fn serve(path: &Path, opts: ServeOptions) -> anyhow::Result<()> {
         "config watch",
         WatchService(manager.clone()),
     ));
+    server.add_service(background_service(
+        "api key watch",
+        crate::admission::keys::KeyWatchService(shared.clone()),
+    ));
     let refresher = DnsRefresher {
         shared: shared.clone(),
         metrics: metrics.clone(),

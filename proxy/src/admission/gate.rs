@@ -1,11 +1,15 @@
 //! The async side of a pool's lane queue: requests wait here for a slot.
 //!
 //! One short `parking_lot` lock guards the `LaneQueue`; waiting happens on a
-//! oneshot channel outside it. A waiter leaves on grant, on max wait, on
-//! eviction (its sender is dropped) or when its client disconnects; a guard
-//! removes it from the queue however its future ends, so a dropped request
-//! never leaves a ghost behind. The drain rate (completions per second while
-//! requests are queued) feeds the expected-wait refusal and `Retry-After`.
+//! oneshot channel outside it. A grant sends the `Permit` itself through the
+//! channel, so a slot is owned by a value at every instant: a waiter whose
+//! future is dropped after the grant but before it polls drops the channel,
+//! the channel drops the permit, and the permit frees the slot. A waiter
+//! leaves on grant, on max wait, on eviction (its sender is dropped) or when
+//! its client disconnects; a guard removes it from the queue however its
+//! future ends, so a dropped request never leaves a ghost behind. The drain
+//! rate (completions per second while requests are queued) feeds the
+//! expected-wait refusal and `Retry-After`.
 
 use super::queue::{LaneQueue, LaneSpec, Offer, Reason};
 use crate::upstream::lb::mix64;
@@ -31,7 +35,7 @@ pub struct GateMetrics {
 }
 
 struct Inner {
-    q: LaneQueue<oneshot::Sender<()>>,
+    q: LaneQueue<oneshot::Sender<Permit>>,
     last_release: Option<Instant>,
     avg_gap_s: f64,
 }
@@ -68,7 +72,14 @@ pub struct Permit {
 
 impl Drop for Permit {
     fn drop(&mut self) {
-        self.gate.release(self.lane);
+        let gate = self.gate.clone();
+        gate.release(self.lane);
+    }
+}
+
+impl std::fmt::Debug for Permit {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Permit(lane {})", self.lane)
     }
 }
 
@@ -131,38 +142,49 @@ impl Gate {
         }
     }
 
-    fn update_depths(&self, q: &LaneQueue<oneshot::Sender<()>>) {
+    fn update_depths(&self, q: &LaneQueue<oneshot::Sender<Permit>>) {
         for (l, g) in self.metrics.depth.iter().enumerate() {
             g.set(q.depth(l) as i64);
         }
         self.metrics.in_use.set(q.in_use() as i64);
     }
 
-    fn release(&self, lane: usize) {
-        let mut g = self.inner.lock();
-        let now = Instant::now();
-        if g.q.queued() > 0 {
-            if let Some(last) = g.last_release {
-                let gap = now.duration_since(last).as_secs_f64();
-                g.avg_gap_s = if g.avg_gap_s == 0.0 {
-                    gap
-                } else {
-                    0.8 * g.avg_gap_s + 0.2 * gap
+    fn release(self: &Arc<Self>, lane: usize) {
+        // Permits that found no receiver are dropped after the lock is let
+        // go: their own drop releases (and re-locks).
+        let mut orphans: Vec<Permit> = Vec::new();
+        {
+            let mut g = self.inner.lock();
+            let now = Instant::now();
+            if g.q.queued() > 0 {
+                if let Some(last) = g.last_release {
+                    let gap = now.duration_since(last).as_secs_f64();
+                    g.avg_gap_s = if g.avg_gap_s == 0.0 {
+                        gap
+                    } else {
+                        0.8 * g.avg_gap_s + 0.2 * gap
+                    };
+                }
+            }
+            g.last_release = Some(now);
+            for (_, granted_lane, tx) in g.q.release(lane) {
+                let permit = Permit {
+                    gate: self.clone(),
+                    lane: granted_lane,
                 };
+                if let Err(p) = tx.send(permit) {
+                    orphans.push(p);
+                }
             }
+            self.update_depths(&g.q);
         }
-        g.last_release = Some(now);
-        let mut granted = g.q.release(lane);
-        while let Some((_, tx)) = granted.pop() {
-            // Send fails only if the waiter vanished without cancelling:
-            // hand its slot on. The slot's lane is unknown here, so free
-            // it from the lane that just released (capacity accounting is
-            // what matters; lanes re-balance on the next grant).
-            if tx.send(()).is_err() {
-                granted.extend(g.q.release(lane));
-            }
-        }
-        self.update_depths(&g.q);
+        drop(orphans);
+    }
+
+    /// Free slots now (capacity minus slots held), for tests and metrics.
+    pub fn free(&self) -> usize {
+        let g = self.inner.lock();
+        g.q.capacity() - g.q.in_use()
     }
 
     /// Wait for a slot in `lane`. `work` is the expected size if known;
@@ -206,53 +228,135 @@ impl Gate {
             armed: true,
         };
         let wake = tokio::select! {
-            r = &mut rx => if r.is_ok() { Wake::Granted } else { Wake::Evicted },
+            r = &mut rx => match r {
+                Ok(p) => Wake::Granted(p),
+                Err(_) => Wake::Evicted,
+            },
             _ = tokio::time::sleep(max_wait) => Wake::TimedOut,
             _ = gone => Wake::Gone,
         };
         guard.armed = false;
-        let holds_slot = match wake {
-            Wake::Granted => true,
-            Wake::Evicted => false,
-            Wake::TimedOut | Wake::Gone => {
-                let mut g = self.inner.lock();
-                let was_queued = g.q.cancel(id).is_some();
-                self.update_depths(&g.q);
-                // Not queued any more: granted (a sent value) or evicted
-                // (a dropped sender) in the same instant; the lock makes
-                // the two states exact.
-                !was_queued && rx.try_recv().is_ok()
+        let (permit, wake) = match wake {
+            Wake::Granted(p) => (Some(p), Wake::Evicted),
+            Wake::Evicted => (None, Wake::Evicted),
+            w @ (Wake::TimedOut | Wake::Gone) => {
+                {
+                    let mut g = self.inner.lock();
+                    g.q.cancel(id);
+                    self.update_depths(&g.q);
+                }
+                // Not queued any more: granted in the same instant (the
+                // permit is in the channel) or evicted (sender dropped).
+                (rx.try_recv().ok(), w)
             }
         };
-        if holds_slot {
-            let permit = Permit {
-                gate: self.clone(),
-                lane,
-            };
-            if wake == Wake::Gone {
-                return Err(Denied::Gone);
+        match (permit, wake) {
+            (Some(_), Wake::Gone) | (None, Wake::Gone) => Err(Denied::Gone),
+            (Some(permit), _) => {
+                let waited = start.elapsed();
+                self.metrics.admitted[lane].inc();
+                self.metrics.wait[lane].observe(waited.as_secs_f64());
+                Ok((permit, waited))
             }
-            let waited = start.elapsed();
-            self.metrics.admitted[lane].inc();
-            self.metrics.wait[lane].observe(waited.as_secs_f64());
-            return Ok((permit, waited));
+            (None, w) => {
+                let reason = if matches!(w, Wake::Evicted) {
+                    Reason::Preempted
+                } else {
+                    Reason::MaxWait
+                };
+                Err(Denied::Shed(
+                    reason,
+                    Self::retry_after(&self.inner.lock(), lane),
+                ))
+            }
         }
-        let reason = match wake {
-            Wake::Gone => return Err(Denied::Gone),
-            Wake::Evicted => Reason::Preempted,
-            _ => Reason::MaxWait,
-        };
-        Err(Denied::Shed(
-            reason,
-            Self::retry_after(&self.inner.lock(), lane),
-        ))
     }
 }
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Wake {
-    Granted,
+    Granted(Permit),
     Evicted,
     TimedOut,
     Gone,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::admission::default_lanes;
+    use prometheus::{Histogram, HistogramOpts, IntCounter, IntGauge};
+
+    fn metrics(lanes: usize) -> GateMetrics {
+        let g = || IntGauge::new("g", "g").unwrap();
+        GateMetrics {
+            depth: (0..lanes).map(|_| g()).collect(),
+            wait: (0..lanes)
+                .map(|_| Histogram::with_opts(HistogramOpts::new("h", "h")).unwrap())
+                .collect(),
+            admitted: (0..lanes)
+                .map(|_| IntCounter::new("c", "c").unwrap())
+                .collect(),
+            in_use: g(),
+        }
+    }
+
+    /// Waiters aborted at random moments, also right after their grant was
+    /// sent and before they polled it, never strand a slot.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn cancelled_waiters_never_strand_a_slot() {
+        let lanes = default_lanes();
+        let n = lanes.len();
+        for round in 0..20u64 {
+            let capacity = 3;
+            let gate = Arc::new(Gate::new(lanes.clone(), capacity, 10_000, metrics(n)));
+            let mut tasks = Vec::new();
+            for i in 0..200u64 {
+                let g = gate.clone();
+                let lane = (mix64(i ^ round) % n as u64) as usize;
+                let hold = Duration::from_micros(mix64(i * 7 + round) % 300);
+                tasks.push(tokio::spawn(async move {
+                    if let Ok((permit, _)) = g.acquire(lane, None, std::future::pending()).await {
+                        tokio::time::sleep(hold).await;
+                        drop(permit);
+                    }
+                }));
+            }
+            // Abort a third of them at staggered moments, while grants fly.
+            for (i, t) in tasks.iter().enumerate() {
+                if mix64(i as u64 + round * 1000).is_multiple_of(3) {
+                    tokio::time::sleep(Duration::from_micros(mix64(i as u64) % 50)).await;
+                    t.abort();
+                }
+            }
+            for t in tasks {
+                let _ = t.await;
+            }
+            assert_eq!(gate.free(), capacity, "round {round}: a slot was lost");
+            assert_eq!(gate.inner.lock().q.queued(), 0);
+        }
+    }
+
+    /// A grant sent to a waiter that is dropped before it polls frees the
+    /// slot at once (the exact case of the old `()` grant).
+    #[tokio::test]
+    async fn grant_to_a_dropped_waiter_frees_the_slot() {
+        let gate = Arc::new(Gate::new(default_lanes(), 1, 10, metrics(3)));
+        let (held, _) = gate.acquire(1, None, std::future::pending()).await.unwrap();
+        let g = gate.clone();
+        let mut waiter = Box::pin(async move { g.acquire(1, None, std::future::pending()).await });
+        // Poll once so it queues, then grant by releasing, then drop unpolled.
+        assert!(futures_poll_once(&mut waiter).await.is_none());
+        drop(held);
+        drop(waiter);
+        assert_eq!(gate.free(), 1);
+    }
+
+    async fn futures_poll_once<F: Future + Unpin>(f: &mut F) -> Option<F::Output> {
+        use std::task::Poll;
+        std::future::poll_fn(|cx| match std::pin::Pin::new(&mut *f).poll(cx) {
+            Poll::Ready(v) => Poll::Ready(Some(v)),
+            Poll::Pending => Poll::Ready(None),
+        })
+        .await
+    }
 }

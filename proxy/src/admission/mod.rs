@@ -9,13 +9,22 @@
 //! 503 when the wait could not end in time. Refusals carry `Retry-After`,
 //! `x-ultrafast-shed: <reason>` and an OpenAI-style JSON body with
 //! `retry_after_ms`.
+//!
+//! Beside those: token budgets per key (`budget`, reserved before a request
+//! runs and settled with its usage) and API keys (`keys`, from the key file
+//! parsed by `keyfile`), each with its own limits.
 
+pub mod budget;
+pub mod clock;
 pub mod gate;
+pub mod keyfile;
+pub mod keys;
+pub mod keystore;
 pub mod queue;
 pub mod ratelimit;
 
 use bytes::Bytes;
-use queue::{LaneSpec, Reason};
+use queue::{LaneSpec, OnMiss, Reason};
 use std::time::Duration;
 
 /// The header that selects a lane.
@@ -43,8 +52,29 @@ pub fn select_lane(
         })
 }
 
-/// Status, headers and body of a refusal.
-pub fn refusal(reason: Reason, retry_after: Duration) -> (u16, Vec<(&'static str, String)>, Bytes) {
+/// The one admission entry point for request-rate limits, shared by
+/// proxied and inference requests: every limiter of the route, in order.
+/// Err is the first verdict that is not `Allow`.
+pub fn check_limits(
+    limiters: &[std::sync::Arc<ratelimit::Limiter>],
+    input: &ratelimit::KeyInput,
+) -> Result<(), ratelimit::Verdict> {
+    for l in limiters {
+        match l.check(input) {
+            ratelimit::Verdict::Allow => {}
+            other => return Err(other),
+        }
+    }
+    Ok(())
+}
+
+/// Status, headers and body of a refusal; `predicted` is the predicted
+/// time to first token of an SLO refusal.
+pub fn refusal(
+    reason: Reason,
+    retry_after: Duration,
+    predicted: Option<Duration>,
+) -> (u16, Vec<(&'static str, String)>, Bytes) {
     let status = if reason == Reason::RateLimit {
         429
     } else {
@@ -67,11 +97,18 @@ pub fn refusal(reason: Reason, retry_after: Duration) -> (u16, Vec<(&'static str
             "request was displaced by higher-priority work",
             "server_overloaded",
         ),
+        Reason::Slo => (
+            "server is saturated: the predicted time to first token exceeds this lane's target",
+            "server_overloaded",
+        ),
     };
-    let body = serde_json::json!({
+    let mut body = serde_json::json!({
         "error": {"message": message, "type": kind, "param": null, "code": reason.as_str()},
         "retry_after_ms": ms,
     });
+    if let Some(p) = predicted {
+        body["predicted_ttft_ms"] = serde_json::json!(p.as_millis() as u64);
+    }
     (
         status,
         vec![
@@ -82,25 +119,37 @@ pub fn refusal(reason: Reason, retry_after: Duration) -> (u16, Vec<(&'static str
     )
 }
 
+/// Default TTFT targets (ms; 0 = none) and high watermarks of the lanes
+/// ultra, standard and batch. The targets are what the default model (a
+/// 135M model on two CPU cores) meets when not overloaded: a chat turn of
+/// up to ~200 prompt tokens in ultra, ~1,500 in standard; batch has none.
+pub const DEFAULT_SLO_MS: [(u64, f64); 3] = [(1_500, 1.0), (10_000, 0.9), (0, 0.9)];
+
 /// Lanes used when the config defines none.
 pub fn default_lanes() -> Vec<LaneSpec> {
-    let lane =
-        |name: &str, rank, queue_len, max_wait_ms, reserved_share, preempt, high_watermark| {
-            LaneSpec {
-                name: name.into(),
-                rank,
-                queue_len,
-                max_wait: Duration::from_millis(max_wait_ms),
-                reserved_share,
-                preempt,
-                high_watermark,
-                sjf_us_per_unit: 0,
-            }
-        };
+    let lane = |name: &str, rank: u32, queue_len, max_wait_ms, reserved_share, preempt| {
+        let (ttft_slo_ms, high_watermark) = DEFAULT_SLO_MS[rank as usize];
+        LaneSpec {
+            name: name.into(),
+            rank,
+            queue_len,
+            max_wait: Duration::from_millis(max_wait_ms),
+            reserved_share,
+            preempt,
+            high_watermark,
+            sjf_us_per_unit: 0,
+            ttft_slo: (ttft_slo_ms > 0).then(|| Duration::from_millis(ttft_slo_ms)),
+            on_miss: if rank < 2 {
+                OnMiss::Downgrade
+            } else {
+                OnMiss::Reject
+            },
+        }
+    };
     vec![
-        lane("ultra", 0, 256, 500, 0.2, true, 1.0),
-        lane("standard", 1, 1024, 10_000, 0.0, false, 0.9),
-        lane("batch", 2, 4096, 60_000, 0.0, false, 0.9),
+        lane("ultra", 0, 256, 2_000, 0.2, true),
+        lane("standard", 1, 1024, 15_000, 0.0, false),
+        lane("batch", 2, 4096, 60_000, 0.0, false),
     ]
 }
 
@@ -121,12 +170,23 @@ mod tests {
 
     #[test]
     fn refusal_shape() {
-        let (status, headers, body) = refusal(Reason::RateLimit, Duration::from_millis(1500));
+        let (status, headers, body) = refusal(Reason::RateLimit, Duration::from_millis(1500), None);
         assert_eq!(status, 429);
         assert!(headers.contains(&("retry-after", "2".into())));
         let v: serde_json::Value = serde_json::from_slice(&body).unwrap();
         assert_eq!(v["retry_after_ms"], 1500);
         assert_eq!(v["error"]["code"], "rate_limit");
-        assert_eq!(refusal(Reason::MaxWait, Duration::ZERO).0, 503);
+        assert_eq!(refusal(Reason::MaxWait, Duration::ZERO, None).0, 503);
+        let (status, headers, body) = refusal(
+            Reason::Slo,
+            Duration::from_millis(2500),
+            Some(Duration::from_millis(12_345)),
+        );
+        assert_eq!(status, 503);
+        assert!(headers.contains(&("x-ultrafast-shed", "slo".into())));
+        assert!(headers.contains(&("retry-after", "3".into())));
+        let v: serde_json::Value = serde_json::from_slice(&body).unwrap();
+        assert_eq!(v["predicted_ttft_ms"], 12_345);
+        assert_eq!(v["error"]["code"], "slo");
     }
 }

@@ -34,6 +34,8 @@ pub enum Reason {
     Watermark,
     /// Evicted from the queue by higher-priority work.
     Preempted,
+    /// The predicted time to first token exceeds the lane's target.
+    Slo,
 }
 
 impl Reason {
@@ -45,6 +47,7 @@ impl Reason {
             Reason::MaxWait => "max_wait",
             Reason::Watermark => "watermark",
             Reason::Preempted => "preempted",
+            Reason::Slo => "slo",
         }
     }
 }
@@ -68,6 +71,21 @@ pub struct LaneSpec {
     pub high_watermark: f64,
     /// Aging weight: microseconds of queue position per unit of work.
     pub sjf_us_per_unit: u64,
+    /// Time-to-first-token target (p99) of inference requests; None: no
+    /// target, only `max_wait`.
+    pub ttft_slo: Option<Duration>,
+    /// What happens to a request that cannot meet the target even on an
+    /// idle backend.
+    pub on_miss: OnMiss,
+}
+
+/// What a lane does with a request that could never meet its target.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum OnMiss {
+    /// Refuse it with a 422.
+    Reject,
+    /// Move it to the next lower lane (and say so in `x-ultrafast-lane`).
+    Downgrade,
 }
 
 /// The outcome of offering a request.
@@ -267,15 +285,15 @@ impl<T> LaneQueue<T> {
     }
 
     /// A slot of `lane` was released. Returns the waiters granted a slot
-    /// now (id and payload), in grant order.
-    pub fn release(&mut self, lane: usize) -> Vec<(u64, T)> {
+    /// now (id, lane and payload), in grant order.
+    pub fn release(&mut self, lane: usize) -> Vec<(u64, usize, T)> {
         self.in_use = self.in_use.saturating_sub(1);
         self.in_use_lane[lane] = self.in_use_lane[lane].saturating_sub(1);
         self.grant()
     }
 
-    /// Give free slots to waiters, best lane first.
-    pub fn grant(&mut self) -> Vec<(u64, T)> {
+    /// Give free slots to waiters, best lane first: (id, lane, payload).
+    pub fn grant(&mut self) -> Vec<(u64, usize, T)> {
         let mut out = Vec::new();
         'outer: loop {
             for l in 0..self.lanes.len() {
@@ -285,7 +303,7 @@ impl<T> LaneQueue<T> {
                 if let Some((_, w)) = self.waiting[l].pop_first() {
                     self.index.remove(&w.id);
                     self.take(l);
-                    out.push((w.id, w.payload));
+                    out.push((w.id, l, w.payload));
                     continue 'outer;
                 }
             }
@@ -308,6 +326,8 @@ mod tests {
             preempt,
             high_watermark: 1.0,
             sjf_us_per_unit: 1000,
+            ttft_slo: None,
+            on_miss: OnMiss::Reject,
         };
         vec![l("standard", 1, 4, 0.0, false), l("ultra", 0, 4, 0.5, true)]
     }
@@ -330,7 +350,7 @@ mod tests {
             q.offer(6, u, None, 0, 0.0, None, ()),
             Offer::Queued { ahead: 0 }
         ));
-        let granted: Vec<u64> = q.release(s).into_iter().map(|(id, _)| id).collect();
+        let granted: Vec<u64> = q.release(s).into_iter().map(|(id, _, _)| id).collect();
         assert_eq!(granted, vec![6]);
     }
 
@@ -433,9 +453,10 @@ mod props {
             let mut in_flight: Map<u64, usize> = Map::new();
             let mut waiting: Map<u64, (usize, u64)> = Map::new();
             let mut done: HashSet<u64> = HashSet::new();
-            let check_grants = |granted: Vec<(u64, ())>, waiting: &mut Map<u64, (usize, u64)>, in_flight: &mut Map<u64, usize>| -> Result<(), TestCaseError> {
-                for (id, ()) in granted {
+            let check_grants = |granted: Vec<(u64, usize, ())>, waiting: &mut Map<u64, (usize, u64)>, in_flight: &mut Map<u64, usize>| -> Result<(), TestCaseError> {
+                for (id, granted_lane, ()) in granted {
                     let (lane, key) = waiting.remove(&id).ok_or_else(|| TestCaseError::fail("granted a request that was not waiting"))?;
+                    prop_assert_eq!(granted_lane, lane, "grant names the waiter's own lane");
                     for (_, (l, k)) in waiting.iter() {
                         prop_assert!(*l >= lane, "a higher lane was still waiting");
                         if *l == lane { prop_assert!(*k >= key, "lane order broken"); }

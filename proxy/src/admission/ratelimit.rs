@@ -1,6 +1,10 @@
 //! Rate limits (GCRA through `governor`), keyed by client IP, API key, a
 //! header, or one shared bucket per route or pool.
 //!
+//! This module also owns the key derivation (`KeySource::key`) that token
+//! budgets (`budget`) share, so both kinds of limit key a request the same
+//! way.
+//!
 //! Keys are 64-bit hashes, so the per-key state is a fixed small size. The
 //! keyed map is bounded: when it reaches `max_keys`, idle keys are evicted
 //! (`retain_recent`); if a flood of distinct keys still fills it, new keys
@@ -28,6 +32,53 @@ pub enum KeySource {
     Route,
     /// One bucket for each pool behind the routes that use it.
     Pool,
+}
+
+impl KeySource {
+    /// Parse a config `key` value: `client_ip`, `api_key`, `api_key:HEADER`,
+    /// `header:NAME`, `route` or `pool`.
+    pub fn parse(s: &str) -> Option<KeySource> {
+        match s {
+            "client_ip" => Some(KeySource::ClientIp),
+            "api_key" => Some(KeySource::ApiKey(None)),
+            "route" => Some(KeySource::Route),
+            "pool" => Some(KeySource::Pool),
+            k => match k.split_once(':') {
+                Some(("api_key", h)) => HeaderName::from_bytes(h.as_bytes())
+                    .ok()
+                    .map(|h| KeySource::ApiKey(Some(h))),
+                Some(("header", h)) => HeaderName::from_bytes(h.as_bytes())
+                    .ok()
+                    .map(KeySource::Header),
+                _ => None,
+            },
+        }
+    }
+
+    /// The 64-bit key of a request; shared by request limits (`Limiter`)
+    /// and token budgets (`budget::TokenBudget`). A missing IP or header is
+    /// key 0 (all such requests share one bucket); a malformed
+    /// `Authorization` or an oversized header is an error (a 400).
+    pub fn key(&self, input: &KeyInput) -> Result<u64, &'static str> {
+        Ok(match self {
+            KeySource::ClientIp => match input.client_ip {
+                Some(IpAddr::V4(a)) => hash_bytes(&a.octets()),
+                Some(IpAddr::V6(a)) => hash_bytes(&a.octets()),
+                None => 0,
+            },
+            KeySource::ApiKey(None) => match input.headers.get(http::header::AUTHORIZATION) {
+                Some(v) => hash_bytes(bearer(v.as_bytes())?),
+                None => 0,
+            },
+            KeySource::ApiKey(Some(h)) | KeySource::Header(h) => match input.headers.get(h) {
+                Some(v) if v.len() > 4096 => return Err("key header too long"),
+                Some(v) => hash_bytes(v.as_bytes()),
+                None => 0,
+            },
+            KeySource::Route => hash_bytes(input.route.as_bytes()),
+            KeySource::Pool => hash_bytes(input.pool.unwrap_or("").as_bytes()),
+        })
+    }
 }
 
 /// The request facts a key is derived from.
@@ -72,7 +123,7 @@ impl std::fmt::Debug for Limiter {
 }
 
 /// Parse `Authorization: Bearer <token>` strictly.
-fn bearer(v: &[u8]) -> Result<&[u8], &'static str> {
+pub(crate) fn bearer(v: &[u8]) -> Result<&[u8], &'static str> {
     let rest = v
         .strip_prefix(b"Bearer ")
         .or_else(|| v.strip_prefix(b"bearer "))
@@ -81,6 +132,13 @@ fn bearer(v: &[u8]) -> Result<&[u8], &'static str> {
         return Err("malformed bearer token");
     }
     Ok(rest)
+}
+
+/// The GCRA quota of `rate_per_s` with `burst`; None when the rate is not
+/// positive and finite, its period does not fit a `Duration`, or `burst` is 0.
+pub(crate) fn quota(rate_per_s: f64, burst: u32) -> Option<Quota> {
+    let period = Duration::try_from_secs_f64(1.0 / rate_per_s).ok()?;
+    Some(Quota::with_period(period)?.allow_burst(NonZeroU32::new(burst)?))
 }
 
 impl Limiter {
@@ -92,8 +150,7 @@ impl Limiter {
         burst: u32,
         max_keys: usize,
     ) -> Option<Self> {
-        let period = Duration::from_secs_f64(1.0 / rate_per_s);
-        let quota = Quota::with_period(period)?.allow_burst(NonZeroU32::new(burst)?);
+        let quota = quota(rate_per_s, burst)?;
         Some(Limiter {
             name: name.to_string(),
             source,
@@ -103,30 +160,9 @@ impl Limiter {
         })
     }
 
-    fn key(&self, input: &KeyInput) -> Result<u64, &'static str> {
-        Ok(match &self.source {
-            KeySource::ClientIp => match input.client_ip {
-                Some(IpAddr::V4(a)) => hash_bytes(&a.octets()),
-                Some(IpAddr::V6(a)) => hash_bytes(&a.octets()),
-                None => 0,
-            },
-            KeySource::ApiKey(None) => match input.headers.get(http::header::AUTHORIZATION) {
-                Some(v) => hash_bytes(bearer(v.as_bytes())?),
-                None => 0,
-            },
-            KeySource::ApiKey(Some(h)) | KeySource::Header(h) => match input.headers.get(h) {
-                Some(v) if v.len() > 4096 => return Err("key header too long"),
-                Some(v) => hash_bytes(v.as_bytes()),
-                None => 0,
-            },
-            KeySource::Route => hash_bytes(input.route.as_bytes()),
-            KeySource::Pool => hash_bytes(input.pool.unwrap_or("").as_bytes()),
-        })
-    }
-
     /// Check (and count) one request.
     pub fn check(&self, input: &KeyInput) -> Verdict {
-        let mut key = match self.key(input) {
+        let mut key = match self.source.key(input) {
             Ok(k) => k,
             Err(why) => return Verdict::BadKey(why),
         };
@@ -140,6 +176,11 @@ impl Limiter {
             Ok(()) => Verdict::Allow,
             Err(not_until) => Verdict::Limited(not_until.wait_time_from(self.clock.now())),
         }
+    }
+
+    /// Where this limiter's key comes from.
+    pub fn source(&self) -> &KeySource {
+        &self.source
     }
 
     /// Keys currently tracked.

@@ -28,8 +28,10 @@ pub struct FileConfig {
     pub pools: BTreeMap<String, PoolSection>,
     /// Priority lanes by name (default: ultra, standard, batch).
     pub lanes: BTreeMap<String, LaneSection>,
-    /// Named rate limits, referenced by routes.
+    /// Named rate limits and token budgets, referenced by routes.
     pub rate_limits: BTreeMap<String, RateLimitSection>,
+    /// API keys (absent: no key file).
+    pub api_keys: Option<ApiKeysSection>,
     /// Resolver for upstream names.
     pub dns: DnsSection,
     /// Reload behaviour.
@@ -81,6 +83,11 @@ pub struct ModelSection {
     pub max_concurrency: usize,
     /// Requests waiting at most, all lanes (0 = sum of lane queue lengths).
     pub max_queued: usize,
+    /// Upstream: prior prompt throughput (tokens/s) of the latency model
+    /// before it has learned from the upstream's own streams.
+    pub prefill_tokens_per_s: f64,
+    /// Upstream: prior single-stream decode speed (tokens/s), likewise.
+    pub decode_tokens_per_s: f64,
 }
 
 impl Default for ModelSection {
@@ -91,8 +98,8 @@ impl Default for ModelSection {
             sha256: String::new(),
             kv_blocks: 512,
             block_size: 16,
-            max_num_seqs: 32,
-            max_batched_tokens: 512,
+            max_num_seqs: 16,
+            max_batched_tokens: 24,
             warmup_prompt_lens: vec![16, 128],
             default_max_tokens: 0,
             pool: String::new(),
@@ -104,6 +111,8 @@ impl Default for ModelSection {
             stall_timeout_ms: 30_000,
             max_concurrency: 64,
             max_queued: 0,
+            prefill_tokens_per_s: 2000.0,
+            decode_tokens_per_s: 30.0,
         }
     }
 }
@@ -211,6 +220,13 @@ pub struct LaneSection {
     pub pace_interval_ms: u64,
     /// Tokens the pacer may hold back at most; beyond that it catches up.
     pub pace_max_lead: usize,
+    /// Time-to-first-token target (p99, ms) of inference requests in this
+    /// lane: a request predicted to miss it is refused at once (0 = no
+    /// target; only `max_wait_ms` applies).
+    pub ttft_slo_ms: u64,
+    /// A request that cannot meet the target even on an idle backend:
+    /// `reject` (422) or `downgrade` (to the next lower lane).
+    pub on_miss: String,
 }
 
 impl Default for LaneSection {
@@ -226,32 +242,70 @@ impl Default for LaneSection {
             pace: String::new(),
             pace_interval_ms: 0,
             pace_max_lead: 8,
+            ttft_slo_ms: 0,
+            on_miss: "reject".into(),
         }
     }
 }
 
-/// `[rate_limits.NAME]`: a GCRA rate limit.
+/// `[rate_limits.NAME]`: a request rate (GCRA), a token budget, or both,
+/// keyed the same way.
 #[derive(Debug, Clone, PartialEq, Deserialize, Serialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct RateLimitSection {
     /// `client_ip`, `api_key` (Authorization: Bearer), `api_key:HEADER`,
     /// `header:NAME`, `route` or `pool`.
     pub key: String,
-    /// Sustained requests per second.
-    pub rate_per_s: f64,
+    /// Sustained requests per second. Unset: 10, unless the section sets
+    /// `tokens_per_min`, in which case it limits tokens only.
+    pub rate_per_s: Option<f64>,
     /// Requests allowed at once above the sustained rate.
     pub burst: u32,
+    /// Sustained LLM tokens per minute (prompt plus completion); unset: no
+    /// token budget.
+    pub tokens_per_min: Option<f64>,
+    /// Tokens a key may spend at once, and the most one request may reserve
+    /// (default: one minute's worth, `tokens_per_min`).
+    pub burst_tokens: Option<u64>,
     /// Most keys tracked; idle keys are evicted first.
     pub max_keys: usize,
+}
+
+impl RateLimitSection {
+    /// Request rate used when neither a rate nor a token budget is set.
+    pub const DEFAULT_RATE_PER_S: f64 = 10.0;
 }
 
 impl Default for RateLimitSection {
     fn default() -> Self {
         Self {
             key: "client_ip".into(),
-            rate_per_s: 10.0,
+            rate_per_s: None,
             burst: 20,
+            tokens_per_min: None,
+            burst_tokens: None,
             max_keys: 100_000,
+        }
+    }
+}
+
+/// `[api_keys]`: API keys from a separate file, re-read when it changes.
+#[derive(Debug, Clone, PartialEq, Deserialize, Serialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct ApiKeysSection {
+    /// The key file (TOML, `[[keys]]`), relative to this config file's
+    /// directory unless absolute.
+    pub file: String,
+    /// How often to look for changes to the key file, in ms (0 = only on
+    /// config reload).
+    pub watch_interval_ms: u64,
+}
+
+impl Default for ApiKeysSection {
+    fn default() -> Self {
+        Self {
+            file: String::new(),
+            watch_interval_ms: 2000,
         }
     }
 }

@@ -163,8 +163,11 @@ pub struct Config {
     pub pools: BTreeMap<String, Arc<Pool>>,
     /// Priority lanes in rank order.
     pub lanes: Vec<crate::admission::queue::LaneSpec>,
-    /// Rate limits by name, with the definition they were built from.
+    /// Rate limits and token budgets by name, with the definition they were
+    /// built from.
     pub limiters: LimiterMap,
+    /// API keys from `[api_keys] file`, if configured.
+    pub api_keys: Option<Arc<crate::admission::keys::ApiKeys>>,
     /// Resolver settings.
     pub dns: DnsSettings,
     /// Poll interval of the config file watcher, if enabled.
@@ -226,14 +229,19 @@ pub fn listener_rules(listeners: &[Listener]) -> Vec<ListenerRule> {
         .collect()
 }
 
-/// Rate limiters by name, each with its definition.
-pub type LimiterMap = BTreeMap<
-    String,
-    (
-        file::RateLimitSection,
-        Arc<crate::admission::ratelimit::Limiter>,
-    ),
->;
+/// One `[rate_limits.NAME]`: a request limit, a token budget, or both.
+#[derive(Debug, Clone)]
+pub struct RateLimit {
+    /// The definition it was built from (unchanged ones carry over on reload).
+    pub def: file::RateLimitSection,
+    /// The request rate limit, unless the section limits tokens only.
+    pub requests: Option<Arc<crate::admission::ratelimit::Limiter>>,
+    /// The token budget, if the section sets `tokens_per_min`.
+    pub tokens: Option<Arc<crate::admission::budget::TokenBudget>>,
+}
+
+/// Rate limits by name.
+pub type LimiterMap = BTreeMap<String, RateLimit>;
 
 /// A whole-file error (unreadable file, resolver failure) at line 1.
 pub fn file_error(path: &Path, message: String) -> Vec<ConfigError> {
@@ -255,6 +263,15 @@ pub fn read(path: &Path) -> Result<String, Vec<ConfigError>> {
 /// Parse TOML text into the file structs (syntax and unknown-key errors,
 /// located).
 pub fn parse_file(path: &Path, text: &str) -> Result<file::FileConfig, Vec<ConfigError>> {
+    parse_toml(path, text)
+}
+
+/// Parse TOML text from `path` into `T`, with a syntax, type or unknown-key
+/// error located (file:line:col and the field).
+pub fn parse_toml<T: serde::de::DeserializeOwned>(
+    path: &Path,
+    text: &str,
+) -> Result<T, Vec<ConfigError>> {
     toml::from_str(text).map_err(|e| {
         let (line, col) = e
             .span()

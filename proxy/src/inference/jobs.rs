@@ -60,6 +60,8 @@ struct Inner {
 pub struct Job {
     /// Request id.
     pub id: String,
+    /// The tenant (API key name) that created it; only it may read it.
+    pub owner: Option<String>,
     /// Unix seconds at creation.
     pub created: u64,
     inner: Mutex<Inner>,
@@ -229,6 +231,28 @@ impl Shared {
     }
 }
 
+/// A fresh job id: `req_` and 128 random bits from the system's CSPRNG,
+/// so an id can be neither guessed nor chosen by a client.
+pub fn random_id() -> String {
+    use ring::rand::SecureRandom;
+    let mut b = [0u8; 16];
+    if ring::rand::SystemRandom::new().fill(&mut b).is_err() {
+        // No system randomness: still unique, though not secret.
+        static N: AtomicUsize = AtomicUsize::new(0);
+        let t = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.as_nanos())
+            .unwrap_or(0);
+        b = (t ^ (N.fetch_add(1, Ordering::Relaxed) as u128) << 64).to_le_bytes();
+    }
+    let mut s = String::with_capacity(36);
+    s.push_str("req_");
+    for x in b {
+        s.push_str(&format!("{x:02x}"));
+    }
+    s
+}
+
 /// Why a job could not be created.
 #[derive(Debug, PartialEq, Eq)]
 pub struct Full;
@@ -266,6 +290,11 @@ impl Store {
 
     /// A new queued job, or `Full` when only unfinished jobs fill the store.
     pub fn create(&self, id: String) -> Result<Arc<Job>, Full> {
+        self.create_for(id, None)
+    }
+
+    /// A new queued job of `owner`.
+    pub fn create_for(&self, id: String, owner: Option<String>) -> Result<Arc<Job>, Full> {
         let st = &self.0;
         let mut g = st.jobs.lock();
         st.evict(&mut g, st.max_entries - 1, 1);
@@ -274,6 +303,7 @@ impl Store {
         }
         let job = Arc::new(Job {
             id: id.clone(),
+            owner,
             created: std::time::SystemTime::now()
                 .duration_since(std::time::UNIX_EPOCH)
                 .map(|d| d.as_secs())

@@ -28,13 +28,19 @@ const LAT: &[f64] = &[
 
 /// Handles of the inference families.
 pub struct InferenceMetrics {
-    /// Time to first token (at the client socket), by lane and backend.
+    /// Time to first token, from the request's arrival to its first token
+    /// (written to the socket for streams, produced for whole responses
+    /// and async jobs), by lane and backend.
     pub ttft: HistogramVec,
+    /// |predicted - actual| time to first token, by lane and direction
+    /// (`over`: predicted more than it took; `under`: less).
+    pub prediction_error: HistogramVec,
     /// Delivered inter-token interval (at the socket write), by lane and backend.
     pub itl: HistogramVec,
     /// End to end, by lane and backend.
     pub e2e: HistogramVec,
-    /// Queue wait (admission plus backend queue), by lane and backend.
+    /// Queue wait (admission gate plus the backend's own queue), by lane
+    /// and backend: its own histogram, no longer folded into TTFT.
     pub queue: HistogramVec,
     /// Latency breakdown, by phase (network, queue, compute, output) and lane.
     pub phase: HistogramVec,
@@ -115,8 +121,14 @@ impl InferenceMetrics {
         InferenceMetrics {
             ttft: hv(
                 "ultrafast_inference_ttft_seconds",
-                "Time to first token, request read to first token written.",
+                "Time to first token, from the request's arrival (streams: written; whole and async: produced).",
                 lb,
+                LAT,
+            ),
+            prediction_error: hv(
+                "ultrafast_inference_ttft_prediction_error_seconds",
+                "Admission's TTFT prediction error |predicted - actual|, by direction (over, under).",
+                &["lane", "direction"],
                 LAT,
             ),
             itl: hv(

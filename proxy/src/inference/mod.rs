@@ -3,15 +3,27 @@
 //! backend seam (`ultrafast_engine::api::Backend`), with lanes, SSE, the
 //! async (202) mode, cadence pacing and a latency breakdown.
 //!
-//! The request path itself lives with the other proxy phases
-//! (`proxy::infer`); this module holds its parts: request parsing and
-//! response shapes (`openai`), SSE framing and parsing (`sse`), the pacer,
-//! the async job store, upstream pools and metrics.
+//! The request path is a pipeline of stages that know nothing of Pingora
+//! (`pipeline`): `limits` (rate limits, API keys, token budgets), parsing
+//! (`openai`), admission against the lane's TTFT target (`admit`, with the
+//! latency model of `predict`) and the lane gate, dispatch to the backend,
+//! and `drive` into one of three `sinks` (SSE, whole JSON, async job).
+//! `endpoints` serves the model list and the async requests. The Pingora
+//! adapter (`proxy::infer`) only reads the body, calls these and writes
+//! what they yield through a `drive::Downstream`.
 
+pub mod admit;
+pub mod drive;
+pub mod endpoints;
 pub mod jobs;
+pub mod limits;
 pub mod metrics;
 pub mod openai;
 pub mod pacer;
+pub mod pipeline;
+pub mod predict;
+mod run;
+pub mod sinks;
 pub mod sse;
 pub mod upstream;
 
@@ -40,8 +52,46 @@ pub struct Model {
     pub backend: ModelBackend,
     /// Admission gate (lane queues), if configured.
     pub gate: Option<Arc<Gate>>,
+    /// Latency model and ledger of admitted work (kept across reloads).
+    pub latency: Arc<predict::Latency>,
     /// The section it was built from.
     pub def: ModelSection,
+}
+
+/// Inference state of the process: started engines and the async store.
+pub struct Front {
+    /// Engines by model name.
+    pub engines: Engines,
+    /// Async jobs.
+    pub jobs: jobs::Store,
+}
+
+impl std::fmt::Debug for Front {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Front({:?})", self.engines)
+    }
+}
+
+impl Front {
+    /// Export the async store's usage.
+    pub fn export_store(&self, metrics: &crate::metrics::Metrics) {
+        let (n, b) = self.jobs.usage();
+        let g = &metrics.inference.async_store;
+        g.with_label_values(&["entries"]).set(n as i64);
+        g.with_label_values(&["bytes"]).set(b as i64);
+    }
+}
+
+/// The engine's own step-cost fit as the predictor's cost model: a prompt
+/// token costs what a decoded token does (the model's chunking of prompts
+/// comes from its config).
+pub fn live_cost(c: ultrafast_engine::scheduler::StepCost) -> predict::Cost {
+    predict::Cost {
+        step_fixed_s: c.fixed_s,
+        step_per_seq_s: c.per_token_s,
+        prefill_per_token_s: c.per_token_s,
+        chunk: None,
+    }
 }
 
 /// Engines started by this process, by model name.

@@ -128,9 +128,9 @@ impl UpstreamBackend {
                 "/v1/completions"
             }
         };
-        if req.max_tokens.is_some() {
-            o.insert("max_tokens".into(), json!(prepared.max_tokens));
-        }
+        // Always the size admission reserved: an upstream left to its own
+        // default could generate far more than was admitted.
+        o.insert("max_tokens".into(), json!(prepared.max_tokens));
         let s = &req.sampling;
         o.insert("temperature".into(), json!(s.temperature));
         o.insert("top_p".into(), json!(s.top_p));

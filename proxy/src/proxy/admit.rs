@@ -30,12 +30,42 @@ impl EdgeProxy {
             .map(|l| l.name.as_str())
             .unwrap_or("");
         self.metrics.shed(lane, reason.as_str());
-        let (status, headers, body) = admission::refusal(reason, retry_after);
+        let (status, headers, body) = admission::refusal(reason, retry_after, None);
         let mut extra: Vec<(&str, &str)> = headers.iter().map(|(k, v)| (*k, v.as_str())).collect();
         let rid = ctx.request_id.clone();
         extra.push(("x-request-id", rid.to_str().unwrap_or("")));
         filters::respond(session, status, "application/json", body, &extra).await?;
         Ok(true)
+    }
+
+    /// Rate limits of the route (the admission entry point shared with
+    /// inference requests). Ok(true): refused and answered.
+    pub(super) async fn rate_limited(
+        &self,
+        session: &mut Session,
+        ctx: &Ctx,
+        route: &Arc<Route>,
+        pool: Option<&str>,
+    ) -> Result<bool> {
+        if route.limiters.is_empty() {
+            return Ok(false);
+        }
+        let input = KeyInput {
+            client_ip: session
+                .client_addr()
+                .and_then(|a| a.as_inet())
+                .map(|a| a.ip()),
+            headers: &session.req_header().headers,
+            route: &route.name,
+            pool,
+        };
+        match admission::check_limits(&route.limiters, &input) {
+            Ok(()) | Err(Verdict::Allow) => Ok(false),
+            Err(Verdict::Limited(wait)) => self.shed(session, ctx, Reason::RateLimit, wait).await,
+            Err(Verdict::BadKey(why)) => {
+                self.bad_request(session, ctx, why, "invalid_api_key").await
+            }
+        }
     }
 
     /// Lane, rate limits and the pool's queue. Ok(true) means a response

@@ -207,6 +207,38 @@ def shed(base, model):
     print("shed ok")
 
 
+def keys(base, model):
+    """API keys and token budgets as the official client sees them (key
+    `sk-alpha` may use `model` only, with a budget of 100 tokens)."""
+    bad = openai.OpenAI(base_url=base, api_key="sk-nope", max_retries=0, timeout=60)
+    try:
+        bad.models.list()
+        raise AssertionError("an unknown key listed the models")
+    except openai.AuthenticationError as e:
+        assert e.status_code == 401 and e.code == "invalid_api_key", e
+    alpha = openai.OpenAI(base_url=base, api_key="sk-alpha", max_retries=0, timeout=60)
+    assert [m.id for m in alpha.models.list()] == [model]
+    msgs = [{"role": "user", "content": "hi"}]
+    try:
+        alpha.chat.completions.create(model="other", messages=msgs, max_tokens=5)
+        raise AssertionError("a model outside the allow-list answered")
+    except openai.PermissionDeniedError as e:
+        assert e.status_code == 403 and e.code == "model_not_allowed", e
+    # Each request reserves prompt + max_tokens (about 65 of 100) and is
+    # refunded to its real usage (about 13): three in a row fit, where
+    # without refunds the second would not.
+    for _ in range(3):
+        r = alpha.chat.completions.create(model=model, messages=msgs, max_tokens=60)
+        assert r.usage.completion_tokens > 0
+    try:
+        alpha.chat.completions.create(model=model, messages=msgs, max_tokens=500)
+        raise AssertionError("a request larger than the budget ran")
+    except openai.RateLimitError as e:
+        assert e.status_code == 429 and e.code == "token_budget", e
+    print("keys ok")
+
+
 if __name__ == "__main__":
     check, base, model = sys.argv[1], sys.argv[2], sys.argv[3]
-    {"basics": basics, "stop": stop_sequences, "async": asynchronous, "shed": shed}[check](base, model)
+    {"basics": basics, "stop": stop_sequences, "async": asynchronous, "shed": shed,
+     "keys": keys}[check](base, model)

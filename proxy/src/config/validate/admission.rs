@@ -1,7 +1,11 @@
-//! Validation of `[lanes.*]` and `[rate_limits.*]`; unchanged rate limits
-//! are reused on reload so their buckets carry over.
+//! Validation of `[lanes.*]`, `[rate_limits.*]` and `[api_keys]`; unchanged
+//! rate limits, token budgets and key stores are reused on reload so their
+//! buckets carry over.
 
 use super::*;
+use crate::admission::budget::{BudgetSpec, TokenBudget};
+use crate::admission::keyfile::KeyFileError;
+use crate::admission::keys::{resolve_path, ApiKeys};
 
 pub(super) fn lanes(f: &FileConfig, errs: &mut Errors) -> Vec<LaneSpec> {
     if f.lanes.is_empty() {
@@ -28,7 +32,20 @@ pub(super) fn lanes(f: &FileConfig, errs: &mut Errors) -> Vec<LaneSpec> {
                 format!("rank {} is used by another lane", l.rank),
             );
         }
+        let on_miss = match l.on_miss.as_str() {
+            "reject" => OnMiss::Reject,
+            "downgrade" => OnMiss::Downgrade,
+            other => {
+                errs.push(
+                    at.k("on_miss"),
+                    format!("`{other}` is not one of reject, downgrade"),
+                );
+                OnMiss::Reject
+            }
+        };
         out.push(LaneSpec {
+            ttft_slo: ms(l.ttft_slo_ms),
+            on_miss,
             name: name.clone(),
             rank: l.rank,
             queue_len: l.queue_len.max(1),
@@ -55,28 +72,13 @@ pub(super) fn rate_limits(f: &FileConfig, prev: Option<&Config>, errs: &mut Erro
     for (name, r) in &f.rate_limits {
         let at = FieldPath::key("rate_limits").k(name);
         // An unchanged limit keeps its buckets across a reload.
-        if let Some((def, l)) = prev.and_then(|c| c.limiters.get(name)) {
-            if def == r {
-                out.insert(name.clone(), (def.clone(), l.clone()));
+        if let Some(old) = prev.and_then(|c| c.limiters.get(name)) {
+            if old.def == *r {
+                out.insert(name.clone(), old.clone());
                 continue;
             }
         }
-        let source = match r.key.as_str() {
-            "client_ip" => Some(KeySource::ClientIp),
-            "api_key" => Some(KeySource::ApiKey(None)),
-            "route" => Some(KeySource::Route),
-            "pool" => Some(KeySource::Pool),
-            k => match k.split_once(':') {
-                Some(("api_key", h)) => HeaderName::from_bytes(h.as_bytes())
-                    .ok()
-                    .map(|h| KeySource::ApiKey(Some(h))),
-                Some(("header", h)) => HeaderName::from_bytes(h.as_bytes())
-                    .ok()
-                    .map(KeySource::Header),
-                _ => None,
-            },
-        };
-        let Some(source) = source else {
+        let Some(source) = KeySource::parse(&r.key) else {
             errs.push(
                 at.k("key"),
                 format!(
@@ -86,20 +88,247 @@ pub(super) fn rate_limits(f: &FileConfig, prev: Option<&Config>, errs: &mut Erro
             );
             continue;
         };
-        if !(r.rate_per_s > 0.0 && r.rate_per_s <= 1e9) {
-            errs.push(at.k("rate_per_s"), "must be > 0");
-            continue;
-        }
-        if r.burst == 0 {
-            errs.push(at.k("burst"), "must be at least 1");
-            continue;
-        }
-        match Limiter::new(name, source, r.rate_per_s, r.burst, r.max_keys) {
-            Some(l) => {
-                out.insert(name.clone(), (r.clone(), Arc::new(l)));
-            }
-            None => errs.push(at.clone(), "invalid rate limit"),
+        let before = errs.0.len();
+        // A section with only a token budget has no request limit.
+        let rate = match (r.rate_per_s, r.tokens_per_min) {
+            (Some(rate), _) => Some(rate),
+            (None, Some(_)) => None,
+            (None, None) => Some(RateLimitSection::DEFAULT_RATE_PER_S),
+        };
+        let requests = rate.and_then(|rate| request_limit(name, &source, rate, r, &at, errs));
+        let tokens = token_budget(name, &source, r, &at, errs);
+        if errs.0.len() == before {
+            let def = r.clone();
+            out.insert(
+                name.clone(),
+                RateLimit {
+                    def,
+                    requests,
+                    tokens,
+                },
+            );
         }
     }
     out
+}
+
+fn request_limit(
+    name: &str,
+    source: &KeySource,
+    rate: f64,
+    r: &RateLimitSection,
+    at: &FieldPath,
+    errs: &mut Errors,
+) -> Option<Arc<Limiter>> {
+    if !(rate > 0.0 && rate <= 1e9) {
+        errs.push(at.k("rate_per_s"), "must be > 0 and at most 1e9");
+        return None;
+    }
+    if r.burst == 0 {
+        errs.push(at.k("burst"), "must be at least 1");
+        return None;
+    }
+    let l = Limiter::new(name, source.clone(), rate, r.burst, r.max_keys);
+    if l.is_none() {
+        errs.push(at.k("rate_per_s"), "invalid rate limit");
+    }
+    l.map(Arc::new)
+}
+
+fn token_budget(
+    name: &str,
+    source: &KeySource,
+    r: &RateLimitSection,
+    at: &FieldPath,
+    errs: &mut Errors,
+) -> Option<Arc<TokenBudget>> {
+    let Some(per_min) = r.tokens_per_min else {
+        if r.burst_tokens.is_some() {
+            errs.push(at.k("burst_tokens"), "needs tokens_per_min");
+        }
+        return None;
+    };
+    if !(per_min.is_finite() && per_min > 0.0 && per_min <= 1e12) {
+        errs.push(at.k("tokens_per_min"), "must be > 0 and at most 1e12");
+        return None;
+    }
+    // Default burst: one minute's worth.
+    let burst = r.burst_tokens.unwrap_or(per_min.ceil() as u64);
+    if !(1..=1_000_000_000_000).contains(&burst) {
+        errs.push(at.k("burst_tokens"), "must be between 1 and 1e12");
+        return None;
+    }
+    let spec = BudgetSpec {
+        tokens_per_min: per_min,
+        burst,
+        max_keys: r.max_keys,
+    };
+    let b = TokenBudget::new(name, source.clone(), spec);
+    if b.is_none() {
+        errs.push(at.k("tokens_per_min"), "invalid token budget");
+    }
+    b.map(Arc::new)
+}
+
+/// `[api_keys]`: the key store, and the key file's own errors (located in
+/// that file). An unchanged section keeps the live store (the reload path
+/// re-reads the file through `ApiKeys::reload`, which keeps the old keys on
+/// error); a new or changed one reads the file now, and a bad file fails
+/// the config.
+pub(super) fn api_keys(
+    f: &FileConfig,
+    path: &Path,
+    prev: Option<&Config>,
+    errs: &mut Errors,
+) -> (Option<Arc<ApiKeys>>, Vec<ConfigError>) {
+    let Some(s) = &f.api_keys else {
+        return (None, Vec::new());
+    };
+    let at = FieldPath::key("api_keys");
+    if s.file.trim().is_empty() {
+        errs.push(at.k("file"), "must name the key file");
+        return (None, Vec::new());
+    }
+    let file = resolve_path(path, &s.file);
+    let watch = ms(s.watch_interval_ms);
+    let live = prev.and_then(|c| c.api_keys.as_ref());
+    if let Some(old) = live.filter(|k| k.path() == file && k.watch_interval() == watch) {
+        return (Some(old.clone()), Vec::new());
+    }
+    let carry = live.map(|k| k.store());
+    match ApiKeys::load(file, watch, carry.as_deref()) {
+        Ok(k) => (Some(Arc::new(k)), Vec::new()),
+        Err(KeyFileError::Unreadable { path, reason }) => {
+            errs.push(
+                at.k("file"),
+                format!("cannot read key file {path}: {reason}"),
+            );
+            (None, Vec::new())
+        }
+        Err(KeyFileError::Invalid(v)) => (None, v),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use crate::config::{self, BuildCtx, Config, ConfigError};
+    use crate::metrics::Metrics;
+    use std::path::{Path, PathBuf};
+    use std::sync::Arc;
+
+    const BASE: &str = "[[listeners]]\naddress = \"127.0.0.1:18080\"\n\n\
+                        [[routes]]\npath = \"/\"\nrate_limits = [\"rl\"]\n\
+                        return = { status = 200, body = \"ok\" }\n\n";
+
+    fn build(path: &Path, text: &str, prev: Option<&Config>) -> Result<Config, Vec<ConfigError>> {
+        let metrics = Metrics::new();
+        let f = config::parse_file(path, text)?;
+        let ctx = BuildCtx {
+            metrics: &metrics,
+            resolved: &Default::default(),
+            prev,
+            prefetch_fraction: 0.8,
+        };
+        config::build(&f, path, text, &ctx)
+    }
+
+    fn scratch(name: &str) -> PathBuf {
+        let dir = std::env::temp_dir().join(format!("ultrafast-cfg-{}-{name}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        dir
+    }
+
+    #[test]
+    fn a_section_may_limit_requests_tokens_or_both() {
+        let text = format!(
+            "{BASE}[rate_limits.rl]\nkey = \"api_key\"\ntokens_per_min = 1200\n\n\
+             [rate_limits.both]\nrate_per_s = 2.0\ntokens_per_min = 60\nburst_tokens = 30\n\n\
+             [rate_limits.old]\nkey = \"route\"\n"
+        );
+        let c = build(Path::new("u.toml"), &text, None).unwrap();
+        let rl = &c.limiters["rl"];
+        assert!(rl.requests.is_none(), "tokens only: no request limit");
+        let spec = rl.tokens.as_ref().unwrap().spec();
+        assert_eq!((spec.tokens_per_min, spec.burst), (1200.0, 1200));
+        let both = &c.limiters["both"];
+        assert!(both.requests.is_some());
+        assert_eq!(both.tokens.as_ref().unwrap().spec().burst, 30);
+        let old = &c.limiters["old"];
+        assert!(
+            old.requests.is_some() && old.tokens.is_none(),
+            "default: 10/s"
+        );
+        let route = c.router.find("x", "/").unwrap();
+        assert!(route.limiters.is_empty());
+        assert_eq!(route.budgets.len(), 1);
+    }
+
+    #[test]
+    fn bad_budgets_are_located() {
+        let text = format!(
+            "{BASE}[rate_limits.rl]\nburst_tokens = 5\n\n[rate_limits.z]\ntokens_per_min = -1.0\n"
+        );
+        let errs: Vec<String> = build(Path::new("u.toml"), &text, None)
+            .unwrap_err()
+            .iter()
+            .map(ToString::to_string)
+            .collect();
+        assert!(
+            errs.contains(&"u.toml:10:1: rate_limits.rl.burst_tokens: needs tokens_per_min".into()),
+            "{errs:?}"
+        );
+        assert!(
+            errs.iter()
+                .any(|e| e.starts_with("u.toml:13:1: rate_limits.z.tokens_per_min: ")),
+            "{errs:?}"
+        );
+    }
+
+    #[test]
+    fn api_keys_load_relative_to_the_config_and_fail_the_config_when_bad() {
+        let dir = scratch("keys");
+        std::fs::write(
+            dir.join("keys.toml"),
+            "[[keys]]\nname = \"a\"\nkey = \"sk-a\"\n",
+        )
+        .unwrap();
+        let path = dir.join("u.toml");
+        let text = format!("{BASE}[rate_limits.rl]\n\n[api_keys]\nfile = \"keys.toml\"\n");
+        let c = build(&path, &text, None).unwrap();
+        let keys = c.api_keys.clone().unwrap();
+        assert_eq!(keys.path(), dir.join("keys.toml"));
+        assert_eq!(
+            keys.watch_interval(),
+            Some(std::time::Duration::from_secs(2))
+        );
+        let mut h = http::HeaderMap::new();
+        h.insert(http::header::AUTHORIZATION, "Bearer sk-a".parse().unwrap());
+        assert_eq!(keys.authenticate(&h).unwrap().name, "a");
+
+        // An unchanged section keeps the live store, even while the file is
+        // broken: the reload path's `ApiKeys::reload` refuses the bad file.
+        std::fs::write(dir.join("keys.toml"), "[[keys]]\nname = \"a\"\nkey = 5\n").unwrap();
+        let next = build(&path, &text, Some(&c)).unwrap();
+        assert!(Arc::ptr_eq(next.api_keys.as_ref().unwrap(), &keys));
+        assert!(keys.reload().is_err());
+        assert!(keys.authenticate(&h).is_ok());
+
+        // At startup the same file is a config error in the key file.
+        let errs = build(&path, &text, None).unwrap_err();
+        assert_eq!(errs.len(), 1, "{errs:?}");
+        assert!(
+            errs[0].file.ends_with("keys.toml") && errs[0].line == 3,
+            "{errs:?}"
+        );
+        assert_eq!(errs[0].field, "keys[].key");
+
+        // A missing file is located at `api_keys.file` in the config.
+        let text = text.replace("keys.toml", "nope.toml");
+        let errs = build(&path, &text, None).unwrap_err();
+        assert_eq!(
+            (errs[0].line, errs[0].field.as_str()),
+            (12, "api_keys.file"),
+            "{errs:?}"
+        );
+    }
 }

@@ -3,11 +3,13 @@
 //! resolved at the end against the original text. Nothing here panics on any
 //! input: the property test in `tests/config_check.rs` feeds it arbitrary TOML.
 
-use super::file::{FileConfig, HeaderRules, LaneSection, ModelSection, PoolSection, RouteSection};
+use super::file::{
+    FileConfig, HeaderRules, LaneSection, ModelSection, PoolSection, RateLimitSection, RouteSection,
+};
 use super::locate::{locate, FieldPath};
 use super::*;
 use crate::admission::gate::Gate;
-use crate::admission::queue::LaneSpec;
+use crate::admission::queue::{LaneSpec, OnMiss};
 use crate::admission::ratelimit::{KeySource, Limiter};
 use crate::routing::{Action, HeaderOps, PathMatch, Route, UpstreamHost};
 use crate::upstream::budget::RetryBudget;
@@ -25,7 +27,7 @@ mod admission;
 mod models;
 mod pools;
 
-use admission::{lanes, rate_limits};
+use admission::{api_keys, lanes, rate_limits};
 use pools::pool;
 pub(in crate::config) use pools::{parse_member_addr, MemberAddr};
 
@@ -99,6 +101,7 @@ pub(super) fn validate(
     let listener_rules = super::listener_rules(&listeners);
     let lanes = lanes(f, &mut errs);
     let limiters = rate_limits(f, ctx.prev, &mut errs);
+    let (api_keys, key_file_errors) = api_keys(f, path, ctx.prev, &mut errs);
     let mut pools = BTreeMap::new();
     for (name, p) in &f.pools {
         let at = FieldPath::key("pools").k(name);
@@ -110,9 +113,9 @@ pub(super) fn validate(
     let pacing = models::pacing(f, &lanes, &mut errs);
     models::inference(f, &mut errs);
     let models = models::models(f, &pools, &lanes, ctx, &mut errs);
-    if !errs.0.is_empty() {
+    if !errs.0.is_empty() || !key_file_errors.is_empty() {
         let file = path.display().to_string();
-        return Err(errs
+        let mut out: Vec<ConfigError> = errs
             .0
             .into_iter()
             .map(|(at, message)| {
@@ -125,7 +128,9 @@ pub(super) fn validate(
                     message,
                 }
             })
-            .collect());
+            .collect();
+        out.extend(key_file_errors);
+        return Err(out);
     }
     Ok(Config {
         path: path.to_path_buf(),
@@ -139,6 +144,7 @@ pub(super) fn validate(
         pools,
         lanes,
         limiters,
+        api_keys,
         dns,
         reload_watch,
         hash: format!("{:016x}", crate::upstream::lb::hash_bytes(text.as_bytes())),
@@ -611,9 +617,13 @@ fn routes(
                 0
             });
         let mut route_limiters = Vec::new();
+        let mut budgets = Vec::new();
         for (j, name) in r.rate_limits.iter().enumerate() {
             match limiters.get(name) {
-                Some((_, l)) => route_limiters.push(l.clone()),
+                Some(l) => {
+                    route_limiters.extend(l.requests.clone());
+                    budgets.extend(l.tokens.clone());
+                }
                 None if f.rate_limits.contains_key(name) => {}
                 None => errs.push(
                     at.k("rate_limits").i(j),
@@ -634,6 +644,7 @@ fn routes(
             upstream_host,
             lane,
             limiters: route_limiters,
+            budgets,
         };
         out.push((Arc::new(route), r.hosts.clone()));
     }

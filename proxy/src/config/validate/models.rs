@@ -3,6 +3,7 @@
 
 use super::*;
 use crate::inference::pacer::{PaceMode, PaceSpec};
+use crate::inference::predict::Latency;
 use crate::inference::upstream::{PriorityField, UpstreamBackend, UpstreamSpec};
 use crate::inference::{Model, ModelBackend};
 use ultrafast_engine::fetch::Source;
@@ -188,6 +189,32 @@ fn upstream_spec(
     })
 }
 
+/// The latency model of a model: the engine measures its own steps; an
+/// upstream is learned from its streams, starting from the priors.
+fn latency_model(backend: &ModelBackend, m: &ModelSection) -> Latency {
+    let gate = if m.max_concurrency == 0 {
+        usize::MAX
+    } else {
+        m.max_concurrency
+    };
+    match backend {
+        ModelBackend::Engine(_) => Latency::new(
+            false,
+            m.max_num_seqs.min(gate).max(1),
+            Some(m.max_batched_tokens.max(1)),
+            m.prefill_tokens_per_s,
+            m.decode_tokens_per_s,
+        ),
+        ModelBackend::Upstream(_) => Latency::new(
+            true,
+            gate.min(1 << 20),
+            None,
+            m.prefill_tokens_per_s,
+            m.decode_tokens_per_s,
+        ),
+    }
+}
+
 pub(super) fn models(
     f: &FileConfig,
     pools: &BTreeMap<String, Arc<Pool>>,
@@ -229,6 +256,14 @@ pub(super) fn models(
                 continue;
             }
         }
+        if !(m.prefill_tokens_per_s > 0.0 && m.prefill_tokens_per_s.is_finite()) {
+            errs.push(at.k("prefill_tokens_per_s"), "must be > 0");
+            continue;
+        }
+        if !(m.decode_tokens_per_s > 0.0 && m.decode_tokens_per_s.is_finite()) {
+            errs.push(at.k("decode_tokens_per_s"), "must be > 0");
+            continue;
+        }
         let gate_name = format!("model:{name}");
         let gate = super::gate(
             &gate_name,
@@ -237,12 +272,23 @@ pub(super) fn models(
             m.max_queued,
             ctx.metrics,
         );
+        // The ledger of admitted work outlives a changed section: requests
+        // admitted before the reload still occupy the same backend.
+        let latency = match ctx.prev.and_then(|c| c.models.get(name)) {
+            Some(old)
+                if old.def.backend == m.backend && old.def.max_concurrency == m.max_concurrency =>
+            {
+                old.latency.clone()
+            }
+            _ => Arc::new(latency_model(&backend, m)),
+        };
         out.insert(
             name.clone(),
             Arc::new(Model {
                 name: name.clone(),
                 backend,
                 gate,
+                latency,
                 def: m.clone(),
             }),
         );

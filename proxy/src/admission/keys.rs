@@ -1,0 +1,293 @@
+//! API keys: which key a request's bearer token is, which models it may use,
+//! and its own request rate and token budget.
+//!
+//! Data flow: `[api_keys] file` is read and validated by `keyfile` into a
+//! `KeyStore` (SHA-256 digest of the token -> `Arc<KeyEntry>`), held by
+//! `ApiKeys` behind an `ArcSwap`. The request path calls
+//! `ApiKeys::authenticate(headers)`, which hashes the presented token and
+//! looks the digest up: the plaintext of a key is never kept, and a lookup
+//! compares digests only. The entry answers `allows_model`, `check_rate`
+//! (governor, one direct limiter per key) and `reserve_tokens` (one bucket
+//! from `budget`).
+//!
+//! Reload: `ApiKeys::reload` (called on every config reload) and
+//! `KeyWatchService` (when the file's mtime or size changes) rebuild the
+//! store and swap it whole. A malformed file keeps the old store serving and
+//! logs every error with file, line and field. A key whose name and limits
+//! are unchanged keeps its limiter and budget state (the same `Arc`s), so a
+//! reload does not hand out a fresh burst.
+
+use super::clock::{Clock, MonotonicClock};
+use super::keyfile::{self, KeyFileError};
+pub use super::keystore::{KeyEntry, KeyError, KeyStore};
+use crate::config::Shared;
+use arc_swap::ArcSwap;
+use async_trait::async_trait;
+use parking_lot::Mutex;
+use pingora::server::ShutdownWatch;
+use pingora::services::background::BackgroundService;
+use std::fmt;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::{Duration, SystemTime};
+
+/// What a successful key reload did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct KeyReload {
+    /// Keys now served.
+    pub keys: usize,
+    /// Keys whose limiter and budget state carried over.
+    pub carried: usize,
+}
+
+type Stamp = Option<(SystemTime, u64)>;
+
+fn stamp(path: &Path) -> Stamp {
+    let m = std::fs::metadata(path).ok()?;
+    Some((m.modified().ok()?, m.len()))
+}
+
+/// The live API keys of one `[api_keys]` section.
+pub struct ApiKeys {
+    path: PathBuf,
+    watch: Option<Duration>,
+    store: ArcSwap<KeyStore>,
+    stamp: Mutex<Stamp>,
+    reload_lock: Mutex<()>,
+    clock: Arc<dyn Clock>,
+}
+
+impl fmt::Debug for ApiKeys {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "ApiKeys({}, {:?})",
+            self.path.display(),
+            self.store.load()
+        )
+    }
+}
+
+/// The key file of `[api_keys] file`: relative to the config file's
+/// directory unless absolute.
+pub fn resolve_path(config: &Path, file: &str) -> PathBuf {
+    let file = Path::new(file);
+    match config.parent() {
+        Some(dir) if file.is_relative() => dir.join(file),
+        _ => file.to_path_buf(),
+    }
+}
+
+impl ApiKeys {
+    /// Read `path` (blocking), carrying limiter state over from `carry`.
+    pub fn load(
+        path: PathBuf,
+        watch: Option<Duration>,
+        carry: Option<&KeyStore>,
+    ) -> Result<Self, KeyFileError> {
+        Self::load_with_clock(path, watch, carry, Arc::new(MonotonicClock))
+    }
+
+    /// `load` with the clock the token budgets run on.
+    pub fn load_with_clock(
+        path: PathBuf,
+        watch: Option<Duration>,
+        carry: Option<&KeyStore>,
+        clock: Arc<dyn Clock>,
+    ) -> Result<Self, KeyFileError> {
+        let seen = stamp(&path);
+        let keys = keyfile::read(&path)?;
+        let (store, _) = KeyStore::build(keys, carry, &clock);
+        Ok(ApiKeys {
+            path,
+            watch,
+            store: ArcSwap::from_pointee(store),
+            stamp: Mutex::new(seen),
+            reload_lock: Mutex::new(()),
+            clock,
+        })
+    }
+
+    /// The key presented by a request.
+    pub fn authenticate(&self, headers: &http::HeaderMap) -> Result<Arc<KeyEntry>, KeyError> {
+        self.store.load().authenticate(headers)
+    }
+
+    /// The keys now served.
+    pub fn store(&self) -> Arc<KeyStore> {
+        self.store.load_full()
+    }
+
+    /// The key file.
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// How often the file is checked for changes (None: only on reload).
+    pub fn watch_interval(&self) -> Option<Duration> {
+        self.watch
+    }
+
+    /// Re-read the key file (blocking: file read and hashing; run it off
+    /// the request runtime) and swap the store. On error the old keys keep
+    /// serving and every problem is logged with file, line and field.
+    pub fn reload(&self) -> Result<KeyReload, KeyFileError> {
+        let _one_at_a_time = self.reload_lock.lock();
+        *self.stamp.lock() = stamp(&self.path);
+        let keys = match keyfile::read(&self.path) {
+            Ok(k) => k,
+            Err(e) => {
+                for err in e.clone().into_config_errors() {
+                    log::error!("API key reload refused, old keys keep serving: {err}");
+                }
+                return Err(e);
+            }
+        };
+        let old = self.store.load_full();
+        let (store, carried) = KeyStore::build(keys, Some(&old), &self.clock);
+        let report = KeyReload {
+            keys: store.len(),
+            carried,
+        };
+        self.store.store(Arc::new(store));
+        log::info!(
+            "API keys reloaded from {}: {} key(s), {} with their limits carried over",
+            self.path.display(),
+            report.keys,
+            report.carried
+        );
+        Ok(report)
+    }
+
+    /// `reload` if the file's mtime or size changed since the last read.
+    pub fn reload_if_changed(&self) -> Option<Result<KeyReload, KeyFileError>> {
+        if stamp(&self.path) == *self.stamp.lock() {
+            return None;
+        }
+        Some(self.reload())
+    }
+}
+
+/// Re-reads the live config's key file when it changes (every
+/// `[api_keys] watch_interval_ms`).
+pub struct KeyWatchService(pub Shared);
+
+#[async_trait]
+impl BackgroundService for KeyWatchService {
+    async fn start(&self, mut shutdown: ShutdownWatch) {
+        loop {
+            let interval = self.0.load().api_keys.as_ref().and_then(|k| k.watch);
+            tokio::select! {
+                _ = shutdown.changed() => return,
+                _ = tokio::time::sleep(interval.unwrap_or(Duration::from_secs(1))) => {}
+            }
+            let Some(keys) = self.0.load().api_keys.clone() else {
+                continue;
+            };
+            if keys.watch.is_none() {
+                continue;
+            }
+            // Errors are logged by `reload`.
+            let _ = tokio::task::spawn_blocking(move || keys.reload_if_changed()).await;
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn headers(auth: Option<&str>) -> http::HeaderMap {
+        let mut h = http::HeaderMap::new();
+        if let Some(a) = auth {
+            h.insert(http::header::AUTHORIZATION, a.parse().unwrap());
+        }
+        h
+    }
+
+    fn scratch(name: &str, text: &str) -> PathBuf {
+        let dir = std::env::temp_dir().join(format!("ultrafast-keys-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join(name);
+        std::fs::write(&path, text).unwrap();
+        path
+    }
+
+    const KEYS: &str = "[[keys]]\nname = \"a\"\nkey = \"sk-a\"\nmodels = [\"m1\"]\n\
+                        tokens_per_min = 60\nburst_tokens = 10\n\n\
+                        [[keys]]\nname = \"b\"\nkey = \"sk-b\"\nrate_per_s = 1.0\nburst = 2\n";
+
+    #[test]
+    fn a_bad_reload_keeps_the_old_keys_and_a_good_one_carries_state() {
+        let path = scratch("reload.toml", KEYS);
+        let keys = ApiKeys::load(path.clone(), Some(Duration::from_secs(1)), None).unwrap();
+        assert!(keys.reload_if_changed().is_none());
+        let budget_a = keys.store().by_name("a").unwrap().budget.clone().unwrap();
+        let limiter_b = keys.store().by_name("b").unwrap().limiter.clone().unwrap();
+
+        std::fs::write(
+            &path,
+            format!("{KEYS}\n[[keys]]\nname = \"a\"\nkey = \"sk-x\"\n"),
+        )
+        .unwrap();
+        let errs = keys
+            .reload_if_changed()
+            .unwrap()
+            .unwrap_err()
+            .into_config_errors();
+        assert!(
+            errs[0]
+                .to_string()
+                .contains("reload.toml:15:1: keys[2].name: duplicate name"),
+            "{errs:?}"
+        );
+        assert!(keys.authenticate(&headers(Some("Bearer sk-a"))).is_ok());
+        assert!(
+            keys.reload_if_changed().is_none(),
+            "a bad file is not re-read until it changes"
+        );
+
+        // `a` keeps its limits under a new key; `b` changes its limits.
+        let next = KEYS
+            .replace("sk-a", "sk-a2")
+            .replace("burst = 2", "burst = 3");
+        std::fs::write(&path, next).unwrap();
+        let report = keys.reload().unwrap();
+        assert_eq!(
+            report,
+            KeyReload {
+                keys: 2,
+                carried: 1
+            }
+        );
+        assert_eq!(
+            keys.authenticate(&headers(Some("Bearer sk-a")))
+                .unwrap_err(),
+            KeyError::Unknown
+        );
+        let a = keys.authenticate(&headers(Some("Bearer sk-a2"))).unwrap();
+        assert!(Arc::ptr_eq(a.budget.as_ref().unwrap(), &budget_a));
+        let b = keys.store().by_name("b").unwrap();
+        assert!(!Arc::ptr_eq(b.limiter.as_ref().unwrap(), &limiter_b));
+    }
+
+    #[test]
+    fn unreadable_file_is_an_error() {
+        let e = ApiKeys::load(PathBuf::from("/nonexistent/keys.toml"), None, None).unwrap_err();
+        assert!(matches!(e, KeyFileError::Unreadable { .. }));
+    }
+
+    #[test]
+    fn key_file_path_is_relative_to_the_config_file() {
+        let p = resolve_path(Path::new("conf/ultrafast.toml"), "keys.toml");
+        assert_eq!(p, PathBuf::from("conf/keys.toml"));
+        assert_eq!(
+            resolve_path(Path::new("u.toml"), "k.toml"),
+            PathBuf::from("k.toml")
+        );
+        assert_eq!(
+            resolve_path(Path::new("conf/u.toml"), "/etc/k.toml"),
+            PathBuf::from("/etc/k.toml")
+        );
+    }
+}

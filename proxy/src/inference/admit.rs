@@ -1,0 +1,249 @@
+//! The admission stage of an inference request, after parsing: choose the
+//! lane, then hold the request against its lane's time-to-first-token
+//! target with the backend's latency model. Three outcomes: admitted (with
+//! a ledger ticket and the prediction), refused at once because the
+//! backend is too busy now (503 `slo` with a `Retry-After` from the
+//! prediction), or refused because even an idle backend could not meet the
+//! target (422 `slo_unattainable`, or moved to the next lower lane where
+//! the lane says `on_miss = "downgrade"`).
+//!
+//! Rate limits, API keys and token budgets run before this stage (they do
+//! not need the prompt's tokens); the lane gate's bounded wait after it.
+
+use super::drive::Failure;
+use super::predict::{Cost, Latency, Ticket, Verdict};
+use crate::admission::queue::{LaneSpec, OnMiss, Reason};
+use crate::admission::{refusal, select_lane};
+use std::sync::Arc;
+use std::time::Duration;
+use ultrafast_engine::api::BackendError;
+
+/// The lane of a request: the `X-Request-Priority` header, else the body's
+/// `priority`, else the route's default.
+pub fn lane(
+    lanes: &[LaneSpec],
+    header: Option<&[u8]>,
+    body: Option<&str>,
+    default: usize,
+) -> Result<usize, BackendError> {
+    let pick = header.or(body.map(str::as_bytes));
+    select_lane(lanes, pick, default)
+        .map_err(|why| BackendError::invalid("invalid_priority", Some("priority"), why))
+}
+
+/// A request that passed the SLO check.
+#[derive(Debug)]
+pub struct Passed {
+    /// The lane it runs in (lower than asked if downgraded).
+    pub lane: usize,
+    /// Whether it was moved down.
+    pub downgraded: bool,
+    /// Its place in the backend's ledger.
+    pub ticket: Option<Ticket>,
+    /// Predicted time to first token from now.
+    pub predicted: Option<Duration>,
+}
+
+/// Why the SLO check refused a request.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Missed {
+    /// Too busy now: retry after the given time.
+    Busy {
+        /// The lane.
+        lane: usize,
+        /// The prediction.
+        predicted: Duration,
+        /// When to retry.
+        retry_after: Duration,
+    },
+    /// Not even an idle backend meets the lane's target.
+    Unattainable {
+        /// The lane.
+        lane: usize,
+        /// Its target.
+        target: Duration,
+        /// The prediction on an idle backend.
+        predicted: Duration,
+    },
+}
+
+impl Missed {
+    /// The lane the refusal is counted in.
+    pub fn lane(&self) -> usize {
+        match self {
+            Missed::Busy { lane, .. } | Missed::Unattainable { lane, .. } => *lane,
+        }
+    }
+
+    /// The response.
+    pub fn failure(&self, lanes: &[LaneSpec]) -> Failure {
+        match self {
+            Missed::Busy {
+                predicted,
+                retry_after,
+                ..
+            } => {
+                let (status, headers, body) = refusal(Reason::Slo, *retry_after, Some(*predicted));
+                Failure {
+                    status,
+                    headers,
+                    body,
+                }
+            }
+            Missed::Unattainable {
+                lane,
+                target,
+                predicted,
+            } => {
+                let name = lanes.get(*lane).map(|l| l.name.as_str()).unwrap_or("");
+                let message = format!(
+                    "lane `{name}` targets a first token within {} ms; this request needs about {} ms even on an idle server (shorten the prompt, or use a lane with a longer target)",
+                    target.as_millis(),
+                    predicted.as_millis()
+                );
+                let body = serde_json::json!({
+                    "error": {"message": message, "type": "invalid_request_error",
+                        "param": "messages", "code": "slo_unattainable"},
+                    "lane": name,
+                    "ttft_slo_ms": target.as_millis() as u64,
+                    "predicted_ttft_ms": predicted.as_millis() as u64,
+                });
+                Failure {
+                    status: 422,
+                    headers: vec![("x-ultrafast-lane", name.to_string())],
+                    body: bytes::Bytes::from(body.to_string()),
+                }
+            }
+        }
+    }
+}
+
+/// Hold a request of `prompt` tokens (at most `max_out` more) against the
+/// target of `lane`, moving down lanes that say so. `live` is the
+/// backend's own cost model, if it has one.
+pub fn slo(
+    lanes: &[LaneSpec],
+    lane: usize,
+    latency: &Arc<Latency>,
+    live: Option<Cost>,
+    prompt: usize,
+    max_out: usize,
+) -> Result<Passed, Missed> {
+    let mut l = lane;
+    loop {
+        let spec = &lanes[l];
+        if let Some(target) = spec.ttft_slo {
+            let idle = latency.idle(live, prompt);
+            if idle > target {
+                if spec.on_miss == OnMiss::Downgrade && l + 1 < lanes.len() {
+                    l += 1;
+                    continue;
+                }
+                return Err(Missed::Unattainable {
+                    lane: l,
+                    target,
+                    predicted: idle,
+                });
+            }
+        }
+        // Slots that better lanes keep for themselves are not this lane's.
+        let held_above: f64 = lanes[..l].iter().map(|b| b.reserved_share).sum();
+        return match latency.admit(live, spec.rank, prompt, max_out, spec.ttft_slo, held_above) {
+            (Verdict::Admit(p), ticket) => Ok(Passed {
+                lane: l,
+                downgraded: l != lane,
+                ticket,
+                predicted: Some(p),
+            }),
+            (Verdict::Busy(p), _) => {
+                // The excess drains at the backend's pace: retry once the
+                // prediction would be back within the target.
+                let target = spec.ttft_slo.unwrap_or_default();
+                Err(Missed::Busy {
+                    lane: l,
+                    predicted: p,
+                    retry_after: p.saturating_sub(target).max(Duration::from_secs(1)),
+                })
+            }
+        };
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::admission::default_lanes;
+
+    fn cpu() -> Cost {
+        Cost {
+            step_fixed_s: 0.007,
+            step_per_seq_s: 0.0058,
+            prefill_per_token_s: 0.0058,
+            chunk: Some(32),
+        }
+    }
+
+    #[test]
+    fn lane_header_then_body_then_default() {
+        let lanes = default_lanes();
+        assert_eq!(lane(&lanes, None, None, 1), Ok(1));
+        assert_eq!(lane(&lanes, None, Some("ultra"), 1), Ok(0));
+        assert_eq!(lane(&lanes, Some(b"batch"), Some("ultra"), 1), Ok(2));
+        let e = lane(&lanes, None, Some("urgent"), 1).unwrap_err();
+        assert_eq!((e.status, e.code), (400, "invalid_priority"));
+    }
+
+    #[test]
+    fn busy_backend_is_refused_at_once_with_the_prediction() {
+        let lanes = default_lanes();
+        let m = Arc::new(Latency::new(false, 2, Some(32), 1.0, 1.0));
+        let mut held = Vec::new();
+        let refused = loop {
+            match slo(&lanes, 1, &m, Some(cpu()), 40, 128) {
+                Ok(p) => {
+                    assert!(p.predicted.unwrap() <= lanes[1].ttft_slo.unwrap());
+                    held.push(p.ticket.unwrap());
+                    held.last().unwrap().dispatched();
+                }
+                Err(e) => break e,
+            }
+            assert!(held.len() < 100, "never refused");
+        };
+        let Missed::Busy {
+            predicted,
+            retry_after,
+            lane,
+        } = refused.clone()
+        else {
+            panic!("{refused:?}")
+        };
+        assert_eq!(lane, 1);
+        assert!(predicted > lanes[1].ttft_slo.unwrap());
+        assert!(retry_after >= Duration::from_secs(1));
+        let f = refused.failure(&lanes);
+        assert_eq!(f.status, 503);
+        assert!(f.headers.contains(&("x-ultrafast-shed", "slo".into())));
+        let v: serde_json::Value = serde_json::from_slice(&f.body).unwrap();
+        assert_eq!(v["predicted_ttft_ms"], predicted.as_millis() as u64);
+        // Better lanes do not count the standard backlog.
+        let ultra = slo(&lanes, 0, &m, Some(cpu()), 40, 16).unwrap();
+        assert_eq!(ultra.lane, 0);
+    }
+
+    #[test]
+    fn too_long_for_the_lane_downgrades_or_is_unprocessable() {
+        let mut lanes = default_lanes();
+        let m = Arc::new(Latency::new(false, 8, Some(32), 1.0, 1.0));
+        // 400 prompt tokens: ~2.4 s idle, over ultra's 1.5 s target.
+        let p = slo(&lanes, 0, &m, Some(cpu()), 400, 16).unwrap();
+        assert_eq!((p.lane, p.downgraded), (1, true));
+        lanes[0].on_miss = OnMiss::Reject;
+        let e = slo(&lanes, 0, &m, Some(cpu()), 400, 16).unwrap_err();
+        let f = e.failure(&lanes);
+        assert_eq!(f.status, 422);
+        let v: serde_json::Value = serde_json::from_slice(&f.body).unwrap();
+        assert_eq!(v["error"]["code"], "slo_unattainable");
+        assert_eq!(v["lane"], "ultra");
+        assert!(v["error"]["message"].as_str().unwrap().contains("1500 ms"));
+    }
+}

@@ -1,0 +1,211 @@
+//! The small endpoints of the inference front: the model list and the
+//! async requests (`GET`, `DELETE`, and the resumable SSE event stream).
+//! A job is visible only to the tenant (API key) that created it; to anyone
+//! else it does not exist.
+
+use super::drive::{self, Downstream, Gone};
+use super::jobs::Job;
+use super::pipeline::Incoming;
+use super::sse;
+use super::Front;
+use bytes::Bytes;
+use serde_json::{json, Value};
+use std::sync::Arc;
+use ultrafast_engine::api::BackendError;
+
+/// A whole response: status and JSON body.
+#[derive(Debug)]
+pub struct Reply {
+    /// HTTP status.
+    pub status: u16,
+    /// JSON body.
+    pub body: Bytes,
+}
+
+impl Reply {
+    fn ok(v: Value) -> Self {
+        Reply {
+            status: 200,
+            body: Bytes::from(v.to_string()),
+        }
+    }
+
+    /// An OpenAI-style error.
+    pub fn error(e: &BackendError) -> Self {
+        Reply {
+            status: e.status,
+            body: super::openai::error_json(e),
+        }
+    }
+}
+
+fn model_json(id: &str) -> Value {
+    json!({"id": id, "object": "model", "created": 0, "owned_by": "ultrafast"})
+}
+
+fn no_job(id: &str) -> BackendError {
+    let shown: String = id.chars().take(64).collect();
+    BackendError::request(
+        404,
+        "request_not_found",
+        format!("No async request `{shown}` (unknown, or its results expired)."),
+    )
+}
+
+impl Front {
+    /// The job `id` if the caller may see it.
+    fn job(&self, inc: &Incoming, id: &str) -> Result<Arc<Job>, BackendError> {
+        match self.jobs.get(id) {
+            Some(j) if j.owner == inc.tenant() => Ok(j),
+            _ => Err(no_job(id)),
+        }
+    }
+
+    /// `GET /v1/models` (the models this caller may use).
+    pub fn models(&self, inc: &Incoming) -> Reply {
+        let data: Vec<Value> = inc
+            .cfg
+            .models
+            .keys()
+            .filter(|m| self.allowed(inc, m).is_ok())
+            .map(|m| model_json(m))
+            .collect();
+        Reply::ok(json!({"object": "list", "data": data}))
+    }
+
+    /// `GET /v1/models/{id}`.
+    pub fn model(&self, inc: &Incoming, id: &str) -> Reply {
+        match inc.cfg.models.get(id) {
+            Some(_) if self.allowed(inc, id).is_ok() => Reply::ok(model_json(id)),
+            _ => Reply::error(&BackendError {
+                status: 404,
+                kind: "invalid_request_error",
+                code: "model_not_found",
+                param: Some("model"),
+                message: format!(
+                    "The model `{id}` does not exist or you do not have access to it."
+                ),
+            }),
+        }
+    }
+
+    /// `GET /v1/requests/{id}`.
+    pub fn job_status(&self, inc: &Incoming, id: &str) -> Reply {
+        match self.job(inc, id) {
+            Ok(j) => Reply::ok(j.view()),
+            Err(e) => Reply::error(&e),
+        }
+    }
+
+    /// `DELETE /v1/requests/{id}`: cancel it (a finished one stays as is).
+    pub fn job_cancel(&self, inc: &Incoming, id: &str) -> Reply {
+        match self.job(inc, id) {
+            Ok(j) => {
+                j.cancel();
+                Reply::ok(j.view())
+            }
+            Err(e) => Reply::error(&e),
+        }
+    }
+
+    /// `GET /v1/requests/{id}/events`: the job's events as SSE, from the
+    /// one after `Last-Event-ID`, then live until it finishes.
+    pub async fn job_events(
+        &self,
+        inc: &Incoming,
+        id: &str,
+        down: &mut dyn Downstream,
+    ) -> Result<(), Gone> {
+        let base = [("x-request-id", inc.request_id.as_str())];
+        let fail = |e: BackendError| Reply::error(&e);
+        let job = self.job(inc, id).map_err(fail);
+        let from = match inc.headers.get("last-event-id").map(|v| v.to_str()) {
+            None => Ok(0),
+            Some(Ok(v)) => v.trim().parse::<usize>().map(|n| n + 1).map_err(|_| {
+                fail(BackendError::invalid(
+                    "invalid_last_event_id",
+                    None,
+                    format!("Last-Event-ID `{v}` is not an event id of this stream"),
+                ))
+            }),
+            Some(Err(_)) => Err(fail(BackendError::invalid(
+                "invalid_last_event_id",
+                None,
+                "Last-Event-ID is not text".into(),
+            ))),
+        };
+        let (job, mut from) = match (job, from) {
+            (Ok(j), Ok(f)) => (j, f),
+            (Err(r), _) | (_, Err(r)) => return send(down, &base, r).await,
+        };
+        let mut h = base.to_vec();
+        h.extend([
+            ("content-type", "text/event-stream"),
+            ("cache-control", "no-cache"),
+            ("x-accel-buffering", "no"),
+        ]);
+        down.head(200, &h).await?;
+        let heartbeat =
+            std::time::Duration::from_millis(inc.cfg.file.inference.heartbeat_ms.max(1));
+        let mut sink = Beats(down);
+        let mut changes = job.subscribe();
+        loop {
+            let (evs, finished) = job.events_from(from);
+            for (i, payload) in evs {
+                sink.0.body(sse::data_with_id(i, &payload), false).await?;
+                from = i + 1;
+            }
+            if finished {
+                // Events pushed between the snapshot and the finish.
+                let (rest, _) = job.events_from(from);
+                for (i, payload) in rest {
+                    sink.0.body(sse::data_with_id(i, &payload), false).await?;
+                }
+                return sink.0.body(Bytes::from_static(sse::DONE), true).await;
+            }
+            if drive::wait(&mut sink, heartbeat, changes.changed())
+                .await?
+                .is_err()
+            {
+                return sink.0.body(Bytes::from_static(sse::DONE), true).await;
+            }
+        }
+    }
+}
+
+/// Send a whole JSON reply.
+pub async fn send(down: &mut dyn Downstream, base: &[(&str, &str)], r: Reply) -> Result<(), Gone> {
+    let len = r.body.len().to_string();
+    let mut h = base.to_vec();
+    h.extend([
+        ("content-type", "application/json"),
+        ("content-length", len.as_str()),
+    ]);
+    down.head(r.status, &h).await?;
+    down.body(r.body, true).await
+}
+
+/// A job event stream as a sink: only heartbeats and the consumer.
+struct Beats<'a>(&'a mut dyn Downstream);
+
+#[async_trait::async_trait]
+impl drive::Sink for Beats<'_> {
+    fn streaming(&self) -> bool {
+        true
+    }
+    async fn gone(&mut self) {
+        self.0.gone().await
+    }
+    async fn heartbeat(&mut self) -> Result<(), Gone> {
+        self.0.body(sse::comment("waiting"), false).await
+    }
+    async fn text(&mut self, _: &str) -> Result<(), Gone> {
+        Ok(())
+    }
+    async fn done(&mut self, _: &drive::Finished, _: &mut drive::Timing) -> Result<(), Gone> {
+        Ok(())
+    }
+    async fn fail(&mut self, _: &drive::Failure) -> Result<(), Gone> {
+        Ok(())
+    }
+}

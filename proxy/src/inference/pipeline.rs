@@ -1,0 +1,261 @@
+//! The inference pipeline of one completion, as stages that know nothing of
+//! Pingora: parse and validate into a typed request; admit (the lane, the
+//! model and the key's right to it, the backend's sizing of the prompt, the
+//! token budgets, the SLO check, then the lane gate's bounded wait);
+//! dispatch to the backend; and `drive` its events through the pacer into a
+//! sink. The caller (the Pingora adapter in `proxy::infer`, or a test) has
+//! already run the limits that need no body (`Front::limits`), read the
+//! body, and hands in a `Downstream` to write to.
+
+use super::admit::{self, Passed};
+use super::drive::{Downstream, Failure, Gone, Sink};
+use super::openai::{self, Endpoint, Ident, Parsed};
+use super::sinks::{backend_failure, Headers, JobSink, JsonSink, SseSink};
+use super::{Front, Model};
+use crate::admission::PRIORITY_HEADER;
+use crate::config::Config;
+use crate::metrics::Metrics;
+use crate::routing::Route;
+use serde_json::json;
+use std::net::IpAddr;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+use ultrafast_engine::api::{Backend, BackendError, InferenceRequest, Prepared};
+
+/// What the pipeline needs to know of one request (no sockets).
+#[derive(Debug, Clone)]
+pub struct Incoming {
+    /// The config snapshot of this request.
+    pub cfg: Arc<Config>,
+    /// Its route.
+    pub route: Arc<Route>,
+    /// Request headers.
+    pub headers: http::HeaderMap,
+    /// Client address.
+    pub client_ip: Option<IpAddr>,
+    /// Request id.
+    pub request_id: String,
+    /// When its head was parsed.
+    pub arrived: Instant,
+    /// Time to read the body.
+    pub network: Duration,
+    /// The caller's API key, when keys are configured.
+    pub key: Option<Arc<crate::admission::keys::KeyEntry>>,
+}
+
+impl Incoming {
+    /// The tenant: the API key's name (None without keys).
+    pub fn tenant(&self) -> Option<String> {
+        self.key.as_ref().map(|k| k.name.clone())
+    }
+
+    fn header(&self, name: &str) -> Option<&str> {
+        self.headers.get(name).and_then(|v| v.to_str().ok())
+    }
+
+    pub(super) fn heartbeat(&self) -> Duration {
+        Duration::from_millis(self.cfg.file.inference.heartbeat_ms.max(1))
+    }
+
+    /// Whether the client asked for the async (202) mode by header.
+    fn prefers_async(&self) -> bool {
+        self.header("prefer")
+            .is_some_and(|p| p.to_ascii_lowercase().contains("respond-async"))
+    }
+}
+
+/// A completion that passed admission up to the gate.
+pub(super) struct Call {
+    pub(super) backend: Arc<dyn Backend>,
+    pub(super) model: Arc<Model>,
+    pub(super) req: InferenceRequest,
+    pub(super) prepared: Prepared,
+    pub(super) parsed: Parsed,
+    pub(super) lane: usize,
+    pub(super) passed: Passed,
+    pub(super) budget: super::limits::Held,
+}
+
+pub(super) fn error(e: &BackendError) -> Failure {
+    backend_failure(e)
+}
+
+fn not_found_model(model: &str) -> BackendError {
+    BackendError {
+        status: 404,
+        kind: "invalid_request_error",
+        code: "model_not_found",
+        param: Some("model"),
+        message: format!("The model `{model}` does not exist or you do not have access to it."),
+    }
+}
+
+impl Front {
+    /// Serve one completion end to end.
+    pub async fn completion(
+        &self,
+        metrics: &Arc<Metrics>,
+        inc: &Incoming,
+        ep: Endpoint,
+        body: &[u8],
+        down: &mut dyn Downstream,
+    ) -> Result<(), Gone> {
+        let base: Headers = vec![("x-request-id", inc.request_id.clone())];
+        let call = match self.prepare(metrics, inc, ep, body).await {
+            Ok(c) => c,
+            Err(f) => {
+                let mut sink = JsonSink::new(down, Ident::new(ep, "", ""), base);
+                return sink.fail(&f).await;
+            }
+        };
+        let lane_name = inc.cfg.lanes[call.lane].name.clone();
+        let mut headers = base;
+        headers.push(("x-ultrafast-lane", lane_name));
+        if let Some(p) = call.passed.predicted {
+            headers.push(("x-ultrafast-predicted-ttft-ms", p.as_millis().to_string()));
+        }
+        if inc.prefers_async() || call.parsed.background {
+            return self.start_job(metrics, inc, call, headers, down).await;
+        }
+        let ident = Ident::new(ep, &call.parsed.model, &inc.request_id);
+        if call.parsed.stream {
+            let usage = call.parsed.include_usage;
+            let mut sink = SseSink::new(down, ident, headers, usage);
+            super::run::run(metrics, inc, call, &mut sink).await
+        } else {
+            let mut sink = JsonSink::new(down, ident, headers);
+            super::run::run(metrics, inc, call, &mut sink).await
+        }
+    }
+
+    /// Parse, choose the lane, find the model, size the request, reserve
+    /// its tokens and check it against the lane's target.
+    async fn prepare(
+        &self,
+        metrics: &Metrics,
+        inc: &Incoming,
+        ep: Endpoint,
+        body: &[u8],
+    ) -> Result<Call, Failure> {
+        let reject = |e: BackendError| {
+            metrics.rejected.with_label_values(&[e.code]).inc();
+            error(&e)
+        };
+        let parsed = openai::parse(ep, body).map_err(reject)?;
+        let header = inc.headers.get(PRIORITY_HEADER).map(|v| v.as_bytes());
+        let lanes = &inc.cfg.lanes;
+        let lane = admit::lane(lanes, header, parsed.priority.as_deref(), inc.route.lane)
+            .map_err(reject)?;
+        let Some(model) = inc.cfg.models.get(&parsed.model).cloned() else {
+            return Err(reject(not_found_model(&parsed.model)));
+        };
+        self.allowed(inc, &model.name).map_err(reject)?;
+        let Some(backend) = self.engines.backend(&model) else {
+            return Err(reject(BackendError::unavailable(format!(
+                "model `{}` was added by a reload and starts with the next graceful upgrade",
+                model.name
+            ))));
+        };
+        let req = InferenceRequest {
+            model: parsed.model.clone(),
+            prompt: parsed.prompt.clone(),
+            max_tokens: parsed.max_tokens,
+            sampling: parsed.sampling.clone(),
+            stop: parsed.stop.clone(),
+            lane: lanes[lane].name.clone(),
+            lane_rank: lanes[lane].rank,
+            request_id: inc.request_id.clone(),
+            user: parsed.user.clone(),
+        };
+        // The engine tokenizes and renders the template here: off the
+        // request runtime, so a long prompt never stalls other requests.
+        let prepared = if backend.kind() == "engine" {
+            let (b, r) = (backend.clone(), req.clone());
+            match tokio::task::spawn_blocking(move || b.prepare(&r)).await {
+                Ok(p) => p,
+                Err(_) => Err(BackendError::unavailable("tokenization failed".into())),
+            }
+        } else {
+            backend.prepare(&req)
+        };
+        let prepared = prepared.map_err(reject)?;
+        let tokens = (prepared.prompt_tokens + prepared.max_tokens) as u64;
+        let budget = self.reserve(metrics, inc, &lanes[lane].name, tokens)?;
+        let live = backend.step_cost().map(super::live_cost);
+        let passed = admit::slo(
+            lanes,
+            lane,
+            &model.latency,
+            live,
+            prepared.prompt_tokens,
+            prepared.max_tokens,
+        )
+        .map_err(|m| {
+            let reason = match m {
+                admit::Missed::Busy { .. } => "slo",
+                admit::Missed::Unattainable { .. } => "slo_unattainable",
+            };
+            metrics.shed(&lanes[m.lane()].name, reason);
+            m.failure(lanes)
+        })?;
+        let lane = passed.lane;
+        let mut req = req;
+        req.lane = lanes[lane].name.clone();
+        req.lane_rank = lanes[lane].rank;
+        Ok(Call {
+            backend,
+            model,
+            req,
+            prepared,
+            parsed,
+            lane,
+            passed,
+            budget,
+        })
+    }
+
+    /// Answer 202 now and run the completion into the job store.
+    async fn start_job(
+        &self,
+        metrics: &Arc<Metrics>,
+        inc: &Incoming,
+        call: Call,
+        headers: Headers,
+        down: &mut dyn Downstream,
+    ) -> Result<(), Gone> {
+        let id = super::jobs::random_id();
+        let job = match self.jobs.create_for(id.clone(), inc.tenant()) {
+            Ok(j) => j,
+            Err(super::jobs::Full) => {
+                let e = BackendError::unavailable(
+                    "the async request store is full; retry later".into(),
+                );
+                let mut f = error(&e);
+                f.headers.push(("retry-after", "1".into()));
+                let mut sink =
+                    JsonSink::new(down, Ident::new(call.parsed.endpoint, "", ""), headers);
+                return sink.fail(&f).await;
+            }
+        };
+        self.export_store(metrics);
+        let ident = Ident::new(call.parsed.endpoint, &call.parsed.model, &id);
+        let (inc2, metrics2) = (inc.clone(), metrics.clone());
+        tokio::spawn(async move {
+            let mut sink = JobSink::new(job, ident);
+            let _ = super::run::run(&metrics2, &inc2, call, &mut sink).await;
+        });
+        let loc = format!("/v1/requests/{id}/events");
+        let body = json!({"id": id, "object": "request", "status": "queued",
+            "created": std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0)})
+        .to_string();
+        let len = body.len().to_string();
+        let mut h: Vec<(&str, &str)> = headers.iter().map(|(k, v)| (*k, v.as_str())).collect();
+        h.extend([
+            ("content-type", "application/json"),
+            ("content-length", len.as_str()),
+            ("location", loc.as_str()),
+        ]);
+        down.head(202, &h).await?;
+        down.body(bytes::Bytes::from(body), true).await
+    }
+}

@@ -1,0 +1,606 @@
+//! Time-to-first-token prediction: a live throughput model per backend and a
+//! ledger of the work admitted to it, so admission can tell on arrival
+//! whether a request can meet its lane's target, and refuse at once if not.
+//!
+//! The cost model is a step model, the shape continuous batching has on any
+//! device: a step that advances `b` sequences by one token costs
+//! `step_fixed + step_per_seq * b`; a prompt of `p` tokens costs
+//! `prefill_per_token * p` more, split into steps of at most `chunk` tokens.
+//! For the in-process engine all three come from the engine's own online
+//! least-squares fit of step time over tokens (seeded by warm-up, so the
+//! first request is predicted); an upstream starts from configured priors
+//! and learns online from its own streams (inter-token gaps at the current
+//! concurrency, time to first token when nothing was ahead).
+//!
+//! The ledger holds every request admitted and not finished: lane rank,
+//! prompt, expected output (its `max_tokens` times the learned share of
+//! `max_tokens` that requests really generate), tokens generated so far,
+//! and whether the backend has started it. A prediction simulates the
+//! backend's slots as list scheduling: running requests of the same or a
+//! better lane hold their slots for their remaining tokens; queued ones
+//! ahead (better lanes, then earlier arrivals of the same lane) take the
+//! earliest free slot in order; the new request starts at the next free
+//! slot, after the step in flight, and then pays its own prefill.
+//! Lower lanes are not counted: the engine pauses them while a better lane
+//! prefills, and the gate serves better lanes first. Prediction and entry
+//! into the ledger happen under one lock, so concurrent arrivals see each
+//! other. Every piece is monotone in the work ahead (property-tested).
+
+use parking_lot::Mutex;
+use std::cmp::Reverse;
+use std::collections::{BTreeMap, BinaryHeap};
+use std::sync::Arc;
+use std::time::Duration;
+
+/// The step model of a backend, in seconds.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Cost {
+    /// Fixed cost of one step.
+    pub step_fixed_s: f64,
+    /// Added cost per sequence advanced in a step.
+    pub step_per_seq_s: f64,
+    /// Cost per prompt token.
+    pub prefill_per_token_s: f64,
+    /// Most prompt tokens per step (None: a prompt is one step).
+    pub chunk: Option<usize>,
+}
+
+impl Cost {
+    /// Time of a step advancing `b` sequences.
+    pub fn step(&self, b: usize) -> f64 {
+        self.step_fixed_s + self.step_per_seq_s * b as f64
+    }
+
+    /// Time to prefill `p` tokens while `b` other sequences decode.
+    pub fn prefill(&self, p: usize, b: usize) -> f64 {
+        let steps = match self.chunk {
+            Some(chunk) => p.div_ceil(chunk.saturating_sub(b).max(1)).max(1),
+            None => 1,
+        };
+        steps as f64 * self.step(b) + self.prefill_per_token_s * p as f64
+    }
+}
+
+/// One request in the ledger.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Work {
+    /// Lane rank (lower is served first).
+    pub rank: u32,
+    /// Prompt tokens still to prefill.
+    pub prefill: usize,
+    /// Output tokens still expected.
+    pub output: f64,
+    /// Holds a backend slot (dispatched).
+    pub running: bool,
+}
+
+/// Predicted TTFT of a request of `rank` with `prompt` tokens, behind
+/// `ahead` (in arrival order; entries of worse lanes are skipped), on a
+/// backend with `slots` concurrent sequences. Pure: the property tests
+/// drive it directly.
+///
+/// The work ahead is list-scheduled onto `slots` idle slots: running work
+/// first (in arrival order; beyond the slots it waits in the backend's own
+/// queue), then queued work, better lanes first. The request starts at the
+/// earliest free slot, but not before the prompts ahead of it are
+/// prefilled (prefill is served in order); it also waits out the step in
+/// flight. Inserting any work anywhere in the list can only delay every
+/// slot (the sorted free times dominate), so the result is monotone.
+pub fn predict(cost: &Cost, slots: usize, ahead: &[Work], rank: u32, prompt: usize) -> f64 {
+    let slots = slots.max(1);
+    let mut order: Vec<&Work> = ahead
+        .iter()
+        .filter(|w| w.rank <= rank && w.running)
+        .collect();
+    let mut queued: Vec<&Work> = ahead
+        .iter()
+        .filter(|w| w.rank <= rank && !w.running)
+        .collect();
+    // Better lanes first, then arrival order (the sort is stable).
+    queued.sort_by_key(|w| w.rank);
+    order.extend(queued);
+    let b = slots.min(order.len() + 1);
+    // While prompts are still to be prefilled, steps are full (the spare
+    // token budget goes to prefill chunks): each sequence advances one
+    // token per full step. Otherwise a step is just the decodes.
+    let busy = order.iter().any(|w| w.prefill > 0 || !w.running);
+    let step = match cost.chunk {
+        Some(c) if busy => cost.step(b.max(c)),
+        _ => cost.step(b),
+    };
+    // Slots beyond the work ahead plus this request stay free: leave them
+    // out (an unlimited upstream has a million).
+    let mut free: BinaryHeap<Reverse<Secs>> = (0..slots.min(order.len() + 1))
+        .map(|_| Reverse(Secs(0.0)))
+        .collect();
+    let mut prefill_ahead = 0usize;
+    for w in &order {
+        prefill_ahead += w.prefill;
+        let Reverse(Secs(t)) = free.pop().unwrap_or(Reverse(Secs(0.0)));
+        let done = t + cost.prefill_per_token_s * w.prefill as f64 + w.output * step;
+        free.push(Reverse(Secs(done)));
+    }
+    let Reverse(Secs(start)) = free.pop().unwrap_or(Reverse(Secs(0.0)));
+    let decoding = b - 1;
+    let prefilled = if prefill_ahead > 0 {
+        cost.prefill(prefill_ahead, decoding)
+    } else {
+        0.0
+    };
+    // The step in flight when the request arrives (idle: none): all
+    // running sequences, or a whole prompt chunk if one is being prefilled.
+    let running: Vec<&Work> = ahead.iter().filter(|w| w.running).collect();
+    let in_flight = if running.is_empty() {
+        0.0
+    } else {
+        let seqs = cost.step(running.len().min(slots));
+        match cost.chunk {
+            Some(c) if running.iter().any(|w| w.prefill > 0) => seqs.max(cost.step(c)),
+            _ => seqs,
+        }
+    };
+    in_flight + start.max(prefilled) + cost.prefill(prompt, decoding)
+}
+
+/// Seconds as an ordered heap key (never NaN: built from finite sums).
+#[derive(Debug, Clone, Copy, PartialEq)]
+struct Secs(f64);
+impl Eq for Secs {}
+impl PartialOrd for Secs {
+    fn partial_cmp(&self, o: &Self) -> Option<std::cmp::Ordering> {
+        Some(self.cmp(o))
+    }
+}
+impl Ord for Secs {
+    fn cmp(&self, o: &Self) -> std::cmp::Ordering {
+        self.0.total_cmp(&o.0)
+    }
+}
+
+/// An exponentially weighted least-squares fit of `y = a + c x`.
+#[derive(Debug, Clone, Copy)]
+pub struct Fit {
+    w: f64,
+    sx: f64,
+    sy: f64,
+    sxx: f64,
+    sxy: f64,
+}
+
+impl Fit {
+    const KEEP: f64 = 0.98;
+
+    /// A fit seeded with `weight` pseudo-samples of the line `a + c x` at
+    /// `x0` and `x1`.
+    pub fn seeded(a: f64, c: f64, x0: f64, x1: f64, weight: f64) -> Self {
+        let mut f = Fit {
+            w: 0.0,
+            sx: 0.0,
+            sy: 0.0,
+            sxx: 0.0,
+            sxy: 0.0,
+        };
+        for x in [x0, x1] {
+            f.add(x, a + c * x, weight / 2.0);
+        }
+        f
+    }
+
+    fn add(&mut self, x: f64, y: f64, w: f64) {
+        self.w += w;
+        self.sx += w * x;
+        self.sy += w * y;
+        self.sxx += w * x * x;
+        self.sxy += w * x * y;
+    }
+
+    /// Add one sample, forgetting old ones slowly.
+    pub fn observe(&mut self, x: f64, y: f64) {
+        if !(x.is_finite() && y.is_finite()) || y < 0.0 {
+            return;
+        }
+        self.w *= Self::KEEP;
+        self.sx *= Self::KEEP;
+        self.sy *= Self::KEEP;
+        self.sxx *= Self::KEEP;
+        self.sxy *= Self::KEEP;
+        self.add(x, y, 1.0);
+    }
+
+    /// The fitted (a, c), with a >= 0 and c >= 0.
+    pub fn line(&self) -> (f64, f64) {
+        if self.w <= 0.0 {
+            return (0.0, 0.0);
+        }
+        let var = self.w * self.sxx - self.sx * self.sx;
+        let c = if var.abs() < 1e-12 {
+            0.0
+        } else {
+            (self.w * self.sxy - self.sx * self.sy) / var
+        };
+        let a = (self.sy - c * self.sx) / self.w;
+        // Costs are never negative: on a boundary, refit the other term.
+        if c < 0.0 {
+            return ((self.sy / self.w).max(0.0), 0.0);
+        }
+        if a < 0.0 {
+            let c0 = if self.sxx > 0.0 {
+                self.sxy / self.sxx
+            } else {
+                0.0
+            };
+            return (0.0, c0.max(0.0));
+        }
+        (a, c)
+    }
+}
+
+#[derive(Debug)]
+struct Entry {
+    rank: u32,
+    prompt: usize,
+    max_out: usize,
+    generated: usize,
+    first_token: bool,
+    running: bool,
+}
+
+#[derive(Debug)]
+struct Ledger {
+    entries: BTreeMap<u64, Entry>,
+    next: u64,
+    /// Share of `max_tokens` that requests really generate.
+    output_share: f64,
+    /// Upstream step fit: inter-token gap over concurrency.
+    decode: Fit,
+    /// Upstream prefill seconds per prompt token.
+    prefill_per_token_s: f64,
+}
+
+/// What admission learns from a prediction.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum Verdict {
+    /// Within the target (or no target): the ticket holds the place.
+    Admit(Duration),
+    /// Beyond the target now; it would fit on an idle backend.
+    Busy(Duration),
+}
+
+/// A backend's latency model and ledger.
+#[derive(Debug)]
+pub struct Latency {
+    /// Learn costs from streams (backends without a live cost model).
+    learn: bool,
+    slots: usize,
+    chunk: Option<usize>,
+    ledger: Mutex<Ledger>,
+}
+
+impl Latency {
+    /// A model for a backend running `slots` sequences at once (prompt
+    /// chunks of `chunk` tokens). `learn`: the backend has no cost model of
+    /// its own, so learn one from its streams, starting from priors in
+    /// tokens per second.
+    pub fn new(
+        learn: bool,
+        slots: usize,
+        chunk: Option<usize>,
+        prior_prefill_tps: f64,
+        prior_decode_tps: f64,
+    ) -> Self {
+        let a = 1.0 / prior_decode_tps.max(1e-3);
+        Latency {
+            learn,
+            slots: slots.max(1),
+            chunk,
+            ledger: Mutex::new(Ledger {
+                entries: BTreeMap::new(),
+                next: 0,
+                output_share: 1.0,
+                decode: Fit::seeded(a, 0.0, 1.0, slots.max(2) as f64, 4.0),
+                prefill_per_token_s: 1.0 / prior_prefill_tps.max(1e-3),
+            }),
+        }
+    }
+
+    /// The cost model now: the backend's own (`live`) if it has one, else
+    /// the learned one.
+    pub fn cost(&self, live: Option<Cost>) -> Cost {
+        if let Some(mut c) = live {
+            c.chunk = c.chunk.or(self.chunk);
+            return c;
+        }
+        let l = self.ledger.lock();
+        let (a, c) = l.decode.line();
+        Cost {
+            step_fixed_s: a,
+            step_per_seq_s: c,
+            prefill_per_token_s: l.prefill_per_token_s,
+            chunk: self.chunk,
+        }
+    }
+
+    /// Concurrent sequences of the backend.
+    pub fn slots(&self) -> usize {
+        self.slots
+    }
+
+    /// Predicted TTFT on an idle backend.
+    pub fn idle(&self, live: Option<Cost>, prompt: usize) -> Duration {
+        secs(predict(&self.cost(live), self.slots, &[], 0, prompt))
+    }
+
+    /// Predict, and take a place in the ledger when the prediction is
+    /// within `target` (always, without a target). Atomic with respect to
+    /// other arrivals.
+    /// `held_above` is the share of the slots that better lanes keep for
+    /// themselves (their `reserved_share`): a lane counts only the rest.
+    #[allow(clippy::too_many_arguments)]
+    pub fn admit(
+        self: &Arc<Self>,
+        live: Option<Cost>,
+        rank: u32,
+        prompt: usize,
+        max_out: usize,
+        target: Option<Duration>,
+        held_above: f64,
+    ) -> (Verdict, Option<Ticket>) {
+        let held = (held_above.clamp(0.0, 1.0) * self.slots as f64).ceil() as usize;
+        let slots = self.slots.saturating_sub(held).max(1);
+        let cost = self.cost(live);
+        let mut l = self.ledger.lock();
+        let share = l.output_share;
+        let ahead: Vec<Work> = l
+            .entries
+            .values()
+            .map(|e| Work {
+                rank: e.rank,
+                prefill: if e.first_token { 0 } else { e.prompt },
+                output: (e.max_out as f64 * share - e.generated as f64).max(1.0),
+                running: e.running,
+            })
+            .collect();
+        let p = secs(predict(&cost, slots, &ahead, rank, prompt));
+        if target.is_some_and(|t| p > t) {
+            return (Verdict::Busy(p), None);
+        }
+        let id = l.next;
+        l.next += 1;
+        l.entries.insert(
+            id,
+            Entry {
+                rank,
+                prompt,
+                max_out,
+                generated: 0,
+                first_token: false,
+                running: false,
+            },
+        );
+        let ticket = Ticket {
+            model: self.clone(),
+            id,
+        };
+        (Verdict::Admit(p), Some(ticket))
+    }
+
+    /// Requests in the ledger (admitted, not finished).
+    pub fn in_ledger(&self) -> usize {
+        self.ledger.lock().entries.len()
+    }
+}
+
+fn secs(s: f64) -> Duration {
+    Duration::from_secs_f64(s.clamp(0.0, 86_400.0))
+}
+
+/// A request's place in the ledger; leaves it on drop.
+#[derive(Debug)]
+pub struct Ticket {
+    model: Arc<Latency>,
+    id: u64,
+}
+
+impl Ticket {
+    /// The backend took the request (it holds a slot now).
+    pub fn dispatched(&self) {
+        if let Some(e) = self.model.ledger.lock().entries.get_mut(&self.id) {
+            e.running = true;
+        }
+    }
+
+    /// A token arrived; `gap` is the time since the previous one (None for
+    /// the first, with `ttft` the time from dispatch when nothing was
+    /// ahead, for upstream learning).
+    pub fn token(&self, gap: Option<Duration>, ttft_alone: Option<Duration>) {
+        let m = &self.model;
+        let mut l = m.ledger.lock();
+        let running = l.entries.values().filter(|e| e.running).count();
+        let Some(e) = l.entries.get_mut(&self.id) else {
+            return;
+        };
+        e.generated += 1;
+        e.first_token = true;
+        let prompt = e.prompt;
+        if !m.learn {
+            return;
+        }
+        if let Some(g) = gap {
+            l.decode.observe(running as f64, g.as_secs_f64());
+        }
+        if let Some(t) = ttft_alone {
+            let (a, _) = l.decode.line();
+            let per = ((t.as_secs_f64() - a) / prompt.max(1) as f64).max(0.0);
+            l.prefill_per_token_s = 0.8 * l.prefill_per_token_s + 0.2 * per;
+        }
+    }
+
+    /// The request finished having generated `completion` tokens.
+    pub fn finish(self, completion: usize) {
+        let mut l = self.model.ledger.lock();
+        if let Some(e) = l.entries.get(&self.id) {
+            let share = (completion as f64 / e.max_out.max(1) as f64).clamp(0.05, 1.0);
+            l.output_share = 0.9 * l.output_share + 0.1 * share;
+        }
+    }
+}
+
+impl Drop for Ticket {
+    fn drop(&mut self) {
+        self.model.ledger.lock().entries.remove(&self.id);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    fn cpu() -> Cost {
+        Cost {
+            step_fixed_s: 0.007,
+            step_per_seq_s: 0.0058,
+            prefill_per_token_s: 0.0058,
+            chunk: Some(32),
+        }
+    }
+
+    fn live(slots: usize) -> Arc<Latency> {
+        Arc::new(Latency::new(false, slots, Some(32), 1.0, 1.0))
+    }
+
+    #[test]
+    fn idle_is_own_prefill() {
+        let c = cpu();
+        let t = predict(&c, 8, &[], 1, 30);
+        assert!((t - (0.007 + 30.0 * 0.0058)).abs() < 1e-9, "{t}");
+        // 100 tokens in chunks of 32: four steps.
+        let t = predict(&c, 8, &[], 1, 100);
+        assert!((t - (4.0 * 0.007 + 100.0 * 0.0058)).abs() < 1e-9, "{t}");
+    }
+
+    #[test]
+    fn full_slots_wait_for_the_first_to_finish() {
+        let c = cpu();
+        let busy = |out: f64| Work {
+            rank: 1,
+            prefill: 0,
+            output: out,
+            running: true,
+        };
+        let ahead = [busy(100.0), busy(10.0)];
+        let t = predict(&c, 2, &ahead, 1, 10);
+        // Starts when the 10-token one ends: 10 steps at b = 2, after the
+        // step in flight.
+        let step = c.step(2);
+        let expect = c.step(2) + 10.0 * step + c.prefill(10, 1);
+        assert!((t - expect).abs() < 1e-9, "{t} vs {expect}");
+        // A better lane does not count the worse lane's work.
+        let u = predict(&c, 2, &ahead, 0, 10);
+        assert!(u < t);
+    }
+
+    #[test]
+    fn ledger_admits_until_the_target_then_refuses() {
+        let m = live(2);
+        let limit = Duration::from_millis(2000);
+        let target = Some(limit);
+        let mut held = Vec::new();
+        let mut refused = 0;
+        for _ in 0..10 {
+            match m.admit(Some(cpu()), 1, 30, 128, target, 0.0) {
+                (Verdict::Admit(p), Some(t)) => {
+                    assert!(p <= limit);
+                    t.dispatched();
+                    held.push(t);
+                }
+                (Verdict::Busy(p), None) => {
+                    assert!(p > limit);
+                    refused += 1;
+                }
+                other => panic!("{other:?}"),
+            }
+        }
+        assert!(held.len() >= 2 && refused > 0, "{} {}", held.len(), refused);
+        let n = held.len();
+        assert_eq!(m.in_ledger(), n);
+        drop(held);
+        assert_eq!(m.in_ledger(), 0);
+    }
+
+    #[test]
+    fn learned_upstream_follows_its_streams() {
+        let m = Arc::new(Latency::new(true, 4, None, 1000.0, 10.0));
+        assert!((m.cost(None).step(1) - 0.1).abs() < 0.01);
+        let (_, t) = m.admit(None, 1, 100, 50, None, 0.0);
+        let t = t.unwrap();
+        t.dispatched();
+        t.token(None, Some(Duration::from_millis(300)));
+        for _ in 0..200 {
+            t.token(Some(Duration::from_millis(20)), None);
+        }
+        let c = m.cost(None);
+        assert!((c.step(1) - 0.02).abs() < 0.005, "{c:?}");
+        assert!(c.prefill_per_token_s > 0.001, "{c:?}");
+        t.finish(50);
+    }
+
+    fn work() -> impl Strategy<Value = Work> {
+        (0u32..3, 0usize..600, 0.0f64..300.0, any::<bool>()).prop_map(
+            |(rank, prefill, output, running)| Work {
+                rank,
+                prefill,
+                output,
+                running,
+            },
+        )
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig { cases: 500, ..ProptestConfig::default() })]
+
+        /// More work ahead never makes the prediction shorter.
+        #[test]
+        fn monotone_in_the_work_ahead(
+            ahead in proptest::collection::vec(work(), 0..40),
+            extra in work(),
+            at in 0usize..40,
+            slots in 1usize..40,
+            rank in 0u32..3,
+            prompt in 1usize..600,
+            fixed in 0.0f64..0.05, per_seq in 0.0f64..0.01, per_tok in 0.0f64..0.01,
+            chunk in proptest::option::of(1usize..600),
+        ) {
+            let c = Cost { step_fixed_s: fixed, step_per_seq_s: per_seq, prefill_per_token_s: per_tok, chunk };
+            let before = predict(&c, slots, &ahead, rank, prompt);
+            let mut more = ahead.clone();
+            more.insert(at.min(more.len()), extra);
+            let after = predict(&c, slots, &more, rank, prompt);
+            prop_assert!(after + 1e-9 >= before, "{} < {}", after, before);
+            // A longer own prompt never predicts sooner either.
+            prop_assert!(predict(&c, slots, &ahead, rank, prompt + 1) + 1e-9 >= before);
+        }
+
+        /// The ledger never admits a request whose prediction exceeds its target.
+        #[test]
+        fn never_admits_beyond_the_target(
+            reqs in proptest::collection::vec((0u32..3, 1usize..400, 1usize..200, 50u64..5000, any::<bool>()), 1..60),
+            slots in 1usize..16,
+        ) {
+            let m = live(slots);
+            let mut held = Vec::new();
+            for (rank, prompt, max_out, target_ms, dispatch) in reqs {
+                let target = Duration::from_millis(target_ms);
+                match m.admit(Some(cpu()), rank, prompt, max_out, Some(target), 0.0) {
+                    (Verdict::Admit(p), Some(t)) => {
+                        prop_assert!(p <= target);
+                        if dispatch { t.dispatched(); }
+                        held.push(t);
+                    }
+                    (Verdict::Busy(p), None) => prop_assert!(p > target),
+                    _ => prop_assert!(false, "verdict and ticket disagree"),
+                }
+            }
+        }
+    }
+}

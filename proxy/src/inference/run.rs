@@ -1,0 +1,232 @@
+//! Gate, dispatch and drive: the stages of a completion after its SLO
+//! check, the same for every sink. The lane gate's bounded wait (with
+//! heartbeats, and a refusal if it times out), the backend's `generate`,
+//! the drive loop, and the accounting at the end: metrics, the ledger's
+//! ticket, and the token budget settled to the real usage.
+
+use super::drive::{self, Delivery, Failure, Finished, Gone, OnText, Sink, Timing};
+use super::pacer::PaceSpec;
+use super::pipeline::{error, Call, Incoming};
+use crate::admission::gate::{Denied, Permit};
+use crate::admission::refusal;
+use crate::metrics::Metrics;
+use std::time::Instant;
+use ultrafast_engine::api::{Prepared, Usage};
+
+/// How a stage ended the request early (the sink has been told).
+enum Stop {
+    /// The consumer left.
+    Gone,
+    /// Refused or failed; the response is sent.
+    Answered(Result<(), Gone>),
+}
+
+/// Gate, dispatch and drive one admitted completion into `sink`, and
+/// account for it.
+pub(super) async fn run<S: Sink + ?Sized>(
+    metrics: &Metrics,
+    inc: &Incoming,
+    call: Call,
+    sink: &mut S,
+) -> Result<(), Gone> {
+    let lane = inc.cfg.lanes[call.lane].name.as_str();
+    let outcome = |o: &str| {
+        metrics
+            .inference
+            .requests
+            .with_label_values(&[&call.model.name, lane, o])
+            .inc()
+    };
+    let mut timing = Timing::new(inc.arrived, inc.network);
+    timing.predicted = call.passed.predicted;
+    let queued_at = Instant::now();
+    let permit = gate(metrics, inc, &call, sink).await;
+    let _permit = match permit {
+        Ok(p) => p,
+        Err(Stop::Gone) => {
+            outcome("client_gone");
+            return Err(Gone);
+        }
+        Err(Stop::Answered(r)) => {
+            outcome("shed");
+            return r;
+        }
+    };
+    timing.queue = queued_at.elapsed();
+    sink.admitted();
+    let gen = call
+        .backend
+        .generate(call.req.clone(), call.prepared.clone());
+    let events = match drive::wait(sink, inc.heartbeat(), gen).await {
+        Err(Gone) => {
+            outcome("client_gone");
+            return Err(Gone);
+        }
+        Ok(Err(e)) => {
+            outcome("error");
+            return sink.fail(&error(&e)).await;
+        }
+        Ok(Ok(rx)) => rx,
+    };
+    let ticket = call.passed.ticket;
+    if let Some(t) = &ticket {
+        t.dispatched();
+    }
+    let pace = inc
+        .cfg
+        .pacing
+        .get(call.lane)
+        .copied()
+        .unwrap_or(PaceSpec::OFF);
+    let labels = [lane, call.backend.kind()];
+    let mut delivery = Delivery::default();
+    let observe = observer(
+        metrics,
+        inc,
+        labels,
+        call.passed.predicted,
+        sink.streaming(),
+    );
+    let result = drive::drive(
+        sink,
+        events,
+        pace,
+        inc.heartbeat(),
+        ticket.as_ref(),
+        &mut timing,
+        &mut delivery,
+        observe,
+    )
+    .await;
+    let so_far = (call.prepared.prompt_tokens + delivery.tokens) as u64;
+    let end = match result {
+        Err(Gone) => {
+            outcome("client_gone");
+            call.budget.settle(so_far);
+            return Err(Gone);
+        }
+        Ok(None) => {
+            outcome("error");
+            call.budget.settle(so_far);
+            return Ok(());
+        }
+        Ok(Some(end)) => Finished {
+            usage: usage(&call.prepared, end.usage),
+            ..end
+        },
+    };
+    if let Some(t) = ticket {
+        t.finish(end.usage.completion_tokens);
+    }
+    let u = end.usage;
+    call.budget
+        .settle((u.prompt_tokens + u.completion_tokens) as u64);
+    let r = sink.done(&end, &mut timing).await;
+    outcome(if r.is_ok() { "ok" } else { "client_gone" });
+    account(metrics, &call.model.name, labels, &u, &timing);
+    r
+}
+
+/// The lane gate's bounded wait, with heartbeats on a stream.
+async fn gate<S: Sink + ?Sized>(
+    metrics: &Metrics,
+    inc: &Incoming,
+    call: &Call,
+    sink: &mut S,
+) -> Result<Option<Permit>, Stop> {
+    let Some(gate) = &call.model.gate else {
+        return Ok(None);
+    };
+    let work = (call.prepared.prompt_tokens + call.prepared.max_tokens) as u64;
+    let acquire = gate.acquire(call.lane, Some(work), std::future::pending());
+    match drive::wait(sink, inc.heartbeat(), acquire).await {
+        Err(Gone) | Ok(Err(Denied::Gone)) => Err(Stop::Gone),
+        Ok(Ok((p, _))) => Ok(Some(p)),
+        Ok(Err(Denied::Shed(reason, retry_after))) => {
+            metrics.shed(&inc.cfg.lanes[call.lane].name, reason.as_str());
+            let (status, headers, body) = refusal(reason, retry_after, None);
+            let f = Failure {
+                status,
+                headers,
+                body,
+            };
+            Err(Stop::Answered(sink.fail(&f).await))
+        }
+    }
+}
+
+/// What each delivered text tells the metrics: the first one the TTFT
+/// from arrival and the prediction's error, later ones (streams) the
+/// delivered inter-token interval.
+fn observer<'a>(
+    metrics: &'a Metrics,
+    inc: &'a Incoming,
+    labels: [&'a str; 2],
+    predicted: Option<std::time::Duration>,
+    streaming: bool,
+) -> impl OnText + 'a {
+    let im = &metrics.inference;
+    move |at: Instant, prev: Option<Instant>| match prev {
+        None => {
+            let ttft = at.saturating_duration_since(inc.arrived);
+            im.ttft
+                .with_label_values(&labels)
+                .observe(ttft.as_secs_f64());
+            if let Some(p) = predicted {
+                let (dir, err) = if p >= ttft {
+                    ("over", p - ttft)
+                } else {
+                    ("under", ttft - p)
+                };
+                im.prediction_error
+                    .with_label_values(&[labels[0], dir])
+                    .observe(err.as_secs_f64());
+            }
+        }
+        Some(prev) if streaming => im
+            .itl
+            .with_label_values(&labels)
+            .observe(at.saturating_duration_since(prev).as_secs_f64()),
+        Some(_) => {}
+    }
+}
+
+/// Tokens, end to end, queue and the latency breakdown of a finished one.
+fn account(metrics: &Metrics, model: &str, labels: [&str; 2], u: &Usage, t: &Timing) {
+    let im = &metrics.inference;
+    im.tokens
+        .with_label_values(&[model, "prompt"])
+        .inc_by(u.prompt_tokens as u64);
+    im.tokens
+        .with_label_values(&[model, "completion"])
+        .inc_by(u.completion_tokens as u64);
+    im.e2e
+        .with_label_values(&labels)
+        .observe(t.total.as_secs_f64());
+    im.queue
+        .with_label_values(&labels)
+        .observe(t.queue.as_secs_f64());
+    for (phase, d) in [
+        ("network", t.network),
+        ("queue", t.queue),
+        ("compute", t.compute),
+        ("output", t.output()),
+    ] {
+        im.phase
+            .with_label_values(&[phase, labels[0]])
+            .observe(d.as_secs_f64());
+    }
+}
+
+/// The backend's counts, with the prompt size measured here when the
+/// backend did not report one (an upstream without usage).
+fn usage(p: &Prepared, u: Usage) -> Usage {
+    Usage {
+        prompt_tokens: if u.prompt_tokens == 0 {
+            p.prompt_tokens
+        } else {
+            u.prompt_tokens
+        },
+        ..u
+    }
+}

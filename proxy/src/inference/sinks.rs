@@ -1,0 +1,592 @@
+//! The three sinks of the drive loop: an SSE stream, a whole JSON response
+//! and the async job store. Each formats the same events in its own way and
+//! knows whether its head is already out (a refusal after heartbeats were
+//! sent becomes an error event, not a status).
+
+use super::drive::{Downstream, Failure, Finished, Gone, Sink, Timing};
+use super::jobs::{self, Job};
+use super::openai::{self, Ident};
+use super::sse;
+use async_trait::async_trait;
+use bytes::Bytes;
+use serde_json::Value;
+use std::sync::Arc;
+use tokio::sync::watch;
+
+/// Headers every admitted response carries (request id, lane, prediction).
+pub type Headers = Vec<(&'static str, String)>;
+
+fn refs(h: &Headers) -> Vec<(&str, &str)> {
+    h.iter().map(|(k, v)| (*k, v.as_str())).collect()
+}
+
+async fn send_failure<D: Downstream + ?Sized>(
+    down: &mut D,
+    base: &Headers,
+    f: &Failure,
+) -> Result<(), Gone> {
+    let mut h = refs(base);
+    h.push(("content-type", "application/json"));
+    let len = f.body.len().to_string();
+    h.push(("content-length", &len));
+    h.extend(f.headers.iter().map(|(k, v)| (*k, v.as_str())));
+    down.head(f.status, &h).await?;
+    down.body(f.body.clone(), true).await
+}
+
+/// A streamed (SSE) response.
+pub struct SseSink<'a, D: Downstream + ?Sized> {
+    down: &'a mut D,
+    ident: Ident,
+    headers: Headers,
+    head_sent: bool,
+    first_chunk: bool,
+    include_usage: bool,
+}
+
+impl<'a, D: Downstream + ?Sized> SseSink<'a, D> {
+    /// A stream over `down`, with `headers` on its head.
+    pub fn new(down: &'a mut D, ident: Ident, headers: Headers, include_usage: bool) -> Self {
+        SseSink {
+            down,
+            ident,
+            headers,
+            head_sent: false,
+            first_chunk: true,
+            include_usage,
+        }
+    }
+
+    async fn head(&mut self) -> Result<(), Gone> {
+        if self.head_sent {
+            return Ok(());
+        }
+        let mut h = refs(&self.headers);
+        h.extend([
+            ("content-type", "text/event-stream"),
+            ("cache-control", "no-cache"),
+            ("x-accel-buffering", "no"),
+        ]);
+        self.down.head(200, &h).await?;
+        self.head_sent = true;
+        Ok(())
+    }
+
+    /// Add a header before the head is sent.
+    pub fn set_header(&mut self, k: &'static str, v: String) {
+        self.headers.retain(|(n, _)| *n != k);
+        self.headers.push((k, v));
+    }
+}
+
+#[async_trait]
+impl<D: Downstream + ?Sized> Sink for SseSink<'_, D> {
+    fn streaming(&self) -> bool {
+        true
+    }
+
+    async fn gone(&mut self) {
+        self.down.gone().await
+    }
+
+    async fn heartbeat(&mut self) -> Result<(), Gone> {
+        self.head().await?;
+        self.down.body(sse::comment("waiting"), false).await
+    }
+
+    async fn text(&mut self, text: &str) -> Result<(), Gone> {
+        self.head().await?;
+        let chunk = self.ident.chunk(text, self.first_chunk, None);
+        self.first_chunk = false;
+        self.down.body(sse::data(&chunk.to_string()), false).await
+    }
+
+    async fn done(&mut self, end: &Finished, t: &mut Timing) -> Result<(), Gone> {
+        self.head().await?;
+        t.stamp();
+        let mut last = self.ident.chunk("", false, Some(end.finish));
+        last["ultrafast_timing"] = t.json();
+        self.down.body(sse::data(&last.to_string()), false).await?;
+        if self.include_usage {
+            let u = self.ident.usage_chunk(&end.usage);
+            self.down.body(sse::data(&u.to_string()), false).await?;
+        }
+        t.stamp();
+        let st = sse::comment(&format!("server-timing {}", t.header()));
+        self.down.body(st, false).await?;
+        self.down.body(Bytes::from_static(sse::DONE), true).await
+    }
+
+    async fn fail(&mut self, f: &Failure) -> Result<(), Gone> {
+        if !self.head_sent {
+            return send_failure(self.down, &self.headers, f).await;
+        }
+        let text = String::from_utf8_lossy(&f.body).into_owned();
+        self.down.body(sse::data(&text), false).await?;
+        self.down.body(Bytes::from_static(sse::DONE), true).await
+    }
+}
+
+/// A whole JSON response, written at the end.
+pub struct JsonSink<'a, D: Downstream + ?Sized> {
+    down: &'a mut D,
+    ident: Ident,
+    headers: Headers,
+    text: String,
+}
+
+impl<'a, D: Downstream + ?Sized> JsonSink<'a, D> {
+    /// A whole response over `down`.
+    pub fn new(down: &'a mut D, ident: Ident, headers: Headers) -> Self {
+        JsonSink {
+            down,
+            ident,
+            headers,
+            text: String::new(),
+        }
+    }
+}
+
+#[async_trait]
+impl<D: Downstream + ?Sized> Sink for JsonSink<'_, D> {
+    fn streaming(&self) -> bool {
+        false
+    }
+
+    async fn gone(&mut self) {
+        self.down.gone().await
+    }
+
+    async fn heartbeat(&mut self) -> Result<(), Gone> {
+        Ok(())
+    }
+
+    async fn text(&mut self, text: &str) -> Result<(), Gone> {
+        self.text.push_str(text);
+        Ok(())
+    }
+
+    async fn done(&mut self, end: &Finished, t: &mut Timing) -> Result<(), Gone> {
+        let body = self
+            .ident
+            .full(&self.text, end.finish, &end.usage)
+            .to_string();
+        t.stamp();
+        let st = t.header();
+        let len = body.len().to_string();
+        let mut h = refs(&self.headers);
+        h.extend([
+            ("content-type", "application/json"),
+            ("content-length", len.as_str()),
+            ("server-timing", st.as_str()),
+        ]);
+        self.down.head(200, &h).await?;
+        self.down.body(Bytes::from(body), true).await
+    }
+
+    async fn fail(&mut self, f: &Failure) -> Result<(), Gone> {
+        send_failure(self.down, &self.headers, f).await
+    }
+}
+
+/// An async job: events go into the store, where `/v1/requests/{id}`
+/// readers find them; a `DELETE` is its "consumer gone".
+pub struct JobSink {
+    job: Arc<Job>,
+    ident: Ident,
+    text: String,
+    first: bool,
+    cancelled: watch::Receiver<bool>,
+}
+
+impl JobSink {
+    /// A sink into `job`.
+    pub fn new(job: Arc<Job>, ident: Ident) -> Self {
+        let cancelled = job.cancelled();
+        JobSink {
+            job,
+            ident,
+            text: String::new(),
+            first: true,
+            cancelled,
+        }
+    }
+
+    fn push(&self, payload: String) -> Result<(), Gone> {
+        if self.job.push(payload) {
+            Ok(())
+        } else {
+            Err(Gone)
+        }
+    }
+}
+
+#[async_trait]
+impl Sink for JobSink {
+    fn streaming(&self) -> bool {
+        false
+    }
+
+    async fn gone(&mut self) {
+        if self.cancelled.wait_for(|c| *c).await.is_err() {
+            std::future::pending::<()>().await;
+        }
+    }
+
+    async fn heartbeat(&mut self) -> Result<(), Gone> {
+        Ok(())
+    }
+
+    fn admitted(&mut self) {
+        self.job.start();
+    }
+
+    async fn text(&mut self, text: &str) -> Result<(), Gone> {
+        self.text.push_str(text);
+        let chunk = self.ident.chunk(text, self.first, None).to_string();
+        self.first = false;
+        self.push(chunk)
+    }
+
+    async fn done(&mut self, end: &Finished, t: &mut Timing) -> Result<(), Gone> {
+        t.stamp();
+        self.push(self.ident.chunk("", false, Some(end.finish)).to_string())?;
+        self.push(self.ident.usage_chunk(&end.usage).to_string())?;
+        let full = self.ident.full(&self.text, end.finish, &end.usage);
+        self.job.finish(jobs::Status::Completed, Some(full), None);
+        Ok(())
+    }
+
+    async fn fail(&mut self, f: &Failure) -> Result<(), Gone> {
+        let err: Value = serde_json::from_slice(&f.body).unwrap_or(Value::Null);
+        let _ = self.job.push(err.to_string());
+        self.job
+            .finish(jobs::Status::Failed, None, Some(err["error"].clone()));
+        Ok(())
+    }
+}
+
+/// The error body of a failed backend call.
+pub fn backend_failure(e: &ultrafast_engine::api::BackendError) -> Failure {
+    Failure {
+        status: e.status,
+        headers: Vec::new(),
+        body: openai::error_json(e),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    //! The drive loop and the sinks over an in-memory downstream: no socket.
+    use super::*;
+    use crate::inference::drive::{drive, wait, Delivery};
+    use crate::inference::openai::Endpoint;
+    use crate::inference::pacer::{PaceMode, PaceSpec};
+    use std::time::{Duration, Instant};
+    use tokio::sync::mpsc::unbounded_channel;
+    use ultrafast_engine::api::{Event, EventStream, FinishReason, Usage};
+
+    #[derive(Default)]
+    struct Mem {
+        status: Option<u16>,
+        headers: Vec<(String, String)>,
+        body: Vec<u8>,
+        ended: bool,
+        gone: Option<watch::Receiver<bool>>,
+    }
+
+    #[async_trait]
+    impl Downstream for Mem {
+        async fn head(&mut self, status: u16, headers: &[(&str, &str)]) -> Result<(), Gone> {
+            assert!(self.status.is_none(), "head sent twice");
+            self.status = Some(status);
+            self.headers = headers
+                .iter()
+                .map(|(k, v)| (k.to_string(), v.to_string()))
+                .collect();
+            Ok(())
+        }
+        async fn body(&mut self, bytes: Bytes, end: bool) -> Result<(), Gone> {
+            assert!(self.status.is_some() && !self.ended);
+            self.body.extend_from_slice(&bytes);
+            self.ended = end;
+            Ok(())
+        }
+        async fn gone(&mut self) {
+            match &mut self.gone {
+                Some(rx) => {
+                    let _ = rx.wait_for(|g| *g).await;
+                }
+                None => std::future::pending().await,
+            }
+        }
+    }
+
+    fn ident() -> Ident {
+        Ident::new(Endpoint::Chat, "m", "rid")
+    }
+
+    fn done(n: usize) -> Event {
+        Event::Done {
+            text: String::new(),
+            finish: FinishReason::Length,
+            usage: Usage {
+                prompt_tokens: 3,
+                completion_tokens: n,
+                cached_tokens: 0,
+            },
+            queue: Duration::ZERO,
+            compute: Duration::from_millis(5),
+        }
+    }
+
+    fn tokens(words: &[&str]) -> EventStream {
+        let (tx, rx) = unbounded_channel();
+        for (i, w) in words.iter().enumerate() {
+            tx.send(Event::Token {
+                id: i as u32,
+                text: w.to_string(),
+            })
+            .unwrap();
+        }
+        tx.send(done(words.len())).unwrap();
+        rx
+    }
+
+    async fn run<S: Sink>(
+        sink: &mut S,
+        events: EventStream,
+        pace: PaceSpec,
+    ) -> (Result<Option<Finished>, Gone>, Timing) {
+        let mut t = Timing::new(Instant::now(), Duration::ZERO);
+        let mut d = Delivery::default();
+        let r = drive(
+            sink,
+            events,
+            pace,
+            Duration::from_secs(5),
+            None,
+            &mut t,
+            &mut d,
+            |_, _| {},
+        )
+        .await;
+        if let Ok(Some(end)) = &r {
+            sink.done(end, &mut t).await.unwrap();
+        }
+        (r, t)
+    }
+
+    #[tokio::test]
+    async fn sse_sink_streams_chunks_then_timing_then_done() {
+        let mut down = Mem::default();
+        let mut sink = SseSink::new(
+            &mut down,
+            ident(),
+            vec![("x-request-id", "rid".into())],
+            true,
+        );
+        let (r, t) = run(&mut sink, tokens(&["Hel", "lo"]), PaceSpec::OFF).await;
+        assert_eq!(r.unwrap().unwrap().usage.completion_tokens, 2);
+        assert!(t.ttft.is_some());
+        let text = String::from_utf8(down.body).unwrap();
+        assert_eq!(down.status, Some(200));
+        assert!(down
+            .headers
+            .iter()
+            .any(|(k, v)| k == "content-type" && v == "text/event-stream"));
+        let datas: Vec<&str> = text.lines().filter(|l| l.starts_with("data: ")).collect();
+        let chunk = |i: usize| -> Value { serde_json::from_str(&datas[i][6..]).unwrap() };
+        assert_eq!(
+            chunk(0)["choices"][0]["delta"]["role"],
+            "assistant",
+            "{text}"
+        );
+        assert_eq!(chunk(0)["choices"][0]["delta"]["content"], "Hel");
+        assert_eq!(chunk(1)["choices"][0]["delta"]["content"], "lo");
+        assert!(
+            datas[2].contains("ultrafast_timing")
+                && datas[2].contains(r#""finish_reason":"length""#)
+        );
+        assert!(datas[3].contains(r#""usage""#));
+        assert_eq!(datas[4], "data: [DONE]");
+        assert!(text.contains(": server-timing network;dur="));
+        assert!(down.ended);
+    }
+
+    #[tokio::test]
+    async fn json_sink_answers_once_with_server_timing() {
+        let mut down = Mem::default();
+        let mut sink = JsonSink::new(
+            &mut down,
+            ident(),
+            vec![("x-ultrafast-lane", "standard".into())],
+        );
+        let (r, _) = run(&mut sink, tokens(&["a", "b", "c"]), PaceSpec::OFF).await;
+        assert!(r.unwrap().is_some());
+        let v: Value = serde_json::from_slice(&down.body).unwrap();
+        assert_eq!(v["choices"][0]["message"]["content"], "abc");
+        assert_eq!(v["usage"]["completion_tokens"], 3);
+        let h = |k: &str| {
+            down.headers
+                .iter()
+                .find(|(n, _)| n == k)
+                .map(|(_, v)| v.clone())
+        };
+        assert!(h("server-timing").unwrap().contains("total;dur="));
+        assert_eq!(h("x-ultrafast-lane").as_deref(), Some("standard"));
+        assert_eq!(h("content-length").unwrap(), down.body.len().to_string());
+    }
+
+    #[tokio::test]
+    async fn job_sink_fills_the_store() {
+        let store = jobs::Store::new(4, 1 << 20, Duration::from_secs(60));
+        let job = store.create("req_1".into()).unwrap();
+        let mut sink = JobSink::new(job.clone(), ident());
+        sink.admitted();
+        assert_eq!(job.status(), jobs::Status::InProgress);
+        let (r, _) = run(&mut sink, tokens(&["x", "y"]), PaceSpec::OFF).await;
+        assert!(r.unwrap().is_some());
+        assert_eq!(job.status(), jobs::Status::Completed);
+        let (evs, finished) = job.events_from(0);
+        assert!(finished);
+        assert_eq!(
+            evs.len(),
+            4,
+            "two chunks, the finish chunk, the usage chunk"
+        );
+        assert_eq!(
+            job.view()["result"]["choices"][0]["message"]["content"],
+            "xy"
+        );
+    }
+
+    #[tokio::test]
+    async fn a_backend_error_mid_stream_ends_the_stream_with_an_error_event() {
+        let mut down = Mem::default();
+        let mut sink = SseSink::new(&mut down, ident(), Vec::new(), false);
+        let (tx, rx) = unbounded_channel();
+        tx.send(Event::Token {
+            id: 1,
+            text: "a".into(),
+        })
+        .unwrap();
+        tx.send(Event::Error("model failed".into())).unwrap();
+        let (r, _) = run(&mut sink, rx, PaceSpec::OFF).await;
+        assert!(r.unwrap().is_none());
+        let text = String::from_utf8(down.body).unwrap();
+        assert!(
+            text.contains(r#""code":"backend_error""#) && text.ends_with("data: [DONE]\n\n"),
+            "{text}"
+        );
+    }
+
+    /// The regression of the shared wake-up variant: on a paced stream,
+    /// after the pacer's deadlines have fired, a client that leaves still
+    /// ends the drive at once, dropping (cancelling) the backend's stream.
+    #[tokio::test]
+    async fn a_paced_stream_notices_the_client_leaving() {
+        let (gone_tx, gone_rx) = watch::channel(false);
+        let mut down = Mem {
+            gone: Some(gone_rx),
+            ..Mem::default()
+        };
+        let mut sink = SseSink::new(&mut down, ident(), Vec::new(), false);
+        let pace = PaceSpec {
+            mode: PaceMode::Fixed(Duration::from_millis(20)),
+            max_lead: 8,
+        };
+        let (tx, rx) = unbounded_channel();
+        // A burst: the pacer holds most of it and its deadlines fire.
+        for i in 0..6 {
+            tx.send(Event::Token {
+                id: i,
+                text: format!("t{i} "),
+            })
+            .unwrap();
+        }
+        let leave = async {
+            tokio::time::sleep(Duration::from_millis(150)).await;
+            gone_tx.send_replace(true);
+            Instant::now()
+        };
+        let mut t = Timing::new(Instant::now(), Duration::ZERO);
+        let mut d = Delivery::default();
+        let drive = drive(
+            &mut sink,
+            rx,
+            pace,
+            Duration::from_secs(5),
+            None,
+            &mut t,
+            &mut d,
+            |_, _| {},
+        );
+        let (r, left) = tokio::join!(drive, leave);
+        assert_eq!(r.unwrap_err(), Gone);
+        assert!(
+            left.elapsed() < Duration::from_millis(100),
+            "took {:?}",
+            left.elapsed()
+        );
+        assert!(
+            tx.is_closed(),
+            "the backend's stream is dropped: the sequence is cancelled"
+        );
+        assert!(
+            d.first_text.is_some(),
+            "tokens were paced out before the client left"
+        );
+    }
+
+    #[tokio::test]
+    async fn waiting_streams_send_heartbeats_and_notice_the_client_leaving() {
+        let (gone_tx, gone_rx) = watch::channel(false);
+        let mut down = Mem {
+            gone: Some(gone_rx),
+            ..Mem::default()
+        };
+        let mut sink = SseSink::new(&mut down, ident(), Vec::new(), false);
+        let slow = tokio::time::sleep(Duration::from_millis(120));
+        let r = wait(&mut sink, Duration::from_millis(30), slow).await;
+        assert!(r.is_ok());
+        let never = std::future::pending::<()>();
+        gone_tx.send_replace(true);
+        assert_eq!(
+            wait(&mut sink, Duration::from_millis(30), never).await,
+            Err(Gone)
+        );
+        let text = String::from_utf8(down.body.clone()).unwrap();
+        assert!(text.matches(": waiting").count() >= 2, "{text}");
+        assert_eq!(down.status, Some(200));
+    }
+
+    #[tokio::test]
+    async fn a_refusal_before_the_head_is_a_status_after_it_an_event() {
+        let f = Failure {
+            status: 503,
+            headers: vec![("retry-after", "2".into())],
+            body: Bytes::from_static(br#"{"error":{"code":"slo"}}"#),
+        };
+        let mut down = Mem::default();
+        SseSink::new(&mut down, ident(), Vec::new(), false)
+            .fail(&f)
+            .await
+            .unwrap();
+        assert_eq!(down.status, Some(503));
+        assert!(down
+            .headers
+            .iter()
+            .any(|(k, v)| k == "retry-after" && v == "2"));
+        let mut down = Mem::default();
+        let mut sink = SseSink::new(&mut down, ident(), Vec::new(), false);
+        sink.heartbeat().await.unwrap();
+        sink.fail(&f).await.unwrap();
+        assert_eq!(down.status, Some(200));
+        let text = String::from_utf8(down.body).unwrap();
+        assert!(
+            text.contains(r#"data: {"error":{"code":"slo"}}"#)
+                && text.ends_with("data: [DONE]\n\n")
+        );
+    }
+}
