@@ -110,17 +110,16 @@ struct Log {
 /// User plus system CPU seconds of this process (Linux; 0 elsewhere).
 fn process_cpu_s() -> f64 {
     let stat = std::fs::read_to_string("/proc/self/stat").unwrap_or_default();
-    let f: Vec<f64> = stat
+    // utime and stime (fields 14 and 15, the 12th and 13th after the
+    // command name) in clock ticks of 1/100 s.
+    let f: Vec<&str> = stat
         .rsplit(')')
         .next()
         .unwrap_or_default()
         .split_whitespace()
-        .filter_map(|v| v.parse().ok())
         .collect();
-    // utime and stime (fields 14 and 15) in clock ticks of 1/100 s.
-    f.get(11)
-        .zip(f.get(12))
-        .map_or(0.0, |(u, s)| (u + s) / 100.0)
+    let ticks = |i: usize| f.get(i).and_then(|v| v.parse::<f64>().ok()).unwrap_or(0.0);
+    (ticks(11) + ticks(12)) / 100.0
 }
 
 impl StepObserver for Log {
