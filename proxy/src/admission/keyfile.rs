@@ -18,7 +18,7 @@
 //! when `parse` returns; what leaves this module is the digest. The file is
 //! bounded: at most `MAX_KEYS` entries and `MAX_FILE_BYTES` bytes.
 
-use crate::config::locate::{locate, FieldPath};
+use crate::config::locate::{located, FieldPath};
 use crate::config::ConfigError;
 use serde::Deserialize;
 use std::collections::HashMap;
@@ -182,20 +182,7 @@ pub fn parse(path: &Path, text: &str) -> Result<Vec<ValidKey>, Vec<ConfigError>>
     if errs.is_empty() {
         return Ok(out);
     }
-    let file = path.display().to_string();
-    Err(errs
-        .into_iter()
-        .map(|(at, message)| {
-            let (line, col) = locate(text, &at);
-            ConfigError {
-                file: file.clone(),
-                line,
-                col,
-                field: at.to_string(),
-                message,
-            }
-        })
-        .collect())
+    Err(located(path, text, errs))
 }
 
 fn check_name(name: &str, at: &FieldPath, errs: &mut Vec<(FieldPath, String)>) {

@@ -146,9 +146,13 @@ pub fn slo(
                 });
             }
         }
-        // Slots that better lanes keep for themselves are not this lane's.
-        let held_above: f64 = lanes[..l].iter().map(|b| b.reserved_share).sum();
-        return match latency.admit(live, spec.rank, prompt, max_out, spec.ttft_slo, held_above) {
+        // Slots that active better lanes keep for themselves are not this
+        // lane's.
+        let reserved: Vec<(u32, f64)> = lanes[..l]
+            .iter()
+            .map(|b| (b.rank, b.reserved_share))
+            .collect();
+        return match latency.admit(live, spec.rank, prompt, max_out, spec.ttft_slo, &reserved) {
             (Verdict::Admit(p), ticket) => Ok(Passed {
                 lane: l,
                 downgraded: l != lane,

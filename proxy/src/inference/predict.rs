@@ -255,7 +255,13 @@ struct Ledger {
     decode: Fit,
     /// Upstream prefill seconds per prompt token.
     prefill_per_token_s: f64,
+    /// When each lane rank (0..8) last sent a request.
+    last_seen: [Option<std::time::Instant>; 8],
 }
+
+/// How long a better lane counts as active after its last request: while
+/// it is, the slots it reserves are not counted for worse lanes.
+const ACTIVE_FOR: Duration = Duration::from_secs(10);
 
 /// What admission learns from a prediction.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -297,6 +303,7 @@ impl Latency {
                 entries: BTreeMap::new(),
                 next: 0,
                 output_share: 1.0,
+                last_seen: [None; 8],
                 decode: Fit::seeded(a, 0.0, 1.0, slots.max(2) as f64, 4.0),
                 prefill_per_token_s: 1.0 / prior_prefill_tps.max(1e-3),
             }),
@@ -333,8 +340,10 @@ impl Latency {
     /// Predict, and take a place in the ledger when the prediction is
     /// within `target` (always, without a target). Atomic with respect to
     /// other arrivals.
-    /// `held_above` is the share of the slots that better lanes keep for
-    /// themselves (their `reserved_share`): a lane counts only the rest.
+    /// `reserved` lists the better lanes' (rank, `reserved_share`): while
+    /// such a lane is active (a request in the last ten seconds), the
+    /// share of the slots it keeps for itself is not counted for this one,
+    /// since its next request will take it.
     #[allow(clippy::too_many_arguments)]
     pub fn admit(
         self: &Arc<Self>,
@@ -343,12 +352,23 @@ impl Latency {
         prompt: usize,
         max_out: usize,
         target: Option<Duration>,
-        held_above: f64,
+        reserved: &[(u32, f64)],
     ) -> (Verdict, Option<Ticket>) {
-        let held = (held_above.clamp(0.0, 1.0) * self.slots as f64).ceil() as usize;
-        let slots = self.slots.saturating_sub(held).max(1);
         let cost = self.cost(live);
+        let now = std::time::Instant::now();
         let mut l = self.ledger.lock();
+        let active = |r: u32| {
+            l.last_seen[(r as usize).min(7)]
+                .is_some_and(|t| now.saturating_duration_since(t) < ACTIVE_FOR)
+        };
+        let held_share: f64 = reserved
+            .iter()
+            .filter(|(r, _)| *r < rank && active(*r))
+            .map(|(_, s)| s)
+            .sum();
+        let held = (held_share.clamp(0.0, 1.0) * self.slots as f64).ceil() as usize;
+        let slots = self.slots.saturating_sub(held).max(1);
+        l.last_seen[(rank as usize).min(7)] = Some(now);
         let share = l.output_share;
         let ahead: Vec<Work> = l
             .entries
@@ -452,155 +472,5 @@ impl Drop for Ticket {
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-    use proptest::prelude::*;
-
-    fn cpu() -> Cost {
-        Cost {
-            step_fixed_s: 0.007,
-            step_per_seq_s: 0.0058,
-            prefill_per_token_s: 0.0058,
-            chunk: Some(32),
-        }
-    }
-
-    fn live(slots: usize) -> Arc<Latency> {
-        Arc::new(Latency::new(false, slots, Some(32), 1.0, 1.0))
-    }
-
-    #[test]
-    fn idle_is_own_prefill() {
-        let c = cpu();
-        let t = predict(&c, 8, &[], 1, 30);
-        assert!((t - (0.007 + 30.0 * 0.0058)).abs() < 1e-9, "{t}");
-        // 100 tokens in chunks of 32: four steps.
-        let t = predict(&c, 8, &[], 1, 100);
-        assert!((t - (4.0 * 0.007 + 100.0 * 0.0058)).abs() < 1e-9, "{t}");
-    }
-
-    #[test]
-    fn full_slots_wait_for_the_first_to_finish() {
-        let c = cpu();
-        let busy = |out: f64| Work {
-            rank: 1,
-            prefill: 0,
-            output: out,
-            running: true,
-        };
-        let ahead = [busy(100.0), busy(10.0)];
-        let t = predict(&c, 2, &ahead, 1, 10);
-        // Starts when the 10-token one ends: 10 steps at b = 2, after the
-        // step in flight.
-        let step = c.step(2);
-        let expect = c.step(2) + 10.0 * step + c.prefill(10, 1);
-        assert!((t - expect).abs() < 1e-9, "{t} vs {expect}");
-        // A better lane does not count the worse lane's work.
-        let u = predict(&c, 2, &ahead, 0, 10);
-        assert!(u < t);
-    }
-
-    #[test]
-    fn ledger_admits_until_the_target_then_refuses() {
-        let m = live(2);
-        let limit = Duration::from_millis(2000);
-        let target = Some(limit);
-        let mut held = Vec::new();
-        let mut refused = 0;
-        for _ in 0..10 {
-            match m.admit(Some(cpu()), 1, 30, 128, target, 0.0) {
-                (Verdict::Admit(p), Some(t)) => {
-                    assert!(p <= limit);
-                    t.dispatched();
-                    held.push(t);
-                }
-                (Verdict::Busy(p), None) => {
-                    assert!(p > limit);
-                    refused += 1;
-                }
-                other => panic!("{other:?}"),
-            }
-        }
-        assert!(held.len() >= 2 && refused > 0, "{} {}", held.len(), refused);
-        let n = held.len();
-        assert_eq!(m.in_ledger(), n);
-        drop(held);
-        assert_eq!(m.in_ledger(), 0);
-    }
-
-    #[test]
-    fn learned_upstream_follows_its_streams() {
-        let m = Arc::new(Latency::new(true, 4, None, 1000.0, 10.0));
-        assert!((m.cost(None).step(1) - 0.1).abs() < 0.01);
-        let (_, t) = m.admit(None, 1, 100, 50, None, 0.0);
-        let t = t.unwrap();
-        t.dispatched();
-        t.token(None, Some(Duration::from_millis(300)));
-        for _ in 0..200 {
-            t.token(Some(Duration::from_millis(20)), None);
-        }
-        let c = m.cost(None);
-        assert!((c.step(1) - 0.02).abs() < 0.005, "{c:?}");
-        assert!(c.prefill_per_token_s > 0.001, "{c:?}");
-        t.finish(50);
-    }
-
-    fn work() -> impl Strategy<Value = Work> {
-        (0u32..3, 0usize..600, 0.0f64..300.0, any::<bool>()).prop_map(
-            |(rank, prefill, output, running)| Work {
-                rank,
-                prefill,
-                output,
-                running,
-            },
-        )
-    }
-
-    proptest! {
-        #![proptest_config(ProptestConfig { cases: 500, ..ProptestConfig::default() })]
-
-        /// More work ahead never makes the prediction shorter.
-        #[test]
-        fn monotone_in_the_work_ahead(
-            ahead in proptest::collection::vec(work(), 0..40),
-            extra in work(),
-            at in 0usize..40,
-            slots in 1usize..40,
-            rank in 0u32..3,
-            prompt in 1usize..600,
-            fixed in 0.0f64..0.05, per_seq in 0.0f64..0.01, per_tok in 0.0f64..0.01,
-            chunk in proptest::option::of(1usize..600),
-        ) {
-            let c = Cost { step_fixed_s: fixed, step_per_seq_s: per_seq, prefill_per_token_s: per_tok, chunk };
-            let before = predict(&c, slots, &ahead, rank, prompt);
-            let mut more = ahead.clone();
-            more.insert(at.min(more.len()), extra);
-            let after = predict(&c, slots, &more, rank, prompt);
-            prop_assert!(after + 1e-9 >= before, "{} < {}", after, before);
-            // A longer own prompt never predicts sooner either.
-            prop_assert!(predict(&c, slots, &ahead, rank, prompt + 1) + 1e-9 >= before);
-        }
-
-        /// The ledger never admits a request whose prediction exceeds its target.
-        #[test]
-        fn never_admits_beyond_the_target(
-            reqs in proptest::collection::vec((0u32..3, 1usize..400, 1usize..200, 50u64..5000, any::<bool>()), 1..60),
-            slots in 1usize..16,
-        ) {
-            let m = live(slots);
-            let mut held = Vec::new();
-            for (rank, prompt, max_out, target_ms, dispatch) in reqs {
-                let target = Duration::from_millis(target_ms);
-                match m.admit(Some(cpu()), rank, prompt, max_out, Some(target), 0.0) {
-                    (Verdict::Admit(p), Some(t)) => {
-                        prop_assert!(p <= target);
-                        if dispatch { t.dispatched(); }
-                        held.push(t);
-                    }
-                    (Verdict::Busy(p), None) => prop_assert!(p > target),
-                    _ => prop_assert!(false, "verdict and ticket disagree"),
-                }
-            }
-        }
-    }
-}
+#[path = "predict_tests.rs"]
+mod tests;

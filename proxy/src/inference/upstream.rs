@@ -353,13 +353,21 @@ async fn pump(
             r = tokio::time::timeout(stall, s.read_response_body()) => r,
             _ = tx.closed() => return,
         };
+        // The session's own read timeout is the same stall limit: whichever
+        // of the two fires first, it is a stall.
+        let stalled = match &read {
+            Err(_) => true,
+            Ok(Err(e)) => matches!(e.etype(), pingora::ErrorType::ReadTimedout),
+            Ok(Ok(_)) => false,
+        };
         match read {
-            Err(_) => {
+            _ if stalled => {
                 let _ = tx.send(Event::Error(format!(
                     "upstream stalled: no data for {stall:?}"
                 )));
                 return;
             }
+            Err(_) => return,
             Ok(Err(e)) => {
                 let _ = tx.send(Event::Error(format!("upstream stream broke: {e}")));
                 return;

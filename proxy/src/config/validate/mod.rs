@@ -6,7 +6,7 @@
 use super::file::{
     FileConfig, HeaderRules, LaneSection, ModelSection, PoolSection, RateLimitSection, RouteSection,
 };
-use super::locate::{locate, FieldPath};
+use super::locate::FieldPath;
 use super::*;
 use crate::admission::gate::Gate;
 use crate::admission::queue::{LaneSpec, OnMiss};
@@ -114,21 +114,7 @@ pub(super) fn validate(
     models::inference(f, &mut errs);
     let models = models::models(f, &pools, &lanes, ctx, &mut errs);
     if !errs.0.is_empty() || !key_file_errors.is_empty() {
-        let file = path.display().to_string();
-        let mut out: Vec<ConfigError> = errs
-            .0
-            .into_iter()
-            .map(|(at, message)| {
-                let (line, col) = locate(text, &at);
-                ConfigError {
-                    file: file.clone(),
-                    line,
-                    col,
-                    field: at.to_string(),
-                    message,
-                }
-            })
-            .collect();
+        let mut out = super::locate::located(path, text, errs.0);
         out.extend(key_file_errors);
         return Err(out);
     }
