@@ -16,13 +16,24 @@ use std::time::{Duration, Instant};
 
 pub mod infer;
 
-/// A port that was free a moment ago (bind port 0, read it, release it).
+/// A port that was free a moment ago (bind port 0, read it, release it),
+/// never one this test process handed out before: the kernel may give a
+/// just-released port again, and two listeners of one config on the same
+/// port fail validation.
 pub fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
+    static GIVEN: Mutex<Vec<u16>> = Mutex::new(Vec::new());
+    loop {
+        let port = TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port();
+        let mut given = GIVEN.lock().unwrap();
+        if !given.contains(&port) {
+            given.push(port);
+            return port;
+        }
+    }
 }
 
 /// How the origin misbehaves.
