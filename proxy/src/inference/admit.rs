@@ -118,6 +118,37 @@ impl Missed {
     }
 }
 
+/// The lane's better lanes with their reserved shares.
+fn reserved_above(lanes: &[LaneSpec], l: usize) -> Vec<(u32, f64)> {
+    lanes[..l]
+        .iter()
+        .map(|b| (b.rank, b.reserved_share))
+        .collect()
+}
+
+/// Refuse at once, before the prompt is tokenized, a request that would
+/// miss its lane's target even with a one-token prompt (the backend is
+/// too busy whatever the prompt).
+pub fn precheck(
+    lanes: &[LaneSpec],
+    lane: usize,
+    latency: &Latency,
+    live: Option<Cost>,
+) -> Result<(), Missed> {
+    let Some(target) = lanes[lane].ttft_slo else {
+        return Ok(());
+    };
+    let reserved = reserved_above(lanes, lane);
+    match latency.busy_even_for_one_token(live, lanes[lane].rank, target, &reserved) {
+        None => Ok(()),
+        Some(predicted) => Err(Missed::Busy {
+            lane,
+            predicted,
+            retry_after: predicted.saturating_sub(target).max(Duration::from_secs(1)),
+        }),
+    }
+}
+
 /// Hold a request of `prompt` tokens (at most `max_out` more) against the
 /// target of `lane`, moving down lanes that say so. `live` is the
 /// backend's own cost model, if it has one.
@@ -148,10 +179,7 @@ pub fn slo(
         }
         // Slots that active better lanes keep for themselves are not this
         // lane's.
-        let reserved: Vec<(u32, f64)> = lanes[..l]
-            .iter()
-            .map(|b| (b.rank, b.reserved_share))
-            .collect();
+        let reserved = reserved_above(lanes, l);
         return match latency.admit(live, spec.rank, prompt, max_out, spec.ttft_slo, &reserved) {
             (Verdict::Admit(p), ticket) => Ok(Passed {
                 lane: l,
@@ -229,7 +257,11 @@ mod tests {
         assert!(f.headers.contains(&("x-ultrafast-shed", "slo".into())));
         let v: serde_json::Value = serde_json::from_slice(&f.body).unwrap();
         assert_eq!(v["predicted_ttft_ms"], predicted.as_millis() as u64);
+        // Before tokenizing: too busy even for a one-token prompt.
+        let pre = precheck(&lanes, 1, &m, Some(cpu())).unwrap_err();
+        assert!(matches!(pre, Missed::Busy { lane: 1, .. }), "{pre:?}");
         // Better lanes do not count the standard backlog.
+        assert!(precheck(&lanes, 0, &m, Some(cpu())).is_ok());
         let ultra = slo(&lanes, 0, &m, Some(cpu()), 40, 16).unwrap();
         assert_eq!(ultra.lane, 0);
     }

@@ -167,6 +167,13 @@ impl Front {
             request_id: inc.request_id.clone(),
             user: parsed.user.clone(),
         };
+        // A backend too busy for even a one-token prompt refuses before
+        // the prompt is tokenized: a flood is shed at the cost of parsing.
+        let live = backend.step_cost().map(super::live_cost);
+        admit::precheck(lanes, lane, &model.latency, live).map_err(|m| {
+            metrics.shed(&lanes[m.lane()].name, "slo");
+            m.failure(lanes)
+        })?;
         // The engine tokenizes and renders the template here: off the
         // request runtime, so a long prompt never stalls other requests.
         let prepared = if backend.kind() == "engine" {
@@ -181,7 +188,6 @@ impl Front {
         let prepared = prepared.map_err(reject)?;
         let tokens = (prepared.prompt_tokens + prepared.max_tokens) as u64;
         let budget = self.reserve(metrics, inc, &lanes[lane].name, tokens)?;
-        let live = backend.step_cost().map(super::live_cost);
         let passed = admit::slo(
             lanes,
             lane,

@@ -121,7 +121,17 @@ pub fn predict(cost: &Cost, slots: usize, ahead: &[Work], rank: u32, prompt: usi
         free.push(Reverse(Secs(done)));
     }
     let Reverse(Secs(start)) = free.pop().unwrap_or(Reverse(Secs(0.0)));
-    let decoding = b - 1;
+    // Sequences decoding beside the prefill: once the request had to wait
+    // for a slot, every other slot; before that, those running now.
+    let decoding = if start > 0.0 {
+        b - 1
+    } else {
+        order
+            .iter()
+            .filter(|w| w.running && w.prefill == 0)
+            .count()
+            .min(b - 1)
+    };
     let prefilled = if prefill_ahead > 0 {
         cost.prefill(prefill_ahead, decoding)
     } else {
@@ -355,8 +365,59 @@ impl Latency {
         reserved: &[(u32, f64)],
     ) -> (Verdict, Option<Ticket>) {
         let cost = self.cost(live);
-        let now = std::time::Instant::now();
         let mut l = self.ledger.lock();
+        let p = self.forecast(&mut l, &cost, rank, prompt, reserved);
+        if target.is_some_and(|t| p > t) {
+            return (Verdict::Busy(p), None);
+        }
+        let id = l.next;
+        l.next += 1;
+        l.entries.insert(
+            id,
+            Entry {
+                rank,
+                prompt,
+                max_out,
+                generated: 0,
+                first_token: false,
+                running: false,
+            },
+        );
+        let ticket = Ticket {
+            model: self.clone(),
+            id,
+        };
+        (Verdict::Admit(p), Some(ticket))
+    }
+
+    /// The prediction without taking a place, for the smallest possible
+    /// prompt: the prediction is monotone in the prompt, so when this is
+    /// already beyond `target` the request is refused before any work that
+    /// grows with it (tokenizing). Marks the lane active.
+    pub fn busy_even_for_one_token(
+        &self,
+        live: Option<Cost>,
+        rank: u32,
+        target: Duration,
+        reserved: &[(u32, f64)],
+    ) -> Option<Duration> {
+        let cost = self.cost(live);
+        let mut l = self.ledger.lock();
+        let p = self.forecast(&mut l, &cost, rank, 1, reserved);
+        (p > target).then_some(p)
+    }
+
+    /// Predict against the ledger as it is, counting out the slots of
+    /// active better lanes, and mark this lane active.
+    fn forecast(
+        &self,
+        l: &mut Ledger,
+        cost: &Cost,
+        rank: u32,
+        prompt: usize,
+        reserved: &[(u32, f64)],
+    ) -> Duration {
+        let now = std::time::Instant::now();
         let active = |r: u32| {
             l.last_seen[(r as usize).min(7)]
                 .is_some_and(|t| now.saturating_duration_since(t) < ACTIVE_FOR)
@@ -380,28 +441,7 @@ impl Latency {
                 running: e.running,
             })
             .collect();
-        let p = secs(predict(&cost, slots, &ahead, rank, prompt));
-        if target.is_some_and(|t| p > t) {
-            return (Verdict::Busy(p), None);
-        }
-        let id = l.next;
-        l.next += 1;
-        l.entries.insert(
-            id,
-            Entry {
-                rank,
-                prompt,
-                max_out,
-                generated: 0,
-                first_token: false,
-                running: false,
-            },
-        );
-        let ticket = Ticket {
-            model: self.clone(),
-            id,
-        };
-        (Verdict::Admit(p), Some(ticket))
+        secs(predict(cost, slots, &ahead, rank, prompt))
     }
 
     /// Requests in the ledger (admitted, not finished).
