@@ -75,7 +75,7 @@ pub fn refusal(
     retry_after: Duration,
     predicted: Option<Duration>,
 ) -> (u16, Vec<(&'static str, String)>, Bytes) {
-    let status = if reason == Reason::RateLimit {
+    let status = if matches!(reason, Reason::RateLimit | Reason::TokenBudget) {
         429
     } else {
         503
@@ -84,6 +84,10 @@ pub fn refusal(
     let secs = ms.div_ceil(1000).max(1);
     let (message, kind) = match reason {
         Reason::RateLimit => ("rate limit exceeded for this client", "rate_limit_exceeded"),
+        Reason::TokenBudget => (
+            "token budget exhausted for this client: prompt plus max_tokens cannot be covered now",
+            "rate_limit_exceeded",
+        ),
         Reason::QueueFull => ("server is saturated: queue is full", "server_overloaded"),
         Reason::MaxWait => (
             "server is saturated: request could not be served within its lane's max wait",

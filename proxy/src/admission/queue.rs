@@ -36,6 +36,8 @@ pub enum Reason {
     Preempted,
     /// The predicted time to first token exceeds the lane's target.
     Slo,
+    /// The client's token budget cannot cover the request now.
+    TokenBudget,
 }
 
 impl Reason {
@@ -48,6 +50,7 @@ impl Reason {
             Reason::Watermark => "watermark",
             Reason::Preempted => "preempted",
             Reason::Slo => "slo",
+            Reason::TokenBudget => "token_budget",
         }
     }
 }

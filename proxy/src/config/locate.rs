@@ -94,6 +94,28 @@ pub fn locate(text: &str, path: &FieldPath) -> (usize, usize) {
     line_col(text, best)
 }
 
+/// Validation errors of `text` (read from `path`), each located at its
+/// field's line and column.
+pub fn located(
+    path: &std::path::Path,
+    text: &str,
+    errs: impl IntoIterator<Item = (FieldPath, String)>,
+) -> Vec<super::ConfigError> {
+    let file = path.display().to_string();
+    errs.into_iter()
+        .map(|(at, message)| {
+            let (line, col) = locate(text, &at);
+            super::ConfigError {
+                file: file.clone(),
+                line,
+                col,
+                field: at.to_string(),
+                message,
+            }
+        })
+        .collect()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -117,26 +139,4 @@ mod tests {
         let text = "[[routes]]\npath = \"/\"\n\n[[routes]]\npath = \"/x\"\npool = \"p\"\n";
         assert_eq!(locate(text, &FieldPath::key("routes").i(1).k("pool")).0, 6);
     }
-}
-
-/// Validation errors of `text` (read from `path`), each located at its
-/// field's line and column.
-pub fn located(
-    path: &std::path::Path,
-    text: &str,
-    errs: impl IntoIterator<Item = (FieldPath, String)>,
-) -> Vec<super::ConfigError> {
-    let file = path.display().to_string();
-    errs.into_iter()
-        .map(|(at, message)| {
-            let (line, col) = locate(text, &at);
-            super::ConfigError {
-                file: file.clone(),
-                line,
-                col,
-                field: at.to_string(),
-                message,
-            }
-        })
-        .collect()
 }

@@ -34,6 +34,23 @@ pub trait Downstream: Send {
     async fn gone(&mut self);
 }
 
+/// Send a whole JSON response: `headers`, then its type and length.
+pub async fn respond<D: Downstream + ?Sized>(
+    down: &mut D,
+    status: u16,
+    headers: &[(&str, &str)],
+    body: Bytes,
+) -> Result<(), Gone> {
+    let len = body.len().to_string();
+    let mut h = headers.to_vec();
+    h.extend([
+        ("content-type", "application/json"),
+        ("content-length", len.as_str()),
+    ]);
+    down.head(status, &h).await?;
+    down.body(body, true).await
+}
+
 /// A refusal or an error, ready to send: status, extra headers and an
 /// OpenAI-style JSON error body.
 #[derive(Debug, Clone)]

@@ -77,15 +77,7 @@ impl Front {
     pub fn model(&self, inc: &Incoming, id: &str) -> Reply {
         match inc.cfg.models.get(id) {
             Some(_) if self.allowed(inc, id).is_ok() => Reply::ok(model_json(id)),
-            _ => Reply::error(&BackendError {
-                status: 404,
-                kind: "invalid_request_error",
-                code: "model_not_found",
-                param: Some("model"),
-                message: format!(
-                    "The model `{id}` does not exist or you do not have access to it."
-                ),
-            }),
+            _ => Reply::error(&super::pipeline::not_found_model(id)),
         }
     }
 
@@ -175,14 +167,7 @@ impl Front {
 
 /// Send a whole JSON reply.
 pub async fn send(down: &mut dyn Downstream, base: &[(&str, &str)], r: Reply) -> Result<(), Gone> {
-    let len = r.body.len().to_string();
-    let mut h = base.to_vec();
-    h.extend([
-        ("content-type", "application/json"),
-        ("content-length", len.as_str()),
-    ]);
-    down.head(r.status, &h).await?;
-    down.body(r.body, true).await
+    drive::respond(down, r.status, base, r.body).await
 }
 
 /// A job event stream as a sink: only heartbeats and the consumer.

@@ -135,16 +135,13 @@ impl Front {
             metrics.shed(lane, "token_budget");
             match r {
                 BudgetRefusal::Wait { retry_after } => {
-                    let mut f = rate_refusal(retry_after);
-                    let v: serde_json::Value = serde_json::from_slice(&f.body).unwrap_or_default();
-                    let mut v = v;
-                    v["error"]["code"] = "token_budget".into();
-                    v["error"]["message"] =
-                        format!("token budget exhausted: this request needs {tokens} tokens").into();
-                    f.body = bytes::Bytes::from(v.to_string());
-                    f.headers.retain(|(k, _)| *k != "x-ultrafast-shed");
-                    f.headers.push(("x-ultrafast-shed", "token_budget".into()));
-                    f
+                    let (status, headers, body) =
+                        refusal(Reason::TokenBudget, retry_after, None);
+                    Failure {
+                        status,
+                        headers,
+                        body,
+                    }
                 }
                 BudgetRefusal::TooLarge { tokens, burst } => {
                     super::sinks::backend_failure(&BackendError::request(

@@ -80,7 +80,8 @@ pub(super) fn error(e: &BackendError) -> Failure {
     backend_failure(e)
 }
 
-fn not_found_model(model: &str) -> BackendError {
+/// The 404 of an unknown model (or one the caller may not see).
+pub(super) fn not_found_model(model: &str) -> BackendError {
     BackendError {
         status: 404,
         kind: "invalid_request_error",

@@ -20,18 +20,15 @@ fn refs(h: &Headers) -> Vec<(&str, &str)> {
     h.iter().map(|(k, v)| (*k, v.as_str())).collect()
 }
 
-async fn send_failure<D: Downstream + ?Sized>(
+/// Send a refusal or error as a whole response, with `base` headers.
+pub async fn send_failure<D: Downstream + ?Sized>(
     down: &mut D,
     base: &Headers,
     f: &Failure,
 ) -> Result<(), Gone> {
     let mut h = refs(base);
-    h.push(("content-type", "application/json"));
-    let len = f.body.len().to_string();
-    h.push(("content-length", &len));
     h.extend(f.headers.iter().map(|(k, v)| (*k, v.as_str())));
-    down.head(f.status, &h).await?;
-    down.body(f.body.clone(), true).await
+    super::drive::respond(down, f.status, &h, f.body.clone()).await
 }
 
 /// A streamed (SSE) response.

@@ -187,13 +187,6 @@ impl EdgeProxy {
 }
 
 async fn fail(down: &mut Down<'_>, inc: &Incoming, f: &Failure) -> std::result::Result<(), Gone> {
-    let len = f.body.len().to_string();
-    let mut h: Vec<(&str, &str)> = vec![
-        ("x-request-id", inc.request_id.as_str()),
-        ("content-type", "application/json"),
-        ("content-length", len.as_str()),
-    ];
-    h.extend(f.headers.iter().map(|(k, v)| (*k, v.as_str())));
-    down.head(f.status, &h).await?;
-    down.body(f.body.clone(), true).await
+    let base = vec![("x-request-id", inc.request_id.clone())];
+    crate::inference::sinks::send_failure(down, &base, f).await
 }
