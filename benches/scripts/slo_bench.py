@@ -370,6 +370,7 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--rounds", type=int, default=1)
     ap.add_argument("--only", default="cold,ultra")
+    ap.add_argument("--modes", default="sla,legacy", help="which configs to run (a quick look: --modes sla)")
     ap.add_argument("--flood-n", type=int, default=200, help="(a) concurrent requests")
     ap.add_argument("--flood-tokens", type=int, default=128)
     ap.add_argument("--flood-c", type=int, default=64, help="(b) standard flood concurrency")
@@ -433,6 +434,7 @@ def main():
             preds = {"sla": {}, "legacy": {}}
             for rnd in range(a.rounds):
                 order = ("sla", "legacy") if rnd % 2 == 0 else ("legacy", "sla")
+                order = [m for m in order if m in a.modes.split(",")]
                 for scen in a.only.split(","):
                     for mode in order:
                         busy = wait_quiet(a.quiet_wait)

@@ -12,6 +12,7 @@ use crate::sampling::SamplingParams;
 use crate::scheduler::{Engine, EngineConfig, StepObserver};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
+use tokio::sync::mpsc::UnboundedReceiver;
 
 /// How to build one served model.
 #[derive(Debug, Clone)]
@@ -168,16 +169,39 @@ fn warm(engine: &Engine, lens: &[usize]) -> Result<(), String> {
             stop: Vec::new(),
             lane_rank: 0,
         };
-        let mut rx = engine.submit(req).map_err(|e| format!("warm-up: {e}"))?;
-        loop {
-            match rx.blocking_recv() {
-                Some(crate::api::Event::Done { .. }) | None => break,
-                Some(crate::api::Event::Error(e)) => return Err(format!("warm-up: {e}")),
-                Some(_) => {}
-            }
+        finish(engine.submit(req).map_err(|e| format!("warm-up: {e}"))?)?;
+    }
+    // Then a few short requests at once: decode steps of several sequences,
+    // so that the step-cost fit can tell a sequence's cost from a token's
+    // before the first real request is predicted.
+    let batch = engine.max_num_seqs().clamp(1, 8);
+    let rxs = (0..batch as u32)
+        .map(|i| {
+            let req = GenerateRequest {
+                prompt: vec![1 + i % (vocab - 1), 2 + i % (vocab - 2).max(1)],
+                max_tokens: 6,
+                sampling: SamplingParams {
+                    temperature: 0.0,
+                    ..SamplingParams::default()
+                },
+                stop: Vec::new(),
+                lane_rank: 0,
+            };
+            engine.submit(req).map_err(|e| format!("warm-up: {e}"))
+        })
+        .collect::<Result<Vec<_>, String>>()?;
+    rxs.into_iter().try_for_each(finish)
+}
+
+/// Wait for a warm-up request to end.
+fn finish(mut rx: UnboundedReceiver<crate::api::Event>) -> Result<(), String> {
+    loop {
+        match rx.blocking_recv() {
+            Some(crate::api::Event::Done { .. }) | None => return Ok(()),
+            Some(crate::api::Event::Error(e)) => return Err(format!("warm-up: {e}")),
+            Some(_) => {}
         }
     }
-    Ok(())
 }
 
 #[async_trait::async_trait]

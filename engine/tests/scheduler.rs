@@ -3,7 +3,8 @@
 //! right and returns every block, cancellation frees blocks, the ultra lane
 //! goes first (starting within two steps of a full engine, its prompt in a
 //! step of its own, worse lanes paused rather than recomputed and never held
-//! back for long), the step-cost model fits the steps, a repeated system
+//! back for long, a long worse-lane step giving way to an ultra arrival),
+//! the step-cost model fits the steps, a repeated system
 //! prompt is served from the prefix cache, and an impossible request is
 //! refused up front.
 
@@ -426,6 +427,53 @@ fn a_long_ultra_prompt_holds_standard_back_only_a_few_steps_in_a_row() {
 }
 
 #[test]
+fn an_ultra_arrival_stops_a_long_standard_step_and_runs_first() {
+    let (e, log) = observed(EngineConfig::default());
+    // One standard prompt of a few hundred tokens: one long step.
+    let long = format!(
+        "{} {}",
+        LONG[1],
+        "Mention every emperor and every war. ".repeat(40)
+    );
+    let std_prompt = prompt(&long);
+    assert!(std_prompt.len() > 300, "{}", std_prompt.len());
+    let standard = e.submit(req(std_prompt.clone(), 4, 1)).unwrap();
+    // Its step is in flight once the engine has published its size.
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while e.stats().last_step_tokens.load(Ordering::Relaxed) != std_prompt.len() {
+        assert!(Instant::now() < deadline, "the standard step never started");
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    let q = "Write one word that rhymes with cat.";
+    let mut standard = standard;
+    let ultra = started(e.submit(req(prompt(q), 6, 0)).unwrap());
+    // The ultra request's first token came before the standard prompt
+    // finished: the step in flight gave way instead of running to its end.
+    assert!(
+        standard.try_recv().is_err(),
+        "the standard step ran to its end first"
+    );
+    assert_eq!(e.stats().interrupted.load(Ordering::Relaxed), 1);
+    let (ids, _, _, _) = ultra.collect();
+    assert_matches_solo(&ids, q, 6);
+    // The standard prompt ran again, whole, and its answer is unchanged:
+    // the layers the stopped step had stored were overwritten alike.
+    let (ids, _, _, _) = collect(standard);
+    assert_matches_solo(&ids, &long, 4);
+    let steps = log.steps();
+    assert_eq!(ranks(&steps[0].1)[0].0, 0, "the first step run is ultra's");
+    // The stopped step is not counted as a step (no observer call, no cost
+    // sample): the whole prompt appears in exactly one finished step.
+    let whole = |w: &&(Duration, Vec<StepWork>)| {
+        w.1.iter()
+            .any(|w| w.lane_rank == 1 && w.tokens == std_prompt.len())
+    };
+    assert_eq!(steps.iter().filter(whole).count(), 1);
+    wait_idle(&e);
+    assert_eq!(e.pool_stats().used, 0);
+}
+
+#[test]
 fn the_step_cost_model_fits_the_steps() {
     let (e, log) = observed(EngineConfig::default());
     assert_eq!(e.step_cost().samples, 0);
@@ -439,14 +487,19 @@ fn the_step_cost_model_fits_the_steps() {
     assert_eq!(c.samples, steps.len() as u64);
     assert_eq!(c.samples, e.stats().steps.load(Ordering::Relaxed));
     assert!(c.fixed_s >= 0.0, "{c:?}");
-    assert!(c.per_token_s > 1e-5 && c.per_token_s < 0.1, "{c:?}");
+    assert!(
+        c.per_prompt_token_s > 1e-5 && c.per_prompt_token_s < 0.1,
+        "{c:?}"
+    );
+    assert!(c.per_decode_s > 1e-5 && c.per_decode_s < 0.5, "{c:?}");
     // The line accounts for the time the steps took (within a factor of
     // two over all of them; single steps are noisy on a shared machine).
     let tokens = |w: &[StepWork]| w.iter().map(|w| w.tokens).sum::<usize>();
+    let decodes = |w: &[StepWork]| w.iter().filter(|w| !w.prefill).count();
     let took: f64 = steps.iter().map(|(d, _)| d.as_secs_f64()).sum();
     let predicted: f64 = steps
         .iter()
-        .map(|(_, w)| c.predict(tokens(w)).as_secs_f64())
+        .map(|(_, w)| c.predict(decodes(w), tokens(w) - decodes(w)).as_secs_f64())
         .sum();
     assert!(
         predicted > took / 2.0 && predicted < took * 2.0,

@@ -128,11 +128,27 @@ pub struct SeqStep<'a> {
 impl Model {
     /// Run one step for `seqs`; returns each sequence's last-position logits.
     pub fn forward_paged(&self, kv: &mut PagedKv, seqs: &[SeqStep]) -> Result<Vec<Vec<f32>>> {
+        let run = self.forward_paged_until(kv, seqs, &|_| false)?;
+        run.ok_or_else(|| EngineError::Invalid("step stopped without a stop condition".into()))
+    }
+
+    /// [`forward_paged`](Self::forward_paged) that asks `stop(layer)` before
+    /// each layer and gives up (`Ok(None)`) when it says so, so that a
+    /// step can make way for more urgent work. Giving up loses nothing but
+    /// the layers already run: the keys and values they stored sit at
+    /// positions the sequences have not reached yet, and running the same
+    /// tokens again stores the same values before anything reads them.
+    pub fn forward_paged_until(
+        &self,
+        kv: &mut PagedKv,
+        seqs: &[SeqStep],
+        stop: &dyn Fn(usize) -> bool,
+    ) -> Result<Option<Vec<Vec<f32>>>> {
         let c = self.cfg.clone();
         let dev = Device::Cpu;
         let total: usize = seqs.iter().map(|s| s.tokens.len()).sum();
         if total == 0 {
-            return Ok(Vec::new());
+            return Ok(Some(Vec::new()));
         }
         let mut ids = Vec::with_capacity(total);
         let mut positions = Vec::with_capacity(total);
@@ -171,6 +187,9 @@ impl Model {
         }
         let d = kv.kv_dim;
         for layer in 0..c.n_layer {
+            if stop(layer) {
+                return Ok(None);
+            }
             let (q, k, v) = self.qkv(layer, &x, &cos, &sin)?;
             // Store this step's keys and values in their slots.
             let k_rows: Vec<f32> = k.flatten_all()?.to_vec1()?;
@@ -194,6 +213,6 @@ impl Model {
         }
         let idx = Tensor::from_slice(&last_rows, seqs.len(), &dev)?;
         let logits = self.head(&x.index_select(&idx, 0)?)?;
-        Ok(logits.to_vec2()?)
+        Ok(Some(logits.to_vec2()?))
     }
 }

@@ -88,7 +88,22 @@ pub struct EngineStats {
     pub paused: AtomicUsize,
     /// Waiting sequences by lane rank (ranks above 3 count as 3).
     pub waiting_by_rank: [AtomicUsize; 4],
+    /// Steps given up part way to start a better lane's request at once
+    /// (their work is run again in a later step).
+    pub interrupted: AtomicU64,
 }
+
+/// Lane ranks told apart by step interruption; worse ones count as the
+/// last.
+const RANKS: usize = 8;
+
+/// Requests submitted so far, by lane rank: a step in flight compares them
+/// with what it saw at its start to notice a better lane's arrival.
+type Arrivals = [AtomicU64; RANKS];
+
+/// Share of a step's layers after which a better lane's arrival no longer
+/// stops it: finishing costs less than what stopping would throw away.
+const STOP_BEFORE: (usize, usize) = (2, 3);
 
 /// One sequence's part of a step, as observers see it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -125,6 +140,7 @@ pub struct Engine {
     stats: Arc<EngineStats>,
     cost: Arc<cost::SharedCost>,
     cfg: EngineConfig,
+    arrivals: Arc<Arrivals>,
 }
 
 impl Engine {
@@ -146,7 +162,11 @@ impl Engine {
         // Built here, so its threads take this thread's priority before
         // lowering their own.
         let compute = threads::compute_pool()?;
+        let arrivals: Arc<Arrivals> = Arc::new(Default::default());
         let worker = Worker {
+            arrivals: arrivals.clone(),
+            guard_step: false,
+            gave_way: 0,
             rx,
             kv: PagedKv::new(&loaded.model, cfg.num_blocks, cfg.block_size),
             loaded: loaded.clone(),
@@ -175,6 +195,7 @@ impl Engine {
             stats,
             cost: shared_cost,
             cfg,
+            arrivals,
         })
     }
 
@@ -221,10 +242,14 @@ impl Engine {
             )));
         }
         let (etx, erx) = unbounded_channel();
+        let rank = (req.lane_rank as usize).min(RANKS - 1);
         let seq = Seq::new(req, etx);
         self.tx
             .send(Cmd::Submit(Box::new(seq)))
             .map_err(|_| EngineError::Invalid("engine stopped".into()))?;
+        // After the send: a step that sees the count finds the request
+        // queued when it stops.
+        self.arrivals[rank].fetch_add(1, Ordering::Release);
         Ok(erx)
     }
 
@@ -255,6 +280,13 @@ struct Worker {
     held_steps: u32,
     fit: cost::CostFit,
     shared_cost: Arc<cost::SharedCost>,
+    arrivals: Arc<Arrivals>,
+    /// The planned step is a guard step (never stopped for a better lane).
+    guard_step: bool,
+    /// Steps with worse-lane work given up in a row: at
+    /// [`MAX_HELD_STEPS`] the next one runs to its end, so a stream of
+    /// better-lane arrivals cannot stall the worse lanes.
+    gave_way: u32,
 }
 
 impl Worker {
@@ -330,9 +362,23 @@ impl Worker {
             .last_step_seqs
             .store(steps.len(), Ordering::Relaxed);
         self.stats.last_step_tokens.store(tokens, Ordering::Relaxed);
+        let stop = self.stop_rule(&chunks);
         let (model, kv) = (&self.loaded.model, &mut self.kv);
-        let result = self.compute.install(|| model.forward_paged(kv, &steps));
+        let result = self
+            .compute
+            .install(|| model.forward_paged_until(kv, &steps, &stop));
+        let result = match result {
+            Ok(None) => {
+                // A better lane arrived: plan again with it, at once.
+                self.stats.interrupted.fetch_add(1, Ordering::Relaxed);
+                self.gave_way += 1;
+                return;
+            }
+            Ok(Some(l)) => Ok(l),
+            Err(e) => Err(e),
+        };
         self.stats.steps.fetch_add(1, Ordering::Relaxed);
+        self.gave_way = 0;
         let elapsed = started.elapsed();
         self.record(elapsed, &chunks, result.is_ok());
         let logits = match result {
@@ -362,11 +408,43 @@ impl Worker {
         self.running.retain(|s| !s.finished);
     }
 
+    /// When the step about to run gives way: a request of a lane better than
+    /// the worst one in it arrived since planning, and most of its layers
+    /// are still to run. A guard step, or one of the best lane alone, never
+    /// gives way, nor one after [`MAX_HELD_STEPS`] given up in a row: the
+    /// worse lanes' progress depends on them.
+    fn stop_rule(&self, chunks: &[(usize, usize, Vec<u32>)]) -> impl Fn(usize) -> bool {
+        let worst = chunks
+            .iter()
+            .map(|(i, _, _)| (self.running[*i].req.lane_rank as usize).min(RANKS - 1))
+            .max()
+            .unwrap_or(0);
+        let better = match self.guard_step || self.gave_way >= MAX_HELD_STEPS {
+            true => 0,
+            false => worst,
+        };
+        let arrivals = self.arrivals.clone();
+        let seen = move |a: &Arrivals| -> u64 {
+            a[..better].iter().map(|c| c.load(Ordering::Acquire)).sum()
+        };
+        let at_start = seen(&arrivals);
+        let layers = self.loaded.model.cfg.n_layer;
+        let until = layers * STOP_BEFORE.0 / STOP_BEFORE.1;
+        move |layer| better > 0 && layer < until && seen(&arrivals) != at_start
+    }
+
     /// Feed a finished step to the cost model and the observer.
     fn record(&mut self, elapsed: Duration, chunks: &[(usize, usize, Vec<u32>)], ok: bool) {
         let tokens = chunks.iter().map(|c| c.2.len()).sum();
         if ok {
-            self.fit.observe(tokens, elapsed);
+            // A decode is the last token of its sequence; anything else is
+            // a chunk of a prompt (or of a recompute).
+            let decoding = |(i, start, toks): &&(usize, usize, Vec<u32>)| {
+                self.running[*i].tokens.len() - start == 1 && toks.len() == 1
+            };
+            let decodes = chunks.iter().filter(decoding).count();
+            let prompt = tokens - decodes;
+            self.fit.observe(decodes, prompt, elapsed);
             self.shared_cost.publish(self.fit.cost());
         }
         let Some(o) = &self.observer else { return };

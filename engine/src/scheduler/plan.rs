@@ -50,6 +50,7 @@ impl Worker {
         let max_seqs = self.cfg.max_num_seqs.max(1);
         let mut budget = self.cfg.max_batched_tokens.max(1);
         let guard = self.held_steps >= MAX_HELD_STEPS;
+        self.guard_step = guard;
         // Tokens kept for decodes that have a slot (guard steps only).
         let mut reserve = match guard {
             true => self.decodes_in(max_seqs).min(budget),

@@ -1,13 +1,20 @@
 //! The engine's compute threads run below the proxy's.
 //!
 //! The engine thread and the rayon pool that runs the model kernels (its
-//! own pool, not rayon's global one: every step runs inside it) each raise
-//! their nice value by [`NICE_INCREMENT`] when they start. The proxy's
-//! network threads keep theirs, so when both want the CPU the scheduler
-//! favours the network and a busy engine slows its own steps rather than
-//! every request the proxy relays. Threads take their creator's nice value
-//! and all of these are created by the thread that starts the engine, so
-//! each ends at the creator's value plus the increment.
+//! own pool, not rayon's global one: every step runs inside it) each move
+//! to Linux's `SCHED_IDLE` policy when they start, and raise their nice
+//! value by [`NICE_INCREMENT`] (what counts where `SCHED_IDLE` is refused).
+//! The proxy's network threads keep theirs, so a network thread that wakes
+//! takes the CPU from a compute thread at once, and a busy engine slows its
+//! own steps rather than every request the proxy relays. A nice value
+//! alone was not enough: with both cores in a step, 200 requests arriving
+//! together waited 100-170 ms for their refusals (20 ms without the
+//! engine's work), since a thread only a few nice levels better does not
+//! always preempt at wake-up. `SCHED_IDLE` threads still get a sliver of
+//! CPU when the proxy is saturated, so the engine never stops outright.
+//! Threads take their creator's nice value and all of these are created by
+//! the thread that starts the engine, so each ends at the creator's value
+//! plus the increment.
 //!
 //! Failure (a sandbox forbidding it, a platform without per-thread nice
 //! values) is logged once and otherwise ignored: priorities are a
@@ -29,15 +36,40 @@ pub(super) fn compute_pool() -> Result<rayon::ThreadPool> {
         .map_err(|e| EngineError::Invalid(format!("cannot start the engine's threads: {e}")))
 }
 
-/// Lower the calling thread's priority by [`NICE_INCREMENT`]; on failure,
-/// warn the first time.
+/// Move the calling thread to `SCHED_IDLE` and lower its priority by
+/// [`NICE_INCREMENT`]; on failure, warn the first time.
 pub(super) fn lower_this_thread() {
     static WARNED: AtomicBool = AtomicBool::new(false);
-    if let Err(e) = renice_this_thread(NICE_INCREMENT) {
+    let r = renice_this_thread(NICE_INCREMENT).and(idle_policy_this_thread());
+    if let Err(e) = r {
         if !WARNED.swap(true, Ordering::Relaxed) {
             log::warn!("engine: cannot lower the compute threads' priority: {e}");
         }
     }
+}
+
+/// Put the calling thread under `SCHED_IDLE`.
+#[cfg(target_os = "linux")]
+#[allow(unsafe_code)]
+fn idle_policy_this_thread() -> std::io::Result<()> {
+    let param = libc::sched_param { sched_priority: 0 };
+    // SAFETY: `param` is a valid sched_param that outlives the call; on
+    // Linux pid 0 names the calling thread only.
+    let rc = unsafe { libc::sched_setscheduler(0, libc::SCHED_IDLE, &param) };
+    if rc == 0 {
+        Ok(())
+    } else {
+        Err(std::io::Error::last_os_error())
+    }
+}
+
+/// No such policy elsewhere.
+#[cfg(not(target_os = "linux"))]
+fn idle_policy_this_thread() -> std::io::Result<()> {
+    Err(std::io::Error::new(
+        std::io::ErrorKind::Unsupported,
+        "SCHED_IDLE is Linux-only",
+    ))
 }
 
 /// Add `by` to the calling thread's nice value.
@@ -91,5 +123,10 @@ mod tests {
         let inside = pool.install(nice);
         assert_eq!(inside, (before + NICE_INCREMENT).min(19));
         assert_eq!(nice(), before, "the creating thread was reniced");
+        #[allow(unsafe_code)]
+        // SAFETY: no arguments but the calling thread's id (0).
+        let policy = || unsafe { libc::sched_getscheduler(0) };
+        assert_eq!(pool.install(policy), libc::SCHED_IDLE);
+        assert_eq!(policy(), libc::SCHED_OTHER, "the creating thread moved");
     }
 }

@@ -56,6 +56,7 @@ pub struct InferenceMetrics {
     kv_blocks: IntGaugeVec,
     prefix_hit: GaugeVec,
     preemptions: IntCounterVec,
+    interrupted: IntCounterVec,
     engine_queue: IntGaugeVec,
     startup: GaugeVec,
     ready: IntGaugeVec,
@@ -63,8 +64,8 @@ pub struct InferenceMetrics {
 }
 
 /// An engine exported on scrape: the service, its model name, and the
-/// preemption count already added to the counter.
-type Watched = (Arc<EngineService>, String, u64);
+/// (preemption, interrupted step) counts already added to the counters.
+type Watched = (Arc<EngineService>, String, [u64; 2]);
 
 /// Feeds engine steps into the histograms.
 pub struct Steps {
@@ -202,6 +203,11 @@ impl InferenceMetrics {
                 "Sequences preempted (recomputed later).",
                 &["model"],
             ),
+            interrupted: icv(
+                "ultrafast_engine_steps_interrupted_total",
+                "Steps given up part way so that a better lane's new request starts at once.",
+                &["model"],
+            ),
             engine_queue: igv(
                 "ultrafast_engine_queue_depth",
                 "Sequences waiting in the engine, by lane rank.",
@@ -232,13 +238,13 @@ impl InferenceMetrics {
 
     /// Export an engine's gauges on every scrape.
     pub fn watch(&self, name: &str, svc: Arc<EngineService>) {
-        self.engines.lock().push((svc, name.to_string(), 0));
+        self.engines.lock().push((svc, name.to_string(), [0; 2]));
     }
 
     /// Read engine counters into the gauges (called on scrape).
     pub fn refresh(&self) {
         let mut engines = self.engines.lock();
-        for (svc, name, seen_preempt) in engines.iter_mut() {
+        for (svc, name, seen) in engines.iter_mut() {
             let name = name.as_str();
             let ready = svc.readiness() == Readiness::Ready;
             self.ready.with_label_values(&[name]).set(ready as i64);
@@ -272,11 +278,17 @@ impl InferenceMetrics {
             };
             self.prefix_hit.with_label_values(&[name]).set(ratio);
             let s = e.stats();
-            let pre = s.preemptions.load(Ordering::Relaxed);
-            self.preemptions
-                .with_label_values(&[name])
-                .inc_by(pre.saturating_sub(*seen_preempt));
-            *seen_preempt = pre;
+            let counters = [
+                (&self.preemptions, &s.preemptions),
+                (&self.interrupted, &s.interrupted),
+            ];
+            for ((family, count), seen) in counters.into_iter().zip(seen.iter_mut()) {
+                let now = count.load(Ordering::Relaxed);
+                family
+                    .with_label_values(&[name])
+                    .inc_by(now.saturating_sub(*seen));
+                *seen = now;
+            }
             for (rank, n) in s.waiting_by_rank.iter().enumerate() {
                 let r = rank.to_string();
                 self.engine_queue

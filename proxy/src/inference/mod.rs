@@ -88,8 +88,8 @@ impl Front {
 pub fn live_cost(c: ultrafast_engine::scheduler::StepCost) -> predict::Cost {
     predict::Cost {
         step_fixed_s: c.fixed_s,
-        step_per_seq_s: c.per_token_s,
-        prefill_per_token_s: c.per_token_s,
+        step_per_seq_s: c.per_decode_s,
+        prefill_per_token_s: c.per_prompt_token_s,
         chunk: None,
     }
 }

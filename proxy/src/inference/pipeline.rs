@@ -17,6 +17,10 @@ use crate::config::Config;
 use crate::metrics::Metrics;
 use crate::routing::Route;
 use serde_json::json;
+
+/// Output a request without `max_tokens` is taken to want while its place
+/// is claimed before tokenizing (the backend sizes it for real after).
+const CLAIM_MAX_TOKENS: usize = 256;
 use std::net::IpAddr;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -171,10 +175,13 @@ impl Front {
         // A backend too busy for even a one-token prompt refuses before
         // the prompt is tokenized: a flood is shed at the cost of parsing.
         let live = backend.step_cost().map(super::live_cost);
-        admit::precheck(lanes, lane, &model.latency, live).map_err(|m| {
-            metrics.shed(&lanes[m.lane()].name, "slo");
-            m.failure(lanes)
-        })?;
+        let estimate = admit::estimate_tokens(&req.prompt);
+        let max_out = req.max_tokens.unwrap_or(CLAIM_MAX_TOKENS);
+        let claim =
+            admit::precheck(lanes, lane, &model.latency, live, estimate, max_out).map_err(|m| {
+                metrics.shed(&lanes[m.lane()].name, "slo");
+                m.failure(lanes)
+            })?;
         // The engine tokenizes and renders the template here: off the
         // request runtime, so a long prompt never stalls other requests.
         let prepared = if backend.kind() == "engine" {
@@ -196,6 +203,7 @@ impl Front {
             live,
             prepared.prompt_tokens,
             prepared.max_tokens,
+            claim,
         )
         .map_err(|m| {
             let reason = match m {

@@ -27,8 +27,7 @@
 //! other. Every piece is monotone in the work ahead (property-tested).
 
 use parking_lot::Mutex;
-use std::cmp::Reverse;
-use std::collections::{BTreeMap, BinaryHeap};
+use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -72,99 +71,6 @@ pub struct Work {
     pub output: f64,
     /// Holds a backend slot (dispatched).
     pub running: bool,
-}
-
-/// Predicted TTFT of a request of `rank` with `prompt` tokens, behind
-/// `ahead` (in arrival order; entries of worse lanes are skipped), on a
-/// backend with `slots` concurrent sequences. Pure: the property tests
-/// drive it directly.
-///
-/// The work ahead is list-scheduled onto `slots` idle slots: running work
-/// first (in arrival order; beyond the slots it waits in the backend's own
-/// queue), then queued work, better lanes first. The request starts at the
-/// earliest free slot, but not before the prompts ahead of it are
-/// prefilled (prefill is served in order); it also waits out the step in
-/// flight. Inserting any work anywhere in the list can only delay every
-/// slot (the sorted free times dominate), so the result is monotone.
-pub fn predict(cost: &Cost, slots: usize, ahead: &[Work], rank: u32, prompt: usize) -> f64 {
-    let slots = slots.max(1);
-    let mut order: Vec<&Work> = ahead
-        .iter()
-        .filter(|w| w.rank <= rank && w.running)
-        .collect();
-    let mut queued: Vec<&Work> = ahead
-        .iter()
-        .filter(|w| w.rank <= rank && !w.running)
-        .collect();
-    // Better lanes first, then arrival order (the sort is stable).
-    queued.sort_by_key(|w| w.rank);
-    order.extend(queued);
-    let b = slots.min(order.len() + 1);
-    // While prompts are still to be prefilled, steps are full (the spare
-    // token budget goes to prefill chunks): each sequence advances one
-    // token per full step. Otherwise a step is just the decodes.
-    let busy = order.iter().any(|w| w.prefill > 0 || !w.running);
-    let step = match cost.chunk {
-        Some(c) if busy => cost.step(b.max(c)),
-        _ => cost.step(b),
-    };
-    // Slots beyond the work ahead plus this request stay free: leave them
-    // out (an unlimited upstream has a million).
-    let mut free: BinaryHeap<Reverse<Secs>> = (0..slots.min(order.len() + 1))
-        .map(|_| Reverse(Secs(0.0)))
-        .collect();
-    let mut prefill_ahead = 0usize;
-    for w in &order {
-        prefill_ahead += w.prefill;
-        let Reverse(Secs(t)) = free.pop().unwrap_or(Reverse(Secs(0.0)));
-        let done = t + cost.prefill_per_token_s * w.prefill as f64 + w.output * step;
-        free.push(Reverse(Secs(done)));
-    }
-    let Reverse(Secs(start)) = free.pop().unwrap_or(Reverse(Secs(0.0)));
-    // Sequences decoding beside the prefill: once the request had to wait
-    // for a slot, every other slot; before that, those running now.
-    let decoding = if start > 0.0 {
-        b - 1
-    } else {
-        order
-            .iter()
-            .filter(|w| w.running && w.prefill == 0)
-            .count()
-            .min(b - 1)
-    };
-    let prefilled = if prefill_ahead > 0 {
-        cost.prefill(prefill_ahead, decoding)
-    } else {
-        0.0
-    };
-    // The step in flight when the request arrives (idle: none): all
-    // running sequences, or a whole prompt chunk if one is being prefilled.
-    let running: Vec<&Work> = ahead.iter().filter(|w| w.running).collect();
-    let in_flight = if running.is_empty() {
-        0.0
-    } else {
-        let seqs = cost.step(running.len().min(slots));
-        match cost.chunk {
-            Some(c) if running.iter().any(|w| w.prefill > 0) => seqs.max(cost.step(c)),
-            _ => seqs,
-        }
-    };
-    in_flight + start.max(prefilled) + cost.prefill(prompt, decoding)
-}
-
-/// Seconds as an ordered heap key (never NaN: built from finite sums).
-#[derive(Debug, Clone, Copy, PartialEq)]
-struct Secs(f64);
-impl Eq for Secs {}
-impl PartialOrd for Secs {
-    fn partial_cmp(&self, o: &Self) -> Option<std::cmp::Ordering> {
-        Some(self.cmp(o))
-    }
-}
-impl Ord for Secs {
-    fn cmp(&self, o: &Self) -> std::cmp::Ordering {
-        self.0.total_cmp(&o.0)
-    }
 }
 
 /// An exponentially weighted least-squares fit of `y = a + c x`.
@@ -354,6 +260,9 @@ impl Latency {
     /// such a lane is active (a request in the last ten seconds), the
     /// share of the slots it keeps for itself is not counted for this one,
     /// since its next request will take it.
+    /// `claim`, the request's place taken by [`claim`](Self::claim) before
+    /// tokenizing, keeps its arrival order and gives way to the real entry
+    /// (or leaves the ledger on a refusal).
     #[allow(clippy::too_many_arguments)]
     pub fn admit(
         self: &Arc<Self>,
@@ -363,17 +272,31 @@ impl Latency {
         max_out: usize,
         target: Option<Duration>,
         reserved: &[(u32, f64)],
+        claim: Option<Ticket>,
     ) -> (Verdict, Option<Ticket>) {
         let cost = self.cost(live);
         let mut l = self.ledger.lock();
-        let p = self.forecast(&mut l, &cost, rank, prompt, reserved);
+        // The claim stands for this very request: not work ahead of it.
+        if let Some(t) = &claim {
+            l.entries.remove(&t.id);
+        }
+        let place = claim.as_ref().map_or(l.next, |t| t.id);
+        let p = self.forecast(&mut l, &cost, rank, prompt, reserved, place);
         if target.is_some_and(|t| p > t) {
+            // The claim (if any) is dropped after the lock: its entry is
+            // already gone.
+            drop(l);
             return (Verdict::Busy(p), None);
         }
-        let id = l.next;
-        l.next += 1;
+        let ticket = claim.unwrap_or_else(|| {
+            l.next += 1;
+            Ticket {
+                model: self.clone(),
+                id: l.next - 1,
+            }
+        });
         l.entries.insert(
-            id,
+            ticket.id,
             Entry {
                 rank,
                 prompt,
@@ -383,28 +306,54 @@ impl Latency {
                 running: false,
             },
         );
-        let ticket = Ticket {
-            model: self.clone(),
-            id,
-        };
         (Verdict::Admit(p), Some(ticket))
     }
 
-    /// The prediction without taking a place, for the smallest possible
-    /// prompt: the prediction is monotone in the prompt, so when this is
-    /// already beyond `target` the request is refused before any work that
-    /// grows with it (tokenizing). Marks the lane active.
-    pub fn busy_even_for_one_token(
-        &self,
+    /// Before the prompt is tokenized: the prediction for the smallest
+    /// possible prompt, which is a lower bound (the prediction grows with
+    /// the prompt). Beyond `target`: `Err(prediction)`, the request can be
+    /// refused before any work that grows with it. Within: the request
+    /// takes a place in the ledger at once, sized by `estimate` (its
+    /// prompt's likely token count), so that requests arriving while it is
+    /// tokenized count it ahead of them, as they would had it been
+    /// tokenized in no time; [`admit`](Self::admit) settles it. Without
+    /// the place, a flood's first hundred requests all passed this check
+    /// before the first was tokenized, and each waited its turn in the
+    /// tokenizer to be refused. Marks the lane active.
+    #[allow(clippy::too_many_arguments)]
+    pub fn claim(
+        self: &Arc<Self>,
         live: Option<Cost>,
         rank: u32,
+        estimate: usize,
+        max_out: usize,
         target: Duration,
         reserved: &[(u32, f64)],
-    ) -> Option<Duration> {
+    ) -> Result<Ticket, Duration> {
         let cost = self.cost(live);
         let mut l = self.ledger.lock();
-        let p = self.forecast(&mut l, &cost, rank, 1, reserved);
-        (p > target).then_some(p)
+        let place = l.next;
+        let p = self.forecast(&mut l, &cost, rank, 1, reserved, place);
+        if p > target {
+            return Err(p);
+        }
+        let id = l.next;
+        l.next += 1;
+        l.entries.insert(
+            id,
+            Entry {
+                rank,
+                prompt: estimate.max(1),
+                max_out,
+                generated: 0,
+                first_token: false,
+                running: false,
+            },
+        );
+        Ok(Ticket {
+            model: self.clone(),
+            id,
+        })
     }
 
     /// Predict against the ledger as it is, counting out the slots of
@@ -416,6 +365,7 @@ impl Latency {
         rank: u32,
         prompt: usize,
         reserved: &[(u32, f64)],
+        place: u64,
     ) -> Duration {
         let now = std::time::Instant::now();
         let active = |r: u32| {
@@ -431,10 +381,13 @@ impl Latency {
         let slots = self.slots.saturating_sub(held).max(1);
         l.last_seen[(rank as usize).min(7)] = Some(now);
         let share = l.output_share;
+        // Queued requests of this lane that arrived later (their claims
+        // were made while this one was tokenized) wait behind it.
         let ahead: Vec<Work> = l
             .entries
-            .values()
-            .map(|e| Work {
+            .iter()
+            .filter(|(id, e)| e.running || e.rank < rank || **id < place)
+            .map(|(_, e)| Work {
                 rank: e.rank,
                 prefill: if e.first_token { 0 } else { e.prompt },
                 output: (e.max_out as f64 * share - e.generated as f64).max(1.0),
@@ -510,6 +463,10 @@ impl Drop for Ticket {
         self.model.ledger.lock().entries.remove(&self.id);
     }
 }
+
+#[path = "predict_sim.rs"]
+mod sim;
+pub use sim::predict;
 
 #[cfg(test)]
 #[path = "predict_tests.rs"]

@@ -19,11 +19,12 @@ fn live(slots: usize) -> Arc<Latency> {
 #[test]
 fn idle_is_own_prefill() {
     let c = cpu();
+    // One step with its 30 prompt tokens, no decodes.
     let t = predict(&c, 8, &[], 1, 30);
-    assert!((t - (0.007 + 30.0 * 0.0058)).abs() < 1e-9, "{t}");
+    assert!((t - (c.step(0) + 30.0 * 0.0058)).abs() < 1e-9, "{t}");
     // 100 tokens in chunks of 32: four steps.
     let t = predict(&c, 8, &[], 1, 100);
-    assert!((t - (4.0 * 0.007 + 100.0 * 0.0058)).abs() < 1e-9, "{t}");
+    assert!((t - (4.0 * c.step(0) + 100.0 * 0.0058)).abs() < 1e-9, "{t}");
 }
 
 #[test]
@@ -37,14 +38,43 @@ fn full_slots_wait_for_the_first_to_finish() {
     };
     let ahead = [busy(100.0), busy(10.0)];
     let t = predict(&c, 2, &ahead, 1, 10);
-    // Starts when the 10-token one ends: 10 steps at b = 2, after the
-    // step in flight.
-    let step = c.step(2);
-    let expect = c.step(2) + 10.0 * step + c.prefill(10, 1);
+    // The step in flight, 10 steps of both decoding until the shorter one
+    // ends, then one step of the other's decode beside this prompt.
+    let expect = c.step(2) + 10.0 * c.step(2) + c.step(1) + 10.0 * 0.0058;
     assert!((t - expect).abs() < 1e-9, "{t} vs {expect}");
     // A better lane does not count the worse lane's work.
     let u = predict(&c, 2, &ahead, 0, 10);
     assert!(u < t);
+}
+
+#[test]
+fn prompts_that_start_decoding_slow_the_prompts_behind_them() {
+    // Twelve prompts of 100 tokens arrive together on a 24-token budget:
+    // each one that finishes decodes beside the rest, so every later
+    // prompt gets fewer tokens a step. A sum of idle prefill times (what
+    // the model predicted before) is far too low for the last one.
+    let c = Cost {
+        chunk: Some(24),
+        ..cpu()
+    };
+    let queued = Work {
+        rank: 1,
+        prefill: 100,
+        output: 128.0,
+        running: false,
+    };
+    let ahead = vec![queued; 11];
+    let t = predict(&c, 16, &ahead, 1, 100);
+    let idle_sum = 12.0 * predict(&c, 16, &[], 1, 100);
+    assert!(t > 1.25 * idle_sum, "{t} vs {idle_sum}");
+    // Tokens per step: 24 while prompts remain, k decoders and 24 - k
+    // prompt tokens; 1200 prompt tokens, 11 prompts turning into
+    // decoders: between 1200 / 24 and 1200 / (24 - 11) steps.
+    let steps = t / (c.step(0) + 24.0 * 0.0058);
+    assert!(
+        steps > 1200.0 / 24.0 && steps < 1200.0 / 13.0 + 1.0,
+        "{steps}"
+    );
 }
 
 #[test]
@@ -55,7 +85,7 @@ fn ledger_admits_until_the_target_then_refuses() {
     let mut held = Vec::new();
     let mut refused = 0;
     for _ in 0..10 {
-        match m.admit(Some(cpu()), 1, 30, 128, target, &[]) {
+        match m.admit(Some(cpu()), 1, 30, 128, target, &[], None) {
             (Verdict::Admit(p), Some(t)) => {
                 assert!(p <= limit);
                 t.dispatched();
@@ -82,7 +112,7 @@ fn a_better_lanes_reserve_counts_only_while_it_is_active() {
     let fill = |n: usize| -> Vec<Ticket> {
         (0..n)
             .map(|_| {
-                let (_, t) = m.admit(Some(cpu()), 1, 30, 100, None, &reserve);
+                let (_, t) = m.admit(Some(cpu()), 1, 30, 100, None, &reserve, None);
                 let t = t.unwrap();
                 t.dispatched();
                 t
@@ -90,11 +120,11 @@ fn a_better_lanes_reserve_counts_only_while_it_is_active() {
             .collect()
     };
     let held = fill(2);
-    let idle_ultra = m.admit(Some(cpu()), 1, 30, 100, None, &reserve).0;
+    let idle_ultra = m.admit(Some(cpu()), 1, 30, 100, None, &reserve, None).0;
     // An ultra request marks its lane active: now two of the four
     // slots are its, and the standard request waits for a slot.
-    drop(m.admit(Some(cpu()), 0, 10, 4, None, &[]));
-    let busy_ultra = m.admit(Some(cpu()), 1, 30, 100, None, &reserve).0;
+    drop(m.admit(Some(cpu()), 0, 10, 4, None, &[], None));
+    let busy_ultra = m.admit(Some(cpu()), 1, 30, 100, None, &reserve, None).0;
     let p = |v: Verdict| match v {
         Verdict::Admit(p) | Verdict::Busy(p) => p,
     };
@@ -109,7 +139,7 @@ fn a_better_lanes_reserve_counts_only_while_it_is_active() {
 fn learned_upstream_follows_its_streams() {
     let m = Arc::new(Latency::new(true, 4, None, 1000.0, 10.0));
     assert!((m.cost(None).step(1) - 0.1).abs() < 0.01);
-    let (_, t) = m.admit(None, 1, 100, 50, None, &[]);
+    let (_, t) = m.admit(None, 1, 100, 50, None, &[], None);
     let t = t.unwrap();
     t.dispatched();
     t.token(None, Some(Duration::from_millis(300)));
@@ -133,10 +163,23 @@ fn work() -> impl Strategy<Value = Work> {
     )
 }
 
-proptest! {
-    #![proptest_config(ProptestConfig { cases: 500, ..ProptestConfig::default() })]
+/// How much sooner more work may predict: one step of a full budget. The
+/// replay is continuous batching, and that has scheduling anomalies of its
+/// own: a prompt ahead delays the prompts behind it, which then start
+/// decoding later and take less of each step's budget while this request
+/// prefills, and a short request can change which slot frees first. Over
+/// 200,000 random cases with the engine's cost shape the largest gain was
+/// 0.2% of the prediction (0.2 of a step), and 0.44 of a step in floods of
+/// equal prompts; the bound is what the tests hold it to.
+fn grain(c: &Cost, slots: usize) -> f64 {
+    1e-9 + c.step(slots) + c.prefill_per_token_s * c.chunk.unwrap_or(0) as f64
+}
 
-    /// More work ahead never makes the prediction shorter.
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 2000, ..ProptestConfig::default() })]
+
+    /// More work ahead never makes the prediction shorter, beyond the
+    /// replay's grain (see `grain`); a longer own prompt never does.
     #[test]
     fn monotone_in_the_work_ahead(
         ahead in proptest::collection::vec(work(), 0..40),
@@ -153,7 +196,7 @@ proptest! {
         let mut more = ahead.clone();
         more.insert(at.min(more.len()), extra);
         let after = predict(&c, slots, &more, rank, prompt);
-        prop_assert!(after + 1e-9 >= before, "{} < {}", after, before);
+        prop_assert!(after + grain(&c, slots) >= before, "{} < {}", after, before);
         // A longer own prompt never predicts sooner either.
         prop_assert!(predict(&c, slots, &ahead, rank, prompt + 1) + 1e-9 >= before);
     }
@@ -168,7 +211,7 @@ proptest! {
         let mut held = Vec::new();
         for (rank, prompt, max_out, target_ms, dispatch) in reqs {
             let target = Duration::from_millis(target_ms);
-            match m.admit(Some(cpu()), rank, prompt, max_out, Some(target), &[]) {
+            match m.admit(Some(cpu()), rank, prompt, max_out, Some(target), &[], None) {
                 (Verdict::Admit(p), Some(t)) => {
                     prop_assert!(p <= target);
                     if dispatch { t.dispatched(); }
