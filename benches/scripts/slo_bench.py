@@ -284,12 +284,15 @@ def ultra(a, tmp, name, legacy, env, rnd):
     with Server(a, tmp, f"ultra-{name}-{rnd}", legacy, env) as srv:
         u = {"name": "ultra", "lane": "ultra", "prompt": a.ultra_prompt, "max_tokens": a.ultra_tokens,
              "timeout_ms": 60000, "extra": a.extra}
-        base, _ = flood(a, srv, tmp, f"ultra-unloaded-{name}-{rnd}", [{**u, "concurrency": 1, "count": a.ultra_n}], 120)
+        # Markers 100.. alone and 200.. under the flood: the same number of
+        # digits, and no ultra prompt under the flood is in the prefix cache
+        # from the unloaded run (that made the loaded ones look faster).
+        base, _ = flood(a, srv, tmp, f"ultra-unloaded-{name}-{rnd}", [{**u, "concurrency": 1, "count": a.ultra_n, "marker_base": 100}], 120)
         fl = {"name": "standard", "concurrency": a.flood_c, "count": 1_000_000, "duration_s": a.flood_s, "lane": "standard",
               "prompt": a.prompt, "max_tokens": a.flood_tokens, "timeout_ms": min(a.request_timeout, a.flood_s + 60) * 1000,
               "honor_retry_after": True, "max_backoff_ms": 2000, "extra": a.extra}
         n_ultra = max(1, int((a.flood_s - a.ultra_delay) * a.ultra_rate))
-        ug = {**u, "rate": a.ultra_rate, "count": n_ultra, "start_delay_ms": a.ultra_delay * 1000}
+        ug = {**u, "rate": a.ultra_rate, "count": n_ultra, "start_delay_ms": a.ultra_delay * 1000, "marker_base": 200}
         recs, cpu = flood(a, srv, tmp, f"ultra-loaded-{name}-{rnd}", [fl, ug], a.flood_s + min(a.request_timeout, a.flood_s + 60) + 10)
     unl = [r["ttft_ms"] for r in base if r["status"] == 200 and r["ttft_ms"] is not None]
     ur = [r for r in recs if r["group"] == "ultra"]

@@ -183,9 +183,10 @@ fn steps_mode(l: Arc<Loaded>, ctx: usize) {
     }
     let c = e.step_cost();
     println!(
-        "fitted: {:.2} ms + {:.3} ms/token over {} steps; {} threads",
+        "fitted: {:.2} ms + {:.3} ms/decode + {:.3} ms/prompt token over {} steps; {} threads",
         c.fixed_s * 1000.0,
-        c.per_token_s * 1000.0,
+        c.per_decode_s * 1000.0,
+        c.per_prompt_token_s * 1000.0,
         c.samples,
         std::thread::available_parallelism().map_or(1, |n| n.get())
     );

@@ -6,6 +6,7 @@
 //! "model": NAME, "run_cap_s": 300, "groups": [GROUP, ...]}`; a group:
 //! `{"name", "concurrency": N | "rate": PER_S, "count": N, "duration_s",
 //! "start_delay_ms", "lane", "prompt", "prompt_repeat", "unique_prompt",
+//! "marker_base",
 //! "max_tokens", "stream", "timeout_ms", "honor_retry_after",
 //! "max_backoff_ms", "headers": {..}, "extra": {..}}` (`extra` is merged
 //! into the request body, e.g. `{"temperature": 0}`). Unknown keys are errors, so a typo
@@ -61,6 +62,9 @@ pub struct Template {
     body_pre: String,
     body_post: String,
     unique: bool,
+    /// Added to the request index in the marker, so that two groups with
+    /// the same prompt never share a prefix-cache entry either.
+    base: u64,
 }
 
 /// Where the marker goes in the rendered body.
@@ -70,7 +74,7 @@ impl Template {
     /// Request `i`'s bytes.
     pub fn render(&self, i: u64) -> Vec<u8> {
         let id = if self.unique {
-            format!("#{i}: ")
+            format!("#{}: ", self.base + i)
         } else {
             String::new()
         };
@@ -110,6 +114,7 @@ const GROUP_KEYS: &[&str] = &[
     "prompt",
     "prompt_repeat",
     "unique_prompt",
+    "marker_base",
     "max_tokens",
     "stream",
     "timeout_ms",
@@ -268,6 +273,7 @@ fn group(
         body_pre: body_pre.into(),
         body_post: body_post.into(),
         unique: flag(o, "unique_prompt", &at, true)?,
+        base: num(o, "marker_base", &at)?.unwrap_or(0.0).max(0.0) as u64,
     };
     Ok(Rc::new(Group {
         name: text(o, "name", &at)?.unwrap_or(format!("g{i}")),
@@ -334,6 +340,10 @@ mod tests {
         assert!(!r1.contains("X-Request-Priority"));
         assert!(r1.contains("\"temperature\":0"));
         assert!(r1.contains("\"content\":\"Hello\""));
+        let g2 = json!({"concurrency": 1, "count": 1, "prompt": "hi", "marker_base": 200});
+        let s = parse(&json!({"target": "127.0.0.1:9", "groups": [g2]})).unwrap();
+        let r2 = String::from_utf8(s.groups[0].request.render(3)).unwrap();
+        assert!(r2.contains("\"content\":\"#203: hi\""), "{r2}");
     }
 
     #[test]

@@ -145,10 +145,11 @@ fn solve_on(a: &[[f64; 3]; 3], b: &[f64; 3], free: &[bool; 3]) -> [f64; 3] {
         if m[c][c].abs() < 1e-300 {
             continue;
         }
-        for r in c + 1..n {
-            let f = m[r][c] / m[c][c];
-            for k in c..=n {
-                m[r][k] -= f * m[c][k];
+        let pivot = m[c].clone();
+        for row in m.iter_mut().skip(c + 1) {
+            let f = row[c] / pivot[c];
+            for (x, p) in row.iter_mut().zip(&pivot).skip(c) {
+                *x -= f * p;
             }
         }
     }

@@ -101,10 +101,6 @@ const RANKS: usize = 8;
 /// with what it saw at its start to notice a better lane's arrival.
 type Arrivals = [AtomicU64; RANKS];
 
-/// Share of a step's layers after which a better lane's arrival no longer
-/// stops it: finishing costs less than what stopping would throw away.
-const STOP_BEFORE: (usize, usize) = (2, 3);
-
 /// One sequence's part of a step, as observers see it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct StepWork {
@@ -211,7 +207,7 @@ impl Engine {
     }
 
     /// The current estimate of a step's duration on this machine (see
-    /// [`StepCost`]); lock-free, for any thread.
+    /// [`StepCost`]); for any thread (a short lock).
     pub fn step_cost(&self) -> StepCost {
         self.cost.load()
     }
@@ -409,8 +405,10 @@ impl Worker {
     }
 
     /// When the step about to run gives way: a request of a lane better than
-    /// the worst one in it arrived since planning, and most of its layers
-    /// are still to run. A guard step, or one of the best lane alone, never
+    /// the worst one in it arrived since planning. At any layer: stopping
+    /// late throws more work away, but an ultra request waiting out the
+    /// last third of a 200 ms step was most of its tail; the waste is at
+    /// most one partial step per better-lane arrival. A guard step, or one of the best lane alone, never
     /// gives way, nor one after [`MAX_HELD_STEPS`] given up in a row: the
     /// worse lanes' progress depends on them.
     fn stop_rule(&self, chunks: &[(usize, usize, Vec<u32>)]) -> impl Fn(usize) -> bool {
@@ -428,9 +426,7 @@ impl Worker {
             a[..better].iter().map(|c| c.load(Ordering::Acquire)).sum()
         };
         let at_start = seen(&arrivals);
-        let layers = self.loaded.model.cfg.n_layer;
-        let until = layers * STOP_BEFORE.0 / STOP_BEFORE.1;
-        move |layer| better > 0 && layer < until && seen(&arrivals) != at_start
+        move |_layer| better > 0 && seen(&arrivals) != at_start
     }
 
     /// Feed a finished step to the cost model and the observer.

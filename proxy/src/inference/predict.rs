@@ -3,28 +3,26 @@
 //! whether a request can meet its lane's target, and refuse at once if not.
 //!
 //! The cost model is a step model, the shape continuous batching has on any
-//! device: a step that advances `b` sequences by one token costs
-//! `step_fixed + step_per_seq * b`; a prompt of `p` tokens costs
-//! `prefill_per_token * p` more, split into steps of at most `chunk` tokens.
-//! For the in-process engine all three come from the engine's own online
-//! least-squares fit of step time over tokens (seeded by warm-up, so the
-//! first request is predicted); an upstream starts from configured priors
-//! and learns online from its own streams (inter-token gaps at the current
+//! device: a step with `d` decoding sequences costs `step_fixed +
+//! step_per_seq * d`, and each prompt token in it `prefill_per_token` more;
+//! prompts go in chunks of what the decodes leave of `chunk` tokens. For
+//! the in-process engine all three come from the engine's own online
+//! least-squares fit of step time (seeded by warm-up, so the first request
+//! is predicted); an upstream starts from configured priors and learns
+//! online from its own streams (inter-token gaps at the current
 //! concurrency, time to first token when nothing was ahead).
 //!
 //! The ledger holds every request admitted and not finished: lane rank,
 //! prompt, expected output (its `max_tokens` times the learned share of
 //! `max_tokens` that requests really generate), tokens generated so far,
-//! and whether the backend has started it. A prediction simulates the
-//! backend's slots as list scheduling: running requests of the same or a
-//! better lane hold their slots for their remaining tokens; queued ones
-//! ahead (better lanes, then earlier arrivals of the same lane) take the
-//! earliest free slot in order; the new request starts at the next free
-//! slot, after the step in flight, and then pays its own prefill.
-//! Lower lanes are not counted: the engine pauses them while a better lane
-//! prefills, and the gate serves better lanes first. Prediction and entry
-//! into the ledger happen under one lock, so concurrent arrivals see each
-//! other. Every piece is monotone in the work ahead (property-tested).
+//! and whether the backend has started it. A prediction replays the
+//! backend's batching over it (`predict_sim`). Lower lanes are not
+//! counted: the engine pauses them while a better lane prefills, and the
+//! gate serves better lanes first. Prediction and entry into the ledger
+//! happen under one lock, so concurrent arrivals see each other; a request
+//! claims its place before it is tokenized, so arrivals meanwhile see it
+//! too. The replay is monotone in the work ahead up to one step
+//! (property-tested; see `predict_tests::grain`).
 
 use parking_lot::Mutex;
 use std::collections::BTreeMap;
@@ -36,27 +34,19 @@ use std::time::Duration;
 pub struct Cost {
     /// Fixed cost of one step.
     pub step_fixed_s: f64,
-    /// Added cost per sequence advanced in a step.
+    /// Added cost per decoding sequence in a step.
     pub step_per_seq_s: f64,
     /// Cost per prompt token.
     pub prefill_per_token_s: f64,
-    /// Most prompt tokens per step (None: a prompt is one step).
+    /// Most tokens per step, decodes and prompt chunks together (None: no
+    /// budget, every queued prompt goes whole into the next step).
     pub chunk: Option<usize>,
 }
 
 impl Cost {
-    /// Time of a step advancing `b` sequences.
+    /// Time of a step decoding `b` sequences (its prompt tokens apart).
     pub fn step(&self, b: usize) -> f64 {
         self.step_fixed_s + self.step_per_seq_s * b as f64
-    }
-
-    /// Time to prefill `p` tokens while `b` other sequences decode.
-    pub fn prefill(&self, p: usize, b: usize) -> f64 {
-        let steps = match self.chunk {
-            Some(chunk) => p.div_ceil(chunk.saturating_sub(b).max(1)).max(1),
-            None => 1,
-        };
-        steps as f64 * self.step(b) + self.prefill_per_token_s * p as f64
     }
 }
 
