@@ -231,15 +231,7 @@ pub fn slo(
 mod tests {
     use super::*;
     use crate::admission::default_lanes;
-
-    fn cpu() -> Cost {
-        Cost {
-            step_fixed_s: 0.007,
-            step_per_seq_s: 0.0058,
-            prefill_per_token_s: 0.0058,
-            chunk: Some(32),
-        }
-    }
+    use crate::inference::predict::tests::cpu;
 
     #[test]
     fn lane_header_then_body_then_default() {

@@ -460,4 +460,4 @@ pub use sim::predict;
 
 #[cfg(test)]
 #[path = "predict_tests.rs"]
-mod tests;
+pub(crate) mod tests;

@@ -3,7 +3,8 @@
 use super::*;
 use proptest::prelude::*;
 
-fn cpu() -> Cost {
+/// A CPU-like step model for tests here and in `admit`.
+pub(crate) fn cpu() -> Cost {
     Cost {
         step_fixed_s: 0.007,
         step_per_seq_s: 0.0058,
