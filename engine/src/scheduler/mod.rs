@@ -363,15 +363,11 @@ impl Worker {
         let result = self
             .compute
             .install(|| model.forward_paged_until(kv, &steps, &stop));
-        let result = match result {
-            Ok(None) => {
-                // A better lane arrived: plan again with it, at once.
-                self.stats.interrupted.fetch_add(1, Ordering::Relaxed);
-                self.gave_way += 1;
-                return;
-            }
-            Ok(Some(l)) => Ok(l),
-            Err(e) => Err(e),
+        let Some(result) = result.transpose() else {
+            // A better lane arrived: plan again with it, at once.
+            self.stats.interrupted.fetch_add(1, Ordering::Relaxed);
+            self.gave_way += 1;
+            return;
         };
         self.stats.steps.fetch_add(1, Ordering::Relaxed);
         self.gave_way = 0;
@@ -432,19 +428,8 @@ impl Worker {
     /// Feed a finished step to the cost model and the observer.
     fn record(&mut self, elapsed: Duration, chunks: &[(usize, usize, Vec<u32>)], ok: bool) {
         let tokens = chunks.iter().map(|c| c.2.len()).sum();
-        if ok {
-            // A decode is the last token of its sequence; anything else is
-            // a chunk of a prompt (or of a recompute).
-            let decoding = |(i, start, toks): &&(usize, usize, Vec<u32>)| {
-                self.running[*i].tokens.len() - start == 1 && toks.len() == 1
-            };
-            let decodes = chunks.iter().filter(decoding).count();
-            let prompt = tokens - decodes;
-            self.fit.observe(decodes, prompt, elapsed);
-            self.shared_cost.publish(self.fit.cost());
-        }
-        let Some(o) = &self.observer else { return };
-        o.step(elapsed, chunks.len(), tokens);
+        // A decode is the last token of its sequence; anything else is a
+        // chunk of a prompt (or of a recompute).
         let work: Vec<StepWork> = chunks
             .iter()
             .map(|(i, start, toks)| {
@@ -456,6 +441,13 @@ impl Worker {
                 }
             })
             .collect();
+        if ok {
+            let decodes = work.iter().filter(|w| !w.prefill).count();
+            self.fit.observe(decodes, tokens - decodes, elapsed);
+            self.shared_cost.publish(self.fit.cost());
+        }
+        let Some(o) = &self.observer else { return };
+        o.step(elapsed, chunks.len(), tokens);
         o.step_work(elapsed, &work);
     }
 }
