@@ -7,22 +7,38 @@
 //! Its behaviour is set by flags: time to first token and inter-token
 //! interval with jitter, tokens delivered in bursts, a capacity limit with
 //! its own FIFO queue (so it behaves like a loaded vLLM), failures of the
-//! first N requests, a stall or malformed SSE after N tokens. `GET /stats`
-//! reports counters (requests, active, completed, cancelled) and the last
-//! request body, so tests can see what the proxy sent and cancelled.
+//! first N requests, a stall or malformed SSE after N tokens, a connection
+//! reset (RST) after N streamed tokens, a fraction of slow first tokens.
+//! `GET /stats` reports counters (requests, active, completed, cancelled,
+//! failed, slow, killed, resumed) and the last request body, so tests can
+//! see what the proxy sent and cancelled.
+//!
+//! Its text is deterministic: token i is `WORDS[i % WORDS.len()]`. So it can
+//! resume a stream another instance started, as a proxy would ask: a chat
+//! request with `continue_final_message` whose last (assistant) message is
+//! the first k words, or a completion prompt that ends with them, gets
+//! tokens k, k+1, ... (counted as `resumed`).
+//!
+//! `POST /control` with a JSON object changes, for requests that start
+//! afterwards, any of `ttft_ms`, `itl_ms`, `tokens`, `die_after`,
+//! `slow_fraction`, `slow_ttft_ms` and `fail` (true: every completion
+//! answers 500); it answers with those settings.
 //!
 //! Usage: fake-openai [--listen ADDR] [--name NAME] [--ttft-ms N]
 //!   [--itl-ms N] [--jitter-ms N] [--burst N] [--tokens N] [--capacity N]
 //!   [--fail-first N] [--stall-after N] [--malformed-after N]
+//!   [--die-after N] [--slow-fraction F] [--slow-ttft-ms N]
+//! `--slow-fraction F` (0 to 1) gives that share of requests a first token
+//! after `--slow-ttft-ms` (default 10 times `--ttft-ms`).
 //! Prints `listening on ADDR` once bound.
 
 use serde_json::{json, Value};
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
 use tokio::net::{TcpListener, TcpStream};
-use tokio::sync::{Mutex, Semaphore};
+use tokio::sync::Semaphore;
 
 #[derive(Debug, Clone)]
 struct Opts {
@@ -37,6 +53,14 @@ struct Opts {
     fail_first: u64,
     stall_after: u64,
     malformed_after: u64,
+    /// Streamed tokens after which the connection is reset; 0: never.
+    die_after: u64,
+    /// Share of requests (0 to 1) whose first token takes `slow_ttft_ms`.
+    slow_fraction: f64,
+    /// 0: ten times `ttft_ms`, read when the request starts.
+    slow_ttft_ms: u64,
+    /// Every completion answers 500 (set through `/control` only).
+    fail: bool,
 }
 
 #[derive(Default)]
@@ -46,14 +70,25 @@ struct Stats {
     completed: AtomicU64,
     cancelled: AtomicU64,
     failed: AtomicU64,
+    slow: AtomicU64,
+    killed: AtomicU64,
+    resumed: AtomicU64,
     rng: AtomicU64,
 }
 
 struct State {
-    o: Opts,
+    /// Changed by `POST /control`; each request works on a copy taken when
+    /// it starts, so a change never alters a request halfway.
+    o: Mutex<Opts>,
     s: Stats,
     slots: Semaphore,
     last_body: Mutex<Value>,
+}
+
+/// Lock, ignoring poisoning: the data is plain values that a panic elsewhere
+/// cannot leave half-changed.
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
 fn parse_opts() -> Result<Opts, String> {
@@ -69,6 +104,10 @@ fn parse_opts() -> Result<Opts, String> {
         fail_first: 0,
         stall_after: 0,
         malformed_after: 0,
+        die_after: 0,
+        slow_fraction: 0.0,
+        slow_ttft_ms: 0,
+        fail: false,
     };
     let args: Vec<String> = std::env::args().skip(1).collect();
     let mut i = 0;
@@ -92,6 +131,11 @@ fn parse_opts() -> Result<Opts, String> {
             "--fail-first" => o.fail_first = n()?,
             "--stall-after" => o.stall_after = n()?,
             "--malformed-after" => o.malformed_after = n()?,
+            "--die-after" => o.die_after = n()?,
+            "--slow-fraction" => {
+                o.slow_fraction = fraction(v).map_err(|e| format!("{}: {e}", args[i]))?
+            }
+            "--slow-ttft-ms" => o.slow_ttft_ms = n()?,
             other => return Err(format!("unknown flag {other}")),
         }
         i += 2;
@@ -99,27 +143,147 @@ fn parse_opts() -> Result<Opts, String> {
     Ok(o)
 }
 
+/// A share in [0, 1]; NaN is refused too.
+fn fraction(v: &str) -> Result<f64, String> {
+    match v.parse::<f64>() {
+        Ok(f) if (0.0..=1.0).contains(&f) => Ok(f),
+        _ => Err(format!("not a fraction between 0 and 1: {v}")),
+    }
+}
+
 impl State {
-    /// Uniform jitter in [-j, +j] ms (splitmix64).
-    fn jitter(&self, base: u64) -> Duration {
-        let j = self.o.jitter_ms;
-        if j == 0 {
-            return Duration::from_millis(base);
-        }
+    /// The settings for a request starting now.
+    fn opts(&self) -> Opts {
+        lock(&self.o).clone()
+    }
+
+    /// The next pseudo-random number (splitmix64 on a shared counter).
+    fn draw(&self) -> u64 {
         let mut z = self
             .s
             .rng
             .fetch_add(0x9e37_79b9_7f4a_7c15, Ordering::Relaxed);
         z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
         z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-        let r = (z ^ (z >> 31)) % (2 * j + 1);
+        z ^ (z >> 31)
+    }
+
+    /// Uniform jitter in [-j, +j] ms.
+    fn jitter(&self, j: u64, base: u64) -> Duration {
+        if j == 0 {
+            return Duration::from_millis(base);
+        }
+        let r = self.draw() % (2 * j + 1);
         Duration::from_millis((base + r).saturating_sub(j))
+    }
+
+    /// True with probability `f`: 53 random bits as a float in [0, 1).
+    fn chance(&self, f: f64) -> bool {
+        f > 0.0 && ((self.draw() >> 11) as f64 / (1u64 << 53) as f64) < f
     }
 }
 
 const WORDS: &[&str] = &[
     "The", " quick", " brown", " fox", " jumps", " over", " the", " lazy", " dog", ".",
 ];
+
+/// Tokens `from` .. `from + n` of the fake's one text.
+fn words(from: u64, n: u64) -> String {
+    (from..from + n).map(word).collect()
+}
+
+fn word(i: u64) -> &'static str {
+    WORDS[(i % WORDS.len() as u64) as usize]
+}
+
+/// How many tokens of the fake's text `s` is, exactly; None when `s` is not
+/// the text's beginning token for token (an empty `s` is 0 tokens).
+fn words_prefix_len(s: &str) -> Option<u64> {
+    let (mut rest, mut k) = (s, 0u64);
+    while !rest.is_empty() {
+        rest = rest.strip_prefix(word(k))?;
+        k += 1;
+    }
+    Some(k)
+}
+
+/// Tokens of the answer already generated, when the request asks to
+/// continue one: the fake then goes on from there, as a resumed stream.
+fn resume_offset(req: &Value) -> u64 {
+    if let Some(ms) = req["messages"].as_array() {
+        // vLLM's way: the partial answer is the final assistant message.
+        let last = ms.last().unwrap_or(&Value::Null);
+        if req["continue_final_message"].as_bool() != Some(true) || last["role"] != "assistant" {
+            return 0;
+        }
+        return last["content"]
+            .as_str()
+            .and_then(words_prefix_len)
+            .unwrap_or(0);
+    }
+    // A completion prompt carries the partial answer at its end: the
+    // earliest start from which the rest is the text's beginning, so the
+    // longest such partial wins.
+    let p = req["prompt"].as_str().unwrap_or("");
+    p.char_indices()
+        .find_map(|(j, _)| words_prefix_len(&p[j..]).filter(|&k| k > 0))
+        .unwrap_or(0)
+}
+
+/// The settings `/control` can change, as it reports them.
+fn settings(o: &Opts) -> Value {
+    json!({"ttft_ms": o.ttft_ms, "itl_ms": o.itl_ms, "tokens": o.tokens, "die_after": o.die_after,
+        "slow_fraction": o.slow_fraction, "slow_ttft_ms": o.slow_ttft_ms, "fail": o.fail})
+}
+
+fn error(status: u16, kind: &str, message: &str) -> Vec<u8> {
+    let b = json!({"error": {"message": message, "type": kind, "param": null, "code": null}});
+    response(status, "application/json", &b.to_string())
+}
+
+/// `POST /control`: new settings for the requests that start from now on.
+fn control(st: &State, body: &[u8]) -> Vec<u8> {
+    let req: Value = match serde_json::from_slice(body) {
+        Ok(v) => v,
+        Err(e) => return error(400, "invalid_request_error", &format!("bad json: {e}")),
+    };
+    let Some(keys) = req.as_object() else {
+        return error(400, "invalid_request_error", "want a JSON object");
+    };
+    // Work on a copy under the lock: a bad key changes nothing, and two
+    // calls at once cannot lose each other's changes.
+    let mut g = lock(&st.o);
+    let mut o = g.clone();
+    for (k, v) in keys {
+        let n = || {
+            v.as_u64()
+                .ok_or(format!("{k}: want a non-negative integer"))
+        };
+        let r = match k.as_str() {
+            "ttft_ms" => n().map(|n| o.ttft_ms = n),
+            "itl_ms" => n().map(|n| o.itl_ms = n),
+            "tokens" => n().map(|n| o.tokens = n),
+            "die_after" => n().map(|n| o.die_after = n),
+            "slow_ttft_ms" => n().map(|n| o.slow_ttft_ms = n),
+            "slow_fraction" => v
+                .as_f64()
+                .filter(|f| (0.0..=1.0).contains(f))
+                .map(|f| o.slow_fraction = f)
+                .ok_or(format!("{k}: want a number between 0 and 1")),
+            "fail" => v
+                .as_bool()
+                .map(|b| o.fail = b)
+                .ok_or(format!("{k}: want true or false")),
+            // A typo must not pass silently as "no change".
+            _ => Err(format!("unknown setting {k}")),
+        };
+        if let Err(e) = r {
+            return error(400, "invalid_request_error", &e);
+        }
+    }
+    *g = o;
+    response(200, "application/json", &settings(&g).to_string())
+}
 
 async fn read_request(
     r: &mut BufReader<tokio::net::tcp::OwnedReadHalf>,
@@ -175,23 +339,31 @@ async fn handle(st: Arc<State>, sock: TcpStream) {
             ("GET", "/v1/models") => response(
                 200,
                 "application/json",
-                &json!({"object": "list", "data": [{"id": st.o.name, "object": "model", "created": 0, "owned_by": "fake"}]}).to_string(),
+                &json!({"object": "list", "data": [{"id": st.opts().name, "object": "model", "created": 0, "owned_by": "fake"}]}).to_string(),
             ),
             ("GET", "/stats") => {
                 let s = &st.s;
-                let v = json!({"requests": s.requests.load(Ordering::Relaxed), "active": s.active.load(Ordering::Relaxed),
-                    "completed": s.completed.load(Ordering::Relaxed), "cancelled": s.cancelled.load(Ordering::Relaxed),
-                    "failed": s.failed.load(Ordering::Relaxed), "last_body": *st.last_body.lock().await, "name": st.o.name});
+                let c = |a: &AtomicU64| a.load(Ordering::Relaxed);
+                let v = json!({"requests": c(&s.requests), "active": c(&s.active), "completed": c(&s.completed),
+                    "cancelled": c(&s.cancelled), "failed": c(&s.failed), "slow": c(&s.slow), "killed": c(&s.killed),
+                    "resumed": c(&s.resumed), "last_body": lock(&st.last_body).clone(), "name": st.opts().name});
                 response(200, "application/json", &v.to_string())
             }
+            ("POST", "/control") => control(&st, &body),
             ("POST", "/v1/chat/completions") | ("POST", "/v1/completions") => {
                 let chat = path.ends_with("chat/completions");
                 match complete(&st, chat, &body, &mut r, &mut w).await {
                     Some(()) => continue,
-                    None => return,
+                    None => {
+                        // A plain close() when both halves go: without the
+                        // write half's shutdown (a FIN) first, a socket set
+                        // to linger 0 by --die-after sends only an RST.
+                        w.forget();
+                        return;
+                    }
                 }
             }
-            _ => response(404, "application/json", r#"{"error":{"message":"not found","type":"invalid_request_error","param":null,"code":null}}"#),
+            _ => error(404, "invalid_request_error", "not found"),
         };
         if w.write_all(&out).await.is_err() {
             return;
@@ -216,22 +388,20 @@ async fn complete(
     r: &mut BufReader<tokio::net::tcp::OwnedReadHalf>,
     w: &mut tokio::net::tcp::OwnedWriteHalf,
 ) -> Option<()> {
+    let o = st.opts();
     let n = st.s.requests.fetch_add(1, Ordering::Relaxed);
     let req: Value = match serde_json::from_slice(body) {
         Ok(v) => v,
         Err(e) => {
-            let b = json!({"error": {"message": format!("bad json: {e}"), "type": "invalid_request_error", "param": null, "code": null}});
-            w.write_all(&response(400, "application/json", &b.to_string()))
-                .await
-                .ok()?;
+            let b = error(400, "invalid_request_error", &format!("bad json: {e}"));
+            w.write_all(&b).await.ok()?;
             return Some(());
         }
     };
-    *st.last_body.lock().await = req.clone();
-    if n < st.o.fail_first {
+    *lock(&st.last_body) = req.clone();
+    if n < o.fail_first || o.fail {
         st.s.failed.fetch_add(1, Ordering::Relaxed);
-        let b = r#"{"error":{"message":"fake overload","type":"server_error","param":null,"code":null}}"#;
-        w.write_all(&response(500, "application/json", b))
+        w.write_all(&error(500, "server_error", "fake overload"))
             .await
             .ok()?;
         return Some(());
@@ -240,9 +410,28 @@ async fn complete(
     let usage_wanted = req["stream_options"]["include_usage"]
         .as_bool()
         .unwrap_or(false);
+    // A resumed answer goes on from token `from`; what is left of the text
+    // is what an uninterrupted run would still have produced.
+    let from = resume_offset(&req);
+    if from > 0 {
+        st.s.resumed.fetch_add(1, Ordering::Relaxed);
+    }
+    let left = o.tokens.saturating_sub(from);
     let max = req["max_tokens"].as_u64().unwrap_or(u64::MAX);
-    let total = st.o.tokens.min(max);
-    let finish = if max <= st.o.tokens { "length" } else { "stop" };
+    let total = left.min(max);
+    // As before resumption existed: max_tokens equal to what is left ends
+    // on "length" (the end-of-text token never came), so a resumed stream
+    // ends like the uninterrupted one would.
+    let finish = if max <= left { "length" } else { "stop" };
+    let ttft = if st.chance(o.slow_fraction) {
+        st.s.slow.fetch_add(1, Ordering::Relaxed);
+        match o.slow_ttft_ms {
+            0 => o.ttft_ms.saturating_mul(10),
+            s => s,
+        }
+    } else {
+        o.ttft_ms
+    };
     // Like a real server: the prompt's text (4 characters a token) plus a
     // few tokens of chat template per message, not the JSON around it.
     let prompt_tokens = match req["messages"].as_array() {
@@ -287,36 +476,29 @@ async fn complete(
             } else {
                 json!({"content": text})
             };
-            json!({"id": id, "object": "chat.completion.chunk", "created": 0, "model": req["model"], "system_fingerprint": st.o.name,
+            json!({"id": id, "object": "chat.completion.chunk", "created": 0, "model": req["model"], "system_fingerprint": o.name,
                 "choices": [{"index": 0, "delta": delta, "finish_reason": fin}]}).to_string()
         } else {
-            json!({"id": id, "object": "text_completion", "created": 0, "model": req["model"], "system_fingerprint": st.o.name,
+            json!({"id": id, "object": "text_completion", "created": 0, "model": req["model"], "system_fingerprint": o.name,
                 "choices": [{"index": 0, "text": text, "finish_reason": fin}]}).to_string()
         }
     };
-    if !sleep_or_close(st.jitter(st.o.ttft_ms), r).await {
+    if !sleep_or_close(st.jitter(o.jitter_ms, ttft), r).await {
         st.s.cancelled.fetch_add(1, Ordering::Relaxed);
         return None;
     }
     let usage = json!({"prompt_tokens": prompt_tokens, "completion_tokens": total, "total_tokens": prompt_tokens + total});
     if !stream {
-        if !sleep_or_close(
-            Duration::from_millis(st.o.itl_ms * total.saturating_sub(1)),
-            r,
-        )
-        .await
-        {
+        if !sleep_or_close(Duration::from_millis(o.itl_ms * total.saturating_sub(1)), r).await {
             st.s.cancelled.fetch_add(1, Ordering::Relaxed);
             return None;
         }
-        let text: String = (0..total)
-            .map(|i| WORDS[i as usize % WORDS.len()])
-            .collect();
+        let text = words(from, total);
         let b = if chat {
-            json!({"id": id, "object": "chat.completion", "created": 0, "model": req["model"], "system_fingerprint": st.o.name,
+            json!({"id": id, "object": "chat.completion", "created": 0, "model": req["model"], "system_fingerprint": o.name,
                 "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish}], "usage": usage})
         } else {
-            json!({"id": id, "object": "text_completion", "created": 0, "model": req["model"], "system_fingerprint": st.o.name,
+            json!({"id": id, "object": "text_completion", "created": 0, "model": req["model"], "system_fingerprint": o.name,
                 "choices": [{"index": 0, "text": text, "finish_reason": finish}], "usage": usage})
         };
         w.write_all(&response(200, "application/json", &b.to_string()))
@@ -330,24 +512,25 @@ async fn complete(
     let mut buf = Vec::new();
     let mut i = 0u64;
     while i < total {
-        if st.o.stall_after > 0 && i == st.o.stall_after {
+        if o.stall_after > 0 && i == o.stall_after {
             // Hang with the connection open until the client gives up.
             let mut b = [0u8; 1];
             let _ = r.read(&mut b).await;
             st.s.cancelled.fetch_add(1, Ordering::Relaxed);
             return None;
         }
-        if st.o.malformed_after > 0 && i == st.o.malformed_after {
+        if o.malformed_after > 0 && i == o.malformed_after {
             chunk(&mut buf, "{this is not json");
             w.write_all(&buf).await.ok()?;
             return None;
         }
-        let n_burst = st.o.burst.min(total - i);
-        for k in 0..n_burst {
-            chunk(
-                &mut buf,
-                &mk(WORDS[((i + k) as usize) % WORDS.len()], i + k == 0, None),
-            );
+        let mut n_burst = o.burst.min(total - i);
+        if o.die_after > i {
+            // A burst must not carry the dying stream past its last token.
+            n_burst = n_burst.min(o.die_after - i);
+        }
+        for b in 0..n_burst {
+            chunk(&mut buf, &mk(word(from + i + b), i + b == 0, None));
         }
         if w.write_all(&buf).await.is_err() {
             st.s.cancelled.fetch_add(1, Ordering::Relaxed);
@@ -355,7 +538,14 @@ async fn complete(
         }
         buf.clear();
         i += n_burst;
-        if i < total && !sleep_or_close(st.jitter(st.o.itl_ms * n_burst), r).await {
+        if o.die_after > 0 && i == o.die_after {
+            // Die like a crashed server: linger 0 makes the close an RST,
+            // with no final chunk and no [DONE] (handle() closes it).
+            let _ = w.as_ref().set_zero_linger();
+            st.s.killed.fetch_add(1, Ordering::Relaxed);
+            return None;
+        }
+        if i < total && !sleep_or_close(st.jitter(o.jitter_ms, o.itl_ms * n_burst), r).await {
             st.s.cancelled.fetch_add(1, Ordering::Relaxed);
             return None;
         }
@@ -396,7 +586,7 @@ async fn main() {
     }
     let st = Arc::new(State {
         slots: Semaphore::new(o.capacity),
-        o,
+        o: Mutex::new(o),
         s: Stats::default(),
         last_body: Mutex::new(Value::Null),
     });

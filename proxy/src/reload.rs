@@ -41,6 +41,9 @@ pub struct Diff {
     pub admission_changed: bool,
     /// Settings that need a graceful upgrade to take effect.
     pub pending_upgrade: Vec<String>,
+    /// Models by what the reload did to them: `added`, `reloaded` (a new
+    /// engine, loaded and warmed before the swap), `settings`, `removed`.
+    pub models: std::collections::BTreeMap<String, String>,
 }
 
 /// The outcome of a successful reload.
@@ -58,6 +61,7 @@ pub struct Manager {
     metrics: Arc<Metrics>,
     shared: Shared,
     lock: tokio::sync::Mutex<()>,
+    front: Option<Arc<crate::inference::Front>>,
 }
 
 fn unix_now() -> f64 {
@@ -75,9 +79,16 @@ impl Manager {
             metrics,
             shared,
             lock: tokio::sync::Mutex::new(()),
+            front: None,
         };
         m.publish(&m.shared.load());
         m
+    }
+
+    /// Also reconcile the engines and the async store of `front`.
+    pub fn with_front(mut self, front: Arc<crate::inference::Front>) -> Self {
+        self.front = Some(front);
+        self
     }
 
     /// The live config.
@@ -108,7 +119,7 @@ impl Manager {
                 self.metrics.reloads.with_label_values(&["ok"]).inc();
                 let d = &r.diff;
                 log::info!(
-                    "config reloaded from {} (hash {}): pools +{:?} -{:?} ~{:?}, {} route(s) changed, admission changed: {}{}",
+                    "config reloaded from {} (hash {}): pools +{:?} -{:?} ~{:?}, {} route(s) changed, admission changed: {}, models {:?}{}",
                     self.path.display(),
                     r.hash,
                     d.pools_added,
@@ -116,6 +127,7 @@ impl Manager {
                     d.pools_changed,
                     d.routes_changed,
                     d.admission_changed,
+                    d.models,
                     if d.pending_upgrade.is_empty() {
                         String::new()
                     } else {
@@ -162,11 +174,47 @@ impl Manager {
         if let Some(keys) = new.api_keys.clone() {
             let _ = tokio::task::spawn_blocking(move || keys.reload()).await;
         }
+        // New or changed engines load and warm up beside the running ones;
+        // one that fails fails the reload, naming it.
+        let staged = match &self.front {
+            None => None,
+            Some(f) => {
+                let staged = f
+                    .engines
+                    .stage(&old.models, &new.models, &self.metrics.inference)
+                    .await
+                    .map_err(|(model, why)| model_error(&path, &text, &model, &why))?;
+                Some((f, staged))
+            }
+        };
         let hash = new.hash.clone();
         self.publish(&new);
+        let inf = new.file.inference.clone();
         self.shared.store(Arc::new(new));
+        if let Some((f, staged)) = staged {
+            diff.models = staged.changes.clone();
+            f.engines.commit(staged, &self.metrics.inference);
+            f.jobs.set_limits(
+                inf.async_max_entries,
+                inf.async_max_bytes,
+                Duration::from_secs(inf.async_ttl_s),
+            );
+        }
         Ok(Report { hash, diff })
     }
+}
+
+/// The error of a model that failed to load, at its section.
+fn model_error(path: &std::path::Path, text: &str, model: &str, why: &str) -> Vec<ConfigError> {
+    let at = config::locate::FieldPath::key("models").k(model);
+    config::locate::located(
+        path,
+        text,
+        [(
+            at,
+            format!("model `{model}` failed to load; the old one keeps serving: {why}"),
+        )],
+    )
 }
 
 fn diff(old: &Config, new: &Config) -> Diff {

@@ -77,6 +77,7 @@ pub fn serve(path: &Path, opts: ServeOptions) -> anyhow::Result<()> {
             cfg.file.inference.async_max_bytes,
             Duration::from_secs(cfg.file.inference.async_ttl_s),
         ),
+        watchdog: Default::default(),
     });
     let listeners = cfg.listeners.clone();
     let threads = cfg.server.threads;
@@ -148,13 +149,12 @@ pub fn serve(path: &Path, opts: ServeOptions) -> anyhow::Result<()> {
         server.add_service(background_service("cert watch", watcher));
     }
 
-    let manager = Arc::new(Manager::new(
-        path.to_path_buf(),
-        metrics.clone(),
-        shared.clone(),
-    ));
+    let manager = Arc::new(
+        Manager::new(path.to_path_buf(), metrics.clone(), shared.clone()).with_front(front.clone()),
+    );
     if let Some(addr) = admin_listen {
-        let app = AdminApp::new(metrics.clone(), readiness.clone(), manager.clone());
+        let app = AdminApp::new(metrics.clone(), readiness.clone(), manager.clone())
+            .with_front(front.clone());
         let mut admin = Service::new("admin".to_string(), HttpServer::new_app(app));
         admin.add_tcp(&addr);
         admin.threads = Some(1);
@@ -178,6 +178,14 @@ pub fn serve(path: &Path, opts: ServeOptions) -> anyhow::Result<()> {
         metrics: metrics.clone(),
     };
     server.add_service(background_service("dns refresh", refresher));
+    server.add_service(background_service(
+        "slo watchdog",
+        crate::inference::probe::WatchdogService {
+            shared: shared.clone(),
+            front: front.clone(),
+            metrics: metrics.clone(),
+        },
+    ));
 
     spawn_drain_watcher(&server, inflight, log);
     readiness.set_ready();

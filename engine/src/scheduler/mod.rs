@@ -39,7 +39,7 @@ pub use plan::MAX_HELD_STEPS;
 pub use threads::NICE_INCREMENT;
 
 /// Engine sizing.
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct EngineConfig {
     /// KV blocks.
     pub num_blocks: usize,

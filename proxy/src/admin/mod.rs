@@ -1,5 +1,6 @@
 //! The admin listener: `/metrics` (Prometheus text), `/healthz` (the process
-//! is up) and `/readyz` (it should get traffic). Served by its own Pingora
+//! is up), `/readyz` (it should get traffic), `/admin/reload`,
+//! `/admin/config` and `/admin/slo` (the watchdog's windows and states). Served by its own Pingora
 //! service on its own thread so a flood of traffic cannot starve a scrape,
 //! and bound to loopback by default.
 
@@ -82,6 +83,7 @@ pub struct AdminApp {
     metrics: Arc<Metrics>,
     readiness: Arc<Readiness>,
     manager: Arc<Manager>,
+    front: Option<Arc<crate::inference::Front>>,
 }
 
 impl AdminApp {
@@ -91,7 +93,23 @@ impl AdminApp {
             metrics,
             readiness,
             manager,
+            front: None,
         }
+    }
+
+    /// Also serve `/admin/slo` from `front`'s watchdog.
+    pub fn with_front(mut self, front: Arc<crate::inference::Front>) -> Self {
+        self.front = Some(front);
+        self
+    }
+
+    fn slo(&self) -> Response<Vec<u8>> {
+        let Some(front) = &self.front else {
+            return reply(404, "text/plain", b"no inference front\n".to_vec());
+        };
+        let cfg = self.manager.shared().load_full();
+        let body = front.watchdog.report(&cfg);
+        reply(200, "application/json", body.to_string().into_bytes())
     }
 
     async fn reload(&self) -> Response<Vec<u8>> {
@@ -174,6 +192,7 @@ impl ServeHttp for AdminApp {
             "/admin/reload" if post => self.reload().await,
             "/admin/reload" => reply(405, "text/plain", b"use POST\n".to_vec()),
             "/admin/config" => self.config_view(),
+            "/admin/slo" => self.slo(),
             "/metrics" => reply(200, "text/plain; version=0.0.4", self.metrics.render()),
             "/healthz" => reply(200, "text/plain", b"ok\n".to_vec()),
             "/readyz" if self.readiness.is_ready() => reply(200, "text/plain", b"ready\n".to_vec()),

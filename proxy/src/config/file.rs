@@ -88,6 +88,78 @@ pub struct ModelSection {
     pub prefill_tokens_per_s: f64,
     /// Upstream: prior single-stream decode speed (tokens/s), likewise.
     pub decode_tokens_per_s: f64,
+    /// Another `[models.*]` that takes a lane's new requests while the
+    /// watchdog holds this model's lane `violated` (empty: none).
+    pub fallback: String,
+    /// The SLA watchdog of this model (absent: not watched).
+    pub watchdog: Option<WatchdogSection>,
+    /// Upstream: first-token hedging (absent: off).
+    pub hedge: Option<HedgeSection>,
+}
+
+/// `watchdog = { ... }` of a model: rolling TTFT and inter-token latency
+/// percentiles per lane against the lane's targets, with hysteresis.
+#[derive(Debug, Clone, PartialEq, Deserialize, Serialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct WatchdogSection {
+    /// Length of one judged window (ms).
+    pub window_ms: u64,
+    /// Consecutive bad windows that turn a lane `violated`.
+    pub enter_after: u32,
+    /// Consecutive good windows that return it to `ok`.
+    pub leave_after: u32,
+    /// Samples a window needs to be judged; fewer, and probes are sent.
+    pub min_samples: usize,
+    /// Interval between synthetic probes while real traffic is too thin
+    /// (or the lane is on its fallback).
+    pub probe_interval_ms: u64,
+    /// Tokens a probe asks for.
+    pub probe_max_tokens: usize,
+    /// The percentile judged against the targets: `p50`, `p90` or `p99`.
+    pub percentile: String,
+    /// TTFT target (ms) for every lane of this model (0: each lane's
+    /// `ttft_slo_ms`).
+    pub ttft_ms: u64,
+    /// Inter-token target (ms) for every lane (0: each lane's `itl_slo_ms`).
+    pub itl_ms: u64,
+}
+
+impl Default for WatchdogSection {
+    fn default() -> Self {
+        Self {
+            window_ms: 10_000,
+            enter_after: 3,
+            leave_after: 3,
+            min_samples: 5,
+            probe_interval_ms: 1_000,
+            probe_max_tokens: 2,
+            percentile: "p99".into(),
+            ttft_ms: 0,
+            itl_ms: 0,
+        }
+    }
+}
+
+/// `hedge = { after_ms = N }` or `{ after = "p90" }` of an upstream model.
+#[derive(Debug, Clone, PartialEq, Deserialize, Serialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct HedgeSection {
+    /// A fixed delay before the hedge (ms; 0 = use `after`).
+    pub after_ms: u64,
+    /// A percentile of the model's live TTFT (`p50` .. `p99.9`).
+    pub after: String,
+    /// Hedges at most this fraction of requests (sliding 10 s window).
+    pub max_ratio: f64,
+}
+
+impl Default for HedgeSection {
+    fn default() -> Self {
+        Self {
+            after_ms: 0,
+            after: String::new(),
+            max_ratio: 0.1,
+        }
+    }
 }
 
 impl Default for ModelSection {
@@ -113,6 +185,9 @@ impl Default for ModelSection {
             max_queued: 0,
             prefill_tokens_per_s: 2000.0,
             decode_tokens_per_s: 30.0,
+            fallback: String::new(),
+            watchdog: None,
+            hedge: None,
         }
     }
 }
@@ -227,6 +302,8 @@ pub struct LaneSection {
     /// A request that cannot meet the target even on an idle backend:
     /// `reject` (422) or `downgrade` (to the next lower lane).
     pub on_miss: String,
+    /// The lane's inter-token latency target for the watchdog (ms; 0 = not judged).
+    pub itl_slo_ms: u64,
 }
 
 impl Default for LaneSection {
@@ -244,6 +321,7 @@ impl Default for LaneSection {
             pace_max_lead: 8,
             ttft_slo_ms: 0,
             on_miss: "reject".into(),
+            itl_slo_ms: 0,
         }
     }
 }
@@ -588,6 +666,9 @@ pub struct PoolSection {
     pub max_queued: usize,
     /// Connect to members over TLS.
     pub tls: Option<UpstreamTlsSection>,
+    /// Inference: how a broken chat stream continues on another member:
+    /// `vllm` (`continue_final_message`) or `none` (it ends with an error).
+    pub resume: String,
 }
 
 /// `tls = { ... }` of a pool: HTTPS to the members.
@@ -636,6 +717,7 @@ impl Default for PoolSection {
             max_concurrency: 0,
             max_queued: 0,
             tls: None,
+            resume: "none".into(),
         }
     }
 }

@@ -93,12 +93,12 @@ impl Job {
         let Some(st) = self.store.upgrade() else {
             return false;
         };
-        if st.bytes.load(Ordering::Relaxed) + n > st.max_bytes {
+        if st.bytes.load(Ordering::Relaxed) + n > st.max_bytes() {
             // Older finished results make room for a running job first.
             let mut g = st.jobs.lock();
-            st.evict(&mut g, st.max_entries, n);
+            st.evict(&mut g, st.max_entries(), n);
         }
-        if st.bytes.fetch_add(n, Ordering::Relaxed) + n > st.max_bytes {
+        if st.bytes.fetch_add(n, Ordering::Relaxed) + n > st.max_bytes() {
             st.bytes.fetch_sub(n, Ordering::Relaxed);
             self.finish(
                 Status::Failed,
@@ -206,7 +206,7 @@ impl Shared {
                     j.inner
                         .lock()
                         .finished_at
-                        .is_some_and(|t| now.duration_since(t) >= self.ttl)
+                        .is_some_and(|t| now.duration_since(t) >= self.ttl())
                 })
             })
             .cloned()
@@ -216,7 +216,7 @@ impl Shared {
         }
         order.retain(|id| map.contains_key(id));
         while map.len() > keep_entries
-            || self.bytes.load(Ordering::Relaxed) + need_bytes > self.max_bytes
+            || self.bytes.load(Ordering::Relaxed) + need_bytes > self.max_bytes()
         {
             let Some(pos) = order
                 .iter()
@@ -266,9 +266,23 @@ type Jobs = (HashMap<String, Arc<Job>>, VecDeque<String>);
 pub struct Shared {
     jobs: Mutex<Jobs>,
     bytes: Arc<AtomicUsize>,
-    max_entries: usize,
-    max_bytes: usize,
-    ttl: Duration,
+    max_entries: AtomicUsize,
+    max_bytes: AtomicUsize,
+    ttl_ms: std::sync::atomic::AtomicU64,
+}
+
+impl Shared {
+    fn max_entries(&self) -> usize {
+        self.max_entries.load(Ordering::Relaxed)
+    }
+
+    fn max_bytes(&self) -> usize {
+        self.max_bytes.load(Ordering::Relaxed)
+    }
+
+    fn ttl(&self) -> Duration {
+        Duration::from_millis(self.ttl_ms.load(Ordering::Relaxed))
+    }
 }
 
 impl Store {
@@ -282,10 +296,19 @@ impl Store {
         Store(Arc::new(Shared {
             jobs: Mutex::new((HashMap::new(), VecDeque::new())),
             bytes: Arc::new(AtomicUsize::new(0)),
-            max_entries: max_entries.max(1),
-            max_bytes,
-            ttl,
+            max_entries: AtomicUsize::new(max_entries.max(1)),
+            max_bytes: AtomicUsize::new(max_bytes),
+            ttl_ms: std::sync::atomic::AtomicU64::new(ttl.as_millis() as u64),
         }))
+    }
+
+    /// New bounds (a reload of `[inference]`); they apply from the next
+    /// request on, and the entries held beyond them go as they finish.
+    pub fn set_limits(&self, max_entries: usize, max_bytes: usize, ttl: Duration) {
+        let s = &self.0;
+        s.max_entries.store(max_entries.max(1), Ordering::Relaxed);
+        s.max_bytes.store(max_bytes, Ordering::Relaxed);
+        s.ttl_ms.store(ttl.as_millis() as u64, Ordering::Relaxed);
     }
 
     /// A new queued job, or `Full` when only unfinished jobs fill the store.
@@ -297,8 +320,8 @@ impl Store {
     pub fn create_for(&self, id: String, owner: Option<String>) -> Result<Arc<Job>, Full> {
         let st = &self.0;
         let mut g = st.jobs.lock();
-        st.evict(&mut g, st.max_entries - 1, 1);
-        if g.0.len() >= st.max_entries || st.bytes.load(Ordering::Relaxed) >= st.max_bytes {
+        st.evict(&mut g, st.max_entries() - 1, 1);
+        if g.0.len() >= st.max_entries() || st.bytes.load(Ordering::Relaxed) >= st.max_bytes() {
             return Err(Full);
         }
         let job = Arc::new(Job {
@@ -334,7 +357,7 @@ impl Store {
             .inner
             .lock()
             .finished_at
-            .is_some_and(|t| t.elapsed() >= st.ttl);
+            .is_some_and(|t| t.elapsed() >= st.ttl());
         if expired {
             st.remove(&mut g.0, id);
             return None;

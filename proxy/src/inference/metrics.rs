@@ -50,6 +50,16 @@ pub struct InferenceMetrics {
     pub requests: IntCounterVec,
     /// Async store entries and bytes.
     pub async_store: IntGaugeVec,
+    /// Watchdog state by model and lane (0 ok, 1 at_risk, 2 violated).
+    pub slo_state: IntGaugeVec,
+    /// Watchdog state changes, by model, lane, from and to.
+    pub slo_transitions: IntCounterVec,
+    /// Requests served by a lane's fallback model, by model, lane and fallback.
+    pub fallback_requests: IntCounterVec,
+    /// Upstream first-token hedges, by model and outcome (sent, won).
+    pub hedges: IntCounterVec,
+    /// Upstream mid-stream failovers, by model and outcome (ok, failed).
+    pub failovers: IntCounterVec,
     step: Histogram,
     batch_seqs: Histogram,
     batch_tokens: Histogram,
@@ -171,6 +181,31 @@ impl InferenceMetrics {
                 "Async request store usage (entries, bytes).",
                 &["what"],
             ),
+            slo_state: igv(
+                "ultrafast_slo_state",
+                "SLA watchdog state of a model's lane: 0 ok, 1 at_risk, 2 violated.",
+                &["model", "lane"],
+            ),
+            slo_transitions: icv(
+                "ultrafast_slo_transitions_total",
+                "SLA watchdog state changes.",
+                &["model", "lane", "from", "to"],
+            ),
+            fallback_requests: icv(
+                "ultrafast_fallback_requests_total",
+                "Requests sent to a lane's fallback model while the primary is violated.",
+                &["model", "lane", "fallback"],
+            ),
+            hedges: icv(
+                "ultrafast_upstream_hedges_total",
+                "First-token hedges to a second upstream member (sent, won).",
+                &["model", "outcome"],
+            ),
+            failovers: icv(
+                "ultrafast_upstream_failovers_total",
+                "Streams broken after their first token: continued on another member (ok) or ended (failed).",
+                &["model", "outcome"],
+            ),
             step: h(
                 "ultrafast_engine_step_seconds",
                 "Engine step time.",
@@ -227,6 +262,16 @@ impl InferenceMetrics {
         }
     }
 
+    /// The hedge and failover counters of upstream model `model`.
+    pub fn upstream_counters(&self, model: &str) -> crate::inference::upstream::Counters {
+        crate::inference::upstream::Counters {
+            hedges_sent: self.hedges.with_label_values(&[model, "sent"]),
+            hedges_won: self.hedges.with_label_values(&[model, "won"]),
+            failovers: self.failovers.with_label_values(&[model, "ok"]),
+            failovers_failed: self.failovers.with_label_values(&[model, "failed"]),
+        }
+    }
+
     /// Step observer for a new engine.
     pub fn steps(&self) -> Arc<Steps> {
         Arc::new(Steps {
@@ -238,7 +283,16 @@ impl InferenceMetrics {
 
     /// Export an engine's gauges on every scrape.
     pub fn watch(&self, name: &str, svc: Arc<EngineService>) {
-        self.engines.lock().push((svc, name.to_string(), [0; 2]));
+        let mut g = self.engines.lock();
+        // A model reloaded live replaces its old engine here.
+        g.retain(|(_, n, _)| n != name);
+        g.push((svc, name.to_string(), [0; 2]));
+    }
+
+    /// Stop exporting the engine of a removed model.
+    pub fn unwatch(&self, name: &str) {
+        self.engines.lock().retain(|(_, n, _)| n != name);
+        let _ = self.ready.remove_label_values(&[name]);
     }
 
     /// Read engine counters into the gauges (called on scrape).

@@ -22,22 +22,26 @@ pub mod openai;
 pub mod pacer;
 pub mod pipeline;
 pub mod predict;
+pub mod probe;
+pub mod registry;
 mod run;
 pub mod sinks;
 pub mod sse;
 pub mod upstream;
+pub mod watchdog;
 
 use crate::admission::gate::Gate;
 use crate::config::file::ModelSection;
-use std::collections::HashMap;
 use std::sync::Arc;
-use ultrafast_engine::api::Backend;
-use ultrafast_engine::service::{EngineService, ServiceSpec};
+use ultrafast_engine::service::ServiceSpec;
+
+pub use registry::Engines;
 
 /// How a configured model is served.
 #[derive(Debug, Clone)]
 pub enum ModelBackend {
-    /// By the in-process engine (started once, at `serve`).
+    /// By the in-process engine (started at `serve`; a reload that changes
+    /// its section starts a new one beside it, see `registry`).
     Engine(ServiceSpec),
     /// By an upstream pool.
     Upstream(Arc<upstream::UpstreamBackend>),
@@ -58,12 +62,15 @@ pub struct Model {
     pub def: ModelSection,
 }
 
-/// Inference state of the process: started engines and the async store.
+/// Inference state of the process: started engines, the async store and
+/// the SLA watchdog (all kept across reloads).
 pub struct Front {
     /// Engines by model name.
     pub engines: Engines,
     /// Async jobs.
     pub jobs: jobs::Store,
+    /// Windows and states of the watched lanes.
+    pub watchdog: watchdog::Watchdog,
 }
 
 impl std::fmt::Debug for Front {
@@ -91,51 +98,5 @@ pub fn live_cost(c: ultrafast_engine::scheduler::StepCost) -> predict::Cost {
         step_per_seq_s: c.per_decode_s,
         prefill_per_token_s: c.per_prompt_token_s,
         chunk: None,
-    }
-}
-
-/// Engines started by this process, by model name.
-#[derive(Debug, Default)]
-pub struct Engines(pub HashMap<String, Arc<EngineService>>);
-
-impl Engines {
-    /// Start an engine for every engine model of `models` (loading runs in
-    /// the background; readiness says when each is serving).
-    pub fn start(
-        models: &std::collections::BTreeMap<String, Arc<Model>>,
-        metrics: &metrics::InferenceMetrics,
-    ) -> Engines {
-        let mut out = HashMap::new();
-        for (name, m) in models {
-            if let ModelBackend::Engine(spec) = &m.backend {
-                let svc = EngineService::start(spec.clone(), Some(metrics.steps()));
-                metrics.watch(name, svc.clone());
-                out.insert(name.clone(), svc);
-            }
-        }
-        Engines(out)
-    }
-
-    /// The backend serving `m`, if running.
-    pub fn backend(&self, m: &Model) -> Option<Arc<dyn Backend>> {
-        match &m.backend {
-            ModelBackend::Engine(_) => self.0.get(&m.name).map(|s| s.clone() as Arc<dyn Backend>),
-            ModelBackend::Upstream(u) => Some(u.clone() as Arc<dyn Backend>),
-        }
-    }
-
-    /// Models that are not ready, with the reason (for `/readyz`).
-    pub fn not_ready(&self) -> Vec<(String, String)> {
-        let mut out: Vec<(String, String)> = self
-            .0
-            .iter()
-            .filter_map(|(n, s)| match s.readiness() {
-                ultrafast_engine::api::Readiness::Ready => None,
-                ultrafast_engine::api::Readiness::Starting(p) => Some((n.clone(), p)),
-                ultrafast_engine::api::Readiness::Failed(w) => Some((n.clone(), w)),
-            })
-            .collect();
-        out.sort();
-        out
     }
 }

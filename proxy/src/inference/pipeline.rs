@@ -78,6 +78,10 @@ pub(super) struct Call {
     pub(super) lane: usize,
     pub(super) passed: Passed,
     pub(super) budget: super::limits::Held,
+    /// The served model's watched lane, if it has a watchdog.
+    pub(super) watch: Option<super::watchdog::Watched>,
+    /// The fallback serving it, when the requested model's lane is violated.
+    pub(super) fallback: Option<String>,
 }
 
 pub(super) fn error(e: &BackendError) -> Failure {
@@ -119,6 +123,9 @@ impl Front {
         if let Some(p) = call.passed.predicted {
             headers.push(("x-ultrafast-predicted-ttft-ms", p.as_millis().to_string()));
         }
+        if let Some(f) = &call.fallback {
+            headers.push(("x-ultrafast-fallback", f.clone()));
+        }
         if inc.prefers_async() || call.parsed.background {
             return self.start_job(metrics, inc, call, headers, down).await;
         }
@@ -155,9 +162,10 @@ impl Front {
             return Err(reject(not_found_model(&parsed.model)));
         };
         self.allowed(inc, &model.name).map_err(reject)?;
+        let (model, fallback) = self.fallback(metrics, inc, model, &lanes[lane].name);
         let Some(backend) = self.engines.backend(&model) else {
             return Err(reject(BackendError::unavailable(format!(
-                "model `{}` was added by a reload and starts with the next graceful upgrade",
+                "model `{}` has no running engine",
                 model.name
             ))));
         };
@@ -214,6 +222,11 @@ impl Front {
             m.failure(lanes)
         })?;
         let lane = passed.lane;
+        let watch = model
+            .def
+            .watchdog
+            .is_some()
+            .then(|| self.watchdog.lane(&model.name, &lanes[lane].name));
         let mut req = req;
         req.lane = lanes[lane].name.clone();
         req.lane_rank = lanes[lane].rank;
@@ -226,7 +239,35 @@ impl Front {
             lane,
             passed,
             budget,
+            watch,
+            fallback,
         })
+    }
+
+    /// The model that serves `model`'s `lane` now: its fallback while the
+    /// watchdog holds the lane `violated`, else itself.
+    fn fallback(
+        &self,
+        metrics: &Metrics,
+        inc: &Incoming,
+        model: Arc<Model>,
+        lane: &str,
+    ) -> (Arc<Model>, Option<String>) {
+        let name = &model.def.fallback;
+        if name.is_empty()
+            || self.watchdog.state(&model.name, lane) != super::watchdog::State::Violated
+        {
+            return (model, None);
+        }
+        let Some(other) = inc.cfg.models.get(name) else {
+            return (model, None);
+        };
+        metrics
+            .inference
+            .fallback_requests
+            .with_label_values(&[&model.name, lane, name])
+            .inc();
+        (other.clone(), Some(name.clone()))
     }
 
     /// Answer 202 now and run the completion into the job store.

@@ -86,6 +86,7 @@ pub(super) async fn run<S: Sink + ?Sized>(
         labels,
         call.passed.predicted,
         sink.streaming(),
+        call.watch.as_deref(),
     );
     let result = drive::drive(
         sink,
@@ -164,6 +165,7 @@ fn observer<'a>(
     labels: [&'a str; 2],
     predicted: Option<std::time::Duration>,
     streaming: bool,
+    watch: Option<&'a parking_lot::Mutex<super::watchdog::LaneWatch>>,
 ) -> impl OnText + 'a {
     let im = &metrics.inference;
     move |at: Instant, prev: Option<Instant>| match prev {
@@ -172,6 +174,9 @@ fn observer<'a>(
             im.ttft
                 .with_label_values(&labels)
                 .observe(ttft.as_secs_f64());
+            if let Some(w) = watch {
+                w.lock().ttft(ttft);
+            }
             if let Some(p) = predicted {
                 let (dir, err) = if p >= ttft {
                     ("over", p - ttft)
@@ -183,10 +188,13 @@ fn observer<'a>(
                     .observe(err.as_secs_f64());
             }
         }
-        Some(prev) if streaming => im
-            .itl
-            .with_label_values(&labels)
-            .observe(at.saturating_duration_since(prev).as_secs_f64()),
+        Some(prev) if streaming => {
+            let d = at.saturating_duration_since(prev);
+            im.itl.with_label_values(&labels).observe(d.as_secs_f64());
+            if let Some(w) = watch {
+                w.lock().itl(d);
+            }
+        }
         Some(_) => {}
     }
 }

@@ -4,7 +4,9 @@
 use super::*;
 use crate::inference::pacer::{PaceMode, PaceSpec};
 use crate::inference::predict::Latency;
-use crate::inference::upstream::{PriorityField, UpstreamBackend, UpstreamSpec};
+use crate::inference::upstream::{
+    HedgeAfter, HedgeSpec, PriorityField, UpstreamBackend, UpstreamSpec,
+};
 use crate::inference::{Model, ModelBackend};
 use ultrafast_engine::fetch::Source;
 use ultrafast_engine::scheduler::EngineConfig;
@@ -120,12 +122,88 @@ fn engine_spec(
     })
 }
 
+fn hedge(
+    h: &crate::config::file::HedgeSection,
+    at: &FieldPath,
+    errs: &mut Errors,
+) -> Option<HedgeSpec> {
+    let at = at.k("hedge");
+    let after = match (h.after_ms, h.after.as_str()) {
+        (0, "") => {
+            errs.push(at.k("after_ms"), "set after_ms or after");
+            return None;
+        }
+        (ms, "") => HedgeAfter::Fixed(Duration::from_millis(ms)),
+        (0, p) => match crate::inference::watchdog::percentile(p) {
+            Some(q) => HedgeAfter::Quantile(q),
+            None => {
+                errs.push(at.k("after"), format!("`{p}` is not a percentile like p90"));
+                return None;
+            }
+        },
+        _ => {
+            errs.push(at.k("after"), "set either after_ms or after, not both");
+            return None;
+        }
+    };
+    if !(h.max_ratio > 0.0 && h.max_ratio <= 1.0) {
+        errs.push(at.k("max_ratio"), "must be in (0, 1]");
+        return None;
+    }
+    Some(HedgeSpec {
+        after,
+        max_ratio: h.max_ratio,
+    })
+}
+
+fn watchdog(name: &str, m: &ModelSection, f: &FileConfig, at: &FieldPath, errs: &mut Errors) {
+    if !m.fallback.is_empty() {
+        if m.fallback == name {
+            errs.push(at.k("fallback"), "a model cannot fall back to itself");
+        } else if !f.models.contains_key(&m.fallback) {
+            errs.push(at.k("fallback"), format!("unknown model `{}`", m.fallback));
+        }
+        if m.watchdog.is_none() {
+            errs.push(
+                at.k("fallback"),
+                "a fallback needs a watchdog (`watchdog = { ... }`) to decide when",
+            );
+        }
+    }
+    let Some(w) = &m.watchdog else { return };
+    let at = at.k("watchdog");
+    if w.window_ms == 0 {
+        errs.push(at.k("window_ms"), "must be > 0");
+    }
+    if w.probe_interval_ms == 0 {
+        errs.push(at.k("probe_interval_ms"), "must be > 0");
+    }
+    for (k, v) in [
+        ("enter_after", w.enter_after),
+        ("leave_after", w.leave_after),
+    ] {
+        if v == 0 {
+            errs.push(at.k(k), "must be at least 1");
+        }
+    }
+    if w.probe_max_tokens == 0 {
+        errs.push(at.k("probe_max_tokens"), "must be at least 1");
+    }
+    if crate::inference::watchdog::percentile(&w.percentile).is_none() {
+        errs.push(
+            at.k("percentile"),
+            format!("`{}` is not a percentile like p99", w.percentile),
+        );
+    }
+}
+
 fn upstream_spec(
     name: &str,
     m: &ModelSection,
     at: &FieldPath,
     pools: &BTreeMap<String, Arc<Pool>>,
     f: &FileConfig,
+    ctx: &BuildCtx,
     errs: &mut Errors,
 ) -> Option<UpstreamSpec> {
     if !m.source.is_empty() {
@@ -175,6 +253,8 @@ fn upstream_spec(
     if m.stall_timeout_ms == 0 {
         errs.push(at.k("stall_timeout_ms"), "must be > 0");
     }
+    let hedge = m.hedge.as_ref().and_then(|h| hedge(h, at, errs));
+    let resume_chat = f.pools.get(&m.pool).is_some_and(|p| p.resume == "vllm");
     Some(UpstreamSpec {
         pool,
         upstream_model: if m.upstream_model.is_empty() {
@@ -186,6 +266,9 @@ fn upstream_spec(
         priority,
         attempts: m.attempts.clamp(1, 10),
         stall: Duration::from_millis(m.stall_timeout_ms.max(1)),
+        hedge,
+        resume_chat,
+        counters: ctx.metrics.inference.upstream_counters(name),
     })
 }
 
@@ -228,7 +311,7 @@ pub(super) fn models(
         let before = errs.0.len();
         let backend = match m.backend.as_str() {
             "engine" => engine_spec(name, m, &at, errs).map(ModelBackend::Engine),
-            "upstream" => upstream_spec(name, m, &at, pools, f, errs)
+            "upstream" => upstream_spec(name, m, &at, pools, f, ctx, errs)
                 .map(|s| ModelBackend::Upstream(Arc::new(UpstreamBackend::new(s)))),
             other => {
                 errs.push(
@@ -238,6 +321,10 @@ pub(super) fn models(
                 None
             }
         };
+        watchdog(name, m, f, &at, errs);
+        if m.hedge.is_some() && m.backend != "upstream" {
+            errs.push(at.k("hedge"), "only an `upstream` model is hedged");
+        }
         let Some(backend) = backend else { continue };
         if errs.0.len() != before {
             continue;

@@ -138,6 +138,12 @@ pub(super) fn pool(
         );
         HashKey::ClientIp
     });
+    if !matches!(p.resume.as_str(), "none" | "vllm") {
+        errs.push(
+            at.k("resume"),
+            format!("`{}` is not one of none, vllm", p.resume),
+        );
+    }
     if !(p.hash_load_factor >= 1.0 && p.hash_load_factor <= 100.0) {
         errs.push(at.k("hash_load_factor"), "must be between 1.0 and 100.0");
     }

@@ -1,0 +1,122 @@
+//! The watchdog's synthetic probes and the background service that judges
+//! the windows. A probe is a short chat prompt sent straight to the
+//! model's backend (no admission, no user metrics) with the judged lane's
+//! rank; its time to first token and inter-token intervals go into that
+//! lane's windows. A probe that fails, or has no first token within its
+//! timeout, counts as taking the whole timeout: a backend that stopped
+//! answering is as bad as one that is slow.
+
+use super::watchdog::Probe;
+use super::Front;
+use crate::config::Shared;
+use crate::metrics::Metrics;
+use async_trait::async_trait;
+use pingora::server::ShutdownWatch;
+use pingora::services::background::BackgroundService;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+use ultrafast_engine::api::{Event, InferenceRequest, Prompt};
+use ultrafast_engine::sampling::SamplingParams;
+use ultrafast_engine::tokenizer::ChatMessage;
+
+/// How often the watchdog looks at its windows.
+const TICK: Duration = Duration::from_millis(100);
+
+/// Judges the watched lanes every tick and sends the probes they need.
+pub struct WatchdogService {
+    /// Live config.
+    pub shared: Shared,
+    /// The inference front (backends, watchdog).
+    pub front: Arc<Front>,
+    /// Metrics.
+    pub metrics: Arc<Metrics>,
+}
+
+#[async_trait]
+impl BackgroundService for WatchdogService {
+    async fn start(&self, mut shutdown: ShutdownWatch) {
+        loop {
+            tokio::select! {
+                _ = shutdown.changed() => return,
+                _ = tokio::time::sleep(TICK) => {}
+            }
+            let cfg = self.shared.load_full();
+            let probes = self
+                .front
+                .watchdog
+                .tick(&cfg, &self.metrics.inference, Instant::now());
+            for p in probes {
+                let (front, cfg) = (self.front.clone(), cfg.clone());
+                tokio::spawn(async move {
+                    let watch = p.watch.clone();
+                    send(&front, &cfg, &p).await;
+                    watch.lock().probe_done();
+                });
+            }
+        }
+    }
+}
+
+/// Send one probe and record what it measured.
+async fn send(front: &Front, cfg: &crate::config::Config, p: &Probe) {
+    let Some(model) = cfg.models.get(&p.model) else {
+        return;
+    };
+    let Some(backend) = front.engines.backend(model) else {
+        return;
+    };
+    let req = InferenceRequest {
+        model: p.model.clone(),
+        prompt: Prompt::Chat(vec![ChatMessage {
+            role: "user".into(),
+            content: "Reply with one word: ping".into(),
+        }]),
+        max_tokens: Some(p.max_tokens),
+        sampling: SamplingParams {
+            temperature: 0.0,
+            ..SamplingParams::default()
+        },
+        stop: Vec::new(),
+        lane: "probe".into(),
+        lane_rank: p.rank,
+        request_id: format!("probe-{}", super::jobs::random_id()),
+        user: None,
+    };
+    let t0 = Instant::now();
+    let prepared = {
+        let (b, r) = (backend.clone(), req.clone());
+        tokio::task::spawn_blocking(move || b.prepare(&r)).await
+    };
+    let Ok(Ok(prepared)) = prepared else {
+        p.watch.lock().ttft(p.timeout);
+        return;
+    };
+    let first = tokio::time::timeout(p.timeout, async {
+        let mut rx = backend.generate(req, prepared).await.ok()?;
+        loop {
+            match rx.recv().await? {
+                Event::Token { text, .. } if !text.is_empty() => return Some(rx),
+                Event::Token { .. } => continue,
+                Event::Done { .. } | Event::Error(_) => return None,
+            }
+        }
+    })
+    .await;
+    let Ok(Some(mut rx)) = first else {
+        p.watch.lock().ttft(p.timeout);
+        return;
+    };
+    p.watch.lock().ttft(t0.elapsed());
+    // The rest (a token or two) gives inter-token samples.
+    let mut prev = Instant::now();
+    while let Ok(Some(ev)) = tokio::time::timeout(p.timeout, rx.recv()).await {
+        match ev {
+            Event::Token { text, .. } if !text.is_empty() => {
+                p.watch.lock().itl(prev.elapsed());
+                prev = Instant::now();
+            }
+            Event::Token { .. } => {}
+            Event::Done { .. } | Event::Error(_) => break,
+        }
+    }
+}

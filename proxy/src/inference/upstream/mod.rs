@@ -1,0 +1,321 @@
+//! Upstream inference pools: OpenAI-compatible servers (vLLM, TGI, SGLang,
+//! Ollama, llama.cpp) behind the same backend seam as the engine.
+//!
+//! Reuses the core's pools (members, health, ejection, TLS, keepalive via
+//! Pingora's connector). Adds: least-outstanding or prefix-affinity choice
+//! (consistent hash with bounded load on the conversation prefix), retry to
+//! another member only until the first token (never after one reached the
+//! client), the lane passed on as vLLM's `priority`, and parsing of the
+//! upstream's SSE so tokens are counted and timed here. The upstream is
+//! always asked to stream, even for a non-streaming client, so time to first
+//! token is known and a stall is noticed.
+//!
+//! Two things keep one bad member from reaching the client: first-token
+//! hedging (`open`: a request without a first token after the hedge delay
+//! is also sent to a second member, the first to produce a token wins and
+//! the other's connection is closed) and mid-stream failover (`relay`: a
+//! stream that breaks after tokens were sent continues on another member,
+//! as a continuation of the text delivered so far).
+
+mod open;
+mod relay;
+mod stream;
+
+use crate::upstream::budget::RetryBudget;
+use crate::upstream::lb::{hash_bytes, Balancer};
+use crate::upstream::{LbSpec, Membership, Pool};
+use bytes::Bytes;
+use parking_lot::Mutex;
+use pingora::connectors::http::Connector;
+use prometheus::IntCounter;
+use serde_json::{json, Value};
+use std::sync::{Arc, OnceLock};
+use std::time::Duration;
+use ultrafast_engine::api::{
+    Backend, BackendError, EventStream, InferenceRequest, Prepared, Prompt, Readiness,
+};
+
+/// Which priority field the upstream understands.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PriorityField {
+    /// None: the lane stays at the edge.
+    None,
+    /// vLLM's `priority` (lower runs first): the lane's rank.
+    Vllm,
+}
+
+/// When a request without a first token is also sent to a second member.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum HedgeAfter {
+    /// A fixed delay.
+    Fixed(Duration),
+    /// This quantile (0..1) of the model's recent times to first token.
+    Quantile(f64),
+}
+
+/// First-token hedging of an upstream model.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct HedgeSpec {
+    /// The delay before the hedge.
+    pub after: HedgeAfter,
+    /// Hedges at most this fraction of requests over a sliding window.
+    pub max_ratio: f64,
+}
+
+/// Counters of one upstream model (hedges, failovers).
+#[derive(Debug, Clone)]
+pub struct Counters {
+    /// Hedged requests sent.
+    pub hedges_sent: IntCounter,
+    /// Hedged requests that produced the first token first.
+    pub hedges_won: IntCounter,
+    /// Streams continued on another member after a break.
+    pub failovers: IntCounter,
+    /// Breaks that could not be continued.
+    pub failovers_failed: IntCounter,
+}
+
+impl Default for Counters {
+    /// Unregistered counters (tests).
+    fn default() -> Self {
+        let c = |n: &str| {
+            #[allow(clippy::expect_used)]
+            IntCounter::new(n, n).expect("static counter")
+        };
+        Counters {
+            hedges_sent: c("hedges_sent"),
+            hedges_won: c("hedges_won"),
+            failovers: c("failovers"),
+            failovers_failed: c("failovers_failed"),
+        }
+    }
+}
+
+/// Settings of an upstream-served model.
+#[derive(Debug, Clone)]
+pub struct UpstreamSpec {
+    /// The pool.
+    pub pool: Arc<Pool>,
+    /// Model name sent upstream.
+    pub upstream_model: String,
+    /// Prefix affinity's bounded-load factor (None: least outstanding).
+    pub affinity: Option<f64>,
+    /// Priority field.
+    pub priority: PriorityField,
+    /// Members tried before the first token; also the most failovers of
+    /// one stream.
+    pub attempts: u32,
+    /// Longest silence before the first token or between tokens.
+    pub stall: Duration,
+    /// First-token hedging, if on.
+    pub hedge: Option<HedgeSpec>,
+    /// Whether a chat stream may be continued on another member (the pool
+    /// speaks vLLM's `continue_final_message`); a text completion always
+    /// may.
+    pub resume_chat: bool,
+    /// Counters.
+    pub counters: Counters,
+}
+
+/// The balancer built for one member set.
+type Ring = (Arc<Membership>, Arc<Balancer>);
+
+/// An upstream-served model.
+#[derive(Clone)]
+pub struct UpstreamBackend {
+    spec: Arc<UpstreamSpec>,
+    ring: Arc<Mutex<Option<Ring>>>,
+    /// Recent times to first token (for a quantile hedge delay).
+    ttfts: Arc<Mutex<open::Recent>>,
+    /// The hedges' own budget (`max_ratio` of requests).
+    hedges: Arc<RetryBudget>,
+}
+
+impl std::fmt::Debug for UpstreamBackend {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "UpstreamBackend({})", self.spec.pool.name)
+    }
+}
+
+fn connector() -> &'static Connector {
+    static C: OnceLock<Connector> = OnceLock::new();
+    C.get_or_init(|| Connector::new(None))
+}
+
+impl UpstreamBackend {
+    /// A backend over `spec.pool`.
+    pub fn new(spec: UpstreamSpec) -> Self {
+        let ratio = spec.hedge.map_or(0.0, |h| h.max_ratio);
+        UpstreamBackend {
+            spec: Arc::new(spec),
+            ring: Arc::new(Mutex::new(None)),
+            ttfts: Arc::new(Mutex::new(open::Recent::default())),
+            hedges: Arc::new(RetryBudget::new(ratio, 0)),
+        }
+    }
+
+    /// The spec.
+    pub fn spec(&self) -> &UpstreamSpec {
+        &self.spec
+    }
+
+    /// The balancer for this membership (a ring for prefix affinity is
+    /// built once per member set, not per request).
+    fn balancer(&self, m: &Arc<Membership>) -> Arc<Balancer> {
+        let mut g = self.ring.lock();
+        if let Some((mm, b)) = &*g {
+            if Arc::ptr_eq(mm, m) {
+                return b.clone();
+            }
+        }
+        let spec = match self.spec.affinity {
+            Some(f) => LbSpec::ConsistentHash(crate::upstream::lb::HashKey::ClientIp, f),
+            None => LbSpec::LeastOutstanding,
+        };
+        let b = Arc::new(spec.build(&m.members));
+        *g = Some((m.clone(), b.clone()));
+        b
+    }
+
+    /// Whether a stream of `req` that broke can continue elsewhere.
+    fn resumable(&self, req: &InferenceRequest) -> bool {
+        match req.prompt {
+            Prompt::Text(_) => true,
+            Prompt::Chat(_) => self.spec.resume_chat,
+        }
+    }
+
+    /// The upstream request: the client's, or (with `resume`) its
+    /// continuation after `resume.0` was delivered as `resume.1` tokens.
+    fn body(
+        &self,
+        req: &InferenceRequest,
+        prepared: &Prepared,
+        resume: Option<(&str, usize)>,
+    ) -> (String, Bytes) {
+        let mut o = serde_json::Map::new();
+        o.insert("model".into(), json!(self.spec.upstream_model));
+        let (sent, done) = resume.unwrap_or(("", 0));
+        let path = match &req.prompt {
+            Prompt::Chat(m) => {
+                let mut msgs = json!(m);
+                if resume.is_some() {
+                    // vLLM continues the final (assistant) message instead
+                    // of opening a new turn.
+                    if let Some(a) = msgs.as_array_mut() {
+                        a.push(json!({"role": "assistant", "content": sent}));
+                    }
+                    o.insert("continue_final_message".into(), json!(true));
+                    o.insert("add_generation_prompt".into(), json!(false));
+                }
+                o.insert("messages".into(), msgs);
+                "/v1/chat/completions"
+            }
+            Prompt::Text(t) => {
+                o.insert("prompt".into(), json!(format!("{t}{sent}")));
+                "/v1/completions"
+            }
+        };
+        // Always the size admission reserved (less what was delivered): an
+        // upstream left to its own default could generate far more.
+        let left = prepared.max_tokens.saturating_sub(done).max(1);
+        o.insert("max_tokens".into(), json!(left));
+        let s = &req.sampling;
+        o.insert("temperature".into(), json!(s.temperature));
+        o.insert("top_p".into(), json!(s.top_p));
+        if s.top_k > 0 {
+            o.insert("top_k".into(), json!(s.top_k));
+        }
+        if let Some(seed) = s.seed {
+            o.insert("seed".into(), json!(seed));
+        }
+        if !req.stop.is_empty() {
+            o.insert("stop".into(), json!(req.stop));
+        }
+        if let Some(u) = &req.user {
+            o.insert("user".into(), json!(u));
+        }
+        if self.spec.priority == PriorityField::Vllm {
+            o.insert("priority".into(), json!(req.lane_rank));
+        }
+        o.insert("stream".into(), json!(true));
+        o.insert("stream_options".into(), json!({"include_usage": true}));
+        (path.to_string(), Bytes::from(Value::Object(o).to_string()))
+    }
+}
+
+#[async_trait::async_trait]
+impl Backend for UpstreamBackend {
+    fn kind(&self) -> &'static str {
+        "upstream"
+    }
+
+    fn readiness(&self) -> Readiness {
+        let m = self.spec.pool.members();
+        let now = crate::upstream::now_ms();
+        if m.members.iter().any(|x| x.available(now)) {
+            Readiness::Ready
+        } else {
+            Readiness::Starting(format!(
+                "pool `{}` has no healthy member",
+                self.spec.pool.name
+            ))
+        }
+    }
+
+    fn prepare(&self, req: &InferenceRequest) -> Result<Prepared, BackendError> {
+        // Token counts are estimated (about 4 bytes per token): they only
+        // size the request for admission; the upstream reports real usage.
+        let (chars, prefix) = match &req.prompt {
+            Prompt::Chat(m) => {
+                let chars: usize = m.iter().map(|x| x.content.len() + 16).sum();
+                // The conversation before the last message (a shared system
+                // prompt, earlier turns) is what an upstream KV cache holds.
+                let mut p = Vec::new();
+                let head = if m.len() > 1 {
+                    &m[..m.len() - 1]
+                } else {
+                    &m[..]
+                };
+                for x in head {
+                    p.extend_from_slice(x.role.as_bytes());
+                    p.push(0);
+                    p.extend_from_slice(x.content.as_bytes());
+                    p.push(0);
+                }
+                p.truncate(4096);
+                (chars, hash_bytes(&p))
+            }
+            Prompt::Text(t) => (t.len(), hash_bytes(&t.as_bytes()[..t.len().min(1024)])),
+        };
+        Ok(Prepared {
+            prompt_tokens: chars.div_ceil(4).max(1),
+            max_tokens: req.max_tokens.unwrap_or(256),
+            tokens: Vec::new(),
+            prefix_hash: prefix,
+        })
+    }
+
+    async fn generate(
+        &self,
+        req: InferenceRequest,
+        prepared: Prepared,
+    ) -> Result<EventStream, BackendError> {
+        self.spec.pool.record_request();
+        self.hedges.deposit();
+        let (path, body) = self.body(&req, &prepared, None);
+        let opened = self
+            .first_token(
+                &path,
+                &body,
+                &req.request_id,
+                prepared.prefix_hash,
+                &[],
+                true,
+            )
+            .await?;
+        let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+        tokio::spawn(self.clone().relay(opened, req, prepared, tx));
+        Ok(rx)
+    }
+}

@@ -1,0 +1,215 @@
+//! Relaying an opened upstream stream to the front, and mid-stream
+//! failover: when the stream breaks after tokens went out (a reset, a stall
+//! past `stall_timeout_ms`, malformed SSE, an error object, a close before
+//! `[DONE]`), the request continues on another member as a continuation of
+//! the text delivered so far (`UpstreamBackend::body` with `resume`), so
+//! the client sees one stream and `usage` counts what it received. A chat
+//! stream continues only on a pool that declares `resume = "vllm"`; others
+//! end with the error event as before.
+
+use super::open::Opened;
+use super::{connector, UpstreamBackend};
+use std::time::Duration;
+use tokio::sync::mpsc::UnboundedSender;
+use ultrafast_engine::api::{Event, InferenceRequest, Prepared, Usage};
+
+/// How one upstream stream ended.
+enum End {
+    /// `[DONE]`, with the final event to send.
+    Done(Event),
+    /// The consumer left.
+    Gone,
+    /// Broken, with why.
+    Broken(String),
+}
+
+/// What went out to the consumer so far.
+#[derive(Default)]
+struct Sent {
+    text: String,
+    tokens: usize,
+}
+
+impl UpstreamBackend {
+    /// Forward `o` and, when it breaks, its continuations; dropping out of
+    /// here (consumer gone, error) closes the upstream connection, which
+    /// cancels the work there.
+    pub(super) async fn relay(
+        self,
+        mut o: Opened,
+        req: InferenceRequest,
+        prepared: Prepared,
+        tx: UnboundedSender<Event>,
+    ) {
+        let mut sent = Sent::default();
+        // Tokens delivered before the current upstream stream began.
+        let mut before = 0usize;
+        let mut failovers = 0u32;
+        loop {
+            let end = self.pump(&mut o, &tx, &mut sent).await;
+            let why = match end {
+                End::Gone => return,
+                End::Done(ev) => {
+                    let _ = tx.send(resumed_usage(ev, before));
+                    self.release(o).await;
+                    return;
+                }
+                End::Broken(why) => why,
+            };
+            self.spec.pool.record_failure(&o.member);
+            let left = prepared.max_tokens.saturating_sub(sent.tokens);
+            let can = self.resumable(&req)
+                && failovers < self.spec.attempts
+                && left > 0
+                && self.spec.pool.budget.try_withdraw();
+            if !can {
+                self.spec.counters.failovers_failed.inc();
+                let _ = tx.send(Event::Error(why));
+                return;
+            }
+            let broken = o.member.addr;
+            drop(o);
+            failovers += 1;
+            log::warn!(
+                "inference pool {}: {why}; continuing on another member after {} token(s)",
+                self.spec.pool.name,
+                sent.tokens
+            );
+            let (path, body) = self.body(&req, &prepared, Some((&sent.text, sent.tokens)));
+            let next = self
+                .first_token(
+                    &path,
+                    &body,
+                    &req.request_id,
+                    prepared.prefix_hash,
+                    &[broken],
+                    false,
+                )
+                .await;
+            match next {
+                Ok(n) => {
+                    self.spec.counters.failovers.inc();
+                    before = sent.tokens;
+                    o = n;
+                }
+                Err(e) => {
+                    self.spec.counters.failovers_failed.inc();
+                    let _ = tx.send(Event::Error(format!("{why}; {}", e.message)));
+                    return;
+                }
+            }
+        }
+    }
+
+    /// Forward one upstream stream until it ends.
+    async fn pump(&self, o: &mut Opened, tx: &UnboundedSender<Event>, sent: &mut Sent) -> End {
+        let stall = self.spec.stall;
+        let mut evs = std::mem::take(&mut o.first);
+        loop {
+            for e in evs.drain(..) {
+                match e {
+                    Event::Error(why) => return End::Broken(why),
+                    Event::Done { .. } => return End::Done(e),
+                    Event::Token { ref text, .. } => {
+                        sent.text.push_str(text);
+                        sent.tokens += 1;
+                        if tx.send(e).is_err() {
+                            return End::Gone;
+                        }
+                    }
+                }
+            }
+            let read = tokio::select! {
+                r = tokio::time::timeout(stall, o.session.read_response_body()) => r,
+                _ = tx.closed() => return End::Gone,
+            };
+            let label = &o.member.label;
+            match read {
+                // The session's own read timeout is the same stall limit:
+                // whichever fires first, it is a stall.
+                Err(_) => return End::Broken(stalled(label, stall)),
+                Ok(Err(e)) if matches!(e.etype(), pingora::ErrorType::ReadTimedout) => {
+                    return End::Broken(stalled(label, stall))
+                }
+                Ok(Err(e)) => return End::Broken(format!("upstream {label}: stream broke: {e}")),
+                Ok(Ok(None)) => {
+                    return End::Broken(format!("upstream {label} closed the stream before [DONE]"))
+                }
+                Ok(Ok(Some(b))) => o.state.feed(&b, &mut evs),
+            }
+        }
+    }
+
+    /// Drain the (empty) rest of a finished stream so its connection can be
+    /// reused.
+    async fn release(&self, mut o: Opened) {
+        let ok = matches!(
+            tokio::time::timeout(Duration::from_millis(50), o.session.read_response_body()).await,
+            Ok(Ok(None))
+        ) || o.session.response_done();
+        let idle = self.spec.pool.settings.keepalive_idle;
+        if ok && idle.is_some() {
+            connector()
+                .release_http_session(o.session, &*o.peer, idle)
+                .await;
+        }
+    }
+}
+
+fn stalled(label: &str, stall: Duration) -> String {
+    format!("upstream {label} stalled: no data for {stall:?}")
+}
+
+/// The final event of a continued stream: the client received `before`
+/// tokens from the broken stream(s) plus this one's, and this one's prompt
+/// counted those tokens as prompt.
+fn resumed_usage(ev: Event, before: usize) -> Event {
+    match ev {
+        Event::Done {
+            text,
+            finish,
+            usage,
+            queue,
+            compute,
+        } if before > 0 => Event::Done {
+            text,
+            finish,
+            usage: Usage {
+                prompt_tokens: usage.prompt_tokens.saturating_sub(before),
+                completion_tokens: usage.completion_tokens + before,
+                cached_tokens: usage.cached_tokens,
+            },
+            queue,
+            compute,
+        },
+        other => other,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use ultrafast_engine::api::FinishReason;
+
+    #[test]
+    fn a_continued_stream_counts_what_the_client_received() {
+        let done = Event::Done {
+            text: String::new(),
+            finish: FinishReason::Stop,
+            usage: Usage {
+                prompt_tokens: 20,
+                completion_tokens: 11,
+                cached_tokens: 0,
+            },
+            queue: Duration::ZERO,
+            compute: Duration::ZERO,
+        };
+        match resumed_usage(done, 5) {
+            Event::Done { usage, .. } => {
+                assert_eq!(usage.completion_tokens, 16);
+                assert_eq!(usage.prompt_tokens, 15);
+            }
+            e => panic!("{e:?}"),
+        }
+    }
+}
