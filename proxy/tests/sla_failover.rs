@@ -390,4 +390,23 @@ fn reloading_an_engine_model_under_load_serves_the_new_setting_with_no_failed_re
     }
     assert_eq!(failed.load(Ordering::Relaxed), 0, "{}", uf.stderr());
     assert!(ok.load(Ordering::Relaxed) >= 6);
+    // A removed model drains: the stream in flight finishes, new requests
+    // get a 404.
+    let body = format!(
+        r#"{{"model":"{MODEL}","messages":[{{"role":"user","content":"Tell me a story."}}],"max_tokens":48,"stream":true}}"#
+    );
+    let s = post_stream(uf.addr, "/v1/chat/completions", &body, &[]);
+    let reader = std::thread::spawn(move || read_sse(s, Duration::from_secs(60)).0);
+    std::thread::sleep(Duration::from_millis(300));
+    uf.write_config(INFERENCE_ROUTE);
+    let r = uf.reload();
+    assert_eq!(r.status, 200, "{}", r.text());
+    assert_eq!(r.json()["diff"]["models"][MODEL], "removed", "{}", r.text());
+    let evs = reader.join().unwrap();
+    assert_eq!(evs.last().unwrap().data, "[DONE]");
+    assert!(!evs.iter().any(|e| e.data.contains("\"error\"")), "{evs:?}");
+    assert!(contents(&evs).len() > 3);
+    let r = post(&uf, &body.replace("\"stream\":true", "\"stream\":false"));
+    assert_eq!(r.status, 404, "{}", r.text());
+    assert_eq!(uf.metric("ultrafast_engine_ready", &[]), 0.0);
 }
