@@ -185,27 +185,25 @@ def fallback_round(tmp):
     try:
         [t.start() for t in threads]
         time.sleep(3)
+        def first_after(since, served_by):
+            """Seconds from `since` to the first response served by
+            `served_by` (None: the primary), at most 30 s."""
+            end = time.time() + 30
+            while time.time() < end:
+                time.sleep(0.02)
+                with lock:
+                    hit = [t for t, _, f in log if t > since and f == served_by]
+                if hit:
+                    return min(hit) - since
+            return None
+
         t_slow = time.time()
         a.control(ttft_ms=1000)
-        end = time.time() + 30
-        to_fallback = None
-        while time.time() < end and to_fallback is None:
-            time.sleep(0.02)
-            with lock:
-                hit = [t for t, _, f in log if t > t_slow and f == "spare"]
-            if hit:
-                to_fallback = min(hit) - t_slow
+        to_fallback = first_after(t_slow, "spare")
         time.sleep(2)
         t_fast = time.time()
         a.control(ttft_ms=50)
-        end = time.time() + 30
-        back = None
-        while time.time() < end and back is None:
-            time.sleep(0.02)
-            with lock:
-                hit = [t for t, _, f in log if t > t_fast and f is None]
-            if hit:
-                back = min(hit) - t_fast
+        back = first_after(t_fast, None)
         stop.set()
         [t.join() for t in threads]
         with lock:

@@ -321,41 +321,35 @@ impl Watchdog {
     /// that need a probe now.
     pub fn tick(&self, cfg: &Config, metrics: &InferenceMetrics, now: Instant) -> Vec<Probe> {
         let mut probes = Vec::new();
-        for (name, m) in &cfg.models {
-            let Some(w) = &m.def.watchdog else { continue };
-            for lane in &cfg.lanes {
-                let Some(t) = Targets::of(cfg, &lane.name, w) else {
-                    continue;
-                };
-                let watch = self.lane(name, &lane.name);
-                let mut g = watch.lock();
-                let due = g.judged_at.is_none_or(|j| now - j >= t.window);
-                if due {
-                    let (_, change) = g.judge(now, &t);
+        for (name, m, w, lane, t) in watched(cfg) {
+            let watch = self.lane(name, &lane.name);
+            let mut g = watch.lock();
+            let due = g.judged_at.is_none_or(|j| now - j >= t.window);
+            if due {
+                let (_, change) = g.judge(now, &t);
+                metrics
+                    .slo_state
+                    .with_label_values(&[name, &lane.name])
+                    .set(g.state as i64);
+                if let Some(c) = change {
+                    log_transition(name, &lane.name, &m.def.fallback, &c);
                     metrics
-                        .slo_state
-                        .with_label_values(&[name, &lane.name])
-                        .set(g.state as i64);
-                    if let Some(c) = change {
-                        log_transition(name, &lane.name, &m.def.fallback, &c);
-                        metrics
-                            .slo_transitions
-                            .with_label_values(&[name, &lane.name, c.from.as_str(), c.to.as_str()])
-                            .inc();
-                    }
+                        .slo_transitions
+                        .with_label_values(&[name, &lane.name, c.from.as_str(), c.to.as_str()])
+                        .inc();
                 }
-                if g.probe_due(now, &t) {
-                    g.probing = true;
-                    g.probed_at = Some(now);
-                    probes.push(Probe {
-                        model: name.clone(),
-                        lane: lane.name.clone(),
-                        rank: lane.rank,
-                        max_tokens: w.probe_max_tokens.max(1),
-                        timeout: t.ttft.map_or(Duration::from_secs(10), |d| d * 4),
-                        watch: watch.clone(),
-                    });
-                }
+            }
+            if g.probe_due(now, &t) {
+                g.probing = true;
+                g.probed_at = Some(now);
+                probes.push(Probe {
+                    model: name.clone(),
+                    lane: lane.name.clone(),
+                    rank: lane.rank,
+                    max_tokens: w.probe_max_tokens.max(1),
+                    timeout: t.ttft.map_or(Duration::from_secs(10), |d| d * 4),
+                    watch: watch.clone(),
+                });
             }
         }
         probes
@@ -365,34 +359,47 @@ impl Watchdog {
     pub fn report(&self, cfg: &Config) -> Value {
         let now = Instant::now();
         let mut out = Vec::new();
-        for (name, m) in &cfg.models {
-            let Some(w) = &m.def.watchdog else { continue };
-            for lane in &cfg.lanes {
-                let Some(t) = Targets::of(cfg, &lane.name, w) else {
-                    continue;
-                };
-                let watch = self.lane(name, &lane.name);
-                let g = watch.lock();
-                let win =
-                    |s: &Series, span: u64| summary(&s.within(now, Duration::from_secs(span)));
-                let fallback = (!m.def.fallback.is_empty()).then(|| m.def.fallback.clone());
-                out.push(json!({
-                    "model": name, "lane": lane.name, "state": g.state.as_str(),
-                    "fallback": fallback,
-                    "fallback_active": g.state == State::Violated && fallback.is_some(),
-                    "targets": {"ttft_ms": ms(t.ttft), "itl_ms": ms(t.itl), "quantile": t.q,
-                        "window_ms": t.window.as_millis() as u64},
-                    "bad_windows": g.bad, "good_windows": g.good,
-                    "last_window": g.last,
-                    "windows": {
-                        "1m": {"ttft": win(&g.ttft, 60), "itl": win(&g.itl, 60)},
-                        "5m": {"ttft": win(&g.ttft, 300), "itl": win(&g.itl, 300)},
-                    },
-                }));
-            }
+        for (name, m, _, lane, t) in watched(cfg) {
+            let watch = self.lane(name, &lane.name);
+            let g = watch.lock();
+            let win = |s: &Series, span: u64| summary(&s.within(now, Duration::from_secs(span)));
+            let fallback = (!m.def.fallback.is_empty()).then(|| m.def.fallback.clone());
+            out.push(json!({
+                "model": name, "lane": lane.name, "state": g.state.as_str(),
+                "fallback": fallback,
+                "fallback_active": g.state == State::Violated && fallback.is_some(),
+                "targets": {"ttft_ms": ms(t.ttft), "itl_ms": ms(t.itl), "quantile": t.q,
+                    "window_ms": t.window.as_millis() as u64},
+                "bad_windows": g.bad, "good_windows": g.good,
+                "last_window": g.last,
+                "windows": {
+                    "1m": {"ttft": win(&g.ttft, 60), "itl": win(&g.itl, 60)},
+                    "5m": {"ttft": win(&g.ttft, 300), "itl": win(&g.itl, 300)},
+                },
+            }));
         }
         json!({"lanes": out})
     }
+}
+
+/// Every watched (model, lane) of `cfg` with its watchdog and targets.
+fn watched(
+    cfg: &Config,
+) -> impl Iterator<
+    Item = (
+        &String,
+        &Arc<crate::inference::Model>,
+        &WatchdogSection,
+        &crate::admission::queue::LaneSpec,
+        Targets,
+    ),
+> {
+    cfg.models.iter().flat_map(move |(name, m)| {
+        cfg.lanes.iter().filter_map(move |lane| {
+            let w = m.def.watchdog.as_ref()?;
+            Some((name, m, w, lane, Targets::of(cfg, &lane.name, w)?))
+        })
+    })
 }
 
 fn log_transition(model: &str, lane: &str, fallback: &str, c: &Transition) {
