@@ -28,6 +28,10 @@
 //!   [--itl-ms N] [--jitter-ms N] [--burst N] [--tokens N] [--capacity N]
 //!   [--fail-first N] [--stall-after N] [--malformed-after N]
 //!   [--die-after N] [--slow-fraction F] [--slow-ttft-ms N]
+//!   [--uuid-request-ids]
+//! `--uuid-request-ids` answers a request whose `X-Request-Id` is not a UUID
+//! with an empty 400, as llama-cpp-python's server does; `/stats` shows the
+//! last `last_request_id` received.
 //! `--slow-fraction F` (0 to 1) gives that share of requests a first token
 //! after `--slow-ttft-ms` (default 10 times `--ttft-ms`).
 //! Prints `listening on ADDR` once bound.
@@ -61,6 +65,8 @@ struct Opts {
     slow_ttft_ms: u64,
     /// Every completion answers 500 (set through `/control` only).
     fail: bool,
+    /// Refuse a non-UUID `X-Request-Id` with an empty 400.
+    uuid_request_ids: bool,
 }
 
 #[derive(Default)]
@@ -73,6 +79,8 @@ struct Stats {
     slow: AtomicU64,
     killed: AtomicU64,
     resumed: AtomicU64,
+    health_gets: AtomicU64,
+    models_gets: AtomicU64,
     rng: AtomicU64,
 }
 
@@ -83,6 +91,7 @@ struct State {
     s: Stats,
     slots: Semaphore,
     last_body: Mutex<Value>,
+    last_request_id: Mutex<Value>,
 }
 
 /// Lock, ignoring poisoning: the data is plain values that a panic elsewhere
@@ -108,10 +117,17 @@ fn parse_opts() -> Result<Opts, String> {
         slow_fraction: 0.0,
         slow_ttft_ms: 0,
         fail: false,
+        uuid_request_ids: false,
     };
     let args: Vec<String> = std::env::args().skip(1).collect();
     let mut i = 0;
     while i < args.len() {
+        // A switch: takes no value.
+        if args[i] == "--uuid-request-ids" {
+            o.uuid_request_ids = true;
+            i += 1;
+            continue;
+        }
         let v = args
             .get(i + 1)
             .ok_or(format!("{} needs a value", args[i]))?;
@@ -141,6 +157,16 @@ fn parse_opts() -> Result<Opts, String> {
         i += 2;
     }
     Ok(o)
+}
+
+/// Whether `s` is a UUID in canonical text form.
+fn is_uuid(s: &str) -> bool {
+    let b = s.as_bytes();
+    b.len() == 36
+        && b.iter().enumerate().all(|(i, c)| match i {
+            8 | 13 | 18 | 23 => *c == b'-',
+            _ => c.is_ascii_hexdigit(),
+        })
 }
 
 /// A share in [0, 1]; NaN is refused too.
@@ -285,9 +311,10 @@ fn control(st: &State, body: &[u8]) -> Vec<u8> {
     response(200, "application/json", &settings(&g).to_string())
 }
 
+/// Method, path, `X-Request-Id` (if any) and body of the next request.
 async fn read_request(
     r: &mut BufReader<tokio::net::tcp::OwnedReadHalf>,
-) -> Option<(String, String, Vec<u8>)> {
+) -> Option<(String, String, Option<String>, Vec<u8>)> {
     let mut line = String::new();
     if r.read_line(&mut line).await.ok()? == 0 {
         return None;
@@ -296,6 +323,7 @@ async fn read_request(
     let method = parts.next()?.to_string();
     let path = parts.next()?.to_string();
     let mut len = 0usize;
+    let mut request_id = None;
     loop {
         let mut h = String::new();
         if r.read_line(&mut h).await.ok()? == 0 {
@@ -308,12 +336,14 @@ async fn read_request(
         if let Some((k, v)) = h.split_once(':') {
             if k.eq_ignore_ascii_case("content-length") {
                 len = v.trim().parse().ok()?;
+            } else if k.eq_ignore_ascii_case("x-request-id") {
+                request_id = Some(v.trim().to_string());
             }
         }
     }
     let mut body = vec![0u8; len];
     r.read_exact(&mut body).await.ok()?;
-    Some((method, path, body))
+    Some((method, path, request_id, body))
 }
 
 fn response(status: u16, ctype: &str, body: &str) -> Vec<u8> {
@@ -333,20 +363,48 @@ async fn handle(st: Arc<State>, sock: TcpStream) {
     let _ = sock.set_nodelay(true);
     let (r, mut w) = sock.into_split();
     let mut r = BufReader::new(r);
-    while let Some((method, path, body)) = read_request(&mut r).await {
+    while let Some((method, path, request_id, body)) = read_request(&mut r).await {
+        let inference = method == "POST" && path.starts_with("/v1/");
+        if inference {
+            *lock(&st.last_request_id) = request_id.clone().map_or(Value::Null, Value::from);
+        }
+        // Like llama-cpp-python's server: an id that is not a UUID is an
+        // empty 400.
+        if inference
+            && st.opts().uuid_request_ids
+            && request_id.as_deref().is_some_and(|id| !is_uuid(id))
+        {
+            st.s.requests.fetch_add(1, Ordering::Relaxed);
+            st.s.failed.fetch_add(1, Ordering::Relaxed);
+            if w.write_all(&response(400, "application/json", ""))
+                .await
+                .is_err()
+            {
+                return;
+            }
+            continue;
+        }
         let out = match (method.as_str(), path.as_str()) {
-            ("GET", "/health") => response(200, "text/plain", "ok"),
-            ("GET", "/v1/models") => response(
+            ("GET", "/health") => {
+                st.s.health_gets.fetch_add(1, Ordering::Relaxed);
+                response(200, "text/plain", "ok")
+            }
+            ("GET", "/v1/models") => {
+                st.s.models_gets.fetch_add(1, Ordering::Relaxed);
+                response(
                 200,
                 "application/json",
                 &json!({"object": "list", "data": [{"id": st.opts().name, "object": "model", "created": 0, "owned_by": "fake"}]}).to_string(),
-            ),
+            )
+            }
             ("GET", "/stats") => {
                 let s = &st.s;
                 let c = |a: &AtomicU64| a.load(Ordering::Relaxed);
                 let v = json!({"requests": c(&s.requests), "active": c(&s.active), "completed": c(&s.completed),
                     "cancelled": c(&s.cancelled), "failed": c(&s.failed), "slow": c(&s.slow), "killed": c(&s.killed),
-                    "resumed": c(&s.resumed), "last_body": lock(&st.last_body).clone(), "name": st.opts().name});
+                    "resumed": c(&s.resumed), "last_body": lock(&st.last_body).clone(), "name": st.opts().name,
+                    "last_request_id": lock(&st.last_request_id).clone(),
+                    "health_gets": c(&s.health_gets), "models_gets": c(&s.models_gets)});
                 response(200, "application/json", &v.to_string())
             }
             ("POST", "/control") => control(&st, &body),
@@ -589,6 +647,7 @@ async fn main() {
         o: Mutex::new(o),
         s: Stats::default(),
         last_body: Mutex::new(Value::Null),
+        last_request_id: Mutex::new(Value::Null),
     });
     loop {
         if let Ok((sock, _)) = listener.accept().await {

@@ -8,7 +8,6 @@ use bytes::Bytes;
 use pingora::http::{RequestHeader, ResponseHeader};
 use pingora::proxy::Session;
 use pingora::Result;
-use std::sync::atomic::{AtomicU64, Ordering};
 
 /// Why a request was refused before routing.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -64,22 +63,9 @@ pub fn has_body(req: &RequestHeader) -> bool {
             .is_some_and(|v| v.as_bytes() != b"0")
 }
 
-/// A fresh request id: 8 hex digits unique to this process start, then a
-/// 16-digit counter. Unique, sortable per process, and costs one atomic add
-/// and one allocation (shared by every later copy of the header).
+/// A fresh request id: a UUIDv7 (see `reqid`).
 pub fn new_request_id() -> http::HeaderValue {
-    static PREFIX: std::sync::OnceLock<u32> = std::sync::OnceLock::new();
-    static COUNTER: AtomicU64 = AtomicU64::new(1);
-    let p = *PREFIX.get_or_init(|| {
-        let t = std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .unwrap_or_default()
-            .as_nanos() as u64;
-        crate::upstream::lb::mix64(t ^ std::process::id() as u64) as u32
-    });
-    let id = format!("{p:08x}{:016x}", COUNTER.fetch_add(1, Ordering::Relaxed));
-    http::HeaderValue::from_maybe_shared(Bytes::from(id))
-        .unwrap_or(http::HeaderValue::from_static("0"))
+    crate::reqid::header_value()
 }
 
 /// The request id: the client's `X-Request-Id` if sane, else a new one.

@@ -18,6 +18,7 @@ pub mod inference;
 pub mod metrics;
 pub mod proxy;
 pub mod reload;
+pub mod reqid;
 pub mod routing;
 pub mod server;
 pub mod upstream;

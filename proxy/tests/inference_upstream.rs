@@ -233,9 +233,10 @@ fn lane_is_passed_as_vllm_priority_and_heartbeats_flow_while_queued() {
     let fake = Fake::start(&["--tokens", "20", "--itl-ms", "15", "--capacity", "4"]);
     let uf = Ultrafast::start(&format!(
         "{INFERENCE_ROUTE}[inference]\nheartbeat_ms = 50\n\n{}",
-        upstream_model(
+        upstream_model_in(
             "m",
             &[&fake],
+            "dialect = \"vllm\"",
             "priority_field = \"vllm\"\nmax_concurrency = 1"
         )
     ));

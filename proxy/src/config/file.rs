@@ -667,8 +667,17 @@ pub struct PoolSection {
     /// Connect to members over TLS.
     pub tls: Option<UpstreamTlsSection>,
     /// Inference: how a broken chat stream continues on another member:
-    /// `vllm` (`continue_final_message`) or `none` (it ends with an error).
+    /// `vllm` (`continue_final_message`), `none` (it ends with an error), or
+    /// empty (what the dialect supports).
     pub resume: String,
+    /// Inference: the kind of server (`openai`, `vllm`, `sglang`, `tgi`,
+    /// `ollama`, `llamacpp`): which optional fields it is sent, its health
+    /// path. Empty: `openai` for inference, `/` health for proxying.
+    pub dialect: String,
+    /// What members are sent as `X-Request-Id`: `forward` (the request's id
+    /// when it is a UUID, else a fresh UUID), `uuid` (always a fresh one) or
+    /// `none`.
+    pub request_id: String,
 }
 
 /// `tls = { ... }` of a pool: HTTPS to the members.
@@ -717,7 +726,9 @@ impl Default for PoolSection {
             max_concurrency: 0,
             max_queued: 0,
             tls: None,
-            resume: "none".into(),
+            resume: String::new(),
+            dialect: String::new(),
+            request_id: "forward".into(),
         }
     }
 }
@@ -745,7 +756,7 @@ impl Default for MemberSection {
 #[derive(Debug, Clone, PartialEq, Deserialize, Serialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct HealthSection {
-    /// Path requested with GET.
+    /// Path requested with GET (empty: the pool dialect's health path, else `/`).
     pub path: String,
     /// Milliseconds between rounds.
     pub interval_ms: u64,
@@ -762,7 +773,7 @@ pub struct HealthSection {
 impl Default for HealthSection {
     fn default() -> Self {
         Self {
-            path: "/".into(),
+            path: String::new(),
             interval_ms: 2000,
             timeout_ms: 1000,
             rise: 2,

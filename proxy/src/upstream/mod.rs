@@ -8,6 +8,7 @@
 //! proxy reports outcomes back through `Pool::record_*`.
 
 pub mod budget;
+pub mod dialect;
 pub mod dns;
 pub mod health;
 pub mod lb;
@@ -60,6 +61,10 @@ pub struct PoolSettings {
     pub attempts: u32,
     /// HTTPS to the members.
     pub tls: Option<UpstreamTls>,
+    /// The kind of inference server (what it accepts).
+    pub dialect: dialect::Dialect,
+    /// What members are sent as `X-Request-Id`.
+    pub request_id: crate::reqid::Upstream,
 }
 
 /// TLS towards a pool's members.

@@ -65,12 +65,17 @@ impl Drop for Fake {
 
 /// Config text of an upstream model over these fakes.
 pub fn upstream_model(name: &str, fakes: &[&Fake], extra: &str) -> String {
+    upstream_model_in(name, fakes, "", extra)
+}
+
+/// `upstream_model` with `pool_extra` in the pool's section.
+pub fn upstream_model_in(name: &str, fakes: &[&Fake], pool_extra: &str, extra: &str) -> String {
     let members: Vec<String> = fakes
         .iter()
         .map(|f| format!("{{ addr = \"{}\" }}", f.addr))
         .collect();
     format!(
-        "[pools.{name}-pool]\nmembers = [{}]\n\n[models.{name}]\nbackend = \"upstream\"\npool = \"{name}-pool\"\n{extra}\n",
+        "[pools.{name}-pool]\nmembers = [{}]\n{pool_extra}\n\n[models.{name}]\nbackend = \"upstream\"\npool = \"{name}-pool\"\n{extra}\n",
         members.join(", ")
     )
 }

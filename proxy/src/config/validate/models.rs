@@ -254,7 +254,21 @@ fn upstream_spec(
         errs.push(at.k("stall_timeout_ms"), "must be > 0");
     }
     let hedge = m.hedge.as_ref().and_then(|h| hedge(h, at, errs));
-    let resume_chat = f.pools.get(&m.pool).is_some_and(|p| p.resume == "vllm");
+    let caps = pool.settings.dialect.caps();
+    let resume_chat = match f.pools.get(&m.pool).map(|p| p.resume.as_str()) {
+        Some("vllm") => true,
+        Some("") => caps.continue_final_message,
+        _ => false,
+    };
+    if priority == PriorityField::Vllm && !caps.priority {
+        errs.push(
+            at.k("priority_field"),
+            format!(
+                "pool `{}` does not take a priority field (its dialect is not vllm)",
+                m.pool
+            ),
+        );
+    }
     Some(UpstreamSpec {
         pool,
         upstream_model: if m.upstream_model.is_empty() {

@@ -3,6 +3,8 @@
 //! unchanged pool is reused as the same object on reload.
 
 use super::*;
+use crate::reqid;
+use crate::upstream::dialect::Dialect;
 
 /// A member address: a literal `ip:port`, or `name:port` for DNS.
 pub(in crate::config) enum MemberAddr {
@@ -138,12 +140,29 @@ pub(super) fn pool(
         );
         HashKey::ClientIp
     });
-    if !matches!(p.resume.as_str(), "none" | "vllm") {
+    if !matches!(p.resume.as_str(), "" | "none" | "vllm") {
         errs.push(
             at.k("resume"),
             format!("`{}` is not one of none, vllm", p.resume),
         );
     }
+    let dialect = match p.dialect.as_str() {
+        "" => None,
+        d => Dialect::parse(d).or_else(|| {
+            errs.push(
+                at.k("dialect"),
+                format!("`{d}` is not one of {}", Dialect::NAMES),
+            );
+            None
+        }),
+    };
+    let request_id = reqid::Upstream::parse(&p.request_id).unwrap_or_else(|| {
+        errs.push(
+            at.k("request_id"),
+            format!("`{}` is not one of forward, uuid, none", p.request_id),
+        );
+        reqid::Upstream::Forward
+    });
     if !(p.hash_load_factor >= 1.0 && p.hash_load_factor <= 100.0) {
         errs.push(at.k("hash_load_factor"), "must be between 1.0 and 100.0");
     }
@@ -162,7 +181,7 @@ pub(super) fn pool(
     };
     let health = p.health_check.as_ref().map(|h| {
         let hat = at.k("health_check");
-        if !h.path.starts_with('/') {
+        if !h.path.is_empty() && !h.path.starts_with('/') {
             errs.push(hat.k("path"), "must start with /");
         }
         if h.interval_ms == 0 {
@@ -177,8 +196,13 @@ pub(super) fn pool(
         if h.fall == 0 {
             errs.push(hat.k("fall"), "must be >= 1");
         }
+        let default_path = dialect.map_or("/", |d| d.caps().health_path);
         HealthSettings {
-            path: h.path.clone(),
+            path: if h.path.is_empty() {
+                default_path.to_string()
+            } else {
+                h.path.clone()
+            },
             interval: Duration::from_millis(h.interval_ms.max(1)),
             timeout: Duration::from_millis(h.timeout_ms.max(1)),
             rise: h.rise.max(1),
@@ -227,6 +251,8 @@ pub(super) fn pool(
             max_fails: p.passive.max_fails,
             cooldown: Duration::from_millis(p.passive.cooldown_ms),
             attempts: p.retry.attempts,
+            dialect: dialect.unwrap_or_default(),
+            request_id,
         },
         health,
         budget: RetryBudget::new(p.retry.budget_ratio, p.retry.budget_min_per_s),

@@ -220,13 +220,15 @@ impl UpstreamBackend {
         // upstream left to its own default could generate far more.
         let left = prepared.max_tokens.saturating_sub(done).max(1);
         o.insert("max_tokens".into(), json!(left));
+        // Only what this kind of server accepts (see `upstream::dialect`).
+        let caps = self.spec.pool.settings.dialect.caps();
         let s = &req.sampling;
         o.insert("temperature".into(), json!(s.temperature));
         o.insert("top_p".into(), json!(s.top_p));
-        if s.top_k > 0 {
+        if s.top_k > 0 && caps.top_k {
             o.insert("top_k".into(), json!(s.top_k));
         }
-        if let Some(seed) = s.seed {
+        if let Some(seed) = s.seed.filter(|_| caps.seed) {
             o.insert("seed".into(), json!(seed));
         }
         if !req.stop.is_empty() {
@@ -235,11 +237,13 @@ impl UpstreamBackend {
         if let Some(u) = &req.user {
             o.insert("user".into(), json!(u));
         }
-        if self.spec.priority == PriorityField::Vllm {
+        if self.spec.priority == PriorityField::Vllm && caps.priority {
             o.insert("priority".into(), json!(req.lane_rank));
         }
         o.insert("stream".into(), json!(true));
-        o.insert("stream_options".into(), json!({"include_usage": true}));
+        if caps.stream_options {
+            o.insert("stream_options".into(), json!({"include_usage": true}));
+        }
         (path.to_string(), Bytes::from(Value::Object(o).to_string()))
     }
 }

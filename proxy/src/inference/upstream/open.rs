@@ -256,7 +256,9 @@ impl UpstreamBackend {
         let _ = head.insert_header("content-type", "application/json");
         let _ = head.insert_header("accept", "text/event-stream");
         let _ = head.insert_header("content-length", body.len());
-        let _ = head.insert_header("x-request-id", request_id);
+        if let Some(id) = self.spec.pool.settings.request_id.header(request_id) {
+            let _ = head.insert_header("x-request-id", id);
+        }
         s.write_request_header(Box::new(head))
             .await
             .map_err(|e| retry("write", &e))?;
@@ -308,10 +310,7 @@ async fn refused(s: &mut HttpSession, m: &Member, status: u16) -> TryError {
             text.extend_from_slice(&b);
         }
     }
-    let msg = serde_json::from_slice::<Value>(&text)
-        .ok()
-        .and_then(|v| v["error"]["message"].as_str().map(str::to_string))
-        .unwrap_or_else(|| String::from_utf8_lossy(&text).chars().take(300).collect());
+    let msg = body_text(&text);
     if status >= 500 || status == 429 {
         return TryError::Retry(format!("{} answered {status}: {msg}", m.label));
     }
@@ -324,9 +323,40 @@ async fn refused(s: &mut HttpSession, m: &Member, status: u16) -> TryError {
     })
 }
 
+/// What an upstream's error body says, bounded: its OpenAI-style
+/// `error.message`, else its first bytes, else "(empty body)".
+fn body_text(text: &[u8]) -> String {
+    const MAX: usize = 300;
+    let from_json = serde_json::from_slice::<Value>(text).ok().and_then(|v| {
+        let e = &v["error"];
+        e["message"].as_str().or(e.as_str()).map(str::to_string)
+    });
+    let s = from_json.unwrap_or_else(|| String::from_utf8_lossy(text).trim().to_string());
+    if s.is_empty() {
+        return "(empty body)".into();
+    }
+    match s.char_indices().nth(MAX) {
+        Some((i, _)) => format!("{}...", &s[..i]),
+        None => s,
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn an_upstream_error_body_is_shown_bounded_or_said_empty() {
+        assert_eq!(body_text(b""), "(empty body)");
+        assert_eq!(body_text(b"  \n"), "(empty body)");
+        assert_eq!(
+            body_text(br#"{"error":{"message":"bad model"}}"#),
+            "bad model"
+        );
+        assert_eq!(body_text(br#"{"error":"Not Found"}"#), "Not Found");
+        let long = "x".repeat(1000);
+        assert_eq!(body_text(long.as_bytes()).len(), 303);
+    }
 
     #[test]
     fn recent_quantile_needs_history_and_tracks_the_tail() {

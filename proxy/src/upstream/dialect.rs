@@ -1,0 +1,88 @@
+//! What each kind of OpenAI-compatible server accepts (`[pools.X] dialect`):
+//! the optional request fields it takes (a field it would reject is not
+//! sent), whether it reports usage in a stream when asked
+//! (`stream_options`), and the health path it offers. A stream without
+//! usage is counted here (one token per content chunk); usage is read from
+//! whichever chunk carries it.
+//!
+//! | dialect | `stream_options` | `priority` | `top_k` | `seed` | `continue_final_message` | health |
+//! |---|---|---|---|---|---|---|
+//! | `openai` (default) | yes | no | no | yes | no | `/v1/models` |
+//! | `vllm` | yes | yes | yes | yes | yes | `/health` |
+//! | `sglang` | yes | no | yes | yes | yes | `/health` |
+//! | `tgi` | yes | no | no | yes | no | `/health` |
+//! | `ollama` | yes | no | no | yes | no | `/v1/models` |
+//! | `llamacpp` | no | no | yes | yes | no | `/v1/models` |
+
+/// A server kind.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Dialect {
+    /// OpenAI's own API (and anything that only promises it).
+    #[default]
+    OpenAi,
+    /// vLLM.
+    Vllm,
+    /// SGLang.
+    Sglang,
+    /// Hugging Face text-generation-inference (Messages API).
+    Tgi,
+    /// Ollama's OpenAI compatibility.
+    Ollama,
+    /// llama.cpp's server and llama-cpp-python's.
+    LlamaCpp,
+}
+
+/// What a dialect accepts.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Caps {
+    /// `stream_options: {include_usage: true}`.
+    pub stream_options: bool,
+    /// vLLM's `priority`.
+    pub priority: bool,
+    /// `top_k`.
+    pub top_k: bool,
+    /// `seed`.
+    pub seed: bool,
+    /// `continue_final_message` / `add_generation_prompt` (chat resume).
+    pub continue_final_message: bool,
+    /// The health path it serves.
+    pub health_path: &'static str,
+}
+
+impl Dialect {
+    /// Every dialect's config name.
+    pub const NAMES: &'static str = "openai, vllm, sglang, tgi, ollama, llamacpp";
+
+    /// Parse the config value.
+    pub fn parse(v: &str) -> Option<Dialect> {
+        Some(match v {
+            "openai" => Dialect::OpenAi,
+            "vllm" => Dialect::Vllm,
+            "sglang" => Dialect::Sglang,
+            "tgi" => Dialect::Tgi,
+            "ollama" => Dialect::Ollama,
+            "llamacpp" => Dialect::LlamaCpp,
+            _ => return None,
+        })
+    }
+
+    /// What it accepts.
+    pub fn caps(self) -> Caps {
+        let (so, pr, tk, sd, cf, h) = match self {
+            Dialect::OpenAi => (true, false, false, true, false, "/v1/models"),
+            Dialect::Vllm => (true, true, true, true, true, "/health"),
+            Dialect::Sglang => (true, false, true, true, true, "/health"),
+            Dialect::Tgi => (true, false, false, true, false, "/health"),
+            Dialect::Ollama => (true, false, false, true, false, "/v1/models"),
+            Dialect::LlamaCpp => (false, false, true, true, false, "/v1/models"),
+        };
+        Caps {
+            stream_options: so,
+            priority: pr,
+            top_k: tk,
+            seed: sd,
+            continue_final_message: cf,
+            health_path: h,
+        }
+    }
+}
