@@ -4,7 +4,9 @@ OpenAI-compatible server (`llama-cpp-python[server]==0.3.36`, which builds
 llama.cpp from source: 10-25 minutes on 2 cores the first time, so this runs
 outside .ci/run; the virtual environment is cached in
 ~/.cache/ultrafast/interop-venv) serving the SmolLM2-135M-Instruct GGUF from
-the model cache, with ultrafast in front (`dialect = "llamacpp"`).
+the model cache, with ultrafast in front (`dialect = "llamacpp-python"`, `max_concurrency = 1`:
+that server cuts a generation short when another request needs the model,
+health checks on `/v1/models` included).
 
 The same OpenAI-client cases run directly against the server and through
 ultrafast, and the table says which pass where. Then the project's own
@@ -44,6 +46,23 @@ def model_file(exe):
     return lines[-1]
 
 
+# llama.cpp's AMX weight repacking (an "extra buffer type") crashes this
+# build on prompts of more than one token on CPUs with AMX (seen on a Xeon
+# with AMX_INT8); llama-cpp-python 0.3.36 has no server flag for it, so the
+# server is started with `use_extra_bufts = false` set in its model params.
+LAUNCH = r'''
+import runpy, sys
+import llama_cpp.llama_cpp as C
+_default = C.llama_model_default_params
+def _params():
+    p = _default()
+    p.use_extra_bufts = False
+    return p
+C.llama_model_default_params = _params
+sys.argv = ["llama_cpp.server"] + sys.argv[1:]
+runpy.run_module("llama_cpp.server", run_name="__main__")
+'''
+
 CASES = r'''
 import json, sys, httpx, openai
 base, model, only = sys.argv[1], sys.argv[2], sys.argv[3]
@@ -60,6 +79,7 @@ def chat():
     assert r.usage.completion_tokens == 8, r.usage
 
 def chat_with_client_request_id():
+    # llama-cpp-python refuses an X-Request-Id that is not a UUID (empty 400).
     r = c.chat.completions.create(model=model, messages=msgs, max_tokens=4, temperature=0,
                                   extra_headers={"x-request-id": "trace-42"})
     assert r.choices[0].message.content, r
@@ -145,8 +165,11 @@ def main():
         try:
             sport = free_port()
             slog = open(os.path.join(tmp, "server.log"), "w")
-            procs.append(spawn([py, "-m", "llama_cpp.server", "--model", gguf, "--model_alias", MODEL, "--host", "127.0.0.1",
-                                "--port", str(sport), "--n_ctx", "2048", "--n_threads", "2"], stdout=slog, stderr=subprocess.STDOUT))
+            launch = os.path.join(tmp, "launch.py")
+            with open(launch, "w") as f:
+                f.write(LAUNCH)
+            procs.append(spawn([py, launch, "--model", gguf, "--model_alias", MODEL, "--host", "127.0.0.1",
+                                "--port", str(sport), "--n_ctx", "8192", "--n_threads", "2"], stdout=slog, stderr=subprocess.STDOUT))
             wait_port(sport, 120)
             uport, aport = free_port(), free_port()
             conf = os.path.join(tmp, "ultrafast.toml")
@@ -155,9 +178,9 @@ def main():
                         f"[admin]\nlisten = \"127.0.0.1:{aport}\"\n\n[log]\naccess_log = \"off\"\n\n"
                         f"[[listeners]]\nname = \"http\"\naddress = \"127.0.0.1:{uport}\"\n\n"
                         f"[[routes]]\nname = \"openai\"\npath = \"/v1/\"\ninference = true\n\n"
-                        f"[pools.llama]\nmembers = [{{ addr = \"127.0.0.1:{sport}\" }}]\ndialect = \"llamacpp\"\n"
+                        f"[pools.llama]\nmembers = [{{ addr = \"127.0.0.1:{sport}\" }}]\ndialect = \"llamacpp-python\"\n"
                         f"health_check = {{ interval_ms = 2000 }}\n\n"
-                        f"[models.{MODEL}]\nbackend = \"upstream\"\npool = \"llama\"\nstall_timeout_ms = 60000\n")
+                        f"[models.{MODEL}]\nbackend = \"upstream\"\npool = \"llama\"\nstall_timeout_ms = 60000\nmax_model_len = 8192\nmax_concurrency = 1\n")
             ulog = open(os.path.join(tmp, "ultrafast.log"), "w")
             procs.append(spawn([exe, "serve", "-c", conf], stdout=ulog, stderr=subprocess.STDOUT))
             wait_port(uport)
@@ -174,7 +197,7 @@ def main():
             print("\nThe project's client checks (proxy/tests/py/openai_checks.py) through ultrafast:")
             for check in ["basics", "stop", "async"]:
                 out = subprocess.run([py, checks, check, through, MODEL], capture_output=True, text=True, timeout=600)
-                status = "ok" if out.returncode == 0 else "FAIL " + (out.stderr.strip().splitlines() or ["?"])[-1][:200]
+                status = "ok" if out.returncode == 0 else "FAIL " + (out.stderr.strip().splitlines() or ["?"])[-1][:600]
                 print(f"- {check}: {status}", flush=True)
         finally:
             for p in reversed(procs):

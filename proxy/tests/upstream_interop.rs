@@ -200,7 +200,7 @@ fn a_dialect_picks_the_health_path() {
             >= 2));
     });
     let models = fake.stat("models_gets");
-    uf_with(&fake, &format!("dialect = \"llamacpp\"\n{check}"), |_| {
+    uf_with(&fake, &format!("dialect = \"openai\"\n{check}"), |_| {
         assert!(eventually(Duration::from_secs(5), || fake
             .stat("models_gets")
             >= models + 2));
@@ -227,4 +227,34 @@ fn pool_dialect_and_request_id_settings_are_validated() {
         assert_eq!(r.status, 400, "{pool_extra} {extra}: {}", r.text());
         assert!(r.text().contains(field), "{}", r.text());
     }
+}
+
+#[test]
+fn a_known_context_length_refuses_what_cannot_fit_in_openais_shape() {
+    let fake = Fake::start(&["--tokens", "2"]);
+    let uf = Ultrafast::start(&format!(
+        "{INFERENCE_ROUTE}{}",
+        upstream_model("m", &[&fake], "max_model_len = 2048")
+    ));
+    let post = |body: String| {
+        Client::connect(uf.addr)
+            .unwrap()
+            .request("POST", "/v1/completions", &[], body.as_bytes())
+            .unwrap()
+    };
+    let long = "word ".repeat(9000);
+    let r = post(format!(
+        r#"{{"model":"m","prompt":"{long}","max_tokens":4}}"#
+    ));
+    assert_eq!(r.status, 400, "{}", r.text());
+    assert_eq!(r.json()["error"]["code"], "context_length_exceeded");
+    assert_eq!(r.json()["error"]["param"], "prompt");
+    let r = post(r#"{"model":"m","prompt":"hi","max_tokens":100000}"#.into());
+    assert_eq!(r.status, 400, "{}", r.text());
+    assert_eq!(r.json()["error"]["param"], "max_tokens");
+    assert_eq!(
+        post(r#"{"model":"m","prompt":"hi","max_tokens":4}"#.into()).status,
+        200
+    );
+    assert_eq!(fake.stat("requests"), 1, "refusals never reach the server");
 }

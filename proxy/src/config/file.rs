@@ -95,6 +95,9 @@ pub struct ModelSection {
     pub watchdog: Option<WatchdogSection>,
     /// Upstream: first-token hedging (absent: off).
     pub hedge: Option<HedgeSection>,
+    /// Upstream: the model's context length in tokens (0 = unknown): a
+    /// request that cannot fit is refused with `context_length_exceeded`.
+    pub max_model_len: usize,
 }
 
 /// `watchdog = { ... }` of a model: rolling TTFT and inter-token latency
@@ -188,6 +191,7 @@ impl Default for ModelSection {
             fallback: String::new(),
             watchdog: None,
             hedge: None,
+            max_model_len: 0,
         }
     }
 }

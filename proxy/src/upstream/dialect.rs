@@ -12,7 +12,14 @@
 //! | `sglang` | yes | no | yes | yes | yes | `/health` |
 //! | `tgi` | yes | no | no | yes | no | `/health` |
 //! | `ollama` | yes | no | no | yes | no | `/v1/models` |
-//! | `llamacpp` | no | no | yes | yes | no | `/v1/models` |
+//! | `llamacpp` | no | no | yes | yes | no | `/health` |
+//! | `llamacpp-python` | no | no | yes | yes | no | `/openapi.json` |
+//!
+//! llama-cpp-python's server cuts a generation in flight short (finishing
+//! it as `stop`) whenever another request needs the model, `/v1/models`
+//! included, unless started with `--interrupt_requests false`: its health
+//! path is one that does not touch the model, and such a pool wants
+//! `max_concurrency = 1` on its models.
 
 /// A server kind.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -28,8 +35,10 @@ pub enum Dialect {
     Tgi,
     /// Ollama's OpenAI compatibility.
     Ollama,
-    /// llama.cpp's server and llama-cpp-python's.
+    /// llama.cpp's own server (`llama-server`).
     LlamaCpp,
+    /// llama-cpp-python's server.
+    LlamaCppPython,
 }
 
 /// What a dialect accepts.
@@ -51,7 +60,7 @@ pub struct Caps {
 
 impl Dialect {
     /// Every dialect's config name.
-    pub const NAMES: &'static str = "openai, vllm, sglang, tgi, ollama, llamacpp";
+    pub const NAMES: &'static str = "openai, vllm, sglang, tgi, ollama, llamacpp, llamacpp-python";
 
     /// Parse the config value.
     pub fn parse(v: &str) -> Option<Dialect> {
@@ -62,6 +71,7 @@ impl Dialect {
             "tgi" => Dialect::Tgi,
             "ollama" => Dialect::Ollama,
             "llamacpp" => Dialect::LlamaCpp,
+            "llamacpp-python" => Dialect::LlamaCppPython,
             _ => return None,
         })
     }
@@ -74,7 +84,8 @@ impl Dialect {
             Dialect::Sglang => (true, false, true, true, true, "/health"),
             Dialect::Tgi => (true, false, false, true, false, "/health"),
             Dialect::Ollama => (true, false, false, true, false, "/v1/models"),
-            Dialect::LlamaCpp => (false, false, true, true, false, "/v1/models"),
+            Dialect::LlamaCpp => (false, false, true, true, false, "/health"),
+            Dialect::LlamaCppPython => (false, false, true, true, false, "/openapi.json"),
         };
         Caps {
             stream_options: so,

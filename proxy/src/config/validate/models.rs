@@ -282,6 +282,7 @@ fn upstream_spec(
         stall: Duration::from_millis(m.stall_timeout_ms.max(1)),
         hedge,
         resume_chat,
+        max_model_len: (m.max_model_len > 0).then_some(m.max_model_len),
         counters: ctx.metrics.inference.upstream_counters(name),
     })
 }

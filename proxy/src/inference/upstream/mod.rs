@@ -113,6 +113,9 @@ pub struct UpstreamSpec {
     /// speaks vLLM's `continue_final_message`); a text completion always
     /// may.
     pub resume_chat: bool,
+    /// The model's context length, when known: requests that cannot fit
+    /// are refused here (None: the server decides).
+    pub max_model_len: Option<usize>,
     /// Counters.
     pub counters: Counters,
 }
@@ -175,6 +178,37 @@ impl UpstreamBackend {
         let b = Arc::new(spec.build(&m.members));
         *g = Some((m.clone(), b.clone()));
         b
+    }
+
+    /// `max_tokens` within the model's context when it is known
+    /// (`max_model_len`), so a request that cannot fit gets OpenAI's
+    /// `context_length_exceeded` here instead of whatever the server does
+    /// (some close the stream). The prompt's size is an estimate, so only
+    /// a prompt that alone fills the context is refused for its length.
+    fn fit(&self, req: &InferenceRequest, prompt: usize) -> Result<usize, BackendError> {
+        let Some(ctx) = self.spec.max_model_len else {
+            return Ok(req.max_tokens.unwrap_or(256));
+        };
+        let param = match req.prompt {
+            Prompt::Chat(_) => "messages",
+            Prompt::Text(_) => "prompt",
+        };
+        if prompt >= ctx {
+            return Err(BackendError::invalid(
+                "context_length_exceeded",
+                Some(param),
+                format!("This model's maximum context length is {ctx} tokens. However, your prompt has about {prompt} tokens."),
+            ));
+        }
+        match req.max_tokens {
+            Some(m) if m >= ctx => Err(BackendError::invalid(
+                "context_length_exceeded",
+                Some("max_tokens"),
+                format!("This model's maximum context length is {ctx} tokens. However, you requested {m} tokens for the completion alone."),
+            )),
+            Some(m) => Ok(m),
+            None => Ok(256.min(ctx - prompt)),
+        }
     }
 
     /// Whether a stream of `req` that broke can continue elsewhere.
@@ -292,9 +326,10 @@ impl Backend for UpstreamBackend {
             }
             Prompt::Text(t) => (t.len(), hash_bytes(&t.as_bytes()[..t.len().min(1024)])),
         };
+        let prompt_tokens = chars.div_ceil(4).max(1);
         Ok(Prepared {
-            prompt_tokens: chars.div_ceil(4).max(1),
-            max_tokens: req.max_tokens.unwrap_or(256),
+            prompt_tokens,
+            max_tokens: self.fit(req, prompt_tokens)?,
             tokens: Vec::new(),
             prefix_hash: prefix,
         })
