@@ -139,12 +139,22 @@ fn header_rules_forwarding_and_host() {
 fn request_id_is_propagated_and_logged() {
     let (a, b) = (Origin::start("a"), Origin::start("b"));
     let uf = Ultrafast::start(&routes_config(&a, &b));
+    // A client's UUID goes upstream as it is; any other id stays the
+    // client's (response, log) and the origin gets a fresh UUID.
+    let uuid = "123e4567-e89b-42d3-a456-426614174000";
+    let r = get(uf.addr, "/rid", &[("X-Request-Id", uuid)]);
+    assert_eq!(r.json()["headers"]["x-request-id"], uuid);
+    assert_eq!(r.header("x-request-id"), Some(uuid));
     let r = get(uf.addr, "/rid", &[("X-Request-Id", "abc-123")]);
-    assert_eq!(r.json()["headers"]["x-request-id"], "abc-123");
     assert_eq!(r.header("x-request-id"), Some("abc-123"));
+    let sent = r.json()["headers"]["x-request-id"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    assert!(sent.len() == 36 && &sent[14..15] == "7", "{sent}");
     let r = uf.get("/rid2");
     let generated = r.header("x-request-id").unwrap().to_string();
-    assert_eq!(generated.len(), 24);
+    assert_eq!(generated.len(), 36, "a UUIDv7: {generated}");
     assert_eq!(r.json()["headers"]["x-request-id"], generated.as_str());
     assert!(eventually(Duration::from_secs(3), || uf
         .access_log()
