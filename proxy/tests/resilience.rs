@@ -67,6 +67,40 @@ fn passive_ejection_after_consecutive_failures() {
 }
 
 #[test]
+fn concurrent_failures_eject_a_member_once() {
+    let (mut a, b) = (Origin::start("a"), Origin::start("b"));
+    let extra = "lb = \"round_robin\"\npassive = { max_fails = 2, cooldown_ms = 60000 }\nretry = { attempts = 2, budget_ratio = 1.0 }";
+    let uf = Ultrafast::start(&format!(
+        "{}{}",
+        pool_toml("p", &[&a, &b], extra),
+        route("p")
+    ));
+    a.stop();
+    // Sixteen requests at once: many fail on a together.
+    let addr = uf.addr;
+    let threads: Vec<_> = (0..16)
+        .map(|_| std::thread::spawn(move || get(addr, "/", &[]).origin()))
+        .collect();
+    for t in threads {
+        assert_eq!(t.join().unwrap(), "b");
+    }
+    let label = format!("member=\"{}\"", a.addr);
+    assert_eq!(
+        uf.metric("ultrafast_upstream_ejections_total", &[&label]),
+        1.0
+    );
+    assert!(eventually(Duration::from_secs(3), || uf
+        .stderr()
+        .contains("ejected")));
+    assert_eq!(
+        uf.stderr().matches("ejected for").count(),
+        1,
+        "{}",
+        uf.stderr()
+    );
+}
+
+#[test]
 fn refused_connection_is_retried_on_another_member() {
     let (mut a, b) = (Origin::start("a"), Origin::start("b"));
     let extra = "lb = \"round_robin\"\npassive = { max_fails = 0 }\nretry = { attempts = 2, budget_ratio = 1.0 }";

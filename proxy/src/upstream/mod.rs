@@ -294,10 +294,18 @@ impl Pool {
             return;
         }
         let st = &m.state;
+        let now = now_ms();
+        // Failures of requests already in flight when the member was ejected
+        // are the same outage, not new evidence.
+        if st.ejected_until_ms.load(Ordering::Relaxed) > now {
+            return;
+        }
         let fails = st.consecutive_fails.fetch_add(1, Ordering::Relaxed) + 1;
-        if fails >= max {
+        // Only the failure that reaches the limit ejects: concurrent ones
+        // past it would count (and log) the same ejection again.
+        if fails == max {
             st.consecutive_fails.store(0, Ordering::Relaxed);
-            let until = now_ms() + self.settings.cooldown.as_millis() as u64;
+            let until = now + self.settings.cooldown.as_millis() as u64;
             st.ejected_until_ms.store(until, Ordering::Relaxed);
             st.metrics.ejections.inc();
             log::warn!(
