@@ -87,8 +87,12 @@ pub fn serve(path: &Path, opts: ServeOptions) -> anyhow::Result<()> {
     readiness.watch_models(front.clone());
     let inflight = Arc::new(AtomicUsize::new(0));
 
+    let pid_file = conf.pid_file.clone();
     let mut server = Server::new_with_opt_and_conf(pingora_opt, conf);
     server.bootstrap();
+    // Written once the listening sockets are ours (an upgrade has received
+    // them), so the old process's pid stays readable until it is told to go.
+    write_pid_file(&pid_file);
 
     let edge = || {
         EdgeProxy::new(
@@ -187,7 +191,7 @@ pub fn serve(path: &Path, opts: ServeOptions) -> anyhow::Result<()> {
         },
     ));
 
-    spawn_drain_watcher(&server, inflight, log);
+    spawn_drain_watcher(&server, inflight, log, pid_file);
     readiness.set_ready();
     log::info!(
         "ultrafast {} serving {} listener(s) from {}",
@@ -200,7 +204,31 @@ pub fn serve(path: &Path, opts: ServeOptions) -> anyhow::Result<()> {
 
 /// Pingora sleeps the whole grace period even when nothing is in flight;
 /// end the process as soon as the drain is actually complete.
-fn spawn_drain_watcher(server: &Server, inflight: Arc<AtomicUsize>, log: AccessLog) {
+fn write_pid_file(path: &str) {
+    if path.is_empty() {
+        return;
+    }
+    if let Err(e) = std::fs::write(path, format!("{}\n", std::process::id())) {
+        log::error!("cannot write the pid file {path}: {e}");
+    }
+}
+
+/// Remove the pid file if it is still ours (after an upgrade it names the
+/// new process).
+fn remove_pid_file(path: &str) {
+    let mine =
+        std::fs::read_to_string(path).is_ok_and(|s| s.trim() == std::process::id().to_string());
+    if mine {
+        let _ = std::fs::remove_file(path);
+    }
+}
+
+fn spawn_drain_watcher(
+    server: &Server,
+    inflight: Arc<AtomicUsize>,
+    log: AccessLog,
+    pid_file: String,
+) {
     let mut phases = server.watch_execution_phase();
     let _ = std::thread::Builder::new()
         .name("drain-watch".into())
@@ -210,6 +238,8 @@ fn spawn_drain_watcher(server: &Server, inflight: Arc<AtomicUsize>, log: AccessL
                     break;
                 }
             }
+            // Leaving: the pid no longer names a serving process.
+            remove_pid_file(&pid_file);
             // Require a short quiet period so a request that was just accepted
             // (but has not reached the proxy yet) is not cut.
             let mut quiet = 0;

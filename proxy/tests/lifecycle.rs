@@ -18,6 +18,12 @@ fn sigterm_drains_an_in_flight_slow_request() {
     let a = Origin::start("a");
     a.state.delay_ms.store(1500, Ordering::SeqCst);
     let mut uf = Ultrafast::start(&format!("{}{}", pool_toml("p", &[&a], ""), route("p")));
+    // The pid file names the serving process, and goes with it.
+    let pid_file = uf.dir.join("uf.pid");
+    assert_eq!(
+        std::fs::read_to_string(&pid_file).unwrap().trim(),
+        uf.child.id().to_string()
+    );
     let addr = uf.addr;
     let slow = std::thread::spawn(move || get(addr, "/slow", &[]));
     assert!(eventually(Duration::from_secs(3), || a.requests() == 1));
@@ -36,6 +42,7 @@ fn sigterm_drains_an_in_flight_slow_request() {
         .wait_exit(Duration::from_secs(8))
         .expect("did not exit after draining");
     assert!(status.success(), "{status:?}");
+    assert!(!pid_file.exists(), "the pid file outlived the process");
     assert!(
         sent.elapsed() < Duration::from_secs(6),
         "took {:?}",
@@ -76,6 +83,11 @@ fn graceful_upgrade_hands_over_sockets_without_failing_a_request() {
         true,
     );
     std::thread::sleep(Duration::from_millis(500));
+    // Until it has the sockets, the pid file still names the old process
+    // (the README's `kill -QUIT $(cat ...pid)`).
+    let pid_file = old.dir.join("uf.pid");
+    let pid_in_file = || std::fs::read_to_string(&pid_file).unwrap_or_default();
+    assert_eq!(pid_in_file().trim(), old.child.id().to_string());
     old.signal(3);
     let exited = old
         .wait_exit(Duration::from_secs(10))
@@ -96,6 +108,8 @@ fn graceful_upgrade_hands_over_sockets_without_failing_a_request() {
         ok.load(Ordering::SeqCst)
     );
     assert_eq!(get(new.admin, "/healthz", &[]).status, 200);
+    // The old process left the new one's pid in place.
+    assert_eq!(pid_in_file().trim(), new.child.id().to_string());
     drop(new);
 }
 
