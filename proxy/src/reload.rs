@@ -81,6 +81,11 @@ impl Manager {
             lock: tokio::sync::Mutex::new(()),
             front: None,
         };
+        // Both outcomes exist from the start, so an alert on errors sees 0
+        // rather than no series.
+        for r in ["ok", "error"] {
+            m.metrics.reloads.with_label_values(&[r]);
+        }
         m.publish(&m.shared.load());
         m
     }

@@ -135,6 +135,8 @@ fn metrics_pass_promtool_and_health_endpoints_answer() {
         "ultrafast_upstream_response_seconds_count{pool=\"p\"} 2",
         "ultrafast_upstream_member_healthy{",
         "ultrafast_upstream_connections_total{pool=\"p\",reused=\"false\"}",
+        // Exported at 0 before the first reload of either outcome.
+        "ultrafast_config_reloads_total{result=\"error\"} 0",
     ];
     let mut text = String::new();
     let complete = eventually(Duration::from_secs(5), || {
