@@ -16,6 +16,10 @@ pub enum Refusal {
     HeadersTooLarge,
     /// Declared body too large.
     BodyTooLarge,
+    /// `Content-Length` repeated, comma-joined or not a plain number: the
+    /// body's end is ambiguous (the request-smuggling class), so the
+    /// request is refused, as nginx does.
+    BadContentLength,
 }
 
 /// Check the request head against the limits.
@@ -40,6 +44,13 @@ pub fn check_head(
     }
     if size > max_bytes {
         return Some(Refusal::HeadersTooLarge);
+    }
+    let mut lengths = req.headers.get_all(http::header::CONTENT_LENGTH).iter();
+    if let Some(v) = lengths.next() {
+        let plain = !v.is_empty() && v.as_bytes().iter().all(u8::is_ascii_digit);
+        if !plain || lengths.next().is_some() {
+            return Some(Refusal::BadContentLength);
+        }
     }
     if max_body > 0 {
         let declared = req

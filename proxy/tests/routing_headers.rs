@@ -247,6 +247,34 @@ fn malformed_http_gets_400_and_nothing_goes_upstream() {
 }
 
 #[test]
+fn an_ambiguous_content_length_is_a_400_and_the_connection_closes() {
+    let a = Origin::start("a");
+    let uf = Ultrafast::start(&format!(
+        "{}[[routes]]\npath = \"/\"\npool = \"a\"\n",
+        pool_toml("a", &[&a], "")
+    ));
+    for cl in [
+        "Content-Length: 5, 5\r\n",
+        "Content-Length: 5\r\nContent-Length: 5\r\n",
+        "Content-Length: 5\r\nContent-Length: 6\r\n",
+        "Content-Length: +5\r\n",
+    ] {
+        let mut c = Client::connect(uf.addr).unwrap();
+        let raw = format!(
+            "POST / HTTP/1.1\r\nHost: x\r\n{cl}\r\nhelloGET /x HTTP/1.1\r\nHost: x\r\n\r\n"
+        );
+        c.send_raw(raw.as_bytes()).unwrap();
+        match c.read_response(false) {
+            Ok(r) => assert_eq!(r.status, 400, "for {cl:?}: {}", r.text()),
+            Err(e) => assert_eq!(e.kind(), std::io::ErrorKind::UnexpectedEof, "{cl:?}"),
+        }
+        assert!(c.closed_within(Duration::from_secs(3)), "{cl:?}: left open");
+    }
+    assert_eq!(a.requests(), 0, "nothing reached the origin");
+    assert_eq!(uf.get("/").status, 200, "still serving");
+}
+
+#[test]
 fn unknown_route_is_a_json_404() {
     let uf = Ultrafast::start(
         "[[routes]]\npath = \"/only\"\nmatch = \"exact\"\nreturn = { status = 204 }\n",

@@ -140,6 +140,9 @@ impl ProxyHttp for EdgeProxy {
             let (status, msg, code) = match r {
                 Refusal::HeadersTooLarge => (431, "request headers too large", "headers_too_large"),
                 Refusal::BodyTooLarge => (413, "request body too large", "body_too_large"),
+                Refusal::BadContentLength => {
+                    (400, "invalid Content-Length header", "bad_content_length")
+                }
             };
             self.metrics.rejected.with_label_values(&[code]).inc();
             session.set_keepalive(None);
