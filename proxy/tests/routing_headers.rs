@@ -275,6 +275,20 @@ fn an_ambiguous_content_length_is_a_400_and_the_connection_closes() {
 }
 
 #[test]
+fn an_http10_request_without_host_gets_one_upstream() {
+    let a = Origin::start("a");
+    let uf = Ultrafast::start(&format!(
+        "{}[[routes]]\npath = \"/\"\npool = \"a\"\n",
+        pool_toml("a", &[&a], "")
+    ));
+    let mut c = Client::connect(uf.addr).unwrap();
+    c.send_raw(b"GET /old HTTP/1.0\r\n\r\n").unwrap();
+    let r = c.read_response(false).unwrap();
+    assert_eq!(r.status, 200, "{}", r.text());
+    assert_eq!(r.json()["headers"]["host"], a.addr.to_string());
+}
+
+#[test]
 fn unknown_route_is_a_json_404() {
     let uf = Ultrafast::start(
         "[[routes]]\npath = \"/only\"\nmatch = \"exact\"\nreturn = { status = 204 }\n",

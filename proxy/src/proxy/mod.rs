@@ -431,6 +431,14 @@ impl ProxyHttp for EdgeProxy {
             }
             UpstreamHost::Fixed(v) => req.insert_header(http::header::HOST, v.clone())?,
         }
+        // An HTTP/1.0 request may come without Host; it goes upstream as
+        // HTTP/1.1, which requires one: the member's address (nginx's
+        // `$proxy_host`).
+        if !req.headers.contains_key(http::header::HOST) {
+            if let Some(m) = ctx.member() {
+                req.insert_header(http::header::HOST, m.label.as_str())?;
+            }
+        }
         if !route.request_headers.is_empty() {
             filters::apply_request_ops(&route.request_headers, req)?;
         }
