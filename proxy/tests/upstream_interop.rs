@@ -9,15 +9,7 @@ mod common;
 use common::infer::*;
 use common::*;
 use std::time::Duration;
-
-fn is_uuid(s: &str) -> bool {
-    let b = s.as_bytes();
-    b.len() == 36
-        && b.iter().enumerate().all(|(i, c)| match i {
-            8 | 13 | 18 | 23 => *c == b'-',
-            _ => c.is_ascii_hexdigit(),
-        })
-}
+use ultrafast::reqid::is_uuid;
 
 fn chat(extra: &str, headers: &[(&str, &str)], uf: &Ultrafast) -> Resp {
     let body = format!(
