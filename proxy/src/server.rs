@@ -103,17 +103,30 @@ pub fn serve(path: &Path, opts: ServeOptions) -> anyhow::Result<()> {
             front.clone(),
         )
     };
-    let mut app = pingora::proxy::http_proxy(&server.configuration, edge());
-    if listeners.iter().any(|l| l.tls.is_none() && l.h2c) {
-        let mut opts = HttpServerOptions::default();
-        opts.h2c = true;
-        app.server_options = Some(opts);
+    // h2c is a service-wide option in Pingora: plain listeners with it and
+    // without it are two services, so only those that ask for HTTP/2 prior
+    // knowledge wait for its preface.
+    for h2c in [false, true] {
+        let plain: Vec<_> = listeners
+            .iter()
+            .filter(|l| l.tls.is_none() && l.h2c == h2c)
+            .collect();
+        if plain.is_empty() {
+            continue;
+        }
+        let mut app = pingora::proxy::http_proxy(&server.configuration, edge());
+        if h2c {
+            let mut opts = HttpServerOptions::default();
+            opts.h2c = true;
+            app.server_options = Some(opts);
+        }
+        let name = if h2c { "ultrafast h2c" } else { "ultrafast" };
+        let mut traffic = Service::new(name.to_string(), app);
+        for l in plain {
+            traffic.add_tcp(&l.address);
+        }
+        server.add_service(traffic);
     }
-    let mut traffic = Service::new("ultrafast".to_string(), app);
-    for l in listeners.iter().filter(|l| l.tls.is_none()) {
-        traffic.add_tcp(&l.address);
-    }
-    server.add_service(traffic);
     let mut watched = Vec::new();
     for l in &listeners {
         let Some(tls) = &l.tls else { continue };

@@ -596,6 +596,14 @@ fn h2c_on_a_plain_listener_when_enabled() {
     }));
     let (rc, out) = sh(&format!("curl -s --http2-prior-knowledge -o /dev/null -w '%{{http_version}} %{{http_code}}' http://127.0.0.1:{port}/"), "");
     assert_eq!((rc, out.trim()), (0, "2 200"));
+    // Only there: the other plain listener speaks HTTP/1 and answers a
+    // short HTTP/1.0 request at once instead of waiting for a preface.
+    let (_, out) = sh(&format!("curl -s --max-time 3 --http2-prior-knowledge -o /dev/null -w '%{{http_version}}' http://{}/", uf.addr), "");
+    assert_ne!(out.trim(), "2", "HTTP/2 on a listener without h2c");
+    let mut c = Client::connect(uf.addr).unwrap();
+    c.send_raw(b"GET / HTTP/1.0\r\n\r\n").unwrap();
+    let r = c.read_response(false).unwrap();
+    assert_eq!(r.status, 200);
     drop(uf);
 }
 
