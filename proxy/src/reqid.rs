@@ -34,14 +34,34 @@ impl Upstream {
         }
     }
 
-    /// The id to send for a request whose id is `id` (None: send none).
-    pub fn header(self, id: &str) -> Option<String> {
+    /// What to send for a request whose id is `id`.
+    pub fn send(self, id: &str) -> Send {
         match self {
-            Upstream::None => None,
-            Upstream::Forward if is_uuid(id) => Some(id.to_string()),
-            Upstream::Forward | Upstream::Uuid => Some(new()),
+            Upstream::None => Send::Nothing,
+            Upstream::Forward if is_uuid(id) => Send::Same,
+            Upstream::Forward | Upstream::Uuid => Send::Fresh,
         }
     }
+
+    /// The id to send for a request whose id is `id` (None: send none).
+    pub fn header(self, id: &str) -> Option<String> {
+        match self.send(id) {
+            Send::Nothing => None,
+            Send::Same => Some(id.to_string()),
+            Send::Fresh => Some(new()),
+        }
+    }
+}
+
+/// What a member is sent as `X-Request-Id`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Send {
+    /// No header.
+    Nothing,
+    /// The request's own id (shared, no copy needed).
+    Same,
+    /// A fresh UUIDv7.
+    Fresh,
 }
 
 const BUF: usize = 4096;

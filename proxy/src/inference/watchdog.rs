@@ -71,6 +71,15 @@ impl Series {
         }
     }
 
+    /// How many samples are newer than `span` (no copy, no sort).
+    fn count_within(&self, now: Instant, span: Duration) -> usize {
+        self.0
+            .iter()
+            .rev()
+            .take_while(|(t, _)| now.saturating_duration_since(*t) <= span)
+            .count()
+    }
+
     /// Samples newer than `span`, sorted.
     fn within(&self, now: Instant, span: Duration) -> Vec<Duration> {
         let mut v: Vec<Duration> = self
@@ -92,7 +101,7 @@ pub fn percentile(v: &str) -> Option<f64> {
 }
 
 /// The `q` quantile of sorted samples.
-fn quantile(sorted: &[Duration], q: f64) -> Option<Duration> {
+pub(crate) fn quantile(sorted: &[Duration], q: f64) -> Option<Duration> {
     if sorted.is_empty() {
         return None;
     }
@@ -287,7 +296,7 @@ impl LaneWatch {
         if self.probing || self.probed_at.is_some_and(|p| now - p < t.probe_every) {
             return false;
         }
-        self.state == State::Violated || self.ttft.within(now, t.window).len() < t.min_samples
+        self.state == State::Violated || self.ttft.count_within(now, t.window) < t.min_samples
     }
 }
 

@@ -407,20 +407,17 @@ impl ProxyHttp for EdgeProxy {
         {
             req.insert_header(http::header::CONNECTION, "close")?;
         }
-        use crate::reqid::{is_uuid, Upstream};
+        use crate::reqid::{Send, Upstream};
         let mode = ctx
             .pool()
             .map_or(Upstream::Forward, |p| p.settings.request_id);
-        let rid = ctx.request_id.to_str().unwrap_or("");
-        match mode {
-            Upstream::None => {
+        match mode.send(ctx.request_id.to_str().unwrap_or("")) {
+            Send::Nothing => {
                 req.remove_header("x-request-id");
             }
             // The common case shares the header value (no allocation).
-            Upstream::Forward if is_uuid(rid) => {
-                req.insert_header("x-request-id", ctx.request_id.clone())?
-            }
-            _ => req.insert_header("x-request-id", crate::reqid::new())?,
+            Send::Same => req.insert_header("x-request-id", ctx.request_id.clone())?,
+            Send::Fresh => req.insert_header("x-request-id", crate::reqid::new())?,
         }
         match &route.upstream_host {
             UpstreamHost::Passthrough => {}

@@ -18,16 +18,22 @@ use std::pin::Pin;
 use std::time::{Duration, Instant};
 use ultrafast_engine::api::{BackendError, Event};
 
-/// Recent times to first token (a ring), for a quantile hedge delay.
+/// Recent times to first token (a ring), for a quantile hedge delay. A
+/// sorted copy is refreshed every `RESORT` samples, so asking for the
+/// quantile on every request neither allocates nor sorts.
 #[derive(Debug, Default)]
 pub(super) struct Recent {
     ring: Vec<Duration>,
     next: usize,
+    sorted: Vec<Duration>,
+    since_sort: usize,
 }
 
-/// Samples kept, and the fewest before a quantile is trusted.
+/// Samples kept, the fewest before a quantile is trusted, and how many new
+/// samples make the sorted copy stale.
 const RECENT: usize = 512;
 const RECENT_MIN: usize = 20;
+const RESORT: usize = 16;
 
 impl Recent {
     pub(super) fn push(&mut self, d: Duration) {
@@ -37,17 +43,20 @@ impl Recent {
             self.ring[self.next] = d;
         }
         self.next = (self.next + 1) % RECENT;
+        self.since_sort += 1;
+        if self.since_sort >= RESORT || self.sorted.len() < RECENT_MIN {
+            self.sorted.clone_from(&self.ring);
+            self.sorted.sort_unstable();
+            self.since_sort = 0;
+        }
     }
 
     /// The `q` quantile, once there are enough samples.
     pub(super) fn quantile(&self, q: f64) -> Option<Duration> {
-        if self.ring.len() < RECENT_MIN {
+        if self.sorted.len() < RECENT_MIN {
             return None;
         }
-        let mut v = self.ring.clone();
-        v.sort_unstable();
-        let i = ((v.len() as f64 * q).ceil() as usize).clamp(1, v.len()) - 1;
-        Some(v[i])
+        crate::inference::watchdog::quantile(&self.sorted, q)
     }
 }
 
