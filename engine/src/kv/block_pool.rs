@@ -8,6 +8,14 @@
 //! least recently used cached one. Complexity: allocation and release are
 //! O(log n) (the LRU is a `BTreeMap` keyed by a use counter); prefix lookup
 //! is one hash probe per full block.
+//!
+//! A hash hit is never trusted alone: two different prompts whose 64-bit
+//! chained hashes collide must not share KV (the bug class of vLLM's
+//! CVE-2025-25183). Each registered block keeps its own tokens and a link
+//! to the exact registration of the block before it (block id and a
+//! registration number that changes whenever a block is reused), so a hit
+//! is taken only when the tokens are equal and the chain before it is the
+//! very chain just matched: by induction the whole prefix is equal.
 
 use std::collections::{BTreeMap, HashMap};
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -32,6 +40,13 @@ struct Inner {
     refcount: Vec<u32>,
     free: Vec<u32>,
     hash_of: Vec<Option<u64>>,
+    /// The tokens of each registered block, compared on every hash hit.
+    tokens_of: Vec<Option<Box<[u32]>>>,
+    /// The registration (block, epoch) before each registered block.
+    parent_of: Vec<Option<(u32, u64)>>,
+    /// Registration number of each block's current content.
+    epoch: Vec<u64>,
+    next_epoch: u64,
     by_hash: HashMap<u64, u32>,
     lru: BTreeMap<u64, u32>,
     lru_key: Vec<Option<u64>>,
@@ -51,7 +66,23 @@ impl Inner {
         if let Some(h) = self.hash_of[b as usize].take() {
             self.by_hash.remove(&h);
         }
+        self.tokens_of[b as usize] = None;
+        self.parent_of[b as usize] = None;
         Some(b)
+    }
+
+    /// The registration link of block `b` as a parent.
+    fn link(&self, b: u32) -> (u32, u64) {
+        (b, self.epoch[b as usize])
+    }
+
+    /// The cached block holding exactly `tokens` after `parent` (None for
+    /// the first block), found by hash `h` and then checked.
+    fn lookup(&self, h: u64, tokens: &[u32], parent: Option<(u32, u64)>) -> Option<u32> {
+        let b = *self.by_hash.get(&h)?;
+        let same = self.tokens_of[b as usize].as_deref() == Some(tokens)
+            && self.parent_of[b as usize] == parent;
+        same.then_some(b)
     }
 
     fn available(&self) -> usize {
@@ -87,7 +118,11 @@ pub struct BlockPool {
     inner: Arc<Mutex<Inner>>,
     block_size: usize,
     num_blocks: usize,
+    hash: Hasher,
 }
+
+/// The chained block hash: previous hash and the block's tokens.
+pub type Hasher = fn(u64, &[u32]) -> u64;
 
 /// One sequence's block table; its blocks go back to the pool on drop.
 #[derive(Debug)]
@@ -115,12 +150,21 @@ fn chain(prev: u64, tokens: &[u32]) -> u64 {
 impl BlockPool {
     /// A pool of `num_blocks` blocks of `block_size` tokens.
     pub fn new(num_blocks: usize, block_size: usize) -> Self {
+        Self::with_hasher(num_blocks, block_size, chain)
+    }
+
+    /// A pool with another block hash: tests force collisions with it.
+    pub fn with_hasher(num_blocks: usize, block_size: usize, hash: Hasher) -> Self {
         let n = num_blocks;
         BlockPool {
             inner: Arc::new(Mutex::new(Inner {
                 refcount: vec![0; n],
                 free: (0..n as u32).rev().collect(),
                 hash_of: vec![None; n],
+                tokens_of: vec![None; n],
+                parent_of: vec![None; n],
+                epoch: vec![0; n],
+                next_epoch: 0,
                 by_hash: HashMap::new(),
                 lru: BTreeMap::new(),
                 lru_key: vec![None; n],
@@ -130,6 +174,7 @@ impl BlockPool {
             })),
             block_size: block_size.max(1),
             num_blocks: n,
+            hash,
         }
     }
 
@@ -179,10 +224,13 @@ impl BlockPool {
         let mut hashes = Vec::new();
         let mut prev = 0u64;
         let reusable = prompt.len().saturating_sub(1) / bs;
+        let mut parent = None;
         for i in 0..reusable {
-            let h = chain(prev, &prompt[i * bs..(i + 1) * bs]);
-            match g.by_hash.get(&h) {
-                Some(&b) => {
+            let tokens = &prompt[i * bs..(i + 1) * bs];
+            let h = (self.hash)(prev, tokens);
+            match g.lookup(h, tokens, parent) {
+                Some(b) => {
+                    parent = Some(g.link(b));
                     matched.push(b);
                     hashes.push(h);
                     prev = h;
@@ -250,11 +298,29 @@ impl BlockPool {
         let mut g = self.lock();
         let mut prev = seq.hashes.last().copied().unwrap_or(0);
         for i in seq.hashes.len()..full {
-            let h = chain(prev, &tokens[i * bs..(i + 1) * bs]);
+            let own = &tokens[i * bs..(i + 1) * bs];
+            let h = (self.hash)(prev, own);
             let b = seq.blocks[i];
-            if g.hash_of[b as usize].is_none() && !g.by_hash.contains_key(&h) {
-                g.hash_of[b as usize] = Some(h);
-                g.by_hash.insert(h, b);
+            // A block is registered only behind its own registered parent
+            // (a parent left out by a collision leaves its children out),
+            // so a later hit can check the whole chain.
+            let parent = match i {
+                0 => Some(None),
+                _ => {
+                    let p = seq.blocks[i - 1];
+                    (g.hash_of[p as usize] == Some(prev)).then(|| Some(g.link(p)))
+                }
+            };
+            if let Some(parent) = parent {
+                if g.hash_of[b as usize].is_none() && !g.by_hash.contains_key(&h) {
+                    g.next_epoch += 1;
+                    let e = g.next_epoch;
+                    g.epoch[b as usize] = e;
+                    g.hash_of[b as usize] = Some(h);
+                    g.tokens_of[b as usize] = Some(own.into());
+                    g.parent_of[b as usize] = parent;
+                    g.by_hash.insert(h, b);
+                }
             }
             seq.hashes.push(h);
             prev = h;
@@ -314,6 +380,61 @@ mod tests {
     }
 
     #[test]
+    fn colliding_hashes_never_share_blocks() {
+        // Every block hashes alike: each hit must be refused by its tokens
+        // or by the chain before it.
+        let pool = BlockPool::with_hasher(32, 4, |_, _| 42);
+        let a_prompt: Vec<u32> = (0..9).collect();
+        let mut a = pool.allocate(&a_prompt).unwrap();
+        pool.seal(&mut a, &a_prompt);
+        let b_prompt: Vec<u32> = (100..109).collect();
+        let b = pool.allocate(&b_prompt).unwrap();
+        assert_eq!(b.cached_tokens, 0, "different tokens under one hash");
+        assert!(b.blocks().iter().all(|x| !a.blocks().contains(x)));
+        // Same first block, different second: only the first is shared.
+        let mut c_prompt: Vec<u32> = (0..4).collect();
+        c_prompt.extend([7, 7, 7, 7, 1]);
+        let c = pool.allocate(&c_prompt).unwrap();
+        assert_eq!(c.cached_tokens, 4);
+        assert_eq!(c.blocks()[0], a.blocks()[0]);
+        assert_ne!(c.blocks()[1], a.blocks()[1]);
+        // The identical prompt reuses its first block; its second collided
+        // with the first on registration, so it is computed again: correct,
+        // only not cached.
+        let d = pool.allocate(&a_prompt).unwrap();
+        assert_eq!(d.cached_tokens, 4);
+        assert_eq!(d.blocks()[0], a.blocks()[0]);
+    }
+
+    #[test]
+    fn a_reused_parent_block_invalidates_its_children() {
+        // A hash of the block's own tokens only: the chain before a block
+        // is then told apart by the parent link alone.
+        fn own(_: u64, t: &[u32]) -> u64 {
+            t.iter()
+                .fold(7, |h, x| h.wrapping_mul(31).wrapping_add(*x as u64))
+        }
+        let pool = BlockPool::with_hasher(4, 2, own);
+        let a_prompt = vec![1, 2, 3, 4, 5];
+        let mut a = pool.allocate(&a_prompt).unwrap();
+        pool.seal(&mut a, &a_prompt);
+        let (a0, a1) = (a.blocks()[0], a.blocks()[1]);
+        drop(a);
+        // Fill the free list, so the next block comes from evicting a0.
+        let x = pool.allocate(&[50]).unwrap();
+        let y = pool.allocate(&[51]).unwrap();
+        let mut c = pool.allocate(&[6, 6]).unwrap();
+        assert_eq!(c.blocks(), &[a0], "the oldest cached block is reused");
+        pool.seal(&mut c, &[6, 6]);
+        drop((x, y));
+        // [6,6] now lives in a0's id, and a1 ([3,4]) still names a0 as its
+        // parent: it followed [1,2], not [6,6].
+        let d = pool.allocate(&[6, 6, 3, 4, 9]).unwrap();
+        assert_eq!(d.cached_tokens, 2);
+        assert_ne!(d.blocks()[1], a1);
+    }
+
+    #[test]
     fn a_request_that_cannot_fit_takes_nothing() {
         let pool = BlockPool::new(4, 4);
         let a = pool.allocate(&[1; 9]).unwrap();
@@ -355,9 +476,15 @@ mod props {
         /// No block leaks or is shared wrongly; counts always add up; the
         /// pool is whole again when every sequence is gone.
         #[test]
-        fn block_pool_invariants(ops in proptest::collection::vec(op(), 1..80)) {
+        fn block_pool_invariants(ops in proptest::collection::vec(op(), 1..80), collide in any::<bool>()) {
             let bs = 4;
-            let pool = BlockPool::new(24, bs);
+            // Half the cases hash every block alike: sharing must still
+            // follow content alone.
+            let pool = if collide {
+                BlockPool::with_hasher(24, bs, |_, t| t.len() as u64)
+            } else {
+                BlockPool::new(24, bs)
+            };
             let mut seqs: Vec<(SeqBlocks, Vec<u32>)> = Vec::new();
             for op in ops {
                 match op {
