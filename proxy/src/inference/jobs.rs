@@ -54,6 +54,12 @@ struct Inner {
     result: Option<Value>,
     error: Option<Value>,
     finished_at: Option<Instant>,
+    /// Bytes of `events` counted in the store; changed only under this
+    /// lock, together with the store's total, so the two never disagree.
+    bytes: usize,
+    /// Taken out of the store (evicted, expired or replaced): nothing more
+    /// is counted for it.
+    removed: bool,
 }
 
 /// One async request.
@@ -68,7 +74,6 @@ pub struct Job {
     /// Number of events so far (bumped on every change).
     changed: watch::Sender<usize>,
     cancel: watch::Sender<bool>,
-    bytes: AtomicUsize,
     store: std::sync::Weak<Shared>,
 }
 
@@ -98,23 +103,29 @@ impl Job {
             let mut g = st.jobs.lock();
             st.evict(&mut g, st.max_entries(), n);
         }
-        if st.bytes.fetch_add(n, Ordering::Relaxed) + n > st.max_bytes() {
-            st.bytes.fetch_sub(n, Ordering::Relaxed);
-            self.finish(
-                Status::Failed,
-                None,
-                Some(serde_json::json!({"message": "the async result store is full", "type": "server_error", "code": "async_store_full"})),
-            );
-            return false;
-        }
-        self.bytes.fetch_add(n, Ordering::Relaxed);
         let len = {
             let mut g = self.inner.lock();
-            if g.status.finished() {
-                st.bytes.fetch_sub(n, Ordering::Relaxed);
-                self.bytes.fetch_sub(n, Ordering::Relaxed);
+            if g.status.finished() || g.removed {
                 return false;
             }
+            // Take the room atomically: two jobs pushing at once never
+            // overshoot the bound together.
+            let max = st.max_bytes();
+            let room = st
+                .bytes
+                .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |b| {
+                    (b + n <= max).then_some(b + n)
+                });
+            if room.is_err() {
+                drop(g);
+                self.finish(
+                    Status::Failed,
+                    None,
+                    Some(serde_json::json!({"message": "the async result store is full", "type": "server_error", "code": "async_store_full"})),
+                );
+                return false;
+            }
+            g.bytes += n;
             g.events.push(payload);
             g.events.len()
         };
@@ -189,8 +200,10 @@ impl Shared {
 
     fn remove(&self, map: &mut HashMap<String, Arc<Job>>, id: &str) {
         if let Some(j) = map.remove(id) {
-            self.bytes
-                .fetch_sub(j.bytes.load(Ordering::Relaxed), Ordering::Relaxed);
+            let mut g = j.inner.lock();
+            self.bytes.fetch_sub(g.bytes, Ordering::Relaxed);
+            g.bytes = 0;
+            g.removed = true;
         }
     }
 
@@ -320,6 +333,12 @@ impl Store {
     pub fn create_for(&self, id: String, owner: Option<String>) -> Result<Arc<Job>, Full> {
         let st = &self.0;
         let mut g = st.jobs.lock();
+        // Ids are random, but a reused one replaces its entry exactly: its
+        // bytes leave the total and its place in the order goes.
+        if g.0.contains_key(&id) {
+            st.remove(&mut g.0, &id);
+            g.1.retain(|x| x != &id);
+        }
         st.evict(&mut g, st.max_entries() - 1, 1);
         if g.0.len() >= st.max_entries() || st.bytes.load(Ordering::Relaxed) >= st.max_bytes() {
             return Err(Full);
@@ -337,10 +356,11 @@ impl Store {
                 result: None,
                 error: None,
                 finished_at: None,
+                bytes: 0,
+                removed: false,
             }),
             changed: watch::Sender::new(0),
             cancel: watch::Sender::new(false),
-            bytes: AtomicUsize::new(0),
             store: Arc::downgrade(&self.0),
         });
         g.0.insert(id.clone(), job.clone());
@@ -416,5 +436,97 @@ mod tests {
         a.finish(Status::Completed, None, None);
         std::thread::sleep(Duration::from_millis(40));
         assert!(s.get("a").is_none());
+    }
+
+    #[test]
+    fn a_replaced_id_leaves_no_bytes_behind() {
+        let s = Store::new(10, 100, Duration::from_secs(60));
+        let a = s.create("a".into()).unwrap();
+        assert!(a.push("x".repeat(60)));
+        let a2 = s.create("a".into()).unwrap();
+        assert!(!a.push("y".into()), "the replaced job counts nothing more");
+        assert_eq!(s.usage(), (1, 0));
+        assert!(a2.push("z".repeat(100)), "the whole bound is free again");
+    }
+}
+
+#[cfg(test)]
+mod props {
+    use super::*;
+    use proptest::prelude::*;
+
+    #[derive(Debug, Clone)]
+    enum Op {
+        Create(u8),
+        Push(u8, usize),
+        Finish(u8),
+        Cancel(u8),
+        Get(u8),
+    }
+
+    fn op() -> impl Strategy<Value = Op> {
+        prop_oneof![
+            2 => (0u8..12).prop_map(Op::Create),
+            4 => (0u8..12, 1usize..40).prop_map(|(i, n)| Op::Push(i, n)),
+            1 => (0u8..12).prop_map(Op::Finish),
+            1 => (0u8..12).prop_map(Op::Cancel),
+            1 => (0u8..12).prop_map(Op::Get),
+        ]
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig { cases: 300, ..ProptestConfig::default() })]
+
+        /// The store's byte total is always exactly the bytes of the events
+        /// its entries hold, whatever was replaced, evicted or expired, and
+        /// the bounds hold.
+        #[test]
+        fn byte_accounting_is_exact(ops in proptest::collection::vec(op(), 1..120), expire in any::<bool>()) {
+            let ttl = if expire { Duration::ZERO } else { Duration::from_secs(3600) };
+            let s = Store::new(5, 200, ttl);
+            let mut jobs: HashMap<u8, Arc<Job>> = HashMap::new();
+            for op in ops {
+                match op {
+                    // Small ids on purpose: replacements happen often.
+                    Op::Create(i) => {
+                        if let Ok(j) = s.create(format!("j{}", i % 6)) {
+                            jobs.insert(i % 6, j);
+                        }
+                    }
+                    Op::Push(i, n) => {
+                        if let Some(j) = jobs.get(&(i % 6)) {
+                            j.push("p".repeat(n));
+                        }
+                    }
+                    Op::Finish(i) => {
+                        if let Some(j) = jobs.get(&(i % 6)) {
+                            j.finish(Status::Completed, None, None);
+                        }
+                    }
+                    Op::Cancel(i) => {
+                        if let Some(j) = jobs.get(&(i % 6)) {
+                            j.cancel();
+                        }
+                    }
+                    Op::Get(i) => {
+                        let _ = s.get(&format!("j{}", i % 6));
+                    }
+                }
+                let g = s.0.jobs.lock();
+                let held: usize = g.0.values().map(|j| {
+                    j.inner.lock().events.iter().map(String::len).sum::<usize>()
+                }).sum();
+                prop_assert_eq!(s.0.bytes.load(Ordering::Relaxed), held);
+                prop_assert!(held <= 200);
+                prop_assert!(g.0.len() <= 5);
+                let mut order: Vec<&String> = g.1.iter().collect();
+                order.sort();
+                order.dedup();
+                prop_assert_eq!(order.len(), g.1.len(), "an id twice in the order");
+                // Ids taken out by a read are dropped from the order later;
+                // every entry is in it.
+                prop_assert!(g.0.keys().all(|id| g.1.contains(id)));
+            }
+        }
     }
 }
