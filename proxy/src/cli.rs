@@ -23,7 +23,11 @@ pub fn reload(path: &Path) -> Result<String, String> {
     })?;
     let admin = file.admin.listen.trim();
     if !admin.is_empty() {
-        return post_reload(admin);
+        let token = file
+            .admin
+            .resolve_token(path)
+            .map_err(|(field, e)| format!("admin.{field}: {e}"))?;
+        return post_reload(admin, token.as_deref());
     }
     let pid_file = if file.server.pid_file.is_empty() {
         config::default_runtime_path(path, "pid")
@@ -47,12 +51,15 @@ pub fn reload(path: &Path) -> Result<String, String> {
     }
 }
 
-fn post_reload(admin: &str) -> Result<String, String> {
+fn post_reload(admin: &str, token: Option<&str>) -> Result<String, String> {
     let mut s =
         std::net::TcpStream::connect(admin).map_err(|e| format!("admin listener {admin}: {e}"))?;
     s.set_read_timeout(Some(Duration::from_secs(60)))
         .map_err(|e| e.to_string())?;
-    let req = format!("POST /admin/reload HTTP/1.1\r\nHost: {admin}\r\nContent-Length: 0\r\nConnection: close\r\n\r\n");
+    let auth = token
+        .map(|t| format!("Authorization: Bearer {t}\r\n"))
+        .unwrap_or_default();
+    let req = format!("POST /admin/reload HTTP/1.1\r\nHost: {admin}\r\n{auth}Content-Length: 0\r\nConnection: close\r\n\r\n");
     s.write_all(req.as_bytes()).map_err(|e| e.to_string())?;
     let mut out = String::new();
     s.read_to_string(&mut out).map_err(|e| e.to_string())?;

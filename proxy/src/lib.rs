@@ -12,6 +12,7 @@ pub mod admin;
 pub mod admission;
 pub mod cli;
 pub mod config;
+pub mod drain;
 pub mod edge;
 pub mod filters;
 pub mod inference;

@@ -18,6 +18,9 @@ pub struct Metrics {
     upstream_conns: IntCounterVec,
     member_healthy: IntGaugeVec,
     ejections: IntCounterVec,
+    /// Live holders of each member's series; at 0 the series go.
+    member_refs:
+        std::sync::Arc<parking_lot::Mutex<std::collections::HashMap<(String, String), usize>>>,
     retries: IntCounterVec,
     /// Access-log lines dropped because the writer fell behind.
     pub access_log_dropped: IntCounter,
@@ -312,6 +315,7 @@ impl Metrics {
             upstream_conns,
             member_healthy,
             ejections,
+            member_refs: Default::default(),
             retries,
             access_log_dropped,
             rejected,
@@ -394,11 +398,22 @@ impl Metrics {
         }
     }
 
-    /// Handles of one member address of a pool.
+    /// Handles of one member address of a pool. Its series stay while any
+    /// handle for that pool and address lives (a member kept across a
+    /// reload or a DNS swap keeps them) and are removed with the last one,
+    /// so DNS churn cannot grow `/metrics` without bound.
     pub fn member(&self, pool: &str, member: &str) -> MemberMetrics {
+        let key = (pool.to_string(), member.to_string());
+        *self.member_refs.lock().entry(key.clone()).or_insert(0) += 1;
         MemberMetrics {
             healthy: self.member_healthy.with_label_values(&[pool, member]),
             ejections: self.ejections.with_label_values(&[pool, member]),
+            _series: Some(MemberSeries {
+                key,
+                refs: self.member_refs.clone(),
+                healthy: self.member_healthy.clone(),
+                ejections: self.ejections.clone(),
+            }),
         }
     }
 
@@ -468,6 +483,43 @@ pub struct MemberMetrics {
     pub healthy: IntGauge,
     /// Passive ejections.
     pub ejections: IntCounter,
+    _series: Option<MemberSeries>,
+}
+
+/// What removes a member's series when its last handle goes.
+struct MemberSeries {
+    key: (String, String),
+    refs: std::sync::Arc<parking_lot::Mutex<std::collections::HashMap<(String, String), usize>>>,
+    healthy: IntGaugeVec,
+    ejections: IntCounterVec,
+}
+
+impl Clone for MemberSeries {
+    fn clone(&self) -> Self {
+        *self.refs.lock().entry(self.key.clone()).or_insert(0) += 1;
+        MemberSeries {
+            key: self.key.clone(),
+            refs: self.refs.clone(),
+            healthy: self.healthy.clone(),
+            ejections: self.ejections.clone(),
+        }
+    }
+}
+
+impl Drop for MemberSeries {
+    fn drop(&mut self) {
+        let mut refs = self.refs.lock();
+        let Some(n) = refs.get_mut(&self.key) else {
+            return;
+        };
+        *n -= 1;
+        if *n == 0 {
+            refs.remove(&self.key);
+            let labels = [self.key.0.as_str(), self.key.1.as_str()];
+            let _ = self.healthy.remove_label_values(&labels);
+            let _ = self.ejections.remove_label_values(&labels);
+        }
+    }
 }
 
 impl MemberMetrics {
@@ -476,6 +528,7 @@ impl MemberMetrics {
         MemberMetrics {
             healthy: must(IntGauge::new("detached_healthy", "unregistered")),
             ejections: must(IntCounter::new("detached_ejections_total", "unregistered")),
+            _series: None,
         }
     }
 }
@@ -489,5 +542,29 @@ impl fmt::Debug for MemberMetrics {
 impl fmt::Debug for PoolMetrics {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str("PoolMetrics")
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn member_series_go_with_the_last_handle() {
+        let m = Metrics::new();
+        let a = m.member("p", "10.0.0.1:80");
+        let a2 = m.member("p", "10.0.0.1:80");
+        let b = m.member("p", "10.0.0.2:80");
+        a.healthy.set(1);
+        b.healthy.set(1);
+        let text = || String::from_utf8(m.render()).unwrap();
+        assert!(text().contains("10.0.0.1:80"));
+        drop(a);
+        assert!(text().contains("10.0.0.1:80"), "a2 still holds it");
+        drop(a2);
+        assert!(!text().contains("10.0.0.1:80"), "{}", text());
+        assert!(text().contains("10.0.0.2:80"));
+        drop(b);
+        assert!(!text().contains("10.0.0.2:80"));
     }
 }

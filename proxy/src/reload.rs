@@ -171,6 +171,15 @@ impl Manager {
             prefetch_fraction: settings.prefetch_fraction,
         };
         let mut new = config::build(&file, &path, &text, &ctx)?;
+        // A listener the upgrade could not bind refuses the reload now, and
+        // the old listeners keep serving.
+        let unbound = crate::server::unbindable(&old.listeners, &new.listeners);
+        if !unbound.is_empty() {
+            return Err(unbound
+                .into_iter()
+                .flat_map(|e| config::file_error(&path, e))
+                .collect());
+        }
         let mut diff = diff(&old, &new);
         keep_process_settings(&old, &mut new, &mut diff);
         warm(&old, &new).await;

@@ -7,7 +7,7 @@ use crate::accesslog::AccessLog;
 use crate::admin::{AdminApp, Readiness};
 use crate::config::{self, Config, Shared};
 use crate::edge::certs::{CertStore, CertWatcher, FullHandshakes, SniResolver};
-use crate::edge::listener::{server_config, TlsBuild, TlsService};
+use crate::edge::listener::{bind_reuseport, server_config, TlsBuild, TlsService};
 use crate::edge::ticket::RotatingTicketer;
 use crate::metrics::Metrics;
 use crate::proxy::EdgeProxy;
@@ -39,7 +39,10 @@ fn server_conf(cfg: &Config) -> ServerConf {
         work_stealing: s.work_stealing,
         pid_file: s.pid_file.clone(),
         upgrade_sock: s.upgrade_sock.clone(),
-        grace_period_seconds: Some(s.grace_period_s),
+        // One second past ours: the drain watcher ends the process at the
+        // configured grace period and logs what it abandons, before
+        // Pingora's own exit can race it.
+        grace_period_seconds: Some(s.grace_period_s + 1),
         graceful_shutdown_timeout_seconds: Some(s.shutdown_timeout_s),
         upstream_keepalive_pool_size: s.keepalive_pool_size,
         // Our own retry policy caps tries per pool (at most 10).
@@ -86,6 +89,8 @@ pub fn serve(path: &Path, opts: ServeOptions) -> anyhow::Result<()> {
     let readiness = Arc::new(Readiness::new("starting"));
     readiness.watch_models(front.clone());
     let inflight = Arc::new(AtomicUsize::new(0));
+
+    let mut tls_sockets = bind_listeners(&listeners, admin_listen.as_deref(), opts.upgrade)?;
 
     let pid_file = conf.pid_file.clone();
     let mut server = Server::new_with_opt_and_conf(pingora_opt, conf);
@@ -149,9 +154,13 @@ pub fn serve(path: &Path, opts: ServeOptions) -> anyhow::Result<()> {
         let config = server_config(build, &metrics.tls());
         let app = Arc::new(pingora::proxy::http_proxy(&server.configuration, edge()));
         let name = format!("tls {}", l.name);
+        let socket = tls_sockets
+            .remove(&l.address)
+            .ok_or_else(|| anyhow::anyhow!("listener `{}`: {} bound twice", l.name, l.address))?;
         let svc = TlsService::new(
             name,
             l.address.clone(),
+            socket,
             config,
             app,
             tls.handshake_timeout,
@@ -204,7 +213,8 @@ pub fn serve(path: &Path, opts: ServeOptions) -> anyhow::Result<()> {
         },
     ));
 
-    spawn_drain_watcher(&server, inflight, log, pid_file);
+    let grace = Duration::from_secs(shared.load().server.grace_period_s);
+    spawn_drain_watcher(&server, inflight, log, pid_file, grace);
     readiness.set_ready();
     log::info!(
         "ultrafast {} serving {} listener(s) from {}",
@@ -213,6 +223,53 @@ pub fn serve(path: &Path, opts: ServeOptions) -> anyhow::Result<()> {
         path.display()
     );
     server.run_forever()
+}
+
+/// Bind what can be bound before serving, so a listener that cannot be
+/// bound fails `serve` with its address and cause instead of leaving a
+/// process that looks ready without it. TLS listeners are ours and keep
+/// their sockets (SO_REUSEPORT, so an upgrade binds beside the old process).
+/// Pingora binds the plain and admin listeners itself when its services
+/// start, and a failure there only ends that service's thread: they are
+/// test-bound here and released. Under `--upgrade` the plain sockets come
+/// from the old process, which still holds them, so they are not tried.
+fn bind_listeners(
+    listeners: &[config::Listener],
+    admin: Option<&str>,
+    upgrade: bool,
+) -> anyhow::Result<std::collections::HashMap<String, std::net::TcpListener>> {
+    let mut tls = std::collections::HashMap::new();
+    let plain = listeners
+        .iter()
+        .filter(|l| l.tls.is_none())
+        .map(|l| (l.name.as_str(), l.address.as_str()))
+        .chain(admin.map(|a| ("admin", a)));
+    if !upgrade {
+        for (name, addr) in plain {
+            std::net::TcpListener::bind(addr)
+                .map_err(|e| anyhow::anyhow!("listener `{name}` cannot bind {addr}: {e}"))?;
+        }
+    }
+    for l in listeners.iter().filter(|l| l.tls.is_some()) {
+        let sock = bind_reuseport(&l.address)
+            .map_err(|e| anyhow::anyhow!("listener `{}` cannot bind {}: {e}", l.name, l.address))?;
+        tls.insert(l.address.clone(), sock);
+    }
+    Ok(tls)
+}
+
+/// Whether each new address in `new` can be bound now: a reload cannot
+/// open listeners (they change with a graceful upgrade), but it says at
+/// once when the upgrade would fail.
+pub fn unbindable(old: &[config::Listener], new: &[config::Listener]) -> Vec<String> {
+    new.iter()
+        .filter(|l| !old.iter().any(|o| o.address == l.address))
+        .filter_map(|l| {
+            std::net::TcpListener::bind(&l.address)
+                .err()
+                .map(|e| format!("listener `{}` cannot bind {}: {e}", l.name, l.address))
+        })
+        .collect()
 }
 
 /// Pingora sleeps the whole grace period even when nothing is in flight;
@@ -241,7 +298,9 @@ fn spawn_drain_watcher(
     inflight: Arc<AtomicUsize>,
     log: AccessLog,
     pid_file: String,
+    grace: Duration,
 ) {
+    use crate::drain::{running, Kind};
     let mut phases = server.watch_execution_phase();
     let _ = std::thread::Builder::new()
         .name("drain-watch".into())
@@ -254,17 +313,39 @@ fn spawn_drain_watcher(
             // Leaving: the pid no longer names a serving process.
             remove_pid_file(&pid_file);
             // Require a short quiet period so a request that was just accepted
-            // (but has not reached the proxy yet) is not cut.
+            // (but has not reached the proxy yet) is not cut. Async jobs and
+            // upstream streams are waited for too, up to the grace period.
+            let deadline = std::time::Instant::now() + grace;
+            let busy = || {
+                let w = (
+                    inflight.load(Ordering::Relaxed),
+                    running(Kind::AsyncJob),
+                    running(Kind::UpstreamStream),
+                );
+                (w != (0, 0, 0)).then_some(w)
+            };
             let mut quiet = 0;
             while quiet < 10 {
+                // Pingora ends the grace period itself (then stops the
+                // runtimes and exits): whichever comes first, say what is
+                // left behind.
+                let over = matches!(
+                    phases.try_recv(),
+                    Ok(ExecutionPhase::ShutdownRuntimes | ExecutionPhase::Terminated)
+                );
+                if over || std::time::Instant::now() >= deadline {
+                    if let Some((r, j, s)) = busy() {
+                        log::warn!(
+                            "grace period of {}s over: abandoning {r} request(s), {j} async job(s) and {s} upstream stream(s) in flight",
+                            grace.as_secs()
+                        );
+                    }
+                    break;
+                }
                 std::thread::sleep(Duration::from_millis(20));
-                quiet = if inflight.load(Ordering::Relaxed) == 0 {
-                    quiet + 1
-                } else {
-                    0
-                };
+                quiet = if busy().is_none() { quiet + 1 } else { 0 };
             }
-            log::info!("drained: no request in flight, exiting");
+            log::info!("drained: nothing in flight, exiting");
             log.flush();
             std::process::exit(0);
         });

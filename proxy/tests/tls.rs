@@ -360,6 +360,58 @@ fn ocsp_staple_is_served_while_fresh_and_never_stale() {
 }
 
 #[test]
+fn an_ocsp_staple_for_another_certificate_is_refused_at_load() {
+    let dir = scratch("ocspid");
+    ca(&dir);
+    let (c, k) = leaf(&dir, "localhost", "localhost", false);
+    leaf(&dir, "other", "other.test", false);
+    let theirs = ocsp_response(&dir, "other", "other.der", false);
+    let ours = ocsp_response(&dir, "localhost", "ours.der", false);
+    // With the issuer in the chain, its key hash is checked too.
+    let chain = dir.join("chain.pem");
+    let mut pem = std::fs::read(&c).unwrap();
+    pem.extend(std::fs::read(dir.join("ca.pem")).unwrap());
+    std::fs::write(&chain, pem).unwrap();
+    let t = start_tls(
+        &[cert_entry(&chain, &k, &["localhost"], true, Some(&ours))],
+        "",
+    );
+    let out = s_client(t.port, "-servername localhost -status");
+    assert!(out.contains("OCSP Response Status: successful"), "{out}");
+    // Another certificate's staple: `serve` stops at load, naming the file.
+    let cfg = dir.join("bad.toml");
+    std::fs::write(
+        &cfg,
+        format!(
+            "[server]\npid_file = \"{d}/p\"\nupgrade_sock = \"{d}/s\"\n[admin]\nlisten = \"\"\n[[listeners]]\nname = \"https\"\naddress = \"127.0.0.1:{}\"\ntls = {{ certs = [{}] }}\n",
+            free_port(),
+            cert_entry(&chain, &k, &["localhost"], true, Some(&theirs)),
+            d = dir.display()
+        ),
+    )
+    .unwrap();
+    let mut child = Command::new(bin())
+        .args(["serve", "-c"])
+        .arg(&cfg)
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while child.try_wait().unwrap().is_none() && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let running = child.try_wait().unwrap().is_none();
+    let _ = child.kill();
+    let out = child.wait_with_output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!running, "serve kept running with a wrong staple");
+    assert!(!out.status.success());
+    assert!(err.contains("other.der"), "{err}");
+    assert!(err.contains("another certificate"), "{err}");
+}
+
+#[test]
 fn certificate_hot_reload_keeps_old_material_on_error() {
     let dir = scratch("reload");
     ca(&dir);

@@ -171,6 +171,23 @@ pub fn redact(v: &mut serde_json::Value) {
     }
 }
 
+/// Whether the request carries the admin token (always, when none is set).
+/// Both sides are hashed before comparing, so the time taken says nothing
+/// about how much of a guess was right.
+fn authorized(token: Option<&str>, req: &pingora::http::RequestHeader) -> bool {
+    let Some(token) = token else {
+        return true;
+    };
+    let given = req
+        .headers
+        .get(http::header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.strip_prefix("Bearer "))
+        .unwrap_or("");
+    let h = |s: &str| ring::digest::digest(&ring::digest::SHA256, s.trim().as_bytes());
+    h(given).as_ref() == h(token).as_ref()
+}
+
 fn reply(status: u16, ctype: &str, body: Vec<u8>) -> Response<Vec<u8>> {
     let mut r = Response::new(body);
     *r.status_mut() = http::StatusCode::from_u16(status).unwrap_or(http::StatusCode::OK);
@@ -188,6 +205,20 @@ impl ServeHttp for AdminApp {
     async fn response(&self, session: &mut ServerSession) -> Response<Vec<u8>> {
         let path = session.req_header().uri.path().to_string();
         let post = session.req_header().method == http::Method::POST;
+        let open = matches!(path.as_str(), "/healthz" | "/readyz");
+        let token = self.manager.shared().load().admin_token.clone();
+        if !open && !authorized(token.as_deref(), session.req_header()) {
+            let mut r = reply(
+                401,
+                "text/plain",
+                b"admin endpoints need Authorization: Bearer <admin.token>\n".to_vec(),
+            );
+            r.headers_mut().insert(
+                http::header::WWW_AUTHENTICATE,
+                http::HeaderValue::from_static("Bearer realm=\"ultrafast admin\""),
+            );
+            return r;
+        }
         match path.as_str() {
             "/admin/reload" if post => self.reload().await,
             "/admin/reload" => reply(405, "text/plain", b"use POST\n".to_vec()),

@@ -433,12 +433,43 @@ impl Default for ServerSection {
 pub struct AdminSection {
     /// Address of the admin listener; empty disables it.
     pub listen: String,
+    /// Bearer token every admin endpoint but `/healthz` and `/readyz`
+    /// needs; required when `listen` is not a loopback address.
+    pub token: String,
+    /// A file holding the token (first line), instead of `token`.
+    pub token_file: String,
+}
+
+impl AdminSection {
+    /// The token from `token` or `token_file` (a path relative to the
+    /// config file's folder); on error the field at fault and why.
+    pub fn resolve_token(
+        &self,
+        config: &std::path::Path,
+    ) -> Result<Option<String>, (&'static str, String)> {
+        match (self.token.trim(), self.token_file.trim()) {
+            ("", "") => Ok(None),
+            (t, "") => Ok(Some(t.to_string())),
+            ("", file) => {
+                let p = config
+                    .parent()
+                    .unwrap_or(std::path::Path::new("."))
+                    .join(file);
+                let s = std::fs::read_to_string(&p)
+                    .map_err(|e| ("token_file", format!("{}: {e}", p.display())))?;
+                Ok(s.lines().next().map(|l| l.trim().to_string()))
+            }
+            _ => Err(("token", "set `token` or `token_file`, not both".into())),
+        }
+    }
 }
 
 impl Default for AdminSection {
     fn default() -> Self {
         Self {
             listen: "127.0.0.1:9090".into(),
+            token: String::new(),
+            token_file: String::new(),
         }
     }
 }

@@ -149,6 +149,8 @@ pub struct Config {
     pub server: ServerSettings,
     /// Admin listener address, if enabled.
     pub admin_listen: Option<String>,
+    /// Bearer token of the admin endpoints, if set.
+    pub admin_token: Option<String>,
     /// Access log target.
     pub log_target: LogTarget,
     /// Access log format.

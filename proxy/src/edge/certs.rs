@@ -86,6 +86,45 @@ fn unix_now() -> i64 {
         .unwrap_or(0)
 }
 
+/// Whether an OCSP response speaks for the chain's leaf: a single response
+/// whose CertID has the leaf's serial and the hash of its issuer's name,
+/// and, when the chain carries the issuer, the hash of the issuer's key. A
+/// staple for another certificate would make clients that check it fail
+/// (or worse, trust a status that is not this certificate's).
+fn staple_matches(
+    ocsp: &[u8],
+    chain: &[rustls::pki_types::CertificateDer<'_>],
+) -> Result<(), String> {
+    let leaf = chain.first().ok_or("empty chain")?;
+    let (serial, issuer) =
+        der::cert_serial_and_issuer(leaf.as_ref()).ok_or("cannot read the certificate")?;
+    let issuer_key = chain
+        .get(1)
+        .and_then(|c| der::cert_subject_and_key(c.as_ref()))
+        .filter(|(subject, _)| *subject == issuer)
+        .map(|(_, key)| key);
+    let ids = der::ocsp_cert_ids(ocsp).ok_or("not a successful DER OCSP response")?;
+    let hash = |oid: &[u8], data: &[u8]| -> Option<Vec<u8>> {
+        let alg = match oid {
+            der::OID_SHA1 => &ring::digest::SHA1_FOR_LEGACY_USE_ONLY,
+            der::OID_SHA256 => &ring::digest::SHA256,
+            _ => return None,
+        };
+        Some(ring::digest::digest(alg, data).as_ref().to_vec())
+    };
+    let matches = ids.iter().any(|id| {
+        id.serial == serial
+            && hash(&id.hash_oid, issuer).is_some_and(|h| h == id.issuer_name_hash)
+            && issuer_key
+                .is_none_or(|k| hash(&id.hash_oid, k).is_some_and(|h| h == id.issuer_key_hash))
+    });
+    if matches {
+        Ok(())
+    } else {
+        Err("the OCSP response is for another certificate (no CertID matches the certificate's serial and issuer); not loading it".into())
+    }
+}
+
 fn load_one(
     spec: &CertSpec,
     metrics: &CertMetrics,
@@ -109,6 +148,7 @@ fn load_one(
     let mut staple_expires = None;
     if let Some(ocsp) = &spec.ocsp {
         let bytes = std::fs::read(ocsp).map_err(|e| format!("{}: {e}", ocsp.display()))?;
+        staple_matches(&bytes, &chain).map_err(|e| format!("{}: {e}", ocsp.display()))?;
         match der::ocsp_next_update(&bytes) {
             Some(next) if next > unix_now() => {
                 ck.ocsp = Some(bytes);

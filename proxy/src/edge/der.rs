@@ -1,6 +1,8 @@
-//! Just enough DER to read two dates: a certificate's `notAfter` (for the
+//! Just enough DER to read two dates, a certificate's `notAfter` (for the
 //! expiry metric) and an OCSP response's `nextUpdate` (a staple past it is
-//! not served). Every read is bounds-checked; malformed input is `None`.
+//! not served), and the certificate ids an OCSP response speaks for (a
+//! staple for another certificate is refused at load). Every read is
+//! bounds-checked; malformed input is `None`.
 
 /// One TLV: (tag, content, rest).
 fn tlv(b: &[u8]) -> Option<(u8, &[u8], &[u8])> {
@@ -21,6 +23,20 @@ fn tlv(b: &[u8]) -> Option<(u8, &[u8], &[u8])> {
     };
     let end = hdr.checked_add(len)?;
     Some((tag, b.get(hdr..end)?, b.get(end..)?))
+}
+
+/// One element: its tag, its content and its whole encoding.
+struct Raw<'a> {
+    tag: u8,
+    content: &'a [u8],
+    whole: &'a [u8],
+}
+
+/// One TLV with its raw encoding, and the rest.
+fn tlv_raw(b: &[u8]) -> Option<(Raw<'_>, &[u8])> {
+    let (tag, content, rest) = tlv(b)?;
+    let whole = b.get(..b.len() - rest.len())?;
+    Some((Raw { tag, content, whole }, rest))
 }
 
 /// The elements of a constructed value.
@@ -70,9 +86,78 @@ pub fn cert_not_after(der: &[u8]) -> Option<i64> {
     time(*tag, c)
 }
 
-/// The earliest `nextUpdate` among an OCSP response's single responses;
-/// `None` when malformed or when the response is not `successful`.
-pub fn ocsp_next_update(der: &[u8]) -> Option<i64> {
+/// What identifies a certificate to OCSP (RFC 6960 `CertID`): the serial,
+/// the hash of the issuer's name and, with the issuer, of its key.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct CertId {
+    /// Hash algorithm OID (content bytes).
+    pub hash_oid: Vec<u8>,
+    /// Hash of the issuer's DER `Name`.
+    pub issuer_name_hash: Vec<u8>,
+    /// Hash of the issuer's public key bits.
+    pub issuer_key_hash: Vec<u8>,
+    /// Serial number (INTEGER content).
+    pub serial: Vec<u8>,
+}
+
+/// SHA-1 (1.3.14.3.2.26), what OCSP clients and `openssl ocsp` use.
+pub const OID_SHA1: &[u8] = &[0x2b, 0x0e, 0x03, 0x02, 0x1a];
+/// SHA-256 (2.16.840.1.101.3.4.2.1).
+pub const OID_SHA256: &[u8] = &[0x60, 0x86, 0x48, 0x01, 0x65, 0x03, 0x04, 0x02, 0x01];
+
+/// A certificate's TBS fields with their raw encodings, version skipped.
+fn tbs_fields(der: &[u8]) -> Option<Vec<Raw<'_>>> {
+    let (_, cert, _) = tlv(der)?;
+    let (_, mut tbs, _) = tlv(cert)?;
+    let mut out = Vec::new();
+    while !tbs.is_empty() {
+        let (raw, rest) = tlv_raw(tbs)?;
+        if raw.tag != 0xa0 {
+            out.push(raw);
+        }
+        tbs = rest;
+    }
+    Some(out)
+}
+
+/// A certificate's serial (INTEGER content) and its issuer `Name` (raw).
+pub fn cert_serial_and_issuer(der: &[u8]) -> Option<(&[u8], &[u8])> {
+    let f = tbs_fields(der)?;
+    // serial, signature, issuer, validity, subject, subjectPublicKeyInfo
+    Some((f.first()?.content, f.get(2)?.whole))
+}
+
+/// A certificate's subject `Name` (raw) and public key bits (the BIT STRING
+/// without its unused-bits byte), as an issuer of others.
+pub fn cert_subject_and_key(der: &[u8]) -> Option<(&[u8], &[u8])> {
+    let f = tbs_fields(der)?;
+    let subject = f.get(4)?.whole;
+    let spki = children(f.get(5)?.content)?;
+    let (tag, bits) = spki.get(1)?;
+    (*tag == 0x03).then_some(())?;
+    Some((subject, bits.get(1..)?))
+}
+
+/// The certificate ids of an OCSP response's single responses; `None` when
+/// malformed or when the response is not `successful`.
+pub fn ocsp_cert_ids(der: &[u8]) -> Option<Vec<CertId>> {
+    let mut out = Vec::new();
+    for single in ocsp_singles(der)? {
+        let fields = children(single)?;
+        let id = children(fields.first()?.1)?;
+        let alg = children(id.first()?.1)?;
+        out.push(CertId {
+            hash_oid: alg.first()?.1.to_vec(),
+            issuer_name_hash: id.get(1)?.1.to_vec(),
+            issuer_key_hash: id.get(2)?.1.to_vec(),
+            serial: id.get(3)?.1.to_vec(),
+        });
+    }
+    Some(out)
+}
+
+/// The `SingleResponse` contents of a successful basic OCSP response.
+fn ocsp_singles(der: &[u8]) -> Option<Vec<&[u8]>> {
     let (_, resp, _) = tlv(der)?;
     let parts = children(resp)?;
     if parts.first()?.1 != [0] {
@@ -88,8 +173,14 @@ pub fn ocsp_next_update(der: &[u8]) -> Option<i64> {
     let skip = usize::from(fields.first()?.0 == 0xa0);
     // responderID, producedAt, responses
     let (_, responses) = fields.get(skip + 2)?;
+    Some(children(responses)?.into_iter().map(|(_, c)| c).collect())
+}
+
+/// The earliest `nextUpdate` among an OCSP response's single responses;
+/// `None` when malformed or when the response is not `successful`.
+pub fn ocsp_next_update(der: &[u8]) -> Option<i64> {
     let mut earliest: Option<i64> = None;
-    for (_, single) in children(responses)? {
+    for single in ocsp_singles(der)? {
         for (tag, c) in children(single)? {
             if tag == 0xa0 {
                 let (t, inner, _) = tlv(c)?;
@@ -122,6 +213,9 @@ mod tests {
         ] {
             assert_eq!(cert_not_after(b), None);
             assert_eq!(ocsp_next_update(b), None);
+            assert_eq!(ocsp_cert_ids(b), None);
+            assert_eq!(cert_serial_and_issuer(b), None);
+            assert_eq!(cert_subject_and_key(b), None);
         }
     }
 }

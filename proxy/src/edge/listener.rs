@@ -125,6 +125,9 @@ pub fn server_config(b: TlsBuild, metrics: &TlsMetrics) -> Arc<rustls::ServerCon
 pub struct TlsService<A> {
     name: String,
     address: String,
+    /// Bound at start (`serve` fails there when it cannot bind); taken by
+    /// `start_service`.
+    socket: Option<std::net::TcpListener>,
     config: Arc<rustls::ServerConfig>,
     app: Arc<A>,
     handshake_timeout: Duration,
@@ -133,10 +136,13 @@ pub struct TlsService<A> {
 }
 
 impl<A> TlsService<A> {
-    /// A service listening on `address`.
+    /// A service accepting on `socket` (from [`bind_reuseport`]), bound to
+    /// `address`.
+    #[allow(clippy::too_many_arguments)]
     pub fn new(
         name: String,
         address: String,
+        socket: std::net::TcpListener,
         config: Arc<rustls::ServerConfig>,
         app: Arc<A>,
         handshake_timeout: Duration,
@@ -146,6 +152,7 @@ impl<A> TlsService<A> {
         TlsService {
             name,
             address,
+            socket: Some(socket),
             config,
             app,
             handshake_timeout,
@@ -229,7 +236,7 @@ async fn serve_conn<A: ServerApp + Send + Sync + 'static>(
 /// can bind the same address while the old one drains (Pingora hands its
 /// own listeners over a socket; ours are simply shared by the kernel until
 /// the old process closes them).
-fn bind_reuseport(address: &str) -> std::io::Result<tokio::net::TcpListener> {
+pub fn bind_reuseport(address: &str) -> std::io::Result<std::net::TcpListener> {
     use socket2::{Domain, Socket, Type};
     let addr: std::net::SocketAddr = address
         .parse()
@@ -240,7 +247,14 @@ fn bind_reuseport(address: &str) -> std::io::Result<tokio::net::TcpListener> {
     sock.set_nonblocking(true)?;
     sock.bind(&addr.into())?;
     sock.listen(1024)?;
-    tokio::net::TcpListener::from_std(sock.into())
+    Ok(sock.into())
+}
+
+/// The pause after the `n`th accept error in a row: 5 ms doubling to 1 s,
+/// so a listener out of descriptors (EMFILE) or memory waits for some to
+/// come back instead of spinning on an accept that fails at once.
+pub fn accept_backoff(n: u32) -> Duration {
+    Duration::from_millis(5u64 << n.min(8)).min(Duration::from_secs(1))
 }
 
 #[async_trait]
@@ -251,23 +265,43 @@ impl<A: ServerApp + Send + Sync + 'static> Service for TlsService<A> {
         mut shutdown: ShutdownWatch,
         _per_fd: usize,
     ) {
-        let listener = match bind_reuseport(&self.address) {
-            Ok(l) => l,
-            Err(e) => {
+        let listener = match self.socket.take().map(tokio::net::TcpListener::from_std) {
+            Some(Ok(l)) => l,
+            other => {
+                let e = other.map_or("started twice".to_string(), |r| {
+                    r.err().map(|e| e.to_string()).unwrap_or_default()
+                });
+                // Bound at start, so this is a runtime failure: a serving
+                // process without its listener must not look healthy.
                 log::error!(
-                    "TLS listener {} cannot bind {}: {e}",
+                    "TLS listener {} on {} cannot accept: {e}",
                     self.name,
                     self.address
                 );
-                return;
+                std::process::exit(1);
             }
         };
         let acceptor = Arc::new(Acceptor::from_server_config(self.config.clone()));
+        let mut errors = 0u32;
         loop {
             tokio::select! {
                 _ = shutdown.changed() => break,
                 accepted = listener.accept() => {
-                    let Ok((tcp, _)) = accepted else { continue };
+                    let tcp = match accepted {
+                        Ok((tcp, _)) => {
+                            errors = 0;
+                            tcp
+                        }
+                        Err(e) => {
+                            if errors == 0 {
+                                log::warn!("TLS listener {} accept failed, backing off: {e}", self.name);
+                            }
+                            let pause = accept_backoff(errors);
+                            errors = errors.saturating_add(1);
+                            tokio::time::sleep(pause).await;
+                            continue;
+                        }
+                    };
                     tokio::spawn(serve_conn(
                         tcp,
                         acceptor.clone(),
@@ -292,5 +326,19 @@ impl<A: ServerApp + Send + Sync + 'static> Service for TlsService<A> {
 
     fn threads(&self) -> Option<usize> {
         Some(self.threads)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn accept_errors_back_off_up_to_a_second() {
+        assert_eq!(accept_backoff(0), Duration::from_millis(5));
+        assert_eq!(accept_backoff(1), Duration::from_millis(10));
+        assert_eq!(accept_backoff(7), Duration::from_millis(640));
+        assert_eq!(accept_backoff(8), Duration::from_secs(1));
+        assert_eq!(accept_backoff(u32::MAX), Duration::from_secs(1));
     }
 }

@@ -296,7 +296,9 @@ impl Front {
         self.export_store(metrics);
         let ident = Ident::new(call.parsed.endpoint, &call.parsed.model, &id);
         let (inc2, metrics2) = (inc.clone(), metrics.clone());
+        let work = crate::drain::Work::start(crate::drain::Kind::AsyncJob);
         tokio::spawn(async move {
+            let _work = work;
             let mut sink = JobSink::new(job, ident);
             let _ = super::run::run(&metrics2, &inc2, call, &mut sink).await;
         });

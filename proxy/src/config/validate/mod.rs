@@ -95,6 +95,7 @@ pub(super) fn validate(
         .then(|| Duration::from_millis(f.reload.watch_interval_ms.max(50)));
     let server = server(f, path, &mut errs);
     let admin_listen = admin(f, &mut errs);
+    let admin_token = admin_token(f, path, admin_listen.as_deref(), &mut errs);
     let (log_target, log_format) = log(f, &mut errs);
     let limits = limits(f, &mut errs);
     let listeners = listeners(f, &mut errs);
@@ -122,6 +123,7 @@ pub(super) fn validate(
         path: path.to_path_buf(),
         server,
         admin_listen,
+        admin_token,
         log_target,
         log_format,
         limits,
@@ -230,6 +232,43 @@ fn admin(f: &FileConfig, errs: &mut Errors) -> Option<String> {
         );
     }
     Some(l.to_string())
+}
+
+/// The admin token from `token` or `token_file`. Off loopback one is
+/// required: the admin endpoints reload the config and show it.
+fn admin_token(
+    f: &FileConfig,
+    path: &Path,
+    listen: Option<&str>,
+    errs: &mut Errors,
+) -> Option<String> {
+    let at = FieldPath::key("admin");
+    let token = match f.admin.resolve_token(path) {
+        Ok(t) => t,
+        Err((field, e)) => {
+            errs.push(at.k(field), e);
+            return None;
+        }
+    };
+    if token.as_deref().is_some_and(|t| t.len() < 16) {
+        errs.push(
+            at.k("token"),
+            "the admin token must be at least 16 characters".to_string(),
+        );
+    }
+    let loopback = listen
+        .and_then(|l| l.parse::<SocketAddr>().ok())
+        .is_none_or(|a| a.ip().is_loopback());
+    if !loopback && token.is_none() {
+        errs.push(
+            at.k("listen"),
+            format!(
+                "`{}` is not a loopback address: set admin.token (or admin.token_file), which every admin endpoint but /healthz and /readyz then requires as `Authorization: Bearer <token>`",
+                listen.unwrap_or_default()
+            ),
+        );
+    }
+    token
 }
 
 fn log(f: &FileConfig, errs: &mut Errors) -> (LogTarget, LogFormat) {

@@ -354,7 +354,12 @@ impl Backend for UpstreamBackend {
             )
             .await?;
         let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
-        tokio::spawn(self.clone().relay(opened, req, prepared, tx));
+        let work = crate::drain::Work::start(crate::drain::Kind::UpstreamStream);
+        let relay = self.clone().relay(opened, req, prepared, tx);
+        tokio::spawn(async move {
+            let _work = work;
+            relay.await
+        });
         Ok(rx)
     }
 }
