@@ -18,6 +18,7 @@ use std::collections::BTreeMap;
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::process::Command;
+use std::sync::atomic::Ordering;
 use std::time::Duration;
 
 const RULES: &str = r#"headers.response.set = { "x-policy" = "on" }
@@ -77,6 +78,7 @@ rate_per_s = 0.01
 burst = 1
 
 {origin_pool}
+{slow_pool}
 [pools.dead]
 members = [{{ addr = "127.0.0.1:{dead}" }}]
 
@@ -108,6 +110,11 @@ path = "/dead"
 pool = "dead"
 {RULES}
 [[routes]]
+name = "slow"
+path = "/slow"
+pool = "slow"
+{RULES}
+[[routes]]
 name = "openai"
 path = "/v1/"
 inference = true
@@ -115,6 +122,7 @@ inference = true
         cert = cert.display(),
         key = key.display(),
         origin_pool = pool_toml("origin", &[&origin], ""),
+        slow_pool = pool_toml("slow", &[&origin], "read_timeout_ms = 150"),
         model = upstream_model("m", &[&fake], ""),
     );
     let uf = Ultrafast::start(&body);
@@ -193,28 +201,20 @@ fn plain(
 /// The policy's marks on a response: the request id sent, the route's
 /// rules (when the request had a route), HSTS exactly when over TLS.
 fn assert_policy(what: &str, r: &Resp, rid: &str, over_tls: bool, routed: bool) {
-    assert_eq!(
-        r.header("x-request-id"),
-        Some(rid),
-        "{what}: request id: {r:?}"
-    );
+    // Status and head only: the bodies are not what is checked here.
+    let seen = format!("{} {:?}", r.status, r.headers);
+    let id = r.header("x-request-id");
+    assert_eq!(id, Some(rid), "{what}: request id: {seen}");
     if routed {
-        assert_eq!(
-            r.header("x-policy"),
-            Some("on"),
-            "{what}: rule `set`: {r:?}"
-        );
-        assert_eq!(
-            r.header("x-policy-add"),
-            Some("1"),
-            "{what}: rule `add`: {r:?}"
-        );
+        let (set, add) = (r.header("x-policy"), r.header("x-policy-add"));
+        assert_eq!(set, Some("on"), "{what}: rule `set`: {seen}");
+        assert_eq!(add, Some("1"), "{what}: rule `add`: {seen}");
     }
     let hsts = r.header("strict-transport-security");
     if over_tls {
-        assert_eq!(hsts, Some(HSTS), "{what}: HSTS on TLS: {r:?}");
+        assert_eq!(hsts, Some(HSTS), "{what}: HSTS on TLS: {seen}");
     } else {
-        assert_eq!(hsts, None, "{what}: no HSTS on plain HTTP: {r:?}");
+        assert_eq!(hsts, None, "{what}: no HSTS on plain HTTP: {seen}");
     }
 }
 
@@ -373,7 +373,7 @@ fn a_rate_limit_shed_is_a_429_with_the_policy() {
 }
 
 #[test]
-fn an_upstream_failure_is_a_502_with_the_policy() {
+fn upstream_failures_are_502_and_504_with_the_policy() {
     let e = start();
     let r = tls(&e, "GET", "/dead", "rid-502-tls", &[]);
     assert_eq!(r.status, 502, "{r:?}");
@@ -382,6 +382,29 @@ fn an_upstream_failure_is_a_502_with_the_policy() {
     let r = plain(&e, "GET", "/dead", "rid-502", &[], b"");
     assert_eq!(r.status, 502);
     assert_policy("502", &r, "rid-502", false, true);
+    e.origin.state.delay_ms.store(600, Ordering::SeqCst);
+    let r = tls(&e, "GET", "/slow", "rid-504-tls", &[]);
+    assert_eq!(r.status, 504, "{r:?}");
+    assert_eq!(r.json()["error"]["code"], "gateway_timeout");
+    assert_policy("504 over TLS", &r, "rid-504-tls", true, true);
+}
+
+/// A chunked body that grows past the limit is refused while it streams
+/// (Pingora's error path, `fail_to_proxy`), not from its head.
+#[test]
+fn a_streamed_body_too_large_is_a_413_of_its_route() {
+    let e = start();
+    let chunk = "x".repeat(2048);
+    let raw = format!(
+        "POST /proxied HTTP/1.1\r\nHost: test.local\r\nX-Request-Id: rid-413-chunked\r\n\
+         Transfer-Encoding: chunked\r\n\r\n{:x}\r\n{chunk}\r\n0\r\n\r\n",
+        chunk.len()
+    );
+    let mut c = Client::connect(e.uf.addr).unwrap();
+    c.send_raw(raw.as_bytes()).unwrap();
+    let r = c.read_response(false).unwrap();
+    assert_eq!(r.status, 413, "{r:?}");
+    assert_policy("streamed 413", &r, "rid-413-chunked", false, true);
 }
 
 fn chat(model: &str, stream: bool) -> String {

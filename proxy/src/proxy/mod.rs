@@ -1,5 +1,7 @@
 //! The `ProxyHttp` implementation. Thin by design: each Pingora phase hands
-//! off to routing, filters, upstream pools, metrics or the access log.
+//! off to routing, filters, upstream pools, metrics or the access log, and
+//! every response, proxied or not, leaves through the response policy
+//! (`policy`).
 //!
 //! Per request we take one `ArcSwap` snapshot of the config (in `new_ctx`)
 //! and keep it to the end, so a reload never changes a request midway.

@@ -86,7 +86,7 @@ fn apply_rules(ops: &HeaderOps, resp: &mut ResponseHeader) -> Result<()> {
     Ok(())
 }
 
-/// `https` when the request came over TLS, else `http`.
+/// Whether the request came over TLS: its connection has an SSL digest.
 pub(super) fn is_tls(session: &Session) -> bool {
     session.digest().is_some_and(|d| d.ssl_digest.is_some())
 }
