@@ -1,11 +1,13 @@
 //! Small request-path helpers the proxy phases hand off to: downstream
-//! limits, request ids, the consistent-hash key, header rules, and the JSON
-//! error responses the edge itself sends.
+//! limits, request ids, the consistent-hash key, request header rules, and
+//! the JSON error body the edge itself sends. Writing a response, and the
+//! response header rules, belong to the response policy
+//! (`proxy::policy`), which every response passes.
 
 use crate::routing::HeaderOps;
 use crate::upstream::lb::{hash_bytes, HashKey};
 use bytes::Bytes;
-use pingora::http::{RequestHeader, ResponseHeader};
+use pingora::http::RequestHeader;
 use pingora::proxy::Session;
 use pingora::Result;
 
@@ -136,64 +138,8 @@ pub fn apply_request_ops(ops: &HeaderOps, req: &mut RequestHeader) -> Result<()>
     Ok(())
 }
 
-/// Apply header rules to a response header.
-pub fn apply_response_ops(ops: &HeaderOps, resp: &mut ResponseHeader) -> Result<()> {
-    for n in &ops.remove {
-        resp.remove_header(n);
-    }
-    for (n, v) in &ops.set {
-        resp.insert_header(n.clone(), v.clone())?;
-    }
-    for (n, v) in &ops.add {
-        resp.append_header(n.clone(), v.clone())?;
-    }
-    Ok(())
-}
-
 /// An OpenAI-style error body: `{"error": {"message", "type", "code"}}`.
 pub fn error_body(message: &str, kind: &str, code: &str) -> Bytes {
     let v = serde_json::json!({"error": {"message": message, "type": kind, "param": null, "code": code}});
     Bytes::from(v.to_string())
-}
-
-/// Send a complete response with a body.
-pub async fn respond(
-    session: &mut Session,
-    status: u16,
-    content_type: &str,
-    body: Bytes,
-    extra: &[(&str, &str)],
-) -> Result<()> {
-    let mut resp = ResponseHeader::build(status, Some(4 + extra.len()))?;
-    resp.insert_header(http::header::CONTENT_TYPE, content_type)?;
-    resp.insert_header(http::header::CONTENT_LENGTH, body.len())?;
-    for (k, v) in extra {
-        resp.insert_header(k.to_string(), *v)?;
-    }
-    session.write_response_header(Box::new(resp), false).await?;
-    session.write_response_body(Some(body), true).await
-}
-
-/// Send the edge's own JSON error.
-pub async fn respond_error(
-    session: &mut Session,
-    status: u16,
-    message: &str,
-    code: &str,
-    request_id: &http::HeaderValue,
-) -> Result<()> {
-    let request_id = request_id.to_str().unwrap_or("");
-    let kind = if status >= 500 {
-        "server_error"
-    } else {
-        "invalid_request_error"
-    };
-    respond(
-        session,
-        status,
-        "application/json",
-        error_body(message, kind, code),
-        &[("x-request-id", request_id)],
-    )
-    .await
 }

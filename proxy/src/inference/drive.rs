@@ -22,7 +22,10 @@ use ultrafast_engine::api::{Event, EventStream, FinishReason, Usage};
 pub struct Gone;
 
 /// The socket side of a response, as the pipeline sees it (the Pingora
-/// adapter implements it; tests use an in-memory one).
+/// adapter implements it; tests use an in-memory one). An implementation
+/// that reaches a client applies the edge's response policy in `head`
+/// (request id, HSTS, the route's response rules), so the pipeline passes
+/// only the headers that are its own.
 #[async_trait]
 pub trait Downstream: Send {
     /// Send the response head.

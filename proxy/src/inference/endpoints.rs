@@ -108,7 +108,6 @@ impl Front {
         id: &str,
         down: &mut dyn Downstream,
     ) -> Result<(), Gone> {
-        let base = [("x-request-id", inc.request_id.as_str())];
         let fail = |e: BackendError| Reply::error(&e);
         let job = self.job(inc, id).map_err(fail);
         let from = match inc.headers.get("last-event-id").map(|v| v.to_str()) {
@@ -128,14 +127,13 @@ impl Front {
         };
         let (job, mut from) = match (job, from) {
             (Ok(j), Ok(f)) => (j, f),
-            (Err(r), _) | (_, Err(r)) => return send(down, &base, r).await,
+            (Err(r), _) | (_, Err(r)) => return send(down, &[], r).await,
         };
-        let mut h = base.to_vec();
-        h.extend([
+        let h = [
             ("content-type", "text/event-stream"),
             ("cache-control", "no-cache"),
             ("x-accel-buffering", "no"),
-        ]);
+        ];
         down.head(200, &h).await?;
         let heartbeat =
             std::time::Duration::from_millis(inc.cfg.file.inference.heartbeat_ms.max(1));

@@ -109,7 +109,9 @@ impl Front {
         body: &[u8],
         down: &mut dyn Downstream,
     ) -> Result<(), Gone> {
-        let base: Headers = vec![("x-request-id", inc.request_id.clone())];
+        // The request id, HSTS and route rules are the response policy's,
+        // applied by the downstream: only this pipeline's own headers here.
+        let base: Headers = Vec::new();
         let call = match self.prepare(metrics, inc, ep, body).await {
             Ok(c) => c,
             Err(f) => {

@@ -12,7 +12,7 @@ impl EdgeProxy {
         code: &str,
     ) -> Result<bool> {
         self.metrics.rejected.with_label_values(&[code]).inc();
-        filters::respond_error(session, 400, why, code, &ctx.request_id).await?;
+        policy::respond_error(session, &ctx.policy(), 400, why, code).await?;
         Ok(true)
     }
 
@@ -31,10 +31,9 @@ impl EdgeProxy {
             .unwrap_or("");
         self.metrics.shed(lane, reason.as_str());
         let (status, headers, body) = admission::refusal(reason, retry_after, None);
-        let mut extra: Vec<(&str, &str)> = headers.iter().map(|(k, v)| (*k, v.as_str())).collect();
-        let rid = ctx.request_id.clone();
-        extra.push(("x-request-id", rid.to_str().unwrap_or("")));
-        filters::respond(session, status, "application/json", body, &extra).await?;
+        let extra: Vec<(&str, &str)> = headers.iter().map(|(k, v)| (*k, v.as_str())).collect();
+        let json = "application/json";
+        policy::respond(session, &ctx.policy(), status, json, body, &extra).await?;
         Ok(true)
     }
 

@@ -63,7 +63,10 @@ pub struct Ctx {
     pub(super) upstream_time: Option<Duration>,
     pub(super) body_bytes: u64,
     pub(super) error_status: u16,
+    /// HSTS of the listener, sent only when `tls` (see `policy`).
     pub(super) hsts: Option<http::HeaderValue>,
+    /// The request came over TLS: `X-Forwarded-Proto: https`, and HSTS.
+    pub(super) tls: bool,
     pub(super) _inflight: InFlight,
 }
 

@@ -2,6 +2,7 @@
 //! and a `Downstream`; the limits that need no body on every `/v1/`
 //! endpoint; the body of completions; the rest is `crate::inference`.
 
+use super::policy::{self, Policy};
 use super::*;
 use crate::inference::drive::{Downstream, Failure, Gone};
 use crate::inference::endpoints::{send, Reply};
@@ -12,26 +13,23 @@ use ultrafast_engine::api::BackendError;
 
 pub use crate::inference::Front;
 
-/// A Pingora session as the pipeline's downstream.
+/// A Pingora session as the pipeline's downstream. Its `head` is where
+/// every inference response (JSON, SSE, 202, models, jobs, errors) meets
+/// the response policy, so the pipeline sends only its own headers.
 struct Down<'a> {
     session: &'a mut Session,
-    hsts: Option<http::HeaderValue>,
+    policy: Policy<'a>,
     watching: bool,
 }
 
 #[async_trait]
 impl Downstream for Down<'_> {
     async fn head(&mut self, status: u16, headers: &[(&str, &str)]) -> Result<(), Gone> {
-        let mut resp = ResponseHeader::build(status, Some(headers.len() + 1)).map_err(|_| Gone)?;
+        let mut resp = ResponseHeader::build(status, Some(headers.len() + 3)).map_err(|_| Gone)?;
         for (k, v) in headers {
             resp.insert_header(k.to_string(), *v).map_err(|_| Gone)?;
         }
-        if let Some(h) = &self.hsts {
-            resp.insert_header(http::header::STRICT_TRANSPORT_SECURITY, h.clone())
-                .map_err(|_| Gone)?;
-        }
-        self.session
-            .write_response_header(Box::new(resp), false)
+        policy::write_head(self.session, &self.policy, resp, false)
             .await
             .map_err(|_| Gone)
     }
@@ -83,7 +81,7 @@ impl EdgeProxy {
         };
         let mut down = Down {
             session,
-            hsts: ctx.hsts.clone(),
+            policy: ctx.policy(),
             watching: true,
         };
         let front = &self.front;
@@ -92,7 +90,7 @@ impl EdgeProxy {
             // Refused before the body was read: close rather than drain it.
             Err(f) => {
                 down.session.set_keepalive(None);
-                fail(&mut down, &inc, &f).await
+                fail(&mut down, &f).await
             }
             Ok(key) => {
                 inc.key = key;
@@ -112,7 +110,6 @@ impl EdgeProxy {
     ) -> std::result::Result<(), Gone> {
         let front = &self.front;
         let segs: Vec<&str> = path.trim_matches('/').split('/').collect();
-        let base = [("x-request-id", inc.request_id.as_str())];
         let reply = match (method, segs.as_slice()) {
             (&http::Method::POST, ["v1", "chat", "completions"]) => {
                 return self.completion(down, inc, Endpoint::Chat).await
@@ -146,7 +143,7 @@ impl EdgeProxy {
                 .with_label_values(&["bad_request"])
                 .inc();
         }
-        send(down, &base, reply).await
+        send(down, &[], reply).await
     }
 
     async fn completion(
@@ -172,7 +169,7 @@ impl EdgeProxy {
                             "request body too large".into(),
                         );
                         let f = crate::inference::sinks::backend_failure(&e);
-                        return fail(down, inc, &f).await;
+                        return fail(down, &f).await;
                     }
                 }
                 Ok(None) => break,
@@ -186,7 +183,6 @@ impl EdgeProxy {
     }
 }
 
-async fn fail(down: &mut Down<'_>, inc: &Incoming, f: &Failure) -> std::result::Result<(), Gone> {
-    let base = vec![("x-request-id", inc.request_id.clone())];
-    crate::inference::sinks::send_failure(down, &base, f).await
+async fn fail(down: &mut Down<'_>, f: &Failure) -> std::result::Result<(), Gone> {
+    crate::inference::sinks::send_failure(down, &Vec::new(), f).await
 }

@@ -1,5 +1,7 @@
 //! The `ProxyHttp` implementation. Thin by design: each Pingora phase hands
-//! off to routing, filters, upstream pools, metrics or the access log.
+//! off to routing, filters, upstream pools, metrics or the access log, and
+//! every response, proxied or not, leaves through the response policy
+//! (`policy`).
 //!
 //! Per request we take one `ArcSwap` snapshot of the config (in `new_ctx`)
 //! and keep it to the end, so a reload never changes a request midway.
@@ -7,6 +9,8 @@
 mod admit;
 mod ctx;
 mod infer;
+mod local;
+mod policy;
 
 use ctx::Tried;
 pub use ctx::{Ctx, InFlight};
@@ -121,15 +125,29 @@ impl ProxyHttp for EdgeProxy {
             body_bytes: 0,
             error_status: 0,
             hsts: None,
+            tls: false,
             _inflight: InFlight::new(&self.inflight),
         }
     }
 
     async fn request_filter(&self, session: &mut Session, ctx: &mut Ctx) -> Result<bool> {
-        ctx.request_id = filters::request_id(session.req_header());
-        let rid = ctx.request_id.clone();
-        let limits = &ctx.cfg.limits;
-        session.set_keepalive(Some(limits.keepalive_timeout_s));
+        let cfg = ctx.cfg.clone();
+        let redirect = self.identify(session, ctx, &cfg);
+        session.set_keepalive(Some(cfg.limits.keepalive_timeout_s));
+        // Routed before the limits are checked, so that a refusal carries
+        // the route's response rules too; a redirecting listener routes
+        // nothing (it answers every request alike).
+        if redirect.is_none() {
+            let req = session.req_header();
+            let host = req
+                .headers
+                .get(http::header::HOST)
+                .and_then(|h| h.to_str().ok())
+                .or_else(|| req.uri.host())
+                .unwrap_or("");
+            ctx.route = cfg.router.find(host, req.uri.path()).cloned();
+        }
+        let limits = &cfg.limits;
         let refusal = filters::check_head(
             session.req_header(),
             limits.max_header_bytes,
@@ -137,144 +155,24 @@ impl ProxyHttp for EdgeProxy {
             limits.client_max_body_bytes,
         );
         if let Some(r) = refusal {
-            let (status, msg, code) = match r {
-                Refusal::HeadersTooLarge => (431, "request headers too large", "headers_too_large"),
-                Refusal::BodyTooLarge => (413, "request body too large", "body_too_large"),
-                Refusal::BadContentLength => {
-                    (400, "invalid Content-Length header", "bad_content_length")
-                }
-            };
-            self.metrics.rejected.with_label_values(&[code]).inc();
-            session.set_keepalive(None);
-            filters::respond_error(session, status, msg, code, &rid).await?;
-            return Ok(true);
+            return self.refuse_head(session, ctx, r).await;
         }
-        let local = session.server_addr().and_then(|a| a.as_inet()).copied();
-        if let Some(rule) = ctx.cfg.listener_rule(local) {
-            ctx.hsts = rule.hsts.clone();
-            if let Some(port) = rule.redirect_https_port {
-                let req = session.req_header();
-                let host = req
-                    .headers
-                    .get(http::header::HOST)
-                    .and_then(|h| h.to_str().ok())
-                    .unwrap_or("localhost");
-                let host = host
-                    .rsplit_once(':')
-                    .filter(|(_, p)| p.bytes().all(|b| b.is_ascii_digit()))
-                    .map(|(h, _)| h)
-                    .unwrap_or(host);
-                let uri = req.uri.path_and_query().map(|p| p.as_str()).unwrap_or("/");
-                let loc = if port == 443 {
-                    format!("https://{host}{uri}")
-                } else {
-                    format!("https://{host}:{port}{uri}")
-                };
-                filters::respond(
-                    session,
-                    301,
-                    "text/plain",
-                    Bytes::new(),
-                    &[
-                        ("location", &loc),
-                        ("x-request-id", rid.to_str().unwrap_or("")),
-                    ],
-                )
-                .await?;
-                return Ok(true);
-            }
+        if let Some(port) = redirect {
+            return self.redirect_to_https(session, ctx, port).await;
         }
-        let req = session.req_header();
-        let host = req
-            .headers
-            .get(http::header::HOST)
-            .and_then(|h| h.to_str().ok())
-            .or_else(|| req.uri.host())
-            .unwrap_or("");
-        let Some(route) = ctx.cfg.router.find(host, req.uri.path()).cloned() else {
+        let Some(route) = ctx.route.clone() else {
             self.metrics.rejected.with_label_values(&["no_route"]).inc();
-            filters::respond_error(
-                session,
-                404,
-                "no route matches this request",
-                "no_route",
-                &rid,
-            )
-            .await?;
+            let msg = "no route matches this request";
+            policy::respond_error(session, &ctx.policy(), 404, msg, "no_route").await?;
             return Ok(true);
         };
-        ctx.route = Some(route.clone());
         if matches!(route.action, Action::Inference) {
             return self.inference(session, ctx, &route).await;
         }
         if self.admit(session, ctx, &route).await? {
             return Ok(true);
         }
-        match &route.action {
-            Action::Proxy(pool) => {
-                pool.record_request();
-                if let LbSpec::ConsistentHash(key, _) = &pool.lb {
-                    ctx.hash = filters::hash_key(session, key);
-                }
-                if filters::has_body(session.req_header()) {
-                    session.enable_retry_buffering();
-                }
-                Ok(false)
-            }
-            Action::Fixed {
-                status,
-                body,
-                content_type,
-            } if ctx.hsts.is_some() => {
-                let hsts = ctx
-                    .hsts
-                    .clone()
-                    .unwrap_or(http::HeaderValue::from_static(""));
-                let extra = [
-                    ("x-request-id", rid.to_str().unwrap_or("")),
-                    ("strict-transport-security", hsts.to_str().unwrap_or("")),
-                ];
-                filters::respond(session, *status, content_type, body.clone(), &extra).await?;
-                Ok(true)
-            }
-            Action::Fixed {
-                status,
-                body,
-                content_type,
-            } => {
-                filters::respond(
-                    session,
-                    *status,
-                    content_type,
-                    body.clone(),
-                    &[("x-request-id", rid.to_str().unwrap_or(""))],
-                )
-                .await?;
-                Ok(true)
-            }
-            Action::Inference => Ok(true),
-            Action::Redirect { status, location } => {
-                let uri = session
-                    .req_header()
-                    .uri
-                    .path_and_query()
-                    .map(|p| p.as_str())
-                    .unwrap_or("/");
-                let loc = location.replace("$request_uri", uri);
-                filters::respond(
-                    session,
-                    *status,
-                    "text/plain",
-                    Bytes::new(),
-                    &[
-                        ("location", &loc),
-                        ("x-request-id", rid.to_str().unwrap_or("")),
-                    ],
-                )
-                .await?;
-                Ok(true)
-            }
-        }
+        self.answer(session, ctx, &route).await
     }
 
     async fn request_body_filter(
@@ -400,7 +298,7 @@ impl ProxyHttp for EdgeProxy {
             };
             req.insert_header("x-forwarded-for", xff)?;
         }
-        req.insert_header("x-forwarded-proto", "http")?;
+        req.insert_header("x-forwarded-proto", if ctx.tls { "https" } else { "http" })?;
         if ctx
             .pool()
             .is_some_and(|p| p.settings.keepalive_idle.is_none())
@@ -465,16 +363,7 @@ impl ProxyHttp for EdgeProxy {
         resp: &mut ResponseHeader,
         ctx: &mut Ctx,
     ) -> Result<()> {
-        resp.insert_header("x-request-id", ctx.request_id.clone())?;
-        if let Some(h) = &ctx.hsts {
-            resp.insert_header(http::header::STRICT_TRANSPORT_SECURITY, h.clone())?;
-        }
-        if let Some(route) = &ctx.route {
-            if !route.response_headers.is_empty() {
-                filters::apply_response_ops(&route.response_headers, resp)?;
-            }
-        }
-        Ok(())
+        ctx.policy().apply(resp)
     }
 
     fn suppress_error_log(&self, _session: &Session, _ctx: &Ctx, e: &Error) -> bool {
@@ -499,10 +388,11 @@ impl ProxyHttp for EdgeProxy {
                 _ => ("request failed", "proxy_error"),
             };
             if ctx.request_id.is_empty() {
-                ctx.request_id = filters::new_request_id();
+                // The request never reached `request_filter`.
+                let cfg = ctx.cfg.clone();
+                self.identify(session, ctx, &cfg);
             }
-            let rid = ctx.request_id.clone();
-            let _ = filters::respond_error(session, code, msg, kind, &rid).await;
+            let _ = policy::respond_error(session, &ctx.policy(), code, msg, kind).await;
         }
         FailToProxy {
             error_code: code,

@@ -1,0 +1,125 @@
+//! The answers the edge makes itself in `request_filter`, without an
+//! upstream: who the listener is, refusals of the request head, the
+//! HTTPS-redirect listener's 301, and the routes that answer locally
+//! (`return`, `redirect`). Each is written through `policy`, so it gets the
+//! same request id, HSTS and route rules as a proxied response.
+
+use super::*;
+
+impl EdgeProxy {
+    /// Note what the connection and its listener say about this request
+    /// (its id, TLS, HSTS); returns the listener's HTTPS-redirect port.
+    pub(super) fn identify(&self, session: &Session, ctx: &mut Ctx, cfg: &Config) -> Option<u16> {
+        ctx.request_id = filters::request_id(session.req_header());
+        ctx.tls = policy::is_tls(session);
+        let local = session.server_addr().and_then(|a| a.as_inet()).copied();
+        let rule = cfg.listener_rule(local)?;
+        ctx.hsts = rule.hsts.clone();
+        rule.redirect_https_port
+    }
+
+    /// Refuse a request whose head breaks the limits (the connection is
+    /// not kept: its body, if any, is not read).
+    pub(super) async fn refuse_head(
+        &self,
+        session: &mut Session,
+        ctx: &Ctx,
+        r: Refusal,
+    ) -> Result<bool> {
+        let (status, msg, code) = match r {
+            Refusal::HeadersTooLarge => (431, "request headers too large", "headers_too_large"),
+            Refusal::BodyTooLarge => (413, "request body too large", "body_too_large"),
+            Refusal::BadContentLength => {
+                (400, "invalid Content-Length header", "bad_content_length")
+            }
+        };
+        self.metrics.rejected.with_label_values(&[code]).inc();
+        session.set_keepalive(None);
+        policy::respond_error(session, &ctx.policy(), status, msg, code).await?;
+        Ok(true)
+    }
+
+    /// The 301 of a listener with `redirect_https_port`: same host (without
+    /// its port) and URI, on HTTPS.
+    pub(super) async fn redirect_to_https(
+        &self,
+        session: &mut Session,
+        ctx: &Ctx,
+        port: u16,
+    ) -> Result<bool> {
+        let req = session.req_header();
+        let host = req
+            .headers
+            .get(http::header::HOST)
+            .and_then(|h| h.to_str().ok())
+            .unwrap_or("localhost");
+        let host = host
+            .rsplit_once(':')
+            .filter(|(_, p)| p.bytes().all(|b| b.is_ascii_digit()))
+            .map(|(h, _)| h)
+            .unwrap_or(host);
+        let uri = req.uri.path_and_query().map(|p| p.as_str()).unwrap_or("/");
+        let loc = if port == 443 {
+            format!("https://{host}{uri}")
+        } else {
+            format!("https://{host}:{port}{uri}")
+        };
+        let extra = [("location", loc.as_str())];
+        policy::respond(
+            session,
+            &ctx.policy(),
+            301,
+            "text/plain",
+            Bytes::new(),
+            &extra,
+        )
+        .await?;
+        Ok(true)
+    }
+
+    /// An admitted request on a plain route: set it up for proxying
+    /// (Ok(false)), or answer it here (Ok(true)).
+    pub(super) async fn answer(
+        &self,
+        session: &mut Session,
+        ctx: &mut Ctx,
+        route: &Arc<Route>,
+    ) -> Result<bool> {
+        match &route.action {
+            Action::Proxy(pool) => {
+                pool.record_request();
+                if let LbSpec::ConsistentHash(key, _) = &pool.lb {
+                    ctx.hash = filters::hash_key(session, key);
+                }
+                if filters::has_body(session.req_header()) {
+                    session.enable_retry_buffering();
+                }
+                Ok(false)
+            }
+            Action::Fixed {
+                status,
+                body,
+                content_type,
+            } => {
+                let p = ctx.policy();
+                policy::respond(session, &p, *status, content_type, body.clone(), &[]).await?;
+                Ok(true)
+            }
+            Action::Redirect { status, location } => {
+                let uri = session
+                    .req_header()
+                    .uri
+                    .path_and_query()
+                    .map(|p| p.as_str())
+                    .unwrap_or("/");
+                let loc = location.replace("$request_uri", uri);
+                let extra = [("location", loc.as_str())];
+                let p = ctx.policy();
+                policy::respond(session, &p, *status, "text/plain", Bytes::new(), &extra).await?;
+                Ok(true)
+            }
+            // Served by `inference` before admission; never reaches here.
+            Action::Inference => Ok(true),
+        }
+    }
+}

@@ -1,0 +1,207 @@
+//! The one response policy. Every response the edge sends, whoever made
+//! it, passes [`Policy::apply`] on its way out: the request id, HSTS on TLS
+//! listeners, then the route's `headers.response` rules (remove, set, add),
+//! in that order, so a route's rules have the last word, as they always had
+//! on proxied responses.
+//!
+//! How a response gets here, by producer:
+//! - proxied responses: Pingora's `response_filter` phase calls `apply`;
+//! - everything the edge writes itself (fixed `return`, redirects, the
+//!   HTTPS-redirect listener, 400/404/413/431, 429/503 sheds, the
+//!   502/504 of `fail_to_proxy`): [`respond`] and [`respond_error`];
+//! - the inference front (JSON, SSE heads, 202, `/v1/models`, jobs, its
+//!   errors): the adapter's `Downstream::head`, which calls [`write_head`].
+//!
+//! [`write_head`] is the only caller of Pingora's `write_response_header`
+//! in the crate; `clippy.toml` disallows the Pingora writers everywhere
+//! else, so a new writer that bypasses the policy fails the lint rather
+//! than silently dropping the route's headers.
+//!
+//! The policy is a borrowed view of the request context, not a copy: it
+//! sees what is known when the head is written (a refusal before routing
+//! has no route rules to apply, and says so by having none).
+//!
+//! The listener's scheme (for `X-Forwarded-Proto`) is read from the
+//! connection itself: Pingora fills the session digest's `ssl_digest` on
+//! every TLS stream (HTTP/1 and HTTP/2 alike), whatever accepted it.
+
+use super::Ctx;
+use crate::routing::HeaderOps;
+use bytes::Bytes;
+use pingora::http::ResponseHeader;
+use pingora::proxy::Session;
+use pingora::Result;
+
+/// What every response of one request gets, as a view of its context.
+#[derive(Debug, Clone, Copy)]
+pub(super) struct Policy<'a> {
+    request_id: &'a http::HeaderValue,
+    hsts: Option<&'a http::HeaderValue>,
+    rules: Option<&'a HeaderOps>,
+}
+
+impl Ctx {
+    /// The response policy as far as this request is known now.
+    pub(super) fn policy(&self) -> Policy<'_> {
+        Policy {
+            request_id: &self.request_id,
+            // RFC 6797 7.2: never over plain HTTP, whatever the config says.
+            hsts: self.hsts.as_ref().filter(|_| self.tls),
+            rules: self
+                .route
+                .as_ref()
+                .map(|r| &r.response_headers)
+                .filter(|ops| !ops.is_empty()),
+        }
+    }
+}
+
+impl Policy<'_> {
+    /// Apply the policy to a response head about to be sent.
+    pub(super) fn apply(&self, resp: &mut ResponseHeader) -> Result<()> {
+        if !self.request_id.is_empty() {
+            resp.insert_header("x-request-id", self.request_id.clone())?;
+        }
+        if let Some(h) = self.hsts {
+            resp.insert_header(http::header::STRICT_TRANSPORT_SECURITY, h.clone())?;
+        }
+        if let Some(ops) = self.rules {
+            apply_rules(ops, resp)?;
+        }
+        Ok(())
+    }
+}
+
+/// A route's `headers.response` rules: remove, then set, then add.
+fn apply_rules(ops: &HeaderOps, resp: &mut ResponseHeader) -> Result<()> {
+    for n in &ops.remove {
+        resp.remove_header(n);
+    }
+    for (n, v) in &ops.set {
+        resp.insert_header(n.clone(), v.clone())?;
+    }
+    for (n, v) in &ops.add {
+        resp.append_header(n.clone(), v.clone())?;
+    }
+    Ok(())
+}
+
+/// Whether the request came over TLS: its connection has an SSL digest.
+pub(super) fn is_tls(session: &Session) -> bool {
+    session.digest().is_some_and(|d| d.ssl_digest.is_some())
+}
+
+/// Send a response head the edge made itself, after the policy.
+#[allow(clippy::disallowed_methods)] // the one sanctioned writer
+pub(super) async fn write_head(
+    session: &mut Session,
+    policy: &Policy<'_>,
+    mut resp: ResponseHeader,
+    end: bool,
+) -> Result<()> {
+    policy.apply(&mut resp)?;
+    session.write_response_header(Box::new(resp), end).await
+}
+
+/// Send a complete response with a body.
+pub(super) async fn respond(
+    session: &mut Session,
+    policy: &Policy<'_>,
+    status: u16,
+    content_type: &str,
+    body: Bytes,
+    extra: &[(&str, &str)],
+) -> Result<()> {
+    let mut resp = ResponseHeader::build(status, Some(4 + extra.len()))?;
+    resp.insert_header(http::header::CONTENT_TYPE, content_type)?;
+    resp.insert_header(http::header::CONTENT_LENGTH, body.len())?;
+    for (k, v) in extra {
+        resp.insert_header(k.to_string(), *v)?;
+    }
+    write_head(session, policy, resp, false).await?;
+    session.write_response_body(Some(body), true).await
+}
+
+/// Send the edge's own OpenAI-style JSON error.
+pub(super) async fn respond_error(
+    session: &mut Session,
+    policy: &Policy<'_>,
+    status: u16,
+    message: &str,
+    code: &str,
+) -> Result<()> {
+    let kind = if status >= 500 {
+        "server_error"
+    } else {
+        "invalid_request_error"
+    };
+    let body = crate::filters::error_body(message, kind, code);
+    respond(session, policy, status, "application/json", body, &[]).await
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use http::{HeaderName, HeaderValue};
+
+    fn ops() -> HeaderOps {
+        HeaderOps {
+            set: vec![(
+                HeaderName::from_static("x-set"),
+                HeaderValue::from_static("1"),
+            )],
+            add: vec![(
+                HeaderName::from_static("x-add"),
+                HeaderValue::from_static("2"),
+            )],
+            remove: vec![HeaderName::from_static("x-gone")],
+        }
+    }
+
+    fn head() -> ResponseHeader {
+        let mut r = ResponseHeader::build(200, None).unwrap();
+        r.insert_header("x-gone", "a").unwrap();
+        r.insert_header("x-add", "1").unwrap();
+        r.insert_header("x-request-id", "from-upstream").unwrap();
+        r
+    }
+
+    #[test]
+    fn request_id_then_hsts_then_the_route_rules() {
+        let rid = HeaderValue::from_static("rid-1");
+        let hsts = HeaderValue::from_static("max-age=600");
+        let rules = ops();
+        let p = Policy {
+            request_id: &rid,
+            hsts: Some(&hsts),
+            rules: Some(&rules),
+        };
+        let mut r = head();
+        p.apply(&mut r).unwrap();
+        let h = &r.headers;
+        assert_eq!(h["x-request-id"], "rid-1", "the edge's id replaces any");
+        assert_eq!(h["strict-transport-security"], "max-age=600");
+        assert_eq!(h["x-set"], "1");
+        let added: Vec<_> = h.get_all("x-add").iter().collect();
+        assert_eq!(added, ["1", "2"], "add appends");
+        assert!(h.get("x-gone").is_none());
+    }
+
+    #[test]
+    fn rules_can_override_what_the_policy_sets() {
+        let rid = HeaderValue::from_static("rid-1");
+        let rules = HeaderOps {
+            remove: vec![HeaderName::from_static("x-request-id")],
+            ..HeaderOps::default()
+        };
+        let p = Policy {
+            request_id: &rid,
+            hsts: None,
+            rules: Some(&rules),
+        };
+        let mut r = head();
+        p.apply(&mut r).unwrap();
+        assert!(r.headers.get("x-request-id").is_none());
+        assert!(r.headers.get("strict-transport-security").is_none());
+    }
+}
