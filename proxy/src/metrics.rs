@@ -26,6 +26,8 @@ pub struct Metrics {
     pub access_log_dropped: IntCounter,
     /// Requests refused by downstream limits, by reason.
     pub rejected: IntCounterVec,
+    /// Open traffic connections and those the connection guard closed.
+    pub conns: crate::edge::conn::ConnMetrics,
     admitted: IntCounterVec,
     shed: IntCounterVec,
     queue_depth: IntGaugeVec,
@@ -118,6 +120,22 @@ impl Metrics {
             ),
             &["reason"],
         ));
+        let conns = crate::edge::conn::ConnMetrics {
+            open: must(IntGauge::new(
+                "ultrafast_downstream_connections",
+                "Traffic connections open now.",
+            )),
+            closed: must(IntCounterVec::new(
+                Opts::new(
+                    "ultrafast_downstream_connections_closed_total",
+                    "Connections the guard closed: header_timeout (client_header_timeout_ms), max_connections.",
+                ),
+                &["reason"],
+            )),
+        };
+        for r in ["header_timeout", "max_connections"] {
+            conns.closed.with_label_values(&[r]);
+        }
         let admitted = must(IntCounterVec::new(
             Opts::new(
                 "ultrafast_admission_admitted_total",
@@ -280,6 +298,8 @@ impl Metrics {
             Box::new(retries.clone()),
             Box::new(access_log_dropped.clone()),
             Box::new(rejected.clone()),
+            Box::new(conns.open.clone()),
+            Box::new(conns.closed.clone()),
             Box::new(admitted.clone()),
             Box::new(shed.clone()),
             Box::new(queue_depth.clone()),
@@ -319,6 +339,7 @@ impl Metrics {
             retries,
             access_log_dropped,
             rejected,
+            conns,
             admitted,
             shed,
             queue_depth,

@@ -7,6 +7,7 @@ use crate::accesslog::AccessLog;
 use crate::admin::{AdminApp, Readiness};
 use crate::config::{self, Config, Shared};
 use crate::edge::certs::{CertStore, CertWatcher, FullHandshakes, SniResolver};
+use crate::edge::conn::Guarded;
 use crate::edge::listener::{bind_reuseport, server_config, TlsBuild, TlsService};
 use crate::edge::ticket::RotatingTicketer;
 use crate::metrics::Metrics;
@@ -108,6 +109,9 @@ pub fn serve(path: &Path, opts: ServeOptions) -> anyhow::Result<()> {
             front.clone(),
         )
     };
+    // Every traffic listener's connections pass one guard (one cap for all).
+    let open = Arc::new(AtomicUsize::new(0));
+    let guard = |app| Guarded::new(app, shared.clone(), open.clone(), metrics.conns.clone());
     // h2c is a service-wide option in Pingora: plain listeners with it and
     // without it are two services, so only those that ask for HTTP/2 prior
     // knowledge wait for its preface.
@@ -126,7 +130,7 @@ pub fn serve(path: &Path, opts: ServeOptions) -> anyhow::Result<()> {
             app.server_options = Some(opts);
         }
         let name = if h2c { "ultrafast h2c" } else { "ultrafast" };
-        let mut traffic = Service::new(name.to_string(), app);
+        let mut traffic = Service::new(name.to_string(), guard(app));
         for l in plain {
             traffic.add_tcp(&l.address);
         }
@@ -152,7 +156,10 @@ pub fn serve(path: &Path, opts: ServeOptions) -> anyhow::Result<()> {
             h2: tls.h2,
         };
         let config = server_config(build, &metrics.tls());
-        let app = Arc::new(pingora::proxy::http_proxy(&server.configuration, edge()));
+        let app = Arc::new(guard(pingora::proxy::http_proxy(
+            &server.configuration,
+            edge(),
+        )));
         let name = format!("tls {}", l.name);
         let socket = tls_sockets
             .remove(&l.address)

@@ -506,6 +506,13 @@ pub struct LimitsSection {
     pub max_headers: usize,
     /// Seconds an idle downstream keepalive connection is kept open.
     pub keepalive_timeout_s: u64,
+    /// Milliseconds a client has to send a whole request head, from the
+    /// accept (first request) or its first byte (later ones), like
+    /// nginx's `client_header_timeout`; 0 = no deadline.
+    pub client_header_timeout_ms: u64,
+    /// Open traffic connections at most (all listeners); more are closed at
+    /// once, like nginx's `worker_connections`; 0 = no cap.
+    pub max_connections: usize,
 }
 
 impl Default for LimitsSection {
@@ -515,6 +522,8 @@ impl Default for LimitsSection {
             max_header_bytes: 32 * 1024,
             max_headers: 100,
             keepalive_timeout_s: 75,
+            client_header_timeout_ms: 60_000,
+            max_connections: 16_384,
         }
     }
 }

@@ -102,6 +102,10 @@ pub struct Limits {
     pub max_headers: usize,
     /// Downstream idle keepalive, seconds.
     pub keepalive_timeout_s: u64,
+    /// Whole-request-head deadline, ms (0 = none).
+    pub client_header_timeout_ms: u64,
+    /// Open traffic connections at most (0 = no cap).
+    pub max_connections: usize,
 }
 
 /// A traffic listener.

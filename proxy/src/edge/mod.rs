@@ -4,6 +4,7 @@
 //! (`devcerts`).
 
 pub mod certs;
+pub mod conn;
 pub mod der;
 pub mod devcerts;
 pub mod listener;

@@ -313,6 +313,8 @@ fn limits(f: &FileConfig, errs: &mut Errors) -> Limits {
         max_header_bytes: l.max_header_bytes,
         max_headers: l.max_headers,
         keepalive_timeout_s: l.keepalive_timeout_s,
+        client_header_timeout_ms: l.client_header_timeout_ms,
+        max_connections: l.max_connections,
     }
 }
 

@@ -1,0 +1,441 @@
+//! The connection guard in front of every traffic listener (plain and
+//! TLS): a cap on open connections and a whole-request-head deadline.
+//!
+//! Pingora reads a request head with a per-read timeout only, so a client
+//! that sends one header line every few seconds (slowloris) holds its
+//! connection forever. nginx closes it at `client_header_timeout` however
+//! the bytes trickle in. Pingora gives no hook before the head is parsed,
+//! so the guard sits one layer below: [`Guarded`] wraps the listener's
+//! [`ServerApp`] and hands it each new connection inside [`HeadDeadline`],
+//! a stream that watches its own bytes. A request head is complete at its
+//! first empty line; from the connection's accept (first request) or from
+//! the first byte after a response (later ones) until then, a pending read
+//! fails with `TimedOut` once `client_header_timeout_ms` has passed, and
+//! Pingora closes the connection. HTTP/2 (ALPN `h2` or the h2c preface) and
+//! connections upgraded by a `101` are not watched: their bytes are frames,
+//! not heads.
+//!
+//! The cap (`[limits] max_connections`, nginx's `worker_connections`)
+//! closes a connection at once when that many are open, before any byte is
+//! read, so a flood of idle sockets cannot take every descriptor.
+//!
+//! Both settings are read from the live config for each new connection.
+
+use crate::config::Shared;
+use async_trait::async_trait;
+use pingora::apps::ServerApp;
+use pingora::protocols::raw_connect::ProxyDigest;
+use pingora::protocols::tls::{SslDigest, TlsRef, ALPN};
+use pingora::protocols::{
+    GetProxyDigest, GetSocketDigest, GetTimingDigest, Peek, Shutdown, SocketDigest, Ssl, Stream,
+    TimingDigest, UniqueID, UniqueIDType,
+};
+use pingora::server::ShutdownWatch;
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::task::{Context, Poll};
+use std::time::Duration;
+use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
+
+/// Counters of the guard.
+#[derive(Clone)]
+pub struct ConnMetrics {
+    /// Connections open now, all traffic listeners together.
+    pub open: prometheus::IntGauge,
+    /// Connections closed by the guard, by reason.
+    pub closed: prometheus::IntCounterVec,
+}
+
+/// A listener's app behind the connection guard.
+pub struct Guarded<A> {
+    inner: Arc<A>,
+    shared: Shared,
+    open: Arc<AtomicUsize>,
+    metrics: ConnMetrics,
+}
+
+impl<A> Guarded<A> {
+    /// Guard `inner`'s connections with the limits of the live config.
+    /// Services given the same `open` counter share one cap.
+    pub fn new(inner: A, shared: Shared, open: Arc<AtomicUsize>, metrics: ConnMetrics) -> Self {
+        Guarded {
+            inner: Arc::new(inner),
+            shared,
+            open,
+            metrics,
+        }
+    }
+}
+
+/// One open connection, counted while alive.
+struct Slot {
+    open: Arc<AtomicUsize>,
+    gauge: prometheus::IntGauge,
+}
+
+impl Drop for Slot {
+    fn drop(&mut self) {
+        self.open.fetch_sub(1, Ordering::Relaxed);
+        self.gauge.dec();
+    }
+}
+
+#[async_trait]
+impl<A: ServerApp + Send + Sync + 'static> ServerApp for Guarded<A> {
+    async fn process_new(
+        self: &Arc<Self>,
+        stream: Stream,
+        shutdown: &ShutdownWatch,
+    ) -> Option<Stream> {
+        // A kept-alive connection comes back already guarded.
+        if stream.as_any().downcast_ref::<HeadDeadline>().is_some() {
+            return self.inner.process_new(stream, shutdown).await;
+        }
+        let limits = self.shared.load().limits.clone();
+        let n = self.open.fetch_add(1, Ordering::Relaxed);
+        self.metrics.open.inc();
+        let slot = Slot {
+            open: self.open.clone(),
+            gauge: self.metrics.open.clone(),
+        };
+        if limits.max_connections > 0 && n >= limits.max_connections {
+            self.metrics
+                .closed
+                .with_label_values(&["max_connections"])
+                .inc();
+            return None;
+        }
+        let timeout = Duration::from_millis(limits.client_header_timeout_ms);
+        let closed = self.metrics.closed.with_label_values(&["header_timeout"]);
+        let guarded = HeadDeadline::new(stream, timeout, slot, closed);
+        self.inner.process_new(Box::new(guarded), shutdown).await
+    }
+
+    async fn cleanup(&self) {
+        self.inner.cleanup().await
+    }
+}
+
+/// Where a connection is in its current request head.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Phase {
+    /// Reading a head: bytes seen since the last line feed (0: a line just
+    /// ended, so another line feed ends the head).
+    Head { since_lf: usize },
+    /// The head is complete; a response has or has not been written since.
+    Done { wrote: bool },
+    /// HTTP/2 or an upgraded connection: not watched.
+    Off,
+}
+
+/// A stream that fails a read pending past the head deadline.
+pub struct HeadDeadline {
+    inner: Stream,
+    timeout: Duration,
+    phase: Phase,
+    deadline: Option<Pin<Box<tokio::time::Sleep>>>,
+    first: bool,
+    _slot: Slot,
+    closed: prometheus::IntCounter,
+}
+
+impl std::fmt::Debug for HeadDeadline {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("HeadDeadline")
+            .field("phase", &self.phase)
+            .field("inner", &self.inner)
+            .finish()
+    }
+}
+
+const H2_PREFACE: &[u8] = b"PRI * HTTP/2.0";
+
+impl HeadDeadline {
+    fn new(inner: Stream, timeout: Duration, slot: Slot, closed: prometheus::IntCounter) -> Self {
+        let h2 = inner.selected_alpn_proto() == Some(ALPN::H2);
+        let mut s = HeadDeadline {
+            inner,
+            timeout,
+            phase: if h2 {
+                Phase::Off
+            } else {
+                Phase::Head { since_lf: 1 }
+            },
+            deadline: None,
+            first: true,
+            _slot: slot,
+            closed,
+        };
+        // The first head is timed from the accept, as nginx times it.
+        if s.phase != Phase::Off {
+            s.arm();
+        }
+        s
+    }
+
+    fn arm(&mut self) {
+        if !self.timeout.is_zero() {
+            self.deadline = Some(Box::pin(tokio::time::sleep(self.timeout)));
+        }
+    }
+
+    /// Follow the bytes just read.
+    fn saw(&mut self, bytes: &[u8]) {
+        if bytes.is_empty() {
+            return;
+        }
+        if self.first {
+            self.first = false;
+            let n = bytes.len().min(H2_PREFACE.len());
+            if bytes[..n] == H2_PREFACE[..n] {
+                self.phase = Phase::Off;
+                self.deadline = None;
+                return;
+            }
+        }
+        if self.phase == (Phase::Done { wrote: true }) {
+            // The next request starts with this byte.
+            self.phase = Phase::Head { since_lf: 1 };
+            self.arm();
+        }
+        let Phase::Head { mut since_lf } = self.phase else {
+            return;
+        };
+        for &b in bytes {
+            match b {
+                b'\n' if since_lf == 0 => {
+                    self.phase = Phase::Done { wrote: false };
+                    self.deadline = None;
+                    return;
+                }
+                b'\n' => since_lf = 0,
+                // A CR before the line feed does not start a line.
+                b'\r' => {}
+                _ => since_lf += 1,
+            }
+        }
+        self.phase = Phase::Head { since_lf };
+    }
+
+    /// Follow the bytes just written.
+    fn wrote(&mut self, bytes: &[u8]) {
+        if bytes.starts_with(b"HTTP/1.1 101") || bytes.starts_with(b"HTTP/1.0 101") {
+            self.phase = Phase::Off;
+            self.deadline = None;
+        } else if let Phase::Done { wrote: false } = self.phase {
+            // An interim 1xx (100 Continue) is not the response.
+            let interim = bytes.starts_with(b"HTTP/1.1 1") || bytes.starts_with(b"HTTP/1.0 1");
+            if !interim && !bytes.is_empty() {
+                self.phase = Phase::Done { wrote: true };
+            }
+        }
+    }
+}
+
+impl AsyncRead for HeadDeadline {
+    fn poll_read(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<std::io::Result<()>> {
+        let before = buf.filled().len();
+        match Pin::new(&mut self.inner).poll_read(cx, buf) {
+            Poll::Ready(Ok(())) => {
+                let this = &mut *self;
+                this.saw(&buf.filled()[before..]);
+                Poll::Ready(Ok(()))
+            }
+            Poll::Pending => {
+                let fired = self
+                    .deadline
+                    .as_mut()
+                    .is_some_and(|d| d.as_mut().poll(cx).is_ready());
+                if !fired {
+                    return Poll::Pending;
+                }
+                self.deadline = None;
+                self.phase = Phase::Off;
+                self.closed.inc();
+                Poll::Ready(Err(std::io::Error::new(
+                    std::io::ErrorKind::TimedOut,
+                    "client_header_timeout: the request head did not arrive in time",
+                )))
+            }
+            other => other,
+        }
+    }
+}
+
+impl AsyncWrite for HeadDeadline {
+    fn poll_write(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<std::io::Result<usize>> {
+        let r = Pin::new(&mut self.inner).poll_write(cx, buf);
+        if let Poll::Ready(Ok(n)) = r {
+            self.wrote(&buf[..n]);
+        }
+        r
+    }
+
+    fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        Pin::new(&mut self.inner).poll_flush(cx)
+    }
+
+    fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        Pin::new(&mut self.inner).poll_shutdown(cx)
+    }
+
+    fn poll_write_vectored(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        bufs: &[std::io::IoSlice<'_>],
+    ) -> Poll<std::io::Result<usize>> {
+        let first = bufs.iter().find(|b| !b.is_empty()).map(|b| b.to_vec());
+        let r = Pin::new(&mut self.inner).poll_write_vectored(cx, bufs);
+        if let (Poll::Ready(Ok(n)), Some(first)) = (&r, first) {
+            if *n > 0 {
+                self.wrote(&first[..first.len().min(*n)]);
+            }
+        }
+        r
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        self.inner.is_write_vectored()
+    }
+}
+
+#[async_trait]
+impl Shutdown for HeadDeadline {
+    async fn shutdown(&mut self) {
+        self.inner.shutdown().await
+    }
+}
+
+impl UniqueID for HeadDeadline {
+    fn id(&self) -> UniqueIDType {
+        self.inner.id()
+    }
+}
+
+impl Ssl for HeadDeadline {
+    fn get_ssl(&self) -> Option<&TlsRef> {
+        self.inner.get_ssl()
+    }
+
+    fn get_ssl_digest(&self) -> Option<Arc<SslDigest>> {
+        self.inner.get_ssl_digest()
+    }
+
+    fn selected_alpn_proto(&self) -> Option<ALPN> {
+        self.inner.selected_alpn_proto()
+    }
+}
+
+impl GetTimingDigest for HeadDeadline {
+    fn get_timing_digest(&self) -> Vec<Option<TimingDigest>> {
+        self.inner.get_timing_digest()
+    }
+
+    fn get_read_pending_time(&self) -> Duration {
+        self.inner.get_read_pending_time()
+    }
+
+    fn get_write_pending_time(&self) -> Duration {
+        self.inner.get_write_pending_time()
+    }
+}
+
+impl GetProxyDigest for HeadDeadline {
+    fn get_proxy_digest(&self) -> Option<Arc<ProxyDigest>> {
+        self.inner.get_proxy_digest()
+    }
+
+    fn set_proxy_digest(&mut self, digest: ProxyDigest) {
+        self.inner.set_proxy_digest(digest)
+    }
+}
+
+impl GetSocketDigest for HeadDeadline {
+    fn get_socket_digest(&self) -> Option<Arc<SocketDigest>> {
+        self.inner.get_socket_digest()
+    }
+
+    fn set_socket_digest(&mut self, digest: SocketDigest) {
+        self.inner.set_socket_digest(digest)
+    }
+}
+
+#[async_trait]
+impl Peek for HeadDeadline {
+    async fn try_peek(&mut self, buf: &mut [u8]) -> std::io::Result<bool> {
+        self.inner.try_peek(buf).await
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn guard() -> HeadDeadline {
+        let a = std::io::Cursor::new(Vec::<u8>::new());
+        let open = Arc::new(AtomicUsize::new(1));
+        let gauge = prometheus::IntGauge::new("g", "g").unwrap();
+        let closed = prometheus::IntCounter::new("c", "c").unwrap();
+        let slot = Slot { open, gauge };
+        HeadDeadline {
+            inner: Box::new(a),
+            timeout: Duration::ZERO,
+            phase: Phase::Head { since_lf: 1 },
+            deadline: None,
+            first: true,
+            _slot: slot,
+            closed,
+        }
+    }
+
+    #[test]
+    fn a_head_ends_at_its_first_empty_line_in_any_chunking() {
+        let req = b"GET / HTTP/1.1\r\nHost: a\r\n\r\nbody";
+        for split in 1..req.len() {
+            let mut g = guard();
+            g.saw(&req[..split]);
+            g.saw(&req[split..]);
+            assert_eq!(g.phase, Phase::Done { wrote: false }, "split at {split}");
+        }
+        let mut g = guard();
+        g.saw(b"GET / HTTP/1.1\nHost: a\n\n");
+        assert_eq!(g.phase, Phase::Done { wrote: false }, "bare line feeds");
+        let mut g = guard();
+        g.saw(b"GET / HTTP/1.1\r\nHost: a\r\n");
+        assert!(matches!(g.phase, Phase::Head { .. }), "no empty line yet");
+    }
+
+    #[test]
+    fn the_next_head_starts_after_a_response_but_not_after_100_continue() {
+        let mut g = guard();
+        g.saw(b"POST / HTTP/1.1\r\nExpect: 100-continue\r\n\r\n");
+        g.wrote(b"HTTP/1.1 100 Continue\r\n\r\n");
+        g.saw(b"the body, with no empty line");
+        assert_eq!(g.phase, Phase::Done { wrote: false });
+        g.wrote(b"HTTP/1.1 200 OK\r\n\r\n");
+        g.saw(b"GET /next");
+        assert!(matches!(g.phase, Phase::Head { .. }));
+    }
+
+    #[test]
+    fn http2_and_upgrades_are_not_watched() {
+        let mut g = guard();
+        g.saw(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n");
+        assert_eq!(g.phase, Phase::Off);
+        let mut g = guard();
+        g.saw(b"GET /ws HTTP/1.1\r\nUpgrade: websocket\r\n\r\n");
+        g.wrote(b"HTTP/1.1 101 Switching Protocols\r\n\r\n");
+        g.saw(b"\x81\x05hello");
+        assert_eq!(g.phase, Phase::Off);
+    }
+}
