@@ -20,6 +20,14 @@ pub enum Refusal {
     /// body's end is ambiguous (the request-smuggling class), so the
     /// request is refused, as nginx does.
     BadContentLength,
+    /// `Transfer-Encoding` repeated: members that read the first header and
+    /// those that read the last (as Pingora does) disagree on the framing.
+    DuplicateTransferEncoding,
+    /// A `Transfer-Encoding` other than exactly `chunked` (`gzip, chunked`,
+    /// `identity`, ...): Pingora re-frames the body as chunked but forwards
+    /// the header as sent, so a member that honours the other coding reads
+    /// a different body. Refused with 501, as nginx does.
+    UnsupportedTransferEncoding,
 }
 
 /// Check the request head against the limits.
@@ -50,6 +58,17 @@ pub fn check_head(
         let plain = !v.is_empty() && v.as_bytes().iter().all(u8::is_ascii_digit);
         if !plain || lengths.next().is_some() {
             return Some(Refusal::BadContentLength);
+        }
+    }
+    let mut codings = req.headers.get_all(http::header::TRANSFER_ENCODING).iter();
+    if let Some(v) = codings.next() {
+        if codings.next().is_some() {
+            return Some(Refusal::DuplicateTransferEncoding);
+        }
+        // Pingora has already refused a final coding other than chunked
+        // and trimmed the value's surrounding whitespace.
+        if !v.as_bytes().eq_ignore_ascii_case(b"chunked") {
+            return Some(Refusal::UnsupportedTransferEncoding);
         }
     }
     if max_body > 0 {

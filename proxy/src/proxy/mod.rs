@@ -129,7 +129,14 @@ impl ProxyHttp for EdgeProxy {
         ctx.request_id = filters::request_id(session.req_header());
         let rid = ctx.request_id.clone();
         let limits = &ctx.cfg.limits;
-        session.set_keepalive(Some(limits.keepalive_timeout_s));
+        // Our idle timeout, only where Pingora left keepalive on: it turns it
+        // off for `Connection: close`, HTTP/1.0 and for a request with both
+        // Content-Length and Transfer-Encoding (RFC 9112 6.1: close after
+        // it, or what a front that trusted the Content-Length took for body
+        // would be read here as the next request).
+        if session.get_keepalive().is_some() {
+            session.set_keepalive(Some(limits.keepalive_timeout_s));
+        }
         let refusal = filters::check_head(
             session.req_header(),
             limits.max_header_bytes,
@@ -143,6 +150,16 @@ impl ProxyHttp for EdgeProxy {
                 Refusal::BadContentLength => {
                     (400, "invalid Content-Length header", "bad_content_length")
                 }
+                Refusal::DuplicateTransferEncoding => (
+                    400,
+                    "repeated Transfer-Encoding header",
+                    "bad_transfer_encoding",
+                ),
+                Refusal::UnsupportedTransferEncoding => (
+                    501,
+                    "only Transfer-Encoding: chunked is supported",
+                    "unsupported_transfer_encoding",
+                ),
             };
             self.metrics.rejected.with_label_values(&[code]).inc();
             session.set_keepalive(None);
