@@ -475,6 +475,13 @@ pub struct LimitsSection {
     pub max_headers: usize,
     /// Seconds an idle downstream keepalive connection is kept open.
     pub keepalive_timeout_s: u64,
+    /// Most ms between two reads of a request body before the connection
+    /// is closed (nginx `client_body_timeout`); 0 = no limit.
+    pub client_body_timeout_ms: u64,
+    /// Most ms one write to a client may wait (a client that stops
+    /// reading) before the connection is closed (nginx `send_timeout`);
+    /// 0 = no limit.
+    pub send_timeout_ms: u64,
 }
 
 impl Default for LimitsSection {
@@ -484,6 +491,8 @@ impl Default for LimitsSection {
             max_header_bytes: 32 * 1024,
             max_headers: 100,
             keepalive_timeout_s: 75,
+            client_body_timeout_ms: 60_000,
+            send_timeout_ms: 60_000,
         }
     }
 }

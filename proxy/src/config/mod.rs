@@ -102,6 +102,10 @@ pub struct Limits {
     pub max_headers: usize,
     /// Downstream idle keepalive, seconds.
     pub keepalive_timeout_s: u64,
+    /// Most time between two reads of a request body (`None`: no limit).
+    pub client_body_timeout: Option<std::time::Duration>,
+    /// Most time one write to the client may take (`None`: no limit).
+    pub send_timeout: Option<std::time::Duration>,
 }
 
 /// A traffic listener.

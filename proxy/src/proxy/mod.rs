@@ -137,6 +137,11 @@ impl ProxyHttp for EdgeProxy {
         if session.get_keepalive().is_some() {
             session.set_keepalive(Some(limits.keepalive_timeout_s));
         }
+        // Pingora reads a body with no deadline of its own choosing (60 s
+        // per read) and writes to a client with none: a client that trickles
+        // its body or stops reading would hold the connection for ever.
+        session.set_read_timeout(limits.client_body_timeout);
+        session.set_write_timeout(limits.send_timeout);
         let refusal = filters::check_head(
             session.req_header(),
             limits.max_header_bytes,

@@ -274,7 +274,14 @@ fn limits(f: &FileConfig, errs: &mut Errors) -> Limits {
         max_header_bytes: l.max_header_bytes,
         max_headers: l.max_headers,
         keepalive_timeout_s: l.keepalive_timeout_s,
+        client_body_timeout: millis(l.client_body_timeout_ms),
+        send_timeout: millis(l.send_timeout_ms),
     }
+}
+
+/// A timeout in ms where 0 means none.
+fn millis(ms: u64) -> Option<Duration> {
+    (ms > 0).then(|| Duration::from_millis(ms))
 }
 
 fn listeners(f: &FileConfig, errs: &mut Errors) -> Vec<Listener> {
