@@ -14,6 +14,8 @@ pub mod cli;
 pub mod config;
 pub mod edge;
 pub mod filters;
+#[doc(hidden)]
+pub mod fuzzing;
 pub mod inference;
 pub mod metrics;
 pub mod proxy;
