@@ -68,11 +68,14 @@ fn held(port: u16) -> usize {
         .count()
 }
 
+/// What the normal client saw: latencies, failures, held-connection samples.
+type Seen = (Vec<Duration>, Vec<String>, Vec<usize>);
+
 /// A normal client: a GET every 100 ms on a fresh connection, with its
 /// latency, plus a sample of held connections every 100 ms.
 struct Watch {
     stop: Arc<AtomicBool>,
-    thread: Option<std::thread::JoinHandle<(Vec<Duration>, Vec<String>, Vec<usize>)>>,
+    thread: Option<std::thread::JoinHandle<Seen>>,
 }
 
 impl Watch {
@@ -99,7 +102,7 @@ impl Watch {
         }
     }
 
-    fn finish(mut self) -> (Vec<Duration>, Vec<String>, Vec<usize>) {
+    fn finish(mut self) -> Seen {
         self.stop.store(true, Ordering::SeqCst);
         self.thread.take().unwrap().join().unwrap()
     }
