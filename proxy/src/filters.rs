@@ -216,3 +216,60 @@ pub async fn respond_error(
     )
     .await
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn head(headers: &[(&str, &str)]) -> RequestHeader {
+        let mut req = RequestHeader::build("POST", b"/", None).unwrap();
+        for (k, v) in headers {
+            req.append_header(k.to_string(), *v).unwrap();
+        }
+        req
+    }
+
+    fn check(headers: &[(&str, &str)]) -> Option<Refusal> {
+        check_head(&head(headers), 32 * 1024, 100, 1 << 20)
+    }
+
+    #[test]
+    fn only_one_plain_chunked_transfer_encoding_passes() {
+        assert_eq!(check(&[("transfer-encoding", "chunked")]), None);
+        assert_eq!(check(&[("transfer-encoding", "CHUNKED")]), None);
+        assert_eq!(
+            check(&[
+                ("transfer-encoding", "identity"),
+                ("transfer-encoding", "chunked")
+            ]),
+            Some(Refusal::DuplicateTransferEncoding)
+        );
+        for v in ["gzip, chunked", "identity", "xchunked", "chunked;q=1"] {
+            assert_eq!(
+                check(&[("transfer-encoding", v)]),
+                Some(Refusal::UnsupportedTransferEncoding),
+                "{v}"
+            );
+        }
+    }
+
+    #[test]
+    fn content_length_must_be_one_plain_number() {
+        assert_eq!(check(&[("content-length", "5")]), None);
+        for v in ["5, 5", "+5", "", "0x5"] {
+            assert_eq!(
+                check(&[("content-length", v)]),
+                Some(Refusal::BadContentLength),
+                "{v:?}"
+            );
+        }
+        assert_eq!(
+            check(&[("content-length", "5"), ("content-length", "5")]),
+            Some(Refusal::BadContentLength)
+        );
+        assert_eq!(
+            check(&[("content-length", "2000000")]),
+            Some(Refusal::BodyTooLarge)
+        );
+    }
+}
