@@ -22,6 +22,14 @@ pub enum Refusal {
     /// body's end is ambiguous (the request-smuggling class), so the
     /// request is refused, as nginx does.
     BadContentLength,
+    /// `Transfer-Encoding` repeated: members that read the first header and
+    /// those that read the last (as Pingora does) disagree on the framing.
+    DuplicateTransferEncoding,
+    /// A `Transfer-Encoding` other than exactly `chunked` (`gzip, chunked`,
+    /// `identity`, ...): Pingora re-frames the body as chunked but forwards
+    /// the header as sent, so a member that honours the other coding reads
+    /// a different body. Refused with 501, as nginx does.
+    UnsupportedTransferEncoding,
 }
 
 /// Check the request head against the limits.
@@ -52,6 +60,17 @@ pub fn check_head(
         let plain = !v.is_empty() && v.as_bytes().iter().all(u8::is_ascii_digit);
         if !plain || lengths.next().is_some() {
             return Some(Refusal::BadContentLength);
+        }
+    }
+    let mut codings = req.headers.get_all(http::header::TRANSFER_ENCODING).iter();
+    if let Some(v) = codings.next() {
+        if codings.next().is_some() {
+            return Some(Refusal::DuplicateTransferEncoding);
+        }
+        // Pingora has already refused a final coding other than chunked
+        // and trimmed the value's surrounding whitespace.
+        if !v.as_bytes().eq_ignore_ascii_case(b"chunked") {
+            return Some(Refusal::UnsupportedTransferEncoding);
         }
     }
     if max_body > 0 {
@@ -142,4 +161,61 @@ pub fn apply_request_ops(ops: &HeaderOps, req: &mut RequestHeader) -> Result<()>
 pub fn error_body(message: &str, kind: &str, code: &str) -> Bytes {
     let v = serde_json::json!({"error": {"message": message, "type": kind, "param": null, "code": code}});
     Bytes::from(v.to_string())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn head(headers: &[(&str, &str)]) -> RequestHeader {
+        let mut req = RequestHeader::build("POST", b"/", None).unwrap();
+        for (k, v) in headers {
+            req.append_header(k.to_string(), *v).unwrap();
+        }
+        req
+    }
+
+    fn check(headers: &[(&str, &str)]) -> Option<Refusal> {
+        check_head(&head(headers), 32 * 1024, 100, 1 << 20)
+    }
+
+    #[test]
+    fn only_one_plain_chunked_transfer_encoding_passes() {
+        assert_eq!(check(&[("transfer-encoding", "chunked")]), None);
+        assert_eq!(check(&[("transfer-encoding", "CHUNKED")]), None);
+        assert_eq!(
+            check(&[
+                ("transfer-encoding", "identity"),
+                ("transfer-encoding", "chunked")
+            ]),
+            Some(Refusal::DuplicateTransferEncoding)
+        );
+        for v in ["gzip, chunked", "identity", "xchunked", "chunked;q=1"] {
+            assert_eq!(
+                check(&[("transfer-encoding", v)]),
+                Some(Refusal::UnsupportedTransferEncoding),
+                "{v}"
+            );
+        }
+    }
+
+    #[test]
+    fn content_length_must_be_one_plain_number() {
+        assert_eq!(check(&[("content-length", "5")]), None);
+        for v in ["5, 5", "+5", "", "0x5"] {
+            assert_eq!(
+                check(&[("content-length", v)]),
+                Some(Refusal::BadContentLength),
+                "{v:?}"
+            );
+        }
+        assert_eq!(
+            check(&[("content-length", "5"), ("content-length", "5")]),
+            Some(Refusal::BadContentLength)
+        );
+        assert_eq!(
+            check(&[("content-length", "2000000")]),
+            Some(Refusal::BodyTooLarge)
+        );
+    }
 }

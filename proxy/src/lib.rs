@@ -15,6 +15,8 @@ pub mod config;
 pub mod drain;
 pub mod edge;
 pub mod filters;
+#[doc(hidden)]
+pub mod fuzzing;
 pub mod inference;
 pub mod metrics;
 pub mod proxy;

@@ -251,3 +251,133 @@ fn upstream_timeout_is_a_504() {
     assert_eq!(r.status, 504);
     assert!(start.elapsed() < Duration::from_millis(1400));
 }
+
+/// A response cut after its head: the client sees the head and then a
+/// closed connection (the body it was promised never comes), within the
+/// bound, and the request is not sent again (a byte already went out).
+fn cut_response(uf: &Ultrafast, method: &str, limit: Duration) {
+    let start = Instant::now();
+    let mut c = Client::connect(uf.addr).unwrap();
+    let body: &[u8] = if method == "POST" { b"order" } else { b"" };
+    let r = c.request(method, "/", &[], body);
+    match r {
+        Ok(resp) => assert!(
+            matches!(resp.status, 502 | 504),
+            "{method}: a whole {} response from a cut one",
+            resp.status
+        ),
+        Err(e) => assert!(
+            matches!(
+                e.kind(),
+                std::io::ErrorKind::UnexpectedEof | std::io::ErrorKind::ConnectionReset
+            ),
+            "{method}: {e}"
+        ),
+    }
+    assert!(
+        start.elapsed() < limit,
+        "{method}: took {:?}",
+        start.elapsed()
+    );
+}
+
+#[test]
+fn upstream_stalling_after_the_head_is_cut_at_the_read_timeout() {
+    let a = Origin::start("a");
+    a.set_fault(Fault::StallAfterHead);
+    let uf = Ultrafast::start(&format!(
+        "{}{}",
+        pool_toml("p", &[&a], "read_timeout_ms = 500"),
+        route("p")
+    ));
+    cut_response(&uf, "GET", Duration::from_secs(3));
+    assert_eq!(a.requests(), 1, "a started response must not be retried");
+    a.set_fault(Fault::None);
+    assert_eq!(uf.get("/").status, 200, "still serving");
+}
+
+#[test]
+fn upstream_closing_after_the_head_is_a_clean_error() {
+    let (a, b) = (Origin::start("a"), Origin::start("b"));
+    a.set_fault(Fault::CloseAfterHead);
+    b.set_fault(Fault::CloseAfterHead);
+    let extra = "passive = { max_fails = 0 }\nretry = { attempts = 2, budget_ratio = 1.0 }";
+    let uf = Ultrafast::start(&format!(
+        "{}{}",
+        pool_toml("p", &[&a, &b], extra),
+        route("p")
+    ));
+    for method in ["GET", "POST"] {
+        let before = a.requests() + b.requests();
+        cut_response(&uf, method, Duration::from_secs(3));
+        assert_eq!(
+            a.requests() + b.requests(),
+            before + 1,
+            "{method}: sent again after its head went out"
+        );
+    }
+}
+
+#[test]
+fn upstream_reset_before_any_byte_retries_a_get_but_never_a_post() {
+    let (a, b) = (Origin::start("a"), Origin::start("b"));
+    a.set_fault(Fault::RstAfterRequest);
+    b.set_fault(Fault::RstAfterRequest);
+    let extra = "lb = \"round_robin\"\npassive = { max_fails = 0 }\nretry = { attempts = 2, budget_ratio = 1.0 }";
+    let uf = Ultrafast::start(&format!(
+        "{}{}",
+        pool_toml("p", &[&a, &b], extra),
+        route("p")
+    ));
+    let start = Instant::now();
+    let r = Client::connect(uf.addr)
+        .unwrap()
+        .request("POST", "/", &[], b"charge-card")
+        .unwrap();
+    assert_eq!(r.status, 502, "{}", r.text());
+    assert_eq!(
+        a.requests() + b.requests(),
+        1,
+        "the POST was delivered twice"
+    );
+    // Both members reset: a GET is tried on each, then fails cleanly.
+    let r = uf.get("/");
+    assert_eq!(r.status, 502, "{}", r.text());
+    assert_eq!(a.requests() + b.requests(), 3, "the GET was tried on both");
+    // Only a resets: every GET is answered, by b when a was picked first.
+    b.set_fault(Fault::None);
+    for _ in 0..4 {
+        let r = uf.get("/");
+        assert_eq!((r.status, r.origin()), (200, "b".to_string()));
+    }
+    assert!(
+        start.elapsed() < Duration::from_secs(5),
+        "{:?}",
+        start.elapsed()
+    );
+}
+
+#[test]
+fn upstream_reset_mid_response_is_never_retried_get_or_post() {
+    let (a, b) = (Origin::start("a"), Origin::start("b"));
+    a.set_fault(Fault::RstMidBody);
+    b.set_fault(Fault::RstMidBody);
+    let extra = "passive = { max_fails = 0 }\nretry = { attempts = 2, budget_ratio = 1.0 }";
+    let uf = Ultrafast::start(&format!(
+        "{}{}",
+        pool_toml("p", &[&a, &b], extra),
+        route("p")
+    ));
+    for method in ["GET", "POST"] {
+        let before = a.requests() + b.requests();
+        cut_response(&uf, method, Duration::from_secs(3));
+        assert_eq!(
+            a.requests() + b.requests(),
+            before + 1,
+            "{method}: sent again after its head went out"
+        );
+    }
+    a.set_fault(Fault::None);
+    b.set_fault(Fault::None);
+    assert_eq!(uf.get("/").status, 200, "still serving");
+}

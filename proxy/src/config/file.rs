@@ -513,6 +513,13 @@ pub struct LimitsSection {
     /// Open traffic connections at most (all listeners); more are closed at
     /// once, like nginx's `worker_connections`; 0 = no cap.
     pub max_connections: usize,
+    /// Most ms between two reads of a request body before the connection
+    /// is closed (nginx `client_body_timeout`); 0 = no limit.
+    pub client_body_timeout_ms: u64,
+    /// Most ms one write to a client may wait (a client that stops
+    /// reading) before the connection is closed (nginx `send_timeout`);
+    /// 0 = no limit.
+    pub send_timeout_ms: u64,
 }
 
 impl Default for LimitsSection {
@@ -524,6 +531,8 @@ impl Default for LimitsSection {
             keepalive_timeout_s: 75,
             client_header_timeout_ms: 60_000,
             max_connections: 16_384,
+            client_body_timeout_ms: 60_000,
+            send_timeout_ms: 60_000,
         }
     }
 }

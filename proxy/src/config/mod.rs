@@ -106,6 +106,10 @@ pub struct Limits {
     pub client_header_timeout_ms: u64,
     /// Open traffic connections at most (0 = no cap).
     pub max_connections: usize,
+    /// Most time between two reads of a request body (`None`: no limit).
+    pub client_body_timeout: Option<std::time::Duration>,
+    /// Most time one write to the client may take (`None`: no limit).
+    pub send_timeout: Option<std::time::Duration>,
 }
 
 /// A traffic listener.

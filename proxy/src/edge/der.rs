@@ -36,7 +36,14 @@ struct Raw<'a> {
 fn tlv_raw(b: &[u8]) -> Option<(Raw<'_>, &[u8])> {
     let (tag, content, rest) = tlv(b)?;
     let whole = b.get(..b.len() - rest.len())?;
-    Some((Raw { tag, content, whole }, rest))
+    Some((
+        Raw {
+            tag,
+            content,
+            whole,
+        },
+        rest,
+    ))
 }
 
 /// The elements of a constructed value.

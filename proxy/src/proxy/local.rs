@@ -32,6 +32,16 @@ impl EdgeProxy {
             Refusal::BadContentLength => {
                 (400, "invalid Content-Length header", "bad_content_length")
             }
+            Refusal::DuplicateTransferEncoding => (
+                400,
+                "repeated Transfer-Encoding header",
+                "bad_transfer_encoding",
+            ),
+            Refusal::UnsupportedTransferEncoding => (
+                501,
+                "only Transfer-Encoding: chunked is supported",
+                "unsupported_transfer_encoding",
+            ),
         };
         self.metrics.rejected.with_label_values(&[code]).inc();
         session.set_keepalive(None);

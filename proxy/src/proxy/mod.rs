@@ -133,7 +133,19 @@ impl ProxyHttp for EdgeProxy {
     async fn request_filter(&self, session: &mut Session, ctx: &mut Ctx) -> Result<bool> {
         let cfg = ctx.cfg.clone();
         let redirect = self.identify(session, ctx, &cfg);
-        session.set_keepalive(Some(cfg.limits.keepalive_timeout_s));
+        // Our idle timeout, only where Pingora left keepalive on: it turns it
+        // off for `Connection: close`, HTTP/1.0 and for a request with both
+        // Content-Length and Transfer-Encoding (RFC 9112 6.1: close after
+        // it, or what a front that trusted the Content-Length took for body
+        // would be read here as the next request).
+        if session.get_keepalive().is_some() {
+            session.set_keepalive(Some(cfg.limits.keepalive_timeout_s));
+        }
+        // Pingora reads a body with no deadline of its own choosing (60 s
+        // per read) and writes to a client with none: a client that trickles
+        // its body or stops reading would hold the connection for ever.
+        session.set_read_timeout(cfg.limits.client_body_timeout);
+        session.set_write_timeout(cfg.limits.send_timeout);
         // Routed before the limits are checked, so that a refusal carries
         // the route's response rules too; a redirecting listener routes
         // nothing (it answers every request alike).

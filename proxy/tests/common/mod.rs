@@ -45,6 +45,16 @@ pub enum Fault {
     ResetAfterRequest,
     /// Send headers announcing a body, half the body, then close.
     TruncateBody,
+    /// Send the response head announcing a body, then nothing (until the
+    /// origin stops or 30 s pass).
+    StallAfterHead,
+    /// Send the response head announcing a body, then close.
+    CloseAfterHead,
+    /// Read the request, then reset the connection (RST, not FIN) before
+    /// any response byte.
+    RstAfterRequest,
+    /// Send the head and half the body, then reset the connection (RST).
+    RstMidBody,
 }
 
 /// Shared, adjustable origin state.
@@ -251,6 +261,27 @@ fn serve_conn(conn: TcpStream, st: Arc<OriginState>, name: String) {
         if fault == Fault::ResetAfterRequest {
             return;
         }
+        if fault == Fault::RstAfterRequest {
+            reset(&w);
+            return;
+        }
+        if let Some(n) = path
+            .strip_prefix("/big/")
+            .and_then(|n| n.parse::<usize>().ok())
+        {
+            // A large body, for clients that read slowly.
+            let _ = write!(w, "HTTP/1.1 200 OK\r\nContent-Length: {n}\r\n\r\n");
+            let chunk = vec![b'x'; 64 * 1024];
+            let mut left = n;
+            while left > 0 {
+                let k = left.min(chunk.len());
+                if w.write_all(&chunk[..k]).is_err() {
+                    return;
+                }
+                left -= k;
+            }
+            continue;
+        }
         let delay = st.delay_ms.load(Ordering::SeqCst);
         if delay > 0 {
             std::thread::sleep(Duration::from_millis(delay));
@@ -261,6 +292,34 @@ fn serve_conn(conn: TcpStream, st: Arc<OriginState>, name: String) {
         })
         .to_string();
         let status = st.status.load(Ordering::SeqCst);
+        if matches!(fault, Fault::StallAfterHead | Fault::CloseAfterHead) {
+            let _ = write!(
+                w,
+                "HTTP/1.1 200 OK\r\nContent-Length: {}\r\n\r\n",
+                out.len()
+            );
+            let _ = w.flush();
+            if fault == Fault::StallAfterHead {
+                let until = Instant::now() + Duration::from_secs(30);
+                while Instant::now() < until && !st.stop.load(Ordering::SeqCst) {
+                    std::thread::sleep(Duration::from_millis(20));
+                }
+            }
+            let _ = w.shutdown(std::net::Shutdown::Both);
+            return;
+        }
+        if fault == Fault::RstMidBody {
+            let _ = write!(
+                w,
+                "HTTP/1.1 200 OK\r\nContent-Length: {}\r\n\r\n",
+                out.len() * 2
+            );
+            let _ = w.write_all(out.as_bytes());
+            let _ = w.flush();
+            std::thread::sleep(Duration::from_millis(50));
+            reset(&w);
+            return;
+        }
         if fault == Fault::TruncateBody {
             let _ = write!(
                 w,
@@ -281,6 +340,12 @@ fn serve_conn(conn: TcpStream, st: Arc<OriginState>, name: String) {
             return;
         }
     }
+}
+
+/// Make the coming close a TCP reset (SO_LINGER 0) instead of a FIN; the
+/// caller returns, which closes every handle of the socket.
+fn reset(s: &TcpStream) {
+    let _ = socket2::SockRef::from(s).set_linger(Some(Duration::ZERO));
 }
 
 /// Name -> (A records, TTL).
@@ -461,6 +526,28 @@ impl Client {
                 Ok(0) => return true,
                 Ok(_) => continue,
                 Err(e) => return e.kind() == std::io::ErrorKind::ConnectionReset,
+            }
+        }
+    }
+
+    /// Everything the peer sends until it closes or `limit` passes, and
+    /// whether it closed.
+    pub fn read_rest(&mut self, limit: Duration) -> (Vec<u8>, bool) {
+        let deadline = Instant::now() + limit;
+        let mut out = self.r.buffer().to_vec();
+        self.r.consume(out.len());
+        let mut buf = [0u8; 4096];
+        loop {
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                return (out, false);
+            }
+            let _ = self.r.get_ref().set_read_timeout(Some(left));
+            match self.r.get_mut().read(&mut buf) {
+                Ok(0) => return (out, true),
+                Ok(n) => out.extend_from_slice(&buf[..n]),
+                Err(e) if e.kind() == std::io::ErrorKind::ConnectionReset => return (out, true),
+                Err(_) => return (out, false),
             }
         }
     }

@@ -315,7 +315,14 @@ fn limits(f: &FileConfig, errs: &mut Errors) -> Limits {
         keepalive_timeout_s: l.keepalive_timeout_s,
         client_header_timeout_ms: l.client_header_timeout_ms,
         max_connections: l.max_connections,
+        client_body_timeout: millis(l.client_body_timeout_ms),
+        send_timeout: millis(l.send_timeout_ms),
     }
+}
+
+/// A timeout in ms where 0 means none.
+fn millis(ms: u64) -> Option<Duration> {
+    (ms > 0).then(|| Duration::from_millis(ms))
 }
 
 fn listeners(f: &FileConfig, errs: &mut Errors) -> Vec<Listener> {
