@@ -7,6 +7,23 @@ use std::process::ExitCode;
 #[global_allocator]
 static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
+/// `mi_option_purge_delay` in mimalloc's option enum.
+const MI_OPTION_PURGE_DELAY: libmimalloc_sys::mi_option_t = 15;
+
+/// mimalloc hands freed pages back to the OS `purge_delay` (10 ms) after
+/// they are freed, but only when the thread that freed them calls the
+/// allocator again: worker threads that go idle after a burst (an overload
+/// shed, a flood of connections) kept its memory for ever (+9 MiB RSS after
+/// a 60 s soak at 3x capacity). Purging at once gives it back within a
+/// second; proxy throughput did not move measurably (wrk, 3 rounds).
+#[allow(unsafe_code)]
+fn return_freed_memory_promptly() {
+    // SAFETY: `mi_option_set` stores one integer in mimalloc's option table;
+    // it is called once, first thing in `main`, and the option is one
+    // mimalloc documents as settable at run time.
+    unsafe { libmimalloc_sys::mi_option_set(MI_OPTION_PURGE_DELAY, 0) }
+}
+
 /// ultrafast: an edge proxy that replaces nginx and fronts LLM inference.
 #[derive(Parser, Debug)]
 #[command(name = "ultrafast", version, about, long_about = None, propagate_version = true)]
@@ -112,6 +129,7 @@ fn models(cmd: ModelsCmd) -> ExitCode {
 }
 
 fn main() -> ExitCode {
+    return_freed_memory_promptly();
     let cli = Cli::parse();
     env_logger::Builder::from_env(env_logger::Env::default().default_filter_or("info")).init();
     match cli.cmd {
