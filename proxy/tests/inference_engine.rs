@@ -189,12 +189,7 @@ fn the_tls_example_serves_the_model_over_http1_and_h2() {
     // and with the certificates `certs dev` writes.
     let dir = scratch("tlsinfer");
     let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
-    let out = std::process::Command::new(bin())
-        .args(["certs", "dev", "--out"])
-        .arg(dir.join("certs"))
-        .output()
-        .unwrap();
-    assert!(out.status.success());
+    dev_certs(&dir.join("certs"));
     let (https, http, admin) = (free_port(), free_port(), free_port());
     let text = std::fs::read_to_string(root.join("conf/examples/tls.toml"))
         .unwrap()

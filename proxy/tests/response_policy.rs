@@ -36,20 +36,6 @@ struct Edge {
     _certs: PathBuf,
 }
 
-fn dev_certs(dir: &std::path::Path) -> (PathBuf, PathBuf) {
-    let out = Command::new(bin())
-        .args(["certs", "dev", "--out"])
-        .arg(dir)
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    (dir.join("localhost.pem"), dir.join("localhost.key"))
-}
-
 /// The server: every kind of response is one request away.
 fn start() -> Edge {
     let certs = scratch("policy-certs");

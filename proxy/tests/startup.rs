@@ -6,36 +6,14 @@
 mod common;
 use common::infer::*;
 use common::*;
-use std::process::{Command, Stdio};
+use std::process::Command;
 use std::time::{Duration, Instant};
 
-/// Run `serve` on `body` and wait for it to exit (killed after `limit`):
-/// the exit status (None if it kept running) and its stderr.
-fn serve_until_exit(body: &str, limit: Duration) -> (Option<i32>, String) {
-    let dir = scratch("startup");
-    let cfg = dir.join("u.toml");
+/// Run `serve` on the config `body` until it exits (see `serve_until_exit`).
+fn serve_body(body: &str, limit: Duration) -> (Option<i32>, String) {
+    let cfg = scratch("startup").join("u.toml");
     std::fs::write(&cfg, body).unwrap();
-    let err = std::fs::File::create(dir.join("err.log")).unwrap();
-    let mut child = Command::new(bin())
-        .args(["serve", "-c"])
-        .arg(&cfg)
-        .stdout(Stdio::null())
-        .stderr(err)
-        .spawn()
-        .unwrap();
-    let deadline = Instant::now() + limit;
-    let code = loop {
-        if let Some(s) = child.try_wait().unwrap() {
-            break s.code();
-        }
-        if Instant::now() > deadline {
-            let _ = child.kill();
-            let _ = child.wait();
-            break None;
-        }
-        std::thread::sleep(Duration::from_millis(20));
-    };
-    (code, std::fs::read_to_string(dir.join("err.log")).unwrap())
+    serve_until_exit(&cfg, limit)
 }
 
 fn head(dir_tag: &str) -> String {
@@ -52,7 +30,7 @@ fn a_taken_listener_address_fails_serve_with_address_and_cause() {
     let addr = taken.local_addr().unwrap();
     let admin = free_port();
     // A plain traffic listener.
-    let (code, err) = serve_until_exit(
+    let (code, err) = serve_body(
         &format!(
             "{}[admin]\nlisten = \"127.0.0.1:{admin}\"\n[[listeners]]\nname = \"web\"\naddress = \"{addr}\"\n",
             head("plain")
@@ -66,7 +44,7 @@ fn a_taken_listener_address_fails_serve_with_address_and_cause() {
     );
     assert!(err.to_lowercase().contains("in use"), "the cause: {err}");
     // The admin listener.
-    let (code, err) = serve_until_exit(
+    let (code, err) = serve_body(
         &format!(
             "{}[admin]\nlisten = \"{addr}\"\n[[listeners]]\nname = \"web\"\naddress = \"127.0.0.1:{}\"\n",
             head("admin"),
@@ -81,13 +59,8 @@ fn a_taken_listener_address_fails_serve_with_address_and_cause() {
     );
     // A TLS listener (bound by our own accept loop).
     let dir = scratch("tlsbind");
-    let out = Command::new(bin())
-        .args(["certs", "dev", "--out"])
-        .arg(&dir)
-        .output()
-        .unwrap();
-    assert!(out.status.success());
-    let (code, err) = serve_until_exit(
+    dev_certs(&dir);
+    let (code, err) = serve_body(
         &format!(
             "{}[admin]\nlisten = \"\"\n[[listeners]]\nname = \"tls\"\naddress = \"{addr}\"\ntls = {{ certs = [{{ cert = \"{d}/localhost.pem\", key = \"{d}/localhost.key\", names = [\"localhost\"], default = true }}] }}\n",
             head("tls"),

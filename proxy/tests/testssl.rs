@@ -11,12 +11,7 @@ use std::time::Duration;
 #[test]
 fn testssl_finds_no_weak_protocol_or_cipher_and_resumption_works() {
     let dir = scratch("testssl");
-    let out = Command::new(bin())
-        .args(["certs", "dev", "--out"])
-        .arg(&dir)
-        .output()
-        .unwrap();
-    assert!(out.status.success());
+    dev_certs(&dir);
     let port = free_port();
     let uf = Ultrafast::start(&format!(
         "[[listeners]]\nname = \"https\"\naddress = \"127.0.0.1:{port}\"\n\

@@ -142,20 +142,6 @@ fn start_tls(certs: &[String], tls_extra: &str) -> Tls {
     }
 }
 
-fn dev_certs(dir: &Path) -> (PathBuf, PathBuf) {
-    let out = Command::new(bin())
-        .args(["certs", "dev", "--out"])
-        .arg(dir)
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    (dir.join("localhost.pem"), dir.join("localhost.key"))
-}
-
 fn localhost_tls(extra: &str) -> (Tls, PathBuf) {
     let dir = scratch("certs");
     let (c, k) = dev_certs(&dir);
@@ -390,23 +376,8 @@ fn an_ocsp_staple_for_another_certificate_is_refused_at_load() {
         ),
     )
     .unwrap();
-    let mut child = Command::new(bin())
-        .args(["serve", "-c"])
-        .arg(&cfg)
-        .stdout(Stdio::null())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let deadline = Instant::now() + Duration::from_secs(10);
-    while child.try_wait().unwrap().is_none() && Instant::now() < deadline {
-        std::thread::sleep(Duration::from_millis(20));
-    }
-    let running = child.try_wait().unwrap().is_none();
-    let _ = child.kill();
-    let out = child.wait_with_output().unwrap();
-    let err = String::from_utf8_lossy(&out.stderr);
-    assert!(!running, "serve kept running with a wrong staple");
-    assert!(!out.status.success());
+    let (code, err) = serve_until_exit(&cfg, Duration::from_secs(10));
+    assert_eq!(code, Some(1), "serve must stop on a wrong staple: {err}");
     assert!(err.contains("other.der"), "{err}");
     assert!(err.contains("another certificate"), "{err}");
 }

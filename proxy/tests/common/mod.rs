@@ -860,3 +860,39 @@ pub fn eventually(limit: Duration, mut f: impl FnMut() -> bool) -> bool {
     }
     false
 }
+
+/// Development certificates (`ultrafast certs dev`) in `dir`: the
+/// `localhost` certificate and key (the CA is `dir/ca.pem`).
+pub fn dev_certs(dir: &std::path::Path) -> (PathBuf, PathBuf) {
+    let out = Command::new(bin())
+        .args(["certs", "dev", "--out"])
+        .arg(dir)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    (dir.join("localhost.pem"), dir.join("localhost.key"))
+}
+
+/// Run `serve -c cfg` and wait for it to exit (killed after `limit`): its
+/// exit code (None if it kept running) and its stderr.
+pub fn serve_until_exit(cfg: &std::path::Path, limit: Duration) -> (Option<i32>, String) {
+    let mut child = Command::new(bin())
+        .args(["serve", "-c"])
+        .arg(cfg)
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let deadline = Instant::now() + limit;
+    while child.try_wait().unwrap().is_none() && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let code = child.try_wait().unwrap().and_then(|s| s.code());
+    let _ = child.kill();
+    let out = child.wait_with_output().unwrap();
+    (code, String::from_utf8_lossy(&out.stderr).into_owned())
+}
