@@ -132,6 +132,9 @@ fn the_admin_token_guards_every_endpoint_but_health() {
         assert_eq!(wrong.status, 401, "{path} with a wrong token");
         let ok = get(uf.admin, path, &[("Authorization", bearer.as_str())]);
         assert_eq!(ok.status, 200, "{path} with the token");
+        let lower = format!("bearer {token}");
+        let ok = get(uf.admin, path, &[("Authorization", lower.as_str())]);
+        assert_eq!(ok.status, 200, "{path}: the scheme is case-insensitive");
     }
     let reload = Client::connect(uf.admin)
         .unwrap()

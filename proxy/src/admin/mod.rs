@@ -182,8 +182,10 @@ fn authorized(token: Option<&str>, req: &pingora::http::RequestHeader) -> bool {
         .headers
         .get(http::header::AUTHORIZATION)
         .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.strip_prefix("Bearer "))
-        .unwrap_or("");
+        // The scheme is case-insensitive (RFC 9110 11.1).
+        .and_then(|v| v.split_once(' '))
+        .filter(|(scheme, _)| scheme.eq_ignore_ascii_case("bearer"))
+        .map_or("", |(_, t)| t);
     let h = |s: &str| ring::digest::digest(&ring::digest::SHA256, s.trim().as_bytes());
     h(given).as_ref() == h(token).as_ref()
 }
