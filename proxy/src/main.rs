@@ -7,7 +7,8 @@ use std::process::ExitCode;
 #[global_allocator]
 static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
-/// `mi_option_purge_delay` in mimalloc's option enum.
+/// `mi_option_purge_delay` in mimalloc's option enum (index 15 in both the
+/// bundled v3, the default, and v2).
 const MI_OPTION_PURGE_DELAY: libmimalloc_sys::mi_option_t = 15;
 
 /// mimalloc hands freed pages back to the OS `purge_delay` (10 ms) after
