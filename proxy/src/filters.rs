@@ -56,11 +56,13 @@ pub fn check_head(
         return Some(Refusal::HeadersTooLarge);
     }
     let mut lengths = req.headers.get_all(http::header::CONTENT_LENGTH).iter();
+    let mut declared = None;
     if let Some(v) = lengths.next() {
         let plain = !v.is_empty() && v.as_bytes().iter().all(u8::is_ascii_digit);
         if !plain || lengths.next().is_some() {
             return Some(Refusal::BadContentLength);
         }
+        declared = v.to_str().ok().and_then(|s| s.parse::<u64>().ok());
     }
     let mut codings = req.headers.get_all(http::header::TRANSFER_ENCODING).iter();
     if let Some(v) = codings.next() {
@@ -73,15 +75,8 @@ pub fn check_head(
             return Some(Refusal::UnsupportedTransferEncoding);
         }
     }
-    if max_body > 0 {
-        let declared = req
-            .headers
-            .get(http::header::CONTENT_LENGTH)
-            .and_then(|v| v.to_str().ok())
-            .and_then(|v| v.trim().parse::<u64>().ok());
-        if declared.is_some_and(|n| n > max_body) {
-            return Some(Refusal::BodyTooLarge);
-        }
+    if max_body > 0 && declared.is_some_and(|n| n > max_body) {
+        return Some(Refusal::BodyTooLarge);
     }
     None
 }

@@ -15,10 +15,6 @@ use pingora::protocols::http::v1::server::HttpSession;
 use std::collections::HashMap;
 use std::path::Path;
 
-/// The limits the HTTP target checks against (the config defaults).
-const MAX_HEADER_BYTES: usize = 32 * 1024;
-const MAX_HEADERS: usize = 100;
-const MAX_BODY: u64 = 1 << 20;
 /// Most body reads per input: a fuzz input is small, this bounds a loop that
 /// a framing bug could make endless.
 const MAX_BODY_READS: usize = 256;
@@ -115,7 +111,14 @@ async fn parse_and_check(data: &[u8]) {
         return;
     };
     let req = session.req_header();
-    let refusal = filters::check_head(req, MAX_HEADER_BYTES, MAX_HEADERS, MAX_BODY);
+    // The config's default limits, as a listener without `[limits]` runs.
+    let l = config::file::LimitsSection::default();
+    let refusal = filters::check_head(
+        req,
+        l.max_header_bytes,
+        l.max_headers,
+        l.client_max_body_bytes,
+    );
     let _ = filters::request_id(req);
     let _ = filters::has_body(req);
     if refusal.is_none() {

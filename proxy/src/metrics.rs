@@ -19,8 +19,7 @@ pub struct Metrics {
     member_healthy: IntGaugeVec,
     ejections: IntCounterVec,
     /// Live holders of each member's series; at 0 the series go.
-    member_refs:
-        std::sync::Arc<parking_lot::Mutex<std::collections::HashMap<(String, String), usize>>>,
+    member_refs: MemberRefs,
     retries: IntCounterVec,
     /// Access-log lines dropped because the writer fell behind.
     pub access_log_dropped: IntCounter,
@@ -120,22 +119,22 @@ impl Metrics {
             ),
             &["reason"],
         ));
+        let conns_open = must(IntGauge::new(
+            "ultrafast_downstream_connections",
+            "Traffic connections open now.",
+        ));
+        let conns_closed = must(IntCounterVec::new(
+            Opts::new(
+                "ultrafast_downstream_connections_closed_total",
+                "Connections the guard closed: header_timeout (client_header_timeout_ms), max_connections.",
+            ),
+            &["reason"],
+        ));
         let conns = crate::edge::conn::ConnMetrics {
-            open: must(IntGauge::new(
-                "ultrafast_downstream_connections",
-                "Traffic connections open now.",
-            )),
-            closed: must(IntCounterVec::new(
-                Opts::new(
-                    "ultrafast_downstream_connections_closed_total",
-                    "Connections the guard closed: header_timeout (client_header_timeout_ms), max_connections.",
-                ),
-                &["reason"],
-            )),
+            open: conns_open.clone(),
+            header_timeout: conns_closed.with_label_values(&["header_timeout"]),
+            max_connections: conns_closed.with_label_values(&["max_connections"]),
         };
-        for r in ["header_timeout", "max_connections"] {
-            conns.closed.with_label_values(&[r]);
-        }
         let admitted = must(IntCounterVec::new(
             Opts::new(
                 "ultrafast_admission_admitted_total",
@@ -298,8 +297,8 @@ impl Metrics {
             Box::new(retries.clone()),
             Box::new(access_log_dropped.clone()),
             Box::new(rejected.clone()),
-            Box::new(conns.open.clone()),
-            Box::new(conns.closed.clone()),
+            Box::new(conns_open),
+            Box::new(conns_closed),
             Box::new(admitted.clone()),
             Box::new(shed.clone()),
             Box::new(queue_depth.clone()),
@@ -507,10 +506,14 @@ pub struct MemberMetrics {
     _series: Option<MemberSeries>,
 }
 
+/// Handles alive per (pool, member) label set.
+type MemberRefs =
+    std::sync::Arc<parking_lot::Mutex<std::collections::HashMap<(String, String), usize>>>;
+
 /// What removes a member's series when its last handle goes.
 struct MemberSeries {
     key: (String, String),
-    refs: std::sync::Arc<parking_lot::Mutex<std::collections::HashMap<(String, String), usize>>>,
+    refs: MemberRefs,
     healthy: IntGaugeVec,
     ejections: IntCounterVec,
 }

@@ -176,17 +176,8 @@ fn a_non_loopback_admin_address_needs_a_token() {
         format!("[admin]\nlisten = \"0.0.0.0:9090\"\n{listener}"),
     )
     .unwrap();
-    let out = Command::new(bin())
-        .args(["check", "-c"])
-        .arg(&cfg)
-        .output()
-        .unwrap();
-    let text = format!(
-        "{}{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
-    assert_eq!(out.status.code(), Some(1), "{text}");
+    let (code, text) = check(&cfg);
+    assert_eq!(code, Some(1), "{text}");
     assert!(text.contains("admin.listen"), "{text}");
     assert!(text.contains("admin.token"), "{text}");
     std::fs::write(
@@ -196,16 +187,23 @@ fn a_non_loopback_admin_address_needs_a_token() {
         ),
     )
     .unwrap();
+    let (code, text) = check(&cfg);
+    assert_eq!(code, Some(0), "{text}");
+}
+
+/// `ultrafast check -c cfg`: its exit code and what it printed.
+fn check(cfg: &std::path::Path) -> (Option<i32>, String) {
     let out = Command::new(bin())
         .args(["check", "-c"])
-        .arg(&cfg)
+        .arg(cfg)
         .output()
         .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stdout)
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
     );
+    (out.status.code(), text)
 }
 
 /// `Prefer: respond-async` chat request; returns the job id.

@@ -77,19 +77,14 @@ fn join(page: &str, href: &str) -> String {
         return href.to_string();
     }
     let scheme_end = page.find("://").map(|i| i + 3).unwrap_or(0);
+    let host_end = page[scheme_end..]
+        .find('/')
+        .map(|i| i + scheme_end)
+        .unwrap_or(page.len());
+    let (origin, path) = page.split_at(host_end);
     if let Some(abs) = href.strip_prefix('/') {
-        let host_end = page[scheme_end..]
-            .find('/')
-            .map(|i| i + scheme_end)
-            .unwrap_or(page.len());
-        return format!("{}/{abs}", &page[..host_end]);
+        return format!("{origin}/{abs}");
     }
-    let (origin, path) = page.split_at(
-        page[scheme_end..]
-            .find('/')
-            .map(|i| i + scheme_end)
-            .unwrap_or(page.len()),
-    );
     let dir = path.rfind('/').map(|i| &path[..=i]).unwrap_or("/");
     // Dot segments resolved here: not every server normalizes them.
     let mut segs: Vec<&str> = Vec::new();

@@ -39,13 +39,15 @@ use std::task::{Context, Poll};
 use std::time::Duration;
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 
-/// Counters of the guard.
+/// Counters of the guard, resolved once (a connection hashes no labels).
 #[derive(Clone)]
 pub struct ConnMetrics {
     /// Connections open now, all traffic listeners together.
     pub open: prometheus::IntGauge,
-    /// Connections closed by the guard, by reason.
-    pub closed: prometheus::IntCounterVec,
+    /// Closed at the head deadline.
+    pub header_timeout: prometheus::IntCounter,
+    /// Closed at the connection cap.
+    pub max_connections: prometheus::IntCounter,
 }
 
 /// A listener's app behind the connection guard.
@@ -93,22 +95,25 @@ impl<A: ServerApp + Send + Sync + 'static> ServerApp for Guarded<A> {
         if stream.as_any().downcast_ref::<HeadDeadline>().is_some() {
             return self.inner.process_new(stream, shutdown).await;
         }
-        let limits = self.shared.load().limits.clone();
+        let (cap, timeout_ms) = {
+            let cfg = self.shared.load();
+            (
+                cfg.limits.max_connections,
+                cfg.limits.client_header_timeout_ms,
+            )
+        };
         let n = self.open.fetch_add(1, Ordering::Relaxed);
         self.metrics.open.inc();
         let slot = Slot {
             open: self.open.clone(),
             gauge: self.metrics.open.clone(),
         };
-        if limits.max_connections > 0 && n >= limits.max_connections {
-            self.metrics
-                .closed
-                .with_label_values(&["max_connections"])
-                .inc();
+        if cap > 0 && n >= cap {
+            self.metrics.max_connections.inc();
             return None;
         }
-        let timeout = Duration::from_millis(limits.client_header_timeout_ms);
-        let closed = self.metrics.closed.with_label_values(&["header_timeout"]);
+        let timeout = Duration::from_millis(timeout_ms);
+        let closed = self.metrics.header_timeout.clone();
         let guarded = HeadDeadline::new(stream, timeout, slot, closed);
         self.inner.process_new(Box::new(guarded), shutdown).await
     }
@@ -294,11 +299,18 @@ impl AsyncWrite for HeadDeadline {
         cx: &mut Context<'_>,
         bufs: &[std::io::IoSlice<'_>],
     ) -> Poll<std::io::Result<usize>> {
-        let first = bufs.iter().find(|b| !b.is_empty()).map(|b| b.to_vec());
+        // Only a status line's first bytes matter: keep them on the stack
+        // (the buffers are gone once written).
+        let mut head = [0u8; 16];
+        let len = bufs.iter().find(|b| !b.is_empty()).map_or(0, |b| {
+            let n = b.len().min(head.len());
+            head[..n].copy_from_slice(&b[..n]);
+            n
+        });
         let r = Pin::new(&mut self.inner).poll_write_vectored(cx, bufs);
-        if let (Poll::Ready(Ok(n)), Some(first)) = (&r, first) {
+        if let Poll::Ready(Ok(n)) = &r {
             if *n > 0 {
-                self.wrote(&first[..first.len().min(*n)]);
+                self.wrote(&head[..len.min(*n)]);
             }
         }
         r
