@@ -78,7 +78,23 @@ async def load(port, rate, duration, results, limit_s=30):
     await asyncio.gather(*tasks)
 
 
-def rss_kb(pid, key="VmRSS"):
+def rss_kb(pid, key="Rss"):
+    """A memory figure of `pid` in KiB: `Rss` and `Anonymous` (and `File`,
+    their difference) exactly from smaps_rollup, which walks the page
+    tables; others (`VmHWM`, `Threads`) from /proc/PID/status. Since Linux
+    6.2 the status file's VmRSS/RssAnon are per-CPU counters read without
+    summing the CPUs' pending deltas, off by up to a few MiB, which is the
+    size of what this soak looks for."""
+    if key in ("Rss", "Anonymous", "File"):
+        vals = {}
+        with open(f"/proc/{pid}/smaps_rollup") as f:
+            for line in f:
+                k, _, v = line.partition(":")
+                if k in ("Rss", "Anonymous"):
+                    vals[k] = int(v.split()[0])
+        if key == "File":
+            return vals.get("Rss", 0) - vals.get("Anonymous", 0)
+        return vals.get(key, 0)
     with open(f"/proc/{pid}/status") as f:
         for line in f:
             if line.startswith(key):
@@ -118,6 +134,7 @@ async def main():
         await load(port, capacity / 2, 3, [])
         await asyncio.sleep(2)
         baseline = rss_kb(p.pid)
+        base_split = (rss_kb(p.pid, "Anonymous"), rss_kb(p.pid, "File"), rss_kb(p.pid, "Threads"))
         samples = []  # (seconds since load start, phase, rss KiB)
         t0 = time.monotonic()
         stop = asyncio.Event()
@@ -126,7 +143,9 @@ async def main():
 
         async def sample():
             while not stop.is_set():
-                samples.append((time.monotonic() - t0, phase["now"], rss_kb(p.pid)))
+                samples.append((time.monotonic() - t0, phase["now"], rss_kb(p.pid),
+                                rss_kb(p.pid, "Anonymous"), rss_kb(p.pid, "File"),
+                                rss_kb(p.pid, "Threads")))
                 await asyncio.sleep(1.0 - (time.monotonic() - t0) % 1.0)
         s = asyncio.create_task(sample())
         results = []
@@ -144,7 +163,7 @@ async def main():
     shed = [x for x in results if x[0] in (429, 503)]
     err = [x for x in results if x[0] not in (200, 429, 503)]
     tol = max(baseline * 0.05, 2048)
-    after = [(t, r) for t, ph, r in samples if ph == "after"]
+    after = [(t, r) for t, ph, r, *_ in samples if ph == "after"]
     recovered = next((t - load_end for t, r in after if r <= baseline + tol), None)
     print(f"## overload soak: capacity {capacity:.0f} req/s ({args.slots} slots x "
           f"{args.service_ms} ms), offered {rate:.0f} req/s (3x) for {args.duration} s "
@@ -152,13 +171,16 @@ async def main():
     print(f"requests {len(results)}: admitted {len(ok)}, refused 429/503 {len(shed)}, errors {len(err)}")
     print(f"admitted latency: p50 {pct_ms(ok, 0.5):.1f} ms, p99 {pct_ms(ok, 0.99):.1f} ms")
     print(f"RSS KiB: idle baseline {baseline}, max during load "
-          f"{max((r for _, ph, r in samples if ph == 'load'), default=0)}, VmHWM {peak}, "
+          f"{max((r for _, ph, r, *_ in samples if ph == 'load'), default=0)}, VmHWM {peak}, "
           f"last {samples[-1][2] if samples else 0}")
     print("recovered to baseline (+max(5%, 2 MiB)): "
           + (f"{recovered:.1f} s after the load" if recovered is not None
              else f"not within {args.recover} s"))
     print("RSS over time (s since load start: KiB):")
-    print(" ".join(f"{t:.0f}{'*' if ph == 'after' else ''}:{r}" for t, ph, r in samples))
+    print(" ".join(f"{t:.0f}{'*' if ph == 'after' else ''}:{r}" for t, ph, r, *_ in samples))
+    print(f"anon/file KiB, threads (idle: {base_split[0]}/{base_split[1]}/{base_split[2]}):")
+    print(" ".join(f"{t:.0f}{'*' if ph == 'after' else ''}:{a}/{fl}/{th}"
+                   for t, ph, _, a, fl, th in samples))
     print("(* = after the load ended)")
     print(f"# load average after: {os.getloadavg()}")
 

@@ -10,6 +10,7 @@
 pub mod accesslog;
 pub mod admin;
 pub mod admission;
+pub mod alloc;
 pub mod cli;
 pub mod config;
 pub mod drain;

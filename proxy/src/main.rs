@@ -4,9 +4,11 @@ use clap::{Parser, Subcommand};
 use std::path::PathBuf;
 use std::process::ExitCode;
 
+#[cfg(feature = "mimalloc")]
 #[global_allocator]
 static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
+#[cfg(feature = "mimalloc")]
 /// `mi_option_purge_delay` in mimalloc's option enum (index 15 in both the
 /// bundled v3, the default, and v2).
 const MI_OPTION_PURGE_DELAY: libmimalloc_sys::mi_option_t = 15;
@@ -17,6 +19,7 @@ const MI_OPTION_PURGE_DELAY: libmimalloc_sys::mi_option_t = 15;
 /// shed, a flood of connections) kept its memory for ever (+9 MiB RSS after
 /// a 60 s soak at 3x capacity). Purging at once gives it back within a
 /// second; proxy throughput did not move measurably (wrk, 3 rounds).
+#[cfg(feature = "mimalloc")]
 #[allow(unsafe_code)]
 fn return_freed_memory_promptly() {
     // SAFETY: `mi_option_set` stores one integer in mimalloc's option table;
@@ -130,6 +133,7 @@ fn models(cmd: ModelsCmd) -> ExitCode {
 }
 
 fn main() -> ExitCode {
+    #[cfg(feature = "mimalloc")]
     return_freed_memory_promptly();
     let cli = Cli::parse();
     env_logger::Builder::from_env(env_logger::Env::default().default_filter_or("info")).init();

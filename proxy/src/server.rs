@@ -48,6 +48,12 @@ fn server_conf(cfg: &Config) -> ServerConf {
         upstream_keepalive_pool_size: s.keepalive_pool_size,
         // Our own retry policy caps tries per pool (at most 10).
         max_retries: 10,
+        // Pingora's fast timers live until their deadline even when the
+        // read they guarded ended long before (a 60 s body or send timeout
+        // per request); under load they pile up and pin allocator pages
+        // well after it. Tokio's timer frees a cancelled entry at once, so
+        // every timeout past a second goes there.
+        fast_timeout_to_tokio_threshold_seconds: Some(1),
         ..ServerConf::default()
     }
 }
@@ -220,6 +226,19 @@ pub fn serve(path: &Path, opts: ServeOptions) -> anyhow::Result<()> {
         },
     ));
 
+    let quiet = {
+        use crate::drain::{running, Kind};
+        let inflight = inflight.clone();
+        move || {
+            inflight.load(Ordering::Relaxed) == 0
+                && running(Kind::AsyncJob) == 0
+                && running(Kind::UpstreamStream) == 0
+        }
+    };
+    server.add_service(background_service(
+        "memory release",
+        crate::alloc::Releaser { quiet },
+    ));
     let grace = Duration::from_secs(shared.load().server.grace_period_s);
     spawn_drain_watcher(&server, inflight, log, pid_file, grace);
     readiness.set_ready();

@@ -12,6 +12,7 @@ pub struct InFlight(Arc<AtomicUsize>);
 impl InFlight {
     pub(super) fn new(c: &Arc<AtomicUsize>) -> Self {
         c.fetch_add(1, Ordering::Relaxed);
+        crate::alloc::note_busy();
         InFlight(c.clone())
     }
 }
