@@ -30,6 +30,9 @@ pub enum Refusal {
     /// the header as sent, so a member that honours the other coding reads
     /// a different body. Refused with 501, as nginx does.
     UnsupportedTransferEncoding,
+    /// `CONNECT`: the edge is not a forward proxy. Refused with 405 here
+    /// rather than by Pingora, whose own 405 would skip the response policy.
+    Connect,
 }
 
 /// Check the request head against the limits.
@@ -39,6 +42,9 @@ pub fn check_head(
     max_headers: usize,
     max_body: u64,
 ) -> Option<Refusal> {
+    if req.method == http::Method::CONNECT {
+        return Some(Refusal::Connect);
+    }
     if req.headers.len() > max_headers {
         return Some(Refusal::HeadersTooLarge);
     }

@@ -45,7 +45,7 @@ pub struct Metrics {
     pub dns_answer_age: prometheus::GaugeVec,
     /// 1 while a stale answer is served, by pool and name.
     pub dns_stale: IntGaugeVec,
-    tls: crate::edge::listener::TlsMetrics,
+    tls: crate::edge::tls::TlsMetrics,
     certs: crate::edge::certs::CertMetrics,
     tickets: IntCounterVec,
     /// Certificate reloads by result.
@@ -216,7 +216,7 @@ impl Metrics {
             ),
             &["pool", "name"],
         ));
-        let tls = crate::edge::listener::TlsMetrics {
+        let tls = crate::edge::tls::TlsMetrics {
             handshakes: must(IntCounterVec::new(
                 Opts::new(
                     "ultrafast_tls_handshakes_total",
@@ -359,7 +359,7 @@ impl Metrics {
     }
 
     /// TLS listener handles.
-    pub fn tls(&self) -> crate::edge::listener::TlsMetrics {
+    pub fn tls(&self) -> crate::edge::tls::TlsMetrics {
         self.tls.clone()
     }
 

@@ -8,8 +8,9 @@ use crate::admin::{AdminApp, Readiness};
 use crate::config::{self, Config, Shared};
 use crate::edge::certs::{CertStore, CertWatcher, FullHandshakes, SniResolver};
 use crate::edge::conn::Guarded;
-use crate::edge::listener::{bind_reuseport, server_config, TlsBuild, TlsService};
+use crate::edge::listener::{self, Endpoint, Handshake, ListenerService, TlsHandshake};
 use crate::edge::ticket::RotatingTicketer;
+use crate::edge::tls::{server_config, TlsBuild};
 use crate::metrics::Metrics;
 use crate::proxy::EdgeProxy;
 use crate::reload::{DnsRefresher, Manager, SighupService, WatchService};
@@ -17,10 +18,11 @@ use crate::upstream::health::HealthChecker;
 use arc_swap::ArcSwap;
 use pingora::apps::http_app::HttpServer;
 use pingora::apps::HttpServerOptions;
+use pingora::listeners::tls::Acceptor;
 use pingora::server::configuration::{Opt, ServerConf};
 use pingora::server::{ExecutionPhase, Server};
 use pingora::services::background::background_service;
-use pingora::services::listening::Service;
+use std::collections::HashMap;
 use std::path::Path;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
@@ -97,7 +99,7 @@ pub fn serve(path: &Path, opts: ServeOptions) -> anyhow::Result<()> {
     readiness.watch_models(front.clone());
     let inflight = Arc::new(AtomicUsize::new(0));
 
-    let mut tls_sockets = bind_listeners(&listeners, admin_listen.as_deref(), opts.upgrade)?;
+    let mut sockets = bind_listeners(&listeners, admin_listen.as_deref(), opts.upgrade)?;
 
     let pid_file = conf.pid_file.clone();
     let mut server = Server::new_with_opt_and_conf(pingora_opt, conf);
@@ -117,72 +119,64 @@ pub fn serve(path: &Path, opts: ServeOptions) -> anyhow::Result<()> {
     };
     // Every traffic listener's connections pass one guard (one cap for all).
     let open = Arc::new(AtomicUsize::new(0));
-    let guard = |app| Guarded::new(app, shared.clone(), open.clone(), metrics.conns.clone());
-    // h2c is a service-wide option in Pingora: plain listeners with it and
-    // without it are two services, so only those that ask for HTTP/2 prior
-    // knowledge wait for its preface.
-    for h2c in [false, true] {
-        let plain: Vec<_> = listeners
-            .iter()
-            .filter(|l| l.tls.is_none() && l.h2c == h2c)
-            .collect();
-        if plain.is_empty() {
-            continue;
-        }
-        let mut app = pingora::proxy::http_proxy(&server.configuration, edge());
-        if h2c {
-            let mut opts = HttpServerOptions::default();
-            opts.h2c = true;
-            app.server_options = Some(opts);
-        }
-        let name = if h2c { "ultrafast h2c" } else { "ultrafast" };
-        let mut traffic = Service::new(name.to_string(), guard(app));
-        for l in plain {
-            traffic.add_tcp(&l.address);
-        }
-        server.add_service(traffic);
-    }
+    let mut endpoints = Vec::new();
     let mut watched = Vec::new();
     for l in &listeners {
-        let Some(tls) = &l.tls else { continue };
-        let store = CertStore::load(&tls.certs, &metrics.certs()).map_err(anyhow::Error::msg)?;
-        let full = FullHandshakes(metrics.tls().handshakes.with_label_values(&["full"]));
-        let resolver = Arc::new(SniResolver::new(store, metrics.certs(), Some(full)));
-        let ticketer = match tls.tickets {
-            true => Some(Arc::new(
-                RotatingTicketer::new(tls.ticket_secret.clone(), tls.rotation, metrics.tickets())
-                    .map_err(anyhow::Error::msg)?,
-            )),
-            false => None,
+        let mut app = pingora::proxy::http_proxy(&server.configuration, edge());
+        let mut options = HttpServerOptions::default();
+        // h2c only where configured: elsewhere an HTTP/1 request is never
+        // held waiting for a preface.
+        options.h2c = l.h2c;
+        // CONNECT reaches our request filter, which refuses it through the
+        // response policy (Pingora's own 405 would bypass it).
+        options.allow_connect_method_proxying = true;
+        app.server_options = Some(options);
+        let app = Guarded::new(app, shared.clone(), open.clone(), metrics.conns.clone());
+        let handshake = match &l.tls {
+            None => Handshake::Plain,
+            Some(tls) => {
+                let store =
+                    CertStore::load(&tls.certs, &metrics.certs()).map_err(anyhow::Error::msg)?;
+                let full = FullHandshakes(metrics.tls().handshakes.with_label_values(&["full"]));
+                let resolver = Arc::new(SniResolver::new(store, metrics.certs(), Some(full)));
+                let ticketer = match tls.tickets {
+                    true => Some(Arc::new(
+                        RotatingTicketer::new(
+                            tls.ticket_secret.clone(),
+                            tls.rotation,
+                            metrics.tickets(),
+                        )
+                        .map_err(anyhow::Error::msg)?,
+                    )),
+                    false => None,
+                };
+                let build = TlsBuild {
+                    resolver: resolver.clone(),
+                    ticketer,
+                    cache_size: tls.cache_size,
+                    h2: tls.h2,
+                };
+                watched.push((resolver, tls.certs.clone()));
+                Handshake::Tls(TlsHandshake {
+                    acceptor: Acceptor::from_server_config(server_config(build, &metrics.tls())),
+                    timeout: tls.handshake_timeout,
+                    metrics: metrics.tls(),
+                })
+            }
         };
-        let build = TlsBuild {
-            resolver: resolver.clone(),
-            ticketer,
-            cache_size: tls.cache_size,
-            h2: tls.h2,
-        };
-        let config = server_config(build, &metrics.tls());
-        let app = Arc::new(guard(pingora::proxy::http_proxy(
-            &server.configuration,
-            edge(),
-        )));
-        let name = format!("tls {}", l.name);
-        let socket = tls_sockets
-            .remove(&l.address)
-            .ok_or_else(|| anyhow::anyhow!("listener `{}`: {} bound twice", l.name, l.address))?;
-        let svc = TlsService::new(
-            name,
-            l.address.clone(),
-            socket,
-            config,
-            app,
-            tls.handshake_timeout,
-            threads,
-            metrics.tls(),
-        );
-        server.add_service(svc);
-        watched.push((resolver, tls.certs.clone()));
+        endpoints.push(Endpoint {
+            name: l.name.clone(),
+            address: l.address.clone(),
+            socket: sockets.remove(&l.address).flatten(),
+            handshake,
+            app: Arc::new(app),
+        });
     }
+    server.add_service(ListenerService::new(
+        "ultrafast".to_string(),
+        endpoints,
+        threads,
+    ));
     if !watched.is_empty() {
         let watcher = CertWatcher::new(watched, metrics.cert_reloads.clone());
         server.add_service(background_service("cert watch", watcher));
@@ -194,10 +188,14 @@ pub fn serve(path: &Path, opts: ServeOptions) -> anyhow::Result<()> {
     if let Some(addr) = admin_listen {
         let app = AdminApp::new(metrics.clone(), readiness.clone(), manager.clone())
             .with_front(front.clone());
-        let mut admin = Service::new("admin".to_string(), HttpServer::new_app(app));
-        admin.add_tcp(&addr);
-        admin.threads = Some(1);
-        server.add_service(admin);
+        let admin = Endpoint {
+            name: "admin".to_string(),
+            socket: sockets.remove(&addr).flatten(),
+            address: addr,
+            handshake: Handshake::Plain,
+            app: Arc::new(HttpServer::new_app(app)),
+        };
+        server.add_service(ListenerService::new("admin".to_string(), vec![admin], 1));
     }
     server.add_service(background_service(
         "health checks",
@@ -251,37 +249,33 @@ pub fn serve(path: &Path, opts: ServeOptions) -> anyhow::Result<()> {
     server.run_forever()
 }
 
-/// Bind what can be bound before serving, so a listener that cannot be
-/// bound fails `serve` with its address and cause instead of leaving a
-/// process that looks ready without it. TLS listeners are ours and keep
-/// their sockets (SO_REUSEPORT, so an upgrade binds beside the old process).
-/// Pingora binds the plain and admin listeners itself when its services
-/// start, and a failure there only ends that service's thread: they are
-/// test-bound here and released. Under `--upgrade` the plain sockets come
-/// from the old process, which still holds them, so they are not tried.
+/// Bind every listener (traffic and admin) before serving, so one that
+/// cannot be bound fails `serve` with its address and cause instead of
+/// leaving a process that looks ready without it. Under `--upgrade` an
+/// address in use is taken to be the old process's, which hands its socket
+/// over (`None` here); any other error fails at once, before the old
+/// process is told to go. An address in use that the old process then does
+/// not hand over ends the new process with the address (the listener
+/// service's start).
 fn bind_listeners(
     listeners: &[config::Listener],
     admin: Option<&str>,
     upgrade: bool,
-) -> anyhow::Result<std::collections::HashMap<String, std::net::TcpListener>> {
-    let mut tls = std::collections::HashMap::new();
-    let plain = listeners
+) -> anyhow::Result<HashMap<String, Option<std::net::TcpListener>>> {
+    let mut sockets = HashMap::new();
+    let all = listeners
         .iter()
-        .filter(|l| l.tls.is_none())
         .map(|l| (l.name.as_str(), l.address.as_str()))
         .chain(admin.map(|a| ("admin", a)));
-    if !upgrade {
-        for (name, addr) in plain {
-            std::net::TcpListener::bind(addr)
-                .map_err(|e| anyhow::anyhow!("listener `{name}` cannot bind {addr}: {e}"))?;
-        }
+    for (name, addr) in all {
+        let sock = match listener::bind(addr) {
+            Ok(s) => Some(s),
+            Err(e) if upgrade && e.kind() == std::io::ErrorKind::AddrInUse => None,
+            Err(e) => anyhow::bail!("listener `{name}` cannot bind {addr}: {e}"),
+        };
+        sockets.insert(addr.to_string(), sock);
     }
-    for l in listeners.iter().filter(|l| l.tls.is_some()) {
-        let sock = bind_reuseport(&l.address)
-            .map_err(|e| anyhow::anyhow!("listener `{}` cannot bind {}: {e}", l.name, l.address))?;
-        tls.insert(l.address.clone(), sock);
-    }
-    Ok(tls)
+    Ok(sockets)
 }
 
 /// Whether each new address in `new` can be bound now: a reload cannot

@@ -50,6 +50,75 @@ fn sigterm_drains_an_in_flight_slow_request() {
     );
 }
 
+/// The config of an upgrade that adds the listener `extra` at `addr`.
+fn with_extra_listener(old: &Ultrafast, addr: &str, body: &str) -> std::path::PathBuf {
+    let cfg = old
+        .dir
+        .join(format!("upgrade-{}.toml", addr.replace([':', '.'], "-")));
+    let extra = format!("[[listeners]]\nname = \"extra\"\naddress = \"{addr}\"\n\n");
+    std::fs::write(&cfg, format!("{}{extra}{body}", old.head)).unwrap();
+    cfg
+}
+
+#[test]
+fn an_upgrade_binds_its_new_listeners_before_the_old_process_goes() {
+    let a = Origin::start("a");
+    let body = format!("{}{}", pool_toml("p", &[&a], ""), route("p"));
+    let mut old = Ultrafast::start(&body);
+    // An address that cannot be bound here (TEST-NET-1 is on no interface):
+    // the new process says so and exits at once, before waiting for the
+    // old one's sockets, and the old one goes on serving.
+    let cfg = with_extra_listener(&old, "192.0.2.1:8080", &body);
+    let mut bad = Ultrafast::spawn(
+        old.dir.clone(),
+        cfg,
+        old.addr.port(),
+        old.admin.port(),
+        true,
+    );
+    let status = bad
+        .wait_exit(Duration::from_secs(10))
+        .expect("a failed upgrade kept running");
+    assert!(!status.success());
+    let err = std::fs::read_to_string(old.dir.join("stderr.upgrade.log")).unwrap();
+    assert!(
+        err.contains("listener `extra` cannot bind 192.0.2.1:8080"),
+        "{err}"
+    );
+    assert_eq!(get(old.addr, "/", &[]).status, 200);
+    // A new address that can be bound: bound by the new process before it
+    // takes the old one's sockets; after SIGQUIT both are served by it.
+    let port = free_port();
+    let cfg = with_extra_listener(&old, &format!("127.0.0.1:{port}"), &body);
+    let new = Ultrafast::spawn(
+        old.dir.clone(),
+        cfg,
+        old.addr.port(),
+        old.admin.port(),
+        true,
+    );
+    let extra: std::net::SocketAddr = format!("127.0.0.1:{port}").parse().unwrap();
+    assert!(
+        eventually(Duration::from_secs(5), || std::net::TcpStream::connect(
+            extra
+        )
+        .is_ok()),
+        "the new listener is not bound before the handover"
+    );
+    std::thread::sleep(Duration::from_millis(300));
+    old.signal(3);
+    assert!(
+        old.wait_exit(Duration::from_secs(10)).is_some(),
+        "old process did not exit"
+    );
+    assert!(eventually(Duration::from_secs(5), || get(extra, "/", &[])
+        .status
+        == 200));
+    assert_eq!(get(new.addr, "/", &[]).status, 200);
+    assert_eq!(get(new.admin, "/healthz", &[]).status, 200);
+    drop(new);
+}
+
 #[test]
 fn graceful_upgrade_hands_over_sockets_without_failing_a_request() {
     let a = Origin::start("a");

@@ -134,11 +134,15 @@ fn curl(port: u16, http: &str, path: &str, args: &[&str]) -> Resp {
         .arg(format!("https://127.0.0.1:{port}{path}"))
         .output()
         .unwrap();
-    let raw = out.stdout;
+    parse_raw(&out.stdout)
+}
+
+/// A raw HTTP/1 response as a [`Resp`].
+fn parse_raw(raw: &[u8]) -> Resp {
     let split = raw
         .windows(4)
         .position(|w| w == b"\r\n\r\n")
-        .unwrap_or_else(|| panic!("no response head: {}", String::from_utf8_lossy(&raw)));
+        .unwrap_or_else(|| panic!("no response head: {}", String::from_utf8_lossy(raw)));
     let head = String::from_utf8_lossy(&raw[..split]).into_owned();
     let mut lines = head.lines();
     let status = lines
@@ -286,6 +290,79 @@ fn redirects_of_a_route_and_of_the_https_listener() {
     assert_eq!(r.status, 301);
     assert_policy("HTTPS redirect listener", &r, "rid-to-https", false, false);
     assert_eq!(r.header("x-policy"), None, "{r:?}");
+}
+
+/// Bytes sent as they are over TLS (`openssl s_client`), and what came
+/// back until the server closed.
+fn tls_raw(port: u16, raw: &[u8]) -> Vec<u8> {
+    use std::io::Write;
+    let mut c = Command::new("openssl")
+        .args(["s_client", "-quiet", "-ign_eof", "-servername", "localhost"])
+        .arg("-connect")
+        .arg(format!("127.0.0.1:{port}"))
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    c.stdin.take().unwrap().write_all(raw).unwrap();
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    while c.try_wait().unwrap().is_none() && std::time::Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let _ = c.kill();
+    let out = c.wait_with_output().unwrap();
+    out.stdout
+}
+
+#[test]
+fn a_head_pingora_cannot_parse_and_connect_get_the_policy_too() {
+    let e = start();
+    // A header line without a colon: Pingora's parser refuses the head
+    // before any of our phases runs.
+    let bad = b"GET /fixed HTTP/1.1\r\nHost: localhost\r\nno colon here\r\n\r\n";
+    let r = parse_raw(&tls_raw(e.tls_port, bad));
+    assert_eq!(r.status, 400, "{r:?}");
+    assert_eq!(r.json()["error"]["code"], "bad_request");
+    assert_eq!(r.header("strict-transport-security"), Some(HSTS));
+    assert!(r.header("x-request-id").is_some_and(|v| !v.is_empty()));
+    assert_eq!(
+        r.header("server"),
+        None,
+        "Pingora's bare 400 went out: {r:?}"
+    );
+    let mut c = Client::connect(e.uf.addr).unwrap();
+    c.send_raw(bad).unwrap();
+    let r = c.read_response(false).unwrap();
+    assert_eq!(r.status, 400, "{r:?}");
+    assert_eq!(r.json()["error"]["code"], "bad_request");
+    assert_eq!(r.header("strict-transport-security"), None);
+    assert!(r.header("x-request-id").is_some_and(|v| !v.is_empty()));
+    assert!(c.closed_within(Duration::from_secs(2)));
+    // A bad request line, sent after a good request on the same
+    // connection: the second head is watched afresh.
+    let mut c = Client::connect(e.uf.addr).unwrap();
+    let ok = c
+        .request("GET", "/fixed", &[("X-Request-Id", "rid-first")], b"")
+        .unwrap();
+    assert_eq!(ok.status, 200);
+    c.send_raw(b"GET /fixed HTTP/1.1 extra\r\nHost: a\r\n\r\n")
+        .unwrap();
+    let r = c.read_response(false).unwrap();
+    assert_eq!(r.status, 400, "{r:?}");
+    assert_eq!(r.json()["error"]["code"], "bad_request");
+    // CONNECT: refused with 405 by our filter, with the route's rules.
+    let raw = b"CONNECT localhost:443 HTTP/1.1\r\nHost: localhost:443\r\nX-Request-Id: rid-connect\r\n\r\n";
+    let r = parse_raw(&tls_raw(e.tls_port, raw));
+    assert_eq!(r.status, 405, "{r:?}");
+    assert_eq!(r.json()["error"]["code"], "method_not_allowed");
+    assert_policy("CONNECT over TLS", &r, "rid-connect", true, false);
+    let mut c = Client::connect(e.uf.addr).unwrap();
+    c.send_raw(raw).unwrap();
+    let r = c.read_response(false).unwrap();
+    assert_eq!(r.status, 405, "{r:?}");
+    assert_policy("CONNECT", &r, "rid-connect", false, false);
+    assert_eq!(e.origin.requests(), 0);
 }
 
 #[test]

@@ -21,6 +21,7 @@
 //!
 //! Both settings are read from the live config for each new connection.
 
+use super::bare::{self, Rewrite};
 use crate::config::Shared;
 use async_trait::async_trait;
 use pingora::apps::ServerApp;
@@ -33,7 +34,7 @@ use pingora::protocols::{
 use pingora::server::ShutdownWatch;
 use std::future::Future;
 use std::pin::Pin;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::Duration;
@@ -95,11 +96,12 @@ impl<A: ServerApp + Send + Sync + 'static> ServerApp for Guarded<A> {
         if stream.as_any().downcast_ref::<HeadDeadline>().is_some() {
             return self.inner.process_new(stream, shutdown).await;
         }
-        let (cap, timeout_ms) = {
+        let (cap, timeout_ms, hsts) = {
             let cfg = self.shared.load();
             (
                 cfg.limits.max_connections,
                 cfg.limits.client_header_timeout_ms,
+                listener_hsts(&cfg, &stream),
             )
         };
         let n = self.open.fetch_add(1, Ordering::Relaxed);
@@ -114,12 +116,33 @@ impl<A: ServerApp + Send + Sync + 'static> ServerApp for Guarded<A> {
         }
         let timeout = Duration::from_millis(timeout_ms);
         let closed = self.metrics.header_timeout.clone();
-        let guarded = HeadDeadline::new(stream, timeout, slot, closed);
+        let mut guarded = HeadDeadline::new(stream, timeout, slot, closed);
+        guarded.hsts = hsts;
         self.inner.process_new(Box::new(guarded), shutdown).await
     }
 
     async fn cleanup(&self) {
         self.inner.cleanup().await
+    }
+}
+
+/// The HSTS header of the TLS listener `stream` arrived on, if it sends one
+/// (for the edge's own answer to an unparseable head, `bare`).
+fn listener_hsts(cfg: &crate::config::Config, stream: &Stream) -> Option<http::HeaderValue> {
+    if cfg.listener_rules.is_empty() || stream.get_ssl_digest().is_none() {
+        return None;
+    }
+    let local = stream.get_socket_digest()?.local_addr()?.as_inet().copied();
+    cfg.listener_rule(local)?.hsts.clone()
+}
+
+/// Note that the proxy's request filter has seen the current request on
+/// this connection, so a response to it is the policy's, not Pingora's
+/// bare refusal (`bare`). A no-op on a stream the guard does not wrap
+/// (HTTP/2 sessions have none to give).
+pub fn mark_seen(stream: Option<&Stream>) {
+    if let Some(g) = stream.and_then(|s| s.as_any().downcast_ref::<HeadDeadline>()) {
+        g.seen.store(true, Ordering::Relaxed);
     }
 }
 
@@ -144,6 +167,12 @@ pub struct HeadDeadline {
     first: bool,
     _slot: Slot,
     closed: prometheus::IntCounter,
+    /// Our request filter has seen the current request ([`mark_seen`]).
+    seen: AtomicBool,
+    /// HSTS of the listener, for the edge's own `400` (`bare`).
+    hsts: Option<http::HeaderValue>,
+    /// Pingora's bare `400` being replaced by ours.
+    rewrite: Rewrite,
 }
 
 impl std::fmt::Debug for HeadDeadline {
@@ -172,6 +201,9 @@ impl HeadDeadline {
             first: true,
             _slot: slot,
             closed,
+            seen: AtomicBool::new(false),
+            hsts: None,
+            rewrite: Rewrite::Idle,
         };
         // The first head is timed from the accept, as nginx times it.
         if s.phase != Phase::Off {
@@ -203,6 +235,7 @@ impl HeadDeadline {
         if self.phase == (Phase::Done { wrote: true }) {
             // The next request starts with this byte.
             self.phase = Phase::Head { since_lf: 1 };
+            self.seen.store(false, Ordering::Relaxed);
             self.arm();
         }
         let Phase::Head { mut since_lf } = self.phase else {
@@ -222,6 +255,24 @@ impl HeadDeadline {
             }
         }
         self.phase = Phase::Head { since_lf };
+    }
+
+    /// Whether a write beginning with `first` is Pingora's bare refusal of
+    /// a head our filter never saw, to be replaced by ours.
+    fn replaces(&self, first: &[u8]) -> bool {
+        self.rewrite.active()
+            || (self.phase != Phase::Off
+                && !self.seen.load(Ordering::Relaxed)
+                && bare::is_400(first))
+    }
+
+    /// Write our `400` in place of a write of `len` bytes of Pingora's.
+    fn poll_replace(&mut self, cx: &mut Context<'_>, len: usize) -> Poll<std::io::Result<usize>> {
+        if !self.rewrite.active() {
+            self.rewrite.start(bare::response(self.hsts.as_ref()));
+            self.phase = Phase::Done { wrote: true };
+        }
+        self.rewrite.poll(&mut self.inner, cx, len)
     }
 
     /// Follow the bytes just written.
@@ -279,6 +330,9 @@ impl AsyncWrite for HeadDeadline {
         cx: &mut Context<'_>,
         buf: &[u8],
     ) -> Poll<std::io::Result<usize>> {
+        if self.replaces(buf) {
+            return self.poll_replace(cx, buf.len());
+        }
         let r = Pin::new(&mut self.inner).poll_write(cx, buf);
         if let Poll::Ready(Ok(n)) = r {
             self.wrote(&buf[..n]);
@@ -307,6 +361,10 @@ impl AsyncWrite for HeadDeadline {
             head[..n].copy_from_slice(&b[..n]);
             n
         });
+        if self.replaces(&head[..len]) {
+            let total = bufs.iter().map(|b| b.len()).sum();
+            return self.poll_replace(cx, total);
+        }
         let r = Pin::new(&mut self.inner).poll_write_vectored(cx, bufs);
         if let Poll::Ready(Ok(n)) = &r {
             if *n > 0 {
@@ -407,6 +465,9 @@ mod tests {
             first: true,
             _slot: slot,
             closed,
+            seen: AtomicBool::new(false),
+            hsts: None,
+            rewrite: Rewrite::Idle,
         }
     }
 

@@ -1,17 +1,21 @@
-//! TLS listeners: our own accept loop in front of the same Pingora HTTP
-//! app as the plain listeners.
+//! Every listening socket of the process (plain, TLS and admin) runs
+//! through our own accept loop in front of a Pingora `ServerApp`.
 //!
-//! Pingora's rustls wrapper builds its `ServerConfig` itself, with no place
-//! for a ticketer or a session cache, so we build the `ServerConfig` (SNI
-//! resolver, rotating ticketer, bounded session cache, ALPN h2/http1.1, TLS
-//! 1.2 and 1.3 only) and run the handshake through Pingora's
-//! `Acceptor::from_server_config`, then hand the TLS stream to the proxy's
-//! `ServerApp::process_new` exactly as Pingora's own listener does. Each
-//! handshake has a deadline, so garbage, stalls and truncated handshakes end
-//! in a clean close that is counted.
+//! Pingora's listening service binds its sockets only once the server runs,
+//! and a failure there ends that service's thread while the process stays
+//! up and ready; its accept loop backs off only on `EMFILE`. Ours: every
+//! socket is bound before the server starts (so `serve` fails with the
+//! address and the cause), every accept error backs off, and the sockets go
+//! into Pingora's handover table, so a graceful upgrade (`serve --upgrade`,
+//! then `SIGQUIT` to the old process) passes the very same sockets to the
+//! new process: no connection waiting in a backlog is lost, which a second
+//! socket bound with `SO_REUSEPORT` cannot promise when the old one closes.
+//!
+//! A connection is then handed to the app's `process_new` exactly as
+//! Pingora's own listener does: after a TLS handshake with a deadline (TLS
+//! listeners) or at once (plain ones).
 
-use super::certs::SniResolver;
-use super::ticket::RotatingTicketer;
+use super::tls::{failure_reason, TlsMetrics};
 use async_trait::async_trait;
 use pingora::apps::ServerApp;
 use pingora::listeners::tls::Acceptor;
@@ -20,230 +24,78 @@ use pingora::protocols::{GetSocketDigest, SocketDigest, Ssl, Stream, ALPN};
 use pingora::server::ListenFds;
 use pingora::server::ShutdownWatch;
 use pingora::services::Service;
-use prometheus::{Histogram, IntCounterVec};
-use rustls::server::{ServerSessionMemoryCache, StoresServerSessions};
 use std::os::fd::AsRawFd;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-/// Metric handles of TLS listeners.
-#[derive(Clone)]
-pub struct TlsMetrics {
-    /// Handshakes by result (full, resumed_ticket, resumed_cache, failed).
-    pub handshakes: IntCounterVec,
-    /// Failed handshakes by reason.
-    pub failures: IntCounterVec,
-    /// Negotiated TLS versions.
-    pub versions: IntCounterVec,
-    /// Negotiated ALPN protocols.
-    pub alpn: IntCounterVec,
-    /// Handshake duration.
-    pub duration: Histogram,
+/// How a listener's connections begin.
+pub enum Handshake {
+    /// Plain TCP: HTTP/1.x, and h2c where the app allows it.
+    Plain,
+    /// A TLS handshake first.
+    Tls(TlsHandshake),
 }
 
-/// A bounded session cache that counts resumptions through it.
-#[derive(Debug)]
-pub struct CountingCache {
-    inner: Arc<ServerSessionMemoryCache>,
-    hits: prometheus::IntCounter,
+/// A TLS listener's handshake.
+pub struct TlsHandshake {
+    /// Pingora's acceptor over the listener's rustls config
+    /// (`tls::server_config`).
+    pub acceptor: Acceptor,
+    /// Deadline of one handshake.
+    pub timeout: Duration,
+    /// Handshake metrics.
+    pub metrics: TlsMetrics,
 }
 
-impl CountingCache {
-    /// A cache of `size` sessions.
-    pub fn new(size: usize, hits: prometheus::IntCounter) -> Self {
-        CountingCache {
-            inner: ServerSessionMemoryCache::new(size.max(1)),
-            hits,
-        }
-    }
+/// One listening address and the app behind it.
+pub struct Endpoint<A> {
+    /// The listener's name in the config (for logs).
+    pub name: String,
+    /// The address as written in the config: the key of the upgrade
+    /// handover table.
+    pub address: String,
+    /// Bound at start, or `None` when it is to come from the old process in
+    /// a graceful upgrade.
+    pub socket: Option<std::net::TcpListener>,
+    /// Plain or TLS.
+    pub handshake: Handshake,
+    /// The app serving its connections.
+    pub app: Arc<A>,
 }
 
-impl StoresServerSessions for CountingCache {
-    fn put(&self, key: Vec<u8>, value: Vec<u8>) -> bool {
-        self.inner.put(key, value)
-    }
-    fn get(&self, key: &[u8]) -> Option<Vec<u8>> {
-        let v = self.inner.get(key);
-        if v.is_some() {
-            self.hits.inc();
-        }
-        v
-    }
-    fn take(&self, key: &[u8]) -> Option<Vec<u8>> {
-        let v = self.inner.take(key);
-        if v.is_some() {
-            self.hits.inc();
-        }
-        v
-    }
-    fn can_cache(&self) -> bool {
-        true
-    }
-}
-
-/// What a TLS listener needs to build its `ServerConfig`.
-pub struct TlsBuild {
-    /// SNI certificate selection.
-    pub resolver: Arc<SniResolver>,
-    /// Ticketer, when tickets are on.
-    pub ticketer: Option<Arc<RotatingTicketer>>,
-    /// Session cache size (0 = off).
-    pub cache_size: usize,
-    /// Offer h2 in ALPN.
-    pub h2: bool,
-}
-
-/// Build the rustls server config of a TLS listener.
-pub fn server_config(b: TlsBuild, metrics: &TlsMetrics) -> Arc<rustls::ServerConfig> {
-    pingora::tls::install_default_crypto_provider();
-    let mut cfg = rustls::ServerConfig::builder_with_protocol_versions(&[
-        &rustls::version::TLS13,
-        &rustls::version::TLS12,
-    ])
-    .with_no_client_auth()
-    .with_cert_resolver(b.resolver);
-    cfg.alpn_protocols = if b.h2 {
-        vec![b"h2".to_vec(), b"http/1.1".to_vec()]
-    } else {
-        vec![b"http/1.1".to_vec()]
-    };
-    if let Some(t) = b.ticketer {
-        cfg.ticketer = t;
-    }
-    cfg.session_storage = if b.cache_size > 0 {
-        Arc::new(CountingCache::new(
-            b.cache_size,
-            metrics.handshakes.with_label_values(&["resumed_cache"]),
-        ))
-    } else {
-        Arc::new(rustls::server::NoServerSessionStorage {})
-    };
-    Arc::new(cfg)
-}
-
-/// A TLS listener service serving `app`.
-pub struct TlsService<A> {
+/// A Pingora service accepting on one or more endpoints, all on one
+/// runtime.
+pub struct ListenerService<A> {
     name: String,
-    address: String,
-    /// Bound at start (`serve` fails there when it cannot bind); taken by
-    /// `start_service`.
-    socket: Option<std::net::TcpListener>,
-    config: Arc<rustls::ServerConfig>,
-    app: Arc<A>,
-    handshake_timeout: Duration,
+    endpoints: Vec<Endpoint<A>>,
     threads: usize,
-    metrics: TlsMetrics,
 }
 
-impl<A> TlsService<A> {
-    /// A service accepting on `socket` (from [`bind_reuseport`]), bound to
-    /// `address`.
-    #[allow(clippy::too_many_arguments)]
-    pub fn new(
-        name: String,
-        address: String,
-        socket: std::net::TcpListener,
-        config: Arc<rustls::ServerConfig>,
-        app: Arc<A>,
-        handshake_timeout: Duration,
-        threads: usize,
-        metrics: TlsMetrics,
-    ) -> Self {
-        TlsService {
+impl<A> ListenerService<A> {
+    /// A service named `name` running `endpoints` on `threads` threads.
+    pub fn new(name: String, endpoints: Vec<Endpoint<A>>, threads: usize) -> Self {
+        ListenerService {
             name,
-            address,
-            socket: Some(socket),
-            config,
-            app,
-            handshake_timeout,
+            endpoints,
             threads,
-            metrics,
         }
     }
 }
 
-fn failure_reason(e: &str) -> &'static str {
-    let e = e.to_ascii_lowercase();
-    if e.contains("no server certificate")
-        || e.contains("unrecognised name")
-        || e.contains("unrecognized name")
-    {
-        "unknown_sni"
-    } else if e.contains("protocol version")
-        || e.contains("incompatible")
-        || e.contains("no cipher")
-    {
-        "incompatible"
-    } else if e.contains("corrupt") || e.contains("invalid") || e.contains("decode") {
-        "malformed"
-    } else if e.contains("eof") || e.contains("reset") || e.contains("closed") {
-        "client_closed"
-    } else {
-        "other"
-    }
-}
-
-async fn serve_conn<A: ServerApp + Send + Sync + 'static>(
-    tcp: tokio::net::TcpStream,
-    acceptor: Arc<Acceptor>,
-    app: Arc<A>,
-    shutdown: ShutdownWatch,
-    timeout: Duration,
-    metrics: TlsMetrics,
-) {
-    let _ = tcp.set_nodelay(true);
-    let fd = tcp.as_raw_fd();
-    let mut l4: L4Stream = tcp.into();
-    l4.set_socket_digest(SocketDigest::from_raw_fd(fd));
-    let start = Instant::now();
-    let tls = match tokio::time::timeout(timeout, acceptor.tls_handshake(l4)).await {
-        Ok(Ok(tls)) => tls,
-        Ok(Err(e)) => {
-            metrics.handshakes.with_label_values(&["failed"]).inc();
-            metrics
-                .failures
-                .with_label_values(&[failure_reason(&e.to_string())])
-                .inc();
-            log::debug!("TLS handshake failed: {e}");
-            return;
-        }
-        Err(_) => {
-            metrics.handshakes.with_label_values(&["failed"]).inc();
-            metrics.failures.with_label_values(&["timeout"]).inc();
-            return;
-        }
-    };
-    metrics.duration.observe(start.elapsed().as_secs_f64());
-    if let Some(d) = tls.get_ssl_digest() {
-        metrics
-            .versions
-            .with_label_values(&[d.version.as_ref()])
-            .inc();
-    }
-    let alpn = match tls.selected_alpn_proto() {
-        Some(ALPN::H2) => "h2",
-        _ => "http/1.1",
-    };
-    metrics.alpn.with_label_values(&[alpn]).inc();
-    let stream: Stream = Box::new(tls);
-    let mut next = app.process_new(stream, &shutdown).await;
-    while let Some(s) = next {
-        next = app.process_new(s, &shutdown).await;
-    }
-}
-
-/// Bind with SO_REUSEPORT, so a new process started for a graceful upgrade
-/// can bind the same address while the old one drains (Pingora hands its
-/// own listeners over a socket; ours are simply shared by the kernel until
-/// the old process closes them).
-pub fn bind_reuseport(address: &str) -> std::io::Result<std::net::TcpListener> {
+/// Bind `address` for listening (SO_REUSEADDR, not SO_REUSEPORT: a second
+/// process can only get this socket by the handover, so a bind that finds
+/// the address taken says so).
+pub fn bind(address: &str) -> std::io::Result<std::net::TcpListener> {
     use socket2::{Domain, Socket, Type};
     let addr: std::net::SocketAddr = address
         .parse()
         .map_err(|_| std::io::Error::new(std::io::ErrorKind::InvalidInput, "bad address"))?;
     let sock = Socket::new(Domain::for_address(addr), Type::STREAM, None)?;
     sock.set_reuse_address(true)?;
-    sock.set_reuse_port(true)?;
+    if addr.is_ipv6() {
+        // `[::]` means IPv6 only, as in nginx; `0.0.0.0` is its own listener.
+        sock.set_only_v6(true)?;
+    }
     sock.set_nonblocking(true)?;
     sock.bind(&addr.into())?;
     sock.listen(1024)?;
@@ -257,67 +109,172 @@ pub fn accept_backoff(n: u32) -> Duration {
     Duration::from_millis(5u64 << n.min(8)).min(Duration::from_secs(1))
 }
 
-#[async_trait]
-impl<A: ServerApp + Send + Sync + 'static> Service for TlsService<A> {
-    async fn start_service(
-        &mut self,
-        _fds: Option<ListenFds>,
-        mut shutdown: ShutdownWatch,
-        _per_fd: usize,
-    ) {
-        let listener = match self.socket.take().map(tokio::net::TcpListener::from_std) {
-            Some(Ok(l)) => l,
-            other => {
-                let e = other.map_or("started twice".to_string(), |r| {
-                    r.err().map(|e| e.to_string()).unwrap_or_default()
-                });
-                // Bound at start, so this is a runtime failure: a serving
-                // process without its listener must not look healthy.
-                log::error!(
-                    "TLS listener {} on {} cannot accept: {e}",
-                    self.name,
-                    self.address
-                );
-                std::process::exit(1);
-            }
-        };
-        let acceptor = Arc::new(Acceptor::from_server_config(self.config.clone()));
-        let mut errors = 0u32;
-        loop {
-            tokio::select! {
-                _ = shutdown.changed() => break,
-                accepted = listener.accept() => {
-                    let tcp = match accepted {
-                        Ok((tcp, _)) => {
-                            errors = 0;
-                            tcp
-                        }
-                        Err(e) => {
-                            if errors == 0 {
-                                log::warn!("TLS listener {} accept failed, backing off: {e}", self.name);
-                            }
-                            let pause = accept_backoff(errors);
-                            errors = errors.saturating_add(1);
-                            tokio::time::sleep(pause).await;
-                            continue;
-                        }
-                    };
-                    tokio::spawn(serve_conn(
-                        tcp,
-                        acceptor.clone(),
-                        self.app.clone(),
-                        shutdown.clone(),
-                        self.handshake_timeout,
-                        self.metrics.clone(),
-                    ));
+/// The socket of `ep`: the one handed over by the old process if the table
+/// has it, else the one bound at start (which then goes into the table for
+/// the next upgrade).
+fn take_socket<A>(ep: &mut Endpoint<A>, fds: &Option<ListenFds>) -> Option<std::net::TcpListener> {
+    let inherited = fds
+        .as_ref()
+        .and_then(|f| f.lock().get(&ep.address).copied());
+    if let Some(fd) = inherited {
+        #[allow(unsafe_code)]
+        // SAFETY: the fd was received by Pingora's handover for this very
+        // address (SCM_RIGHTS, so it is a fresh descriptor of this process),
+        // and nothing else in the process takes ownership of it: the table
+        // only keeps the number to send on, before this listener closes.
+        let sock = unsafe { <std::net::TcpListener as std::os::fd::FromRawFd>::from_raw_fd(fd) };
+        let _ = sock.set_nonblocking(true);
+        // The socket bound at start, if any, was only a check.
+        ep.socket = None;
+        return Some(sock);
+    }
+    let sock = ep.socket.take()?;
+    if let Some(f) = fds {
+        f.lock().add(ep.address.clone(), sock.as_raw_fd());
+    }
+    Some(sock)
+}
+
+async fn handshake(tcp: tokio::net::TcpStream, hs: &Handshake) -> Option<Stream> {
+    let _ = tcp.set_nodelay(true);
+    let fd = tcp.as_raw_fd();
+    let mut l4: L4Stream = tcp.into();
+    l4.set_socket_digest(SocketDigest::from_raw_fd(fd));
+    let Handshake::Tls(t) = hs else {
+        return Some(Box::new(l4));
+    };
+    let start = Instant::now();
+    let tls = match tokio::time::timeout(t.timeout, t.acceptor.tls_handshake(l4)).await {
+        Ok(Ok(tls)) => tls,
+        Ok(Err(e)) => {
+            t.metrics.handshakes.with_label_values(&["failed"]).inc();
+            t.metrics
+                .failures
+                .with_label_values(&[failure_reason(&e.to_string())])
+                .inc();
+            log::debug!("TLS handshake failed: {e}");
+            return None;
+        }
+        Err(_) => {
+            t.metrics.handshakes.with_label_values(&["failed"]).inc();
+            t.metrics.failures.with_label_values(&["timeout"]).inc();
+            return None;
+        }
+    };
+    t.metrics.duration.observe(start.elapsed().as_secs_f64());
+    if let Some(d) = tls.get_ssl_digest() {
+        t.metrics
+            .versions
+            .with_label_values(&[d.version.as_ref()])
+            .inc();
+    }
+    let alpn = match tls.selected_alpn_proto() {
+        Some(ALPN::H2) => "h2",
+        _ => "http/1.1",
+    };
+    t.metrics.alpn.with_label_values(&[alpn]).inc();
+    Some(Box::new(tls))
+}
+
+async fn serve_conn<A: ServerApp + Send + Sync + 'static>(
+    tcp: tokio::net::TcpStream,
+    hs: Arc<Handshake>,
+    app: Arc<A>,
+    shutdown: ShutdownWatch,
+) {
+    let Some(stream) = handshake(tcp, &hs).await else {
+        return;
+    };
+    let mut next = app.process_new(stream, &shutdown).await;
+    while let Some(s) = next {
+        next = app.process_new(s, &shutdown).await;
+    }
+}
+
+/// Whether a change of the shutdown watch means "stop accepting" (the first
+/// read of the initial `false` does not).
+fn stopping(changed: Result<(), tokio::sync::watch::error::RecvError>, w: &ShutdownWatch) -> bool {
+    changed.is_err() || *w.borrow()
+}
+
+async fn accept_loop<A: ServerApp + Send + Sync + 'static>(
+    name: String,
+    listener: tokio::net::TcpListener,
+    hs: Arc<Handshake>,
+    app: Arc<A>,
+    mut shutdown: ShutdownWatch,
+) {
+    let mut errors = 0u32;
+    loop {
+        tokio::select! {
+            changed = shutdown.changed() => {
+                if stopping(changed, &shutdown) {
+                    break;
                 }
             }
+            accepted = listener.accept() => match accepted {
+                Ok((tcp, _)) => {
+                    errors = 0;
+                    tokio::spawn(serve_conn(tcp, hs.clone(), app.clone(), shutdown.clone()));
+                }
+                Err(e) => {
+                    if errors == 0 {
+                        log::warn!("listener {name} accept failed, backing off: {e}");
+                    }
+                    let pause = accept_backoff(errors);
+                    errors = errors.saturating_add(1);
+                    tokio::time::sleep(pause).await;
+                }
+            },
         }
-        log::info!(
-            "TLS listener {} on {} stopped accepting",
-            self.name,
-            self.address
-        );
+    }
+    log::info!("listener {name} stopped accepting");
+}
+
+#[async_trait]
+impl<A: ServerApp + Send + Sync + 'static> Service for ListenerService<A> {
+    async fn start_service(
+        &mut self,
+        fds: Option<ListenFds>,
+        shutdown: ShutdownWatch,
+        _per_fd: usize,
+    ) {
+        let mut loops = Vec::new();
+        for ep in &mut self.endpoints {
+            let listener = take_socket(ep, &fds).map(tokio::net::TcpListener::from_std);
+            let listener = match listener {
+                Some(Ok(l)) => l,
+                other => {
+                    let why = match other {
+                        Some(Err(e)) => e.to_string(),
+                        _ => "the old process did not hand its socket over".to_string(),
+                    };
+                    // A serving process without one of its listeners must
+                    // not look healthy.
+                    log::error!(
+                        "listener `{}` on {} cannot accept: {why}",
+                        ep.name,
+                        ep.address
+                    );
+                    std::process::exit(1);
+                }
+            };
+            let name = format!("`{}` on {}", ep.name, ep.address);
+            let hs = Arc::new(std::mem::replace(&mut ep.handshake, Handshake::Plain));
+            loops.push(tokio::spawn(accept_loop(
+                name,
+                listener,
+                hs,
+                ep.app.clone(),
+                shutdown.clone(),
+            )));
+        }
+        for l in loops {
+            let _ = l.await;
+        }
+        for ep in &self.endpoints {
+            ep.app.cleanup().await;
+        }
     }
 
     fn name(&self) -> &str {
@@ -326,6 +283,10 @@ impl<A: ServerApp + Send + Sync + 'static> Service for TlsService<A> {
 
     fn threads(&self) -> Option<usize> {
         Some(self.threads)
+    }
+
+    fn listen_addresses(&self) -> Option<Vec<String>> {
+        Some(self.endpoints.iter().map(|e| e.address.clone()).collect())
     }
 }
 
@@ -340,5 +301,14 @@ mod tests {
         assert_eq!(accept_backoff(7), Duration::from_millis(640));
         assert_eq!(accept_backoff(8), Duration::from_secs(1));
         assert_eq!(accept_backoff(u32::MAX), Duration::from_secs(1));
+    }
+
+    #[test]
+    fn a_taken_address_is_refused_not_shared() {
+        let a = bind("127.0.0.1:0").expect("bind");
+        let addr = a.local_addr().expect("addr").to_string();
+        let e = bind(&addr).expect_err("second bind of a taken address");
+        assert_eq!(e.kind(), std::io::ErrorKind::AddrInUse);
+        assert!(bind("not an address").is_err());
     }
 }

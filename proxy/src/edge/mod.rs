@@ -1,11 +1,15 @@
-//! The edge: TLS termination (`listener`), certificates with SNI, OCSP
-//! staples and hot reload (`certs`), rotating session-ticket keys
-//! (`ticket`), the DER reading they need (`der`), and `ultrafast certs dev`
-//! (`devcerts`).
+//! The edge: every listening socket's accept loop, plain and TLS
+//! (`listener`), the TLS server config (`tls`), the connection guard
+//! (`conn`) and its stand-in for Pingora's bare 400 (`bare`), certificates
+//! with SNI, OCSP staples and hot reload (`certs`), rotating session-ticket
+//! keys (`ticket`), the DER reading they need (`der`), and
+//! `ultrafast certs dev` (`devcerts`).
 
+mod bare;
 pub mod certs;
 pub mod conn;
 pub mod der;
 pub mod devcerts;
 pub mod listener;
 pub mod ticket;
+pub mod tls;

@@ -42,6 +42,7 @@ impl EdgeProxy {
                 "only Transfer-Encoding: chunked is supported",
                 "unsupported_transfer_encoding",
             ),
+            Refusal::Connect => (405, "CONNECT is not supported", "method_not_allowed"),
         };
         self.metrics.rejected.with_label_values(&[code]).inc();
         session.set_keepalive(None);

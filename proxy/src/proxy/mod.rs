@@ -131,6 +131,8 @@ impl ProxyHttp for EdgeProxy {
     }
 
     async fn request_filter(&self, session: &mut Session, ctx: &mut Ctx) -> Result<bool> {
+        // From here every response to this request passes the policy.
+        crate::edge::conn::mark_seen(session.as_downstream().stream());
         let cfg = ctx.cfg.clone();
         let redirect = self.identify(session, ctx, &cfg);
         // Our idle timeout, only where Pingora left keepalive on: it turns it
