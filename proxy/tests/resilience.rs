@@ -381,3 +381,42 @@ fn upstream_reset_mid_response_is_never_retried_get_or_post() {
     b.set_fault(Fault::None);
     assert_eq!(uf.get("/").status, 200, "still serving");
 }
+
+#[test]
+fn a_client_that_hangs_up_is_neither_retried_nor_held_against_the_member() {
+    let (a, b) = (Origin::start("a"), Origin::start("b"));
+    a.state.delay_ms.store(800, Ordering::SeqCst);
+    b.state.delay_ms.store(800, Ordering::SeqCst);
+    let uf = Ultrafast::start(&format!(
+        "{}{}",
+        pool_toml(
+            "p",
+            &[&a, &b],
+            "passive = { max_fails = 1 }\nretry = { attempts = 2 }"
+        ),
+        route("p")
+    ));
+    for _ in 0..3 {
+        let mut c = Client::connect(uf.addr).unwrap();
+        c.send_raw(b"GET /slow HTTP/1.1\r\nHost: t\r\n\r\n")
+            .unwrap();
+        std::thread::sleep(Duration::from_millis(200));
+        drop(c);
+    }
+    // Each aborted GET reached one member, once.
+    std::thread::sleep(Duration::from_millis(1500));
+    assert_eq!(
+        a.requests() + b.requests(),
+        3,
+        "an aborted request was retried"
+    );
+    let retries = uf.metric("ultrafast_upstream_retries_total", &["attempted"]);
+    assert_eq!(retries, 0.0);
+    assert_eq!(uf.metric("ultrafast_upstream_ejections_total", &[]), 0.0);
+    // And both members still serve.
+    let served: Vec<String> = (0..4).map(|_| uf.get("/").origin()).collect();
+    assert!(
+        served.iter().any(|o| o == "a") && served.iter().any(|o| o == "b"),
+        "{served:?}"
+    );
+}

@@ -275,6 +275,13 @@ impl ProxyHttp for EdgeProxy {
         _client_reused: bool,
     ) -> Box<Error> {
         let mut e = e.more_context(format!("Peer: {peer}"));
+        if e.esource() == &ErrorSource::Downstream {
+            // The client hung up (or broke its request): no one is left to
+            // answer, and the member did nothing wrong. Retrying would only
+            // double the members' load exactly when clients time out.
+            e.set_retry(false);
+            return e;
+        }
         if e.esource() == &ErrorSource::Upstream {
             if let (Some(pool), Some(m)) = (ctx.pool(), ctx.member()) {
                 pool.record_failure(m);
