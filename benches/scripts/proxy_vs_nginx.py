@@ -87,6 +87,8 @@ def main():
     ap.add_argument("--duration", type=int, default=5)
     ap.add_argument("--conns", type=int, default=64)
     ap.add_argument("--workers", default="1,2")
+    ap.add_argument("--alt", default="", help="a second ultrafast binary (another build "
+                    "of it, e.g. --features mimalloc) run in the same rounds as `ultrafast-alt`")
     a = ap.parse_args()
     uf = os.path.join(ROOT, "target/release/ultrafast")
     bare = os.path.join(ROOT, "target/release/bare-pingora")
@@ -105,7 +107,8 @@ def main():
         print(f"# load before start: {os.getloadavg()}  busy: {busy_fraction():.2f}")
         results = {}
         for w in [int(x) for x in a.workers.split(",")]:
-            ports = {k: free_port() for k in ("nginx", "ultrafast", "bare")}
+            kinds = ("nginx", "ultrafast", "bare") + (("ultrafast-alt",) if a.alt else ())
+            ports = {k: free_port() for k in kinds}
             servers = {}
             servers["nginx"] = nginx(tmp, f"proxy{w}", f"worker_processes {w}; events {{ worker_connections 4096; }} http {{ access_log off; upstream up {{ server 127.0.0.1:{op}; keepalive 64; }} server {{ listen 127.0.0.1:{ports['nginx']}; location / {{ proxy_pass http://up; proxy_http_version 1.1; proxy_set_header Connection \"\"; }} }} }}\n")
             cfg = os.path.join(tmp, f"uf{w}.toml")
@@ -114,6 +117,13 @@ def main():
 [admin]\nlisten = ""\n[log]\naccess_log = "off"\n[[listeners]]\naddress = "127.0.0.1:{ports['ultrafast']}"\n
 [pools.o]\nmembers = [{{ addr = "127.0.0.1:{op}" }}]\n[[routes]]\npath = "/"\npool = "o"\n""")
             servers["ultrafast"] = spawn([uf, "serve", "-c", cfg], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env={**os.environ, "RUST_LOG": "warn"})
+            if a.alt:
+                cfg_alt = cfg.replace(".toml", "-alt.toml")
+                with open(cfg) as f, open(cfg_alt, "w") as g:
+                    g.write(f.read().replace(f"127.0.0.1:{ports['ultrafast']}", f"127.0.0.1:{ports['ultrafast-alt']}")
+                            .replace(f"uf{w}.pid", f"uf{w}-alt.pid").replace(f"uf{w}.sock", f"uf{w}-alt.sock"))
+                servers["ultrafast-alt"] = spawn([a.alt, "serve", "-c", cfg_alt], stdout=subprocess.DEVNULL,
+                                                 stderr=subprocess.DEVNULL, env={**os.environ, "RUST_LOG": "warn"})
             servers["bare"] = spawn([bare, f"127.0.0.1:{ports['bare']}", f"127.0.0.1:{op}", str(w)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env={**os.environ, "RUST_LOG": "warn"})
             procs += servers.values()
             for k in servers:
@@ -121,7 +131,7 @@ def main():
                 wrk(ports[k], 1, a.conns)  # warm-up
             names = list(servers)
             for r in range(a.rounds):
-                order = names[r % 3:] + names[:r % 3]
+                order = names[r % len(names):] + names[:r % len(names)]
                 for k in order:
                     while busy_fraction(0.3) > 0.25:
                         time.sleep(0.5)
@@ -136,7 +146,7 @@ def main():
         print("|---|---|---|---|---|---|---|---|")
         for w in sorted({w for w, _ in results}):
             med = {k: [statistics.median(x[i] for x in results[(w, k)]) for i in range(4)] for (ww, k) in results if ww == w}
-            for k in ("nginx", "bare", "ultrafast"):
+            for k in ("nginx", "bare", "ultrafast") + (("ultrafast-alt",) if a.alt else ()):
                 rps = [x[0] for x in results[(w, k)]]
                 m = med[k]
                 print(f"| {w} | {k} | {m[0]:.0f} ({min(rps):.0f}-{max(rps):.0f}) | {m[1]:.3f} | {m[2]:.3f} | {m[3]:.1f} | {m[0] / med['nginx'][0]:.2f}x | {m[3] / med['bare'][3]:.2f}x |")

@@ -1,20 +1,23 @@
 //! Handing memory freed after a burst back to the OS.
 //!
-//! The binary allocates through glibc's malloc (mimalloc is a build
-//! option, `--features mimalloc`). glibc keeps freed memory for reuse and
-//! gives back only what lies at the top of a heap, so the memory a burst
-//! took (an overload shed, a flood of connections) stayed mapped for ever.
-//! `malloc_trim` hands back every free page, wherever it is, at 4 KiB
-//! granularity. It is asked for once the process is quiet again after
-//! activity (no request, async job or upstream stream in flight), checked
-//! once a second: a busy server never pays for it, and an idle one is back
-//! to its idle memory within a second or two of the last request.
+//! An allocator keeps freed memory for reuse and gives it back on its own
+//! schedule, so the memory a burst took (an overload shed, a flood of
+//! connections) stayed mapped well after it. Once the process is quiet
+//! again after activity (no request, async job or upstream stream in
+//! flight; checked once a second) every arena is asked to purge its free
+//! pages: a busy server never pays for it, and an idle one is back to its
+//! idle memory within a second or two of the last request.
 //!
-//! mimalloc was the allocator before: its 64 KiB pages stay mapped while
-//! any block in them lives, so a few long-lived blocks allocated mid-burst
-//! kept 1-3 MiB after a 60 s overload soak (benches/RESULTS.md section 10);
-//! glibc with the trim comes back within 1 MiB, from an idle RSS 7 MiB
-//! lower.
+//! Why jemalloc is the default (benches/RESULTS.md section 10, round 3):
+//! - mimalloc keeps a 64 KiB page mapped while any block in it lives, so a
+//!   few long-lived blocks allocated mid-burst kept 1-3 MiB after a 60 s
+//!   overload soak, even when collected every second;
+//! - glibc's malloc with `malloc_trim` came back within 1 MiB, but cost a
+//!   fifth of the proxy's throughput with two workers (blocks freed on
+//!   another thread than the one that allocated them take that arena's
+//!   lock);
+//! - jemalloc purges free pages at page granularity (`arena.<all>.purge`)
+//!   and frees across threads without a shared lock.
 
 use async_trait::async_trait;
 use pingora::server::ShutdownWatch;
@@ -36,13 +39,37 @@ pub fn note_busy() {
     }
 }
 
-/// Hand back what the allocator holds free. A no-op where there is no
-/// such call (mimalloc builds, which purge on their own, or non-glibc).
+/// Hand back what the allocator holds free. A no-op for mimalloc, whose
+/// purge is per thread (the worker's own, set to purge at once in `main`).
 #[allow(unsafe_code)]
 pub fn release() {
+    #[cfg(all(feature = "jemalloc", not(feature = "mimalloc")))]
+    {
+        // `MALLCTL_ARENAS_ALL` (4096): every arena, not just this thread's.
+        const PURGE_ALL: &[u8] = b"arena.4096.purge\0";
+        // SAFETY: a "void" mallctl (no old or new value: null pointers and
+        // length 0, as jemalloc documents for `arena.<i>.purge`), named by
+        // a NUL-terminated string; jemalloc takes its own locks.
+        let rc = unsafe {
+            tikv_jemalloc_sys::mallctl(
+                PURGE_ALL.as_ptr().cast(),
+                std::ptr::null_mut(),
+                std::ptr::null_mut(),
+                std::ptr::null_mut(),
+                0,
+            )
+        };
+        if rc != 0 {
+            log::debug!("jemalloc purge failed: {rc}");
+        }
+    }
     // SAFETY: `malloc_trim` takes glibc's arena locks itself and may be
     // called at any time from any thread.
-    #[cfg(all(not(feature = "mimalloc"), target_env = "gnu"))]
+    #[cfg(all(
+        not(feature = "jemalloc"),
+        not(feature = "mimalloc"),
+        target_env = "gnu"
+    ))]
     unsafe {
         libc::malloc_trim(0);
     }

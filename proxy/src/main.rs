@@ -8,6 +8,10 @@ use std::process::ExitCode;
 #[global_allocator]
 static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
+#[cfg(all(feature = "jemalloc", not(feature = "mimalloc")))]
+#[global_allocator]
+static GLOBAL: tikv_jemallocator::Jemalloc = tikv_jemallocator::Jemalloc;
+
 #[cfg(feature = "mimalloc")]
 /// `mi_option_purge_delay` in mimalloc's option enum (index 15 in both the
 /// bundled v3, the default, and v2).
