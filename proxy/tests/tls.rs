@@ -607,6 +607,59 @@ fn upstream_tls_with_sni_ca_verification_and_client_certificates() {
 }
 
 #[test]
+fn an_h2c_listener_answers_short_http1_requests_and_times_out_silence() {
+    let origin = Origin::start("o");
+    let port = free_port();
+    let uf = Ultrafast::start(&format!(
+        "[[listeners]]\nname = \"h2c\"\naddress = \"127.0.0.1:{port}\"\nh2c = true\n\
+         [limits]\nclient_header_timeout_ms = 800\nkeepalive_timeout_s = 1\n{}[[routes]]\npath = \"/\"\npool = \"p\"\n",
+        pool_toml("p", &[&origin], "")
+    ));
+    let h2c: std::net::SocketAddr = format!("127.0.0.1:{port}").parse().unwrap();
+    assert!(eventually(Duration::from_secs(5), || {
+        std::net::TcpStream::connect(h2c).is_ok()
+    }));
+    // Shorter than the 24-byte preface: answered at once, not held.
+    let mut c = Client::connect(h2c).unwrap();
+    c.send_raw(b"GET / HTTP/1.0\r\n\r\n").unwrap();
+    assert_eq!(c.read_response(false).unwrap().status, 200);
+    // HTTP/2 with prior knowledge still works there.
+    let (rc, out) = sh(&format!("curl -s --http2-prior-knowledge -o /dev/null -w '%{{http_version}} %{{http_code}}' http://{h2c}/"), "");
+    assert_eq!((rc, out.trim()), (0, "2 200"));
+    // A connection that sends nothing is closed at the head deadline...
+    let mut idle = Client::connect(h2c).unwrap();
+    let t = Instant::now();
+    assert!(
+        idle.closed_within(Duration::from_secs(5)),
+        "a silent connection was held"
+    );
+    assert!(
+        t.elapsed() >= Duration::from_millis(600),
+        "{:?}",
+        t.elapsed()
+    );
+    // ...and a kept-alive one that goes quiet at the keepalive timeout.
+    let mut kept = Client::connect(h2c).unwrap();
+    let r = kept.request("GET", "/", &[], b"").unwrap();
+    assert_eq!(r.status, 200);
+    let t = Instant::now();
+    assert!(
+        kept.closed_within(Duration::from_secs(5)),
+        "an idle keepalive was held"
+    );
+    assert!(
+        t.elapsed() >= Duration::from_millis(700),
+        "{:?}",
+        t.elapsed()
+    );
+    let closed = uf.metric(
+        "ultrafast_downstream_connections_closed_total",
+        &["header_timeout"],
+    );
+    assert_eq!(closed, 1.0, "{}", uf.metrics());
+}
+
+#[test]
 fn h2c_on_a_plain_listener_when_enabled() {
     let origin = Origin::start("o");
     let port = free_port();

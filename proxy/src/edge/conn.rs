@@ -22,6 +22,7 @@
 //! Both settings are read from the live config for each new connection.
 
 use super::bare::{self, Rewrite};
+use super::preface;
 use crate::config::Shared;
 use async_trait::async_trait;
 use pingora::apps::ServerApp;
@@ -96,11 +97,12 @@ impl<A: ServerApp + Send + Sync + 'static> ServerApp for Guarded<A> {
         if stream.as_any().downcast_ref::<HeadDeadline>().is_some() {
             return self.inner.process_new(stream, shutdown).await;
         }
-        let (cap, timeout_ms, hsts) = {
+        let (cap, timeout_ms, keepalive, hsts) = {
             let cfg = self.shared.load();
             (
                 cfg.limits.max_connections,
                 cfg.limits.client_header_timeout_ms,
+                cfg.limits.keepalive_timeout_s,
                 listener_hsts(&cfg, &stream),
             )
         };
@@ -118,6 +120,7 @@ impl<A: ServerApp + Send + Sync + 'static> ServerApp for Guarded<A> {
         let closed = self.metrics.header_timeout.clone();
         let mut guarded = HeadDeadline::new(stream, timeout, slot, closed);
         guarded.hsts = hsts;
+        guarded.keepalive = Duration::from_secs(keepalive.max(1));
         self.inner.process_new(Box::new(guarded), shutdown).await
     }
 
@@ -173,6 +176,12 @@ pub struct HeadDeadline {
     hsts: Option<http::HeaderValue>,
     /// Pingora's bare `400` being replaced by ours.
     rewrite: Rewrite,
+    /// Bytes the h2c check read, not yet handed to a read (`preface`).
+    peeked: Vec<u8>,
+    /// The idle wait for a next request, for the h2c check (a backstop:
+    /// Pingora's own keepalive timeout usually closes an idle connection
+    /// before the check starts).
+    keepalive: Duration,
 }
 
 impl std::fmt::Debug for HeadDeadline {
@@ -204,6 +213,8 @@ impl HeadDeadline {
             seen: AtomicBool::new(false),
             hsts: None,
             rewrite: Rewrite::Idle,
+            peeked: Vec::new(),
+            keepalive: Duration::from_secs(75),
         };
         // The first head is timed from the accept, as nginx times it.
         if s.phase != Phase::Off {
@@ -297,6 +308,15 @@ impl AsyncRead for HeadDeadline {
         buf: &mut ReadBuf<'_>,
     ) -> Poll<std::io::Result<()>> {
         let before = buf.filled().len();
+        if !self.peeked.is_empty() {
+            // What the h2c check read, first.
+            let this = &mut *self;
+            let n = this.peeked.len().min(buf.remaining());
+            buf.put_slice(&this.peeked[..n]);
+            this.peeked.drain(..n);
+            this.saw(&buf.filled()[before..]);
+            return Poll::Ready(Ok(()));
+        }
         match Pin::new(&mut self.inner).poll_read(cx, buf) {
             Poll::Ready(Ok(())) => {
                 let this = &mut *self;
@@ -442,8 +462,42 @@ impl GetSocketDigest for HeadDeadline {
 
 #[async_trait]
 impl Peek for HeadDeadline {
+    /// Pingora's h2c check (`preface`): bytes read until they cannot be
+    /// the preface, within the head deadline (first request) or the
+    /// keepalive timeout (later ones); they are handed back to the reads.
     async fn try_peek(&mut self, buf: &mut [u8]) -> std::io::Result<bool> {
-        self.inner.try_peek(buf).await
+        if self.phase == Phase::Off {
+            return self.inner.try_peek(buf).await;
+        }
+        // Idle between requests is the keepalive timeout's (not counted, as
+        // Pingora's own is not); before the first, the head deadline's.
+        let first = matches!(self.phase, Phase::Head { .. });
+        let mut stash = std::mem::take(&mut self.peeked);
+        let read = preface::read_until_decided(&mut self.inner, &mut stash, buf.len());
+        let timed_out = match (self.phase, self.deadline.as_mut()) {
+            (Phase::Head { .. }, Some(d)) => tokio::select! {
+                r = read => r.map(|_| false),
+                _ = d.as_mut() => Ok(true),
+            },
+            _ => match tokio::time::timeout(self.keepalive, read).await {
+                Ok(r) => r.map(|_| false),
+                Err(_) => Ok(true),
+            },
+        };
+        self.peeked = stash;
+        if timed_out? {
+            self.deadline = None;
+            self.phase = Phase::Off;
+            if first {
+                self.closed.inc();
+            }
+            return Err(std::io::Error::new(
+                std::io::ErrorKind::TimedOut,
+                "no request (or HTTP/2 preface) in time",
+            ));
+        }
+        preface::fill_peek(buf, &self.peeked);
+        Ok(true)
     }
 }
 
@@ -468,6 +522,8 @@ mod tests {
             seen: AtomicBool::new(false),
             hsts: None,
             rewrite: Rewrite::Idle,
+            peeked: Vec::new(),
+            keepalive: Duration::from_secs(75),
         }
     }
 

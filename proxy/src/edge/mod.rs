@@ -11,5 +11,6 @@ pub mod conn;
 pub mod der;
 pub mod devcerts;
 pub mod listener;
+mod preface;
 pub mod ticket;
 pub mod tls;
