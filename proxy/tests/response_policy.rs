@@ -351,6 +351,31 @@ fn a_head_pingora_cannot_parse_and_connect_get_the_policy_too() {
     let r = c.read_response(false).unwrap();
     assert_eq!(r.status, 400, "{r:?}");
     assert_eq!(r.json()["error"]["code"], "bad_request");
+    // More headers than Pingora's parser takes (256), or more than 1 MiB of
+    // them: a 431 like every other oversized head, not a 400.
+    for (what, head) in [
+        (
+            "300 headers",
+            (0..300)
+                .map(|i| format!("x-h{i}: 1\r\n"))
+                .collect::<String>(),
+        ),
+        (
+            "1.1 MiB of headers",
+            format!("x-big: {}\r\n", "a".repeat(1_150_000)),
+        ),
+    ] {
+        let mut c = Client::connect(e.uf.addr).unwrap();
+        let raw = format!("GET /fixed HTTP/1.1\r\nHost: localhost\r\n{head}\r\n");
+        let _ = c.send_raw(raw.as_bytes());
+        let r = c.read_response(false).unwrap();
+        assert_eq!(r.status, 431, "{what}: {r:?}");
+        assert_eq!(r.json()["error"]["code"], "headers_too_large", "{what}");
+        assert!(
+            r.header("x-request-id").is_some_and(|v| !v.is_empty()),
+            "{what}"
+        );
+    }
     // CONNECT: refused with 405 by our filter, with the route's rules.
     let raw = b"CONNECT localhost:443 HTTP/1.1\r\nHost: localhost:443\r\nX-Request-Id: rid-connect\r\n\r\n";
     let r = parse_raw(&tls_raw(e.tls_port, raw));

@@ -241,3 +241,37 @@ fn an_unsupported_transfer_coding_is_refused_before_the_origin() {
     assert_eq!(r.status, 200, "{}", r.text());
     assert_eq!(r.json()["body_len"], 5);
 }
+
+#[test]
+fn pipelined_requests_are_answered_in_order() {
+    let origin = Origin::start("o");
+    let uf = Ultrafast::start(&format!(
+        "{}[[routes]]\npath = \"/\"\npool = \"p\"\n",
+        pool_toml("p", &[&origin], "")
+    ));
+    let mut c = Client::connect(uf.addr).unwrap();
+    // Three GETs, then a POST with its body and a GET, in one write each.
+    let mut raw = String::new();
+    for i in 1..=3 {
+        raw.push_str(&format!(
+            "GET /p{i} HTTP/1.1\r\nHost: x\r\nX-Request-Id: rid-{i}\r\n\r\n"
+        ));
+    }
+    raw.push_str(
+        "POST /p4 HTTP/1.1\r\nHost: x\r\nX-Request-Id: rid-4\r\nContent-Length: 5\r\n\r\nhello",
+    );
+    raw.push_str("GET /p5 HTTP/1.1\r\nHost: x\r\nX-Request-Id: rid-5\r\n\r\n");
+    c.send_raw(raw.as_bytes()).unwrap();
+    for i in 1..=5 {
+        let r = c.read_response(false).unwrap();
+        assert_eq!(r.status, 200, "response {i}: {r:?}");
+        assert_eq!(
+            r.header("x-request-id"),
+            Some(format!("rid-{i}").as_str()),
+            "out of order"
+        );
+    }
+    assert_eq!(origin.requests(), 5);
+    let paths = origin.order();
+    assert_eq!(paths.len(), 5, "{paths:?}");
+}

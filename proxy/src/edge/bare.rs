@@ -10,7 +10,9 @@
 //! for a request it has not seen can only be that one, and is replaced here
 //! by the edge's own: the OpenAI-style JSON error, a fresh `x-request-id`,
 //! HSTS on a TLS listener that sends it, `connection: close` (Pingora closes
-//! the connection after it anyway). A refusal before routing has no route
+//! the connection after it anyway). A head past the configured size limits
+//! (Pingora's parser stops at 256 headers or 1 MiB, above ours) gets the
+//! `431` the edge gives every other oversized head. A refusal before routing has no route
 //! rules to apply, as for the edge's other refusals before routing.
 
 use std::pin::Pin;
@@ -22,16 +24,26 @@ pub(super) fn is_400(bytes: &[u8]) -> bool {
     bytes.starts_with(b"HTTP/1.1 400 ") || bytes.starts_with(b"HTTP/1.0 400 ")
 }
 
-/// The edge's `400` for a head it could not parse.
-pub(super) fn response(hsts: Option<&http::HeaderValue>) -> Vec<u8> {
-    let body = crate::filters::error_body(
-        "the request head could not be parsed",
-        "invalid_request_error",
-        "bad_request",
-    );
+/// The edge's `400` for a head it could not parse, or its `431` when the
+/// head was past the configured size limits.
+pub(super) fn response(hsts: Option<&http::HeaderValue>, too_large: bool) -> Vec<u8> {
+    let (status, message, code) = match too_large {
+        true => (
+            "431 Request Header Fields Too Large",
+            "request headers too large",
+            "headers_too_large",
+        ),
+        false => (
+            "400 Bad Request",
+            "the request head could not be parsed",
+            "bad_request",
+        ),
+    };
+    let body = crate::filters::error_body(message, "invalid_request_error", code);
     let id = crate::filters::new_request_id();
     let mut out = Vec::with_capacity(256 + body.len());
-    out.extend_from_slice(b"HTTP/1.1 400 Bad Request\r\ncontent-type: application/json\r\n");
+    out.extend_from_slice(format!("HTTP/1.1 {status}\r\n").as_bytes());
+    out.extend_from_slice(b"content-type: application/json\r\n");
     out.extend_from_slice(format!("content-length: {}\r\n", body.len()).as_bytes());
     out.extend_from_slice(b"connection: close\r\ncache-control: private, no-store\r\n");
     out.extend_from_slice(b"x-request-id: ");
@@ -107,7 +119,7 @@ mod tests {
     #[test]
     fn the_replacement_is_a_complete_json_error_with_the_policy_headers() {
         let hsts = http::HeaderValue::from_static("max-age=600");
-        let r = String::from_utf8(response(Some(&hsts))).unwrap();
+        let r = String::from_utf8(response(Some(&hsts), false)).unwrap();
         let (head, body) = r.split_once("\r\n\r\n").unwrap();
         assert!(head.starts_with("HTTP/1.1 400 Bad Request\r\n"));
         assert!(head.contains("\r\nstrict-transport-security: max-age=600"));
@@ -115,9 +127,10 @@ mod tests {
         assert!(head.contains(&format!("\r\ncontent-length: {}", body.len())));
         let v: serde_json::Value = serde_json::from_str(body).unwrap();
         assert_eq!(v["error"]["code"], "bad_request");
-        assert!(!String::from_utf8(response(None))
-            .unwrap()
-            .contains("strict-transport-security"));
+        let big = String::from_utf8(response(None, true)).unwrap();
+        assert!(!big.contains("strict-transport-security"));
+        assert!(big.starts_with("HTTP/1.1 431 "));
+        assert!(big.contains("headers_too_large"));
         assert!(is_400(b"HTTP/1.1 400 Bad Request\r\n"));
         assert!(!is_400(b"HTTP/1.1 404 Not Found\r\n"));
     }

@@ -97,12 +97,14 @@ impl<A: ServerApp + Send + Sync + 'static> ServerApp for Guarded<A> {
         if stream.as_any().downcast_ref::<HeadDeadline>().is_some() {
             return self.inner.process_new(stream, shutdown).await;
         }
-        let (cap, timeout_ms, keepalive, hsts) = {
+        let (cap, timeout_ms, keepalive, limits, hsts) = {
             let cfg = self.shared.load();
+            let l = &cfg.limits;
             (
-                cfg.limits.max_connections,
-                cfg.limits.client_header_timeout_ms,
-                cfg.limits.keepalive_timeout_s,
+                l.max_connections,
+                l.client_header_timeout_ms,
+                l.keepalive_timeout_s,
+                (l.max_header_bytes, l.max_headers),
                 listener_hsts(&cfg, &stream),
             )
         };
@@ -121,6 +123,7 @@ impl<A: ServerApp + Send + Sync + 'static> ServerApp for Guarded<A> {
         let mut guarded = HeadDeadline::new(stream, timeout, slot, closed);
         guarded.hsts = hsts;
         guarded.keepalive = Duration::from_secs(keepalive.max(1));
+        guarded.limits = limits;
         self.inner.process_new(Box::new(guarded), shutdown).await
     }
 
@@ -147,6 +150,13 @@ pub fn mark_seen(stream: Option<&Stream>) {
     if let Some(g) = stream.and_then(|s| s.as_any().downcast_ref::<HeadDeadline>()) {
         g.seen.store(true, Ordering::Relaxed);
     }
+}
+
+/// Bytes and lines of the head being read (the request line is a line).
+#[derive(Debug, Clone, Copy, Default)]
+struct HeadSize {
+    bytes: usize,
+    lines: usize,
 }
 
 /// Where a connection is in its current request head.
@@ -178,6 +188,10 @@ pub struct HeadDeadline {
     rewrite: Rewrite,
     /// Bytes the h2c check read, not yet handed to a read (`preface`).
     peeked: Vec<u8>,
+    /// Size of the current head so far.
+    head: HeadSize,
+    /// `max_header_bytes` and `max_headers` of the config at accept.
+    limits: (usize, usize),
     /// The idle wait for a next request, for the h2c check (a backstop:
     /// Pingora's own keepalive timeout usually closes an idle connection
     /// before the check starts).
@@ -214,6 +228,8 @@ impl HeadDeadline {
             hsts: None,
             rewrite: Rewrite::Idle,
             peeked: Vec::new(),
+            head: HeadSize::default(),
+            limits: (usize::MAX, usize::MAX),
             keepalive: Duration::from_secs(75),
         };
         // The first head is timed from the accept, as nginx times it.
@@ -247,19 +263,24 @@ impl HeadDeadline {
             // The next request starts with this byte.
             self.phase = Phase::Head { since_lf: 1 };
             self.seen.store(false, Ordering::Relaxed);
+            self.head = HeadSize::default();
             self.arm();
         }
         let Phase::Head { mut since_lf } = self.phase else {
             return;
         };
         for &b in bytes {
+            self.head.bytes += 1;
             match b {
                 b'\n' if since_lf == 0 => {
                     self.phase = Phase::Done { wrote: false };
                     self.deadline = None;
                     return;
                 }
-                b'\n' => since_lf = 0,
+                b'\n' => {
+                    since_lf = 0;
+                    self.head.lines += 1;
+                }
                 // A CR before the line feed does not start a line.
                 b'\r' => {}
                 _ => since_lf += 1,
@@ -280,7 +301,12 @@ impl HeadDeadline {
     /// Write our `400` in place of a write of `len` bytes of Pingora's.
     fn poll_replace(&mut self, cx: &mut Context<'_>, len: usize) -> Poll<std::io::Result<usize>> {
         if !self.rewrite.active() {
-            self.rewrite.start(bare::response(self.hsts.as_ref()));
+            // Past the configured limits Pingora's parser gives up too
+            // (at 256 headers or 1 MiB): that is a 431, as for the heads
+            // Pingora parses and our filter refuses.
+            let too_large = self.head.bytes > self.limits.0 || self.head.lines > self.limits.1 + 1;
+            self.rewrite
+                .start(bare::response(self.hsts.as_ref(), too_large));
             self.phase = Phase::Done { wrote: true };
         }
         self.rewrite.poll(&mut self.inner, cx, len)
@@ -523,6 +549,8 @@ mod tests {
             hsts: None,
             rewrite: Rewrite::Idle,
             peeked: Vec::new(),
+            head: HeadSize::default(),
+            limits: (usize::MAX, usize::MAX),
             keepalive: Duration::from_secs(75),
         }
     }

@@ -133,6 +133,17 @@ impl ProxyHttp for EdgeProxy {
     async fn request_filter(&self, session: &mut Session, ctx: &mut Ctx) -> Result<bool> {
         // From here every response to this request passes the policy.
         crate::edge::conn::mark_seen(session.as_downstream().stream());
+        // Pipelined requests (RFC 9112 9.3.2) are answered in order, one
+        // after the other, as nginx does; Pingora's default drops every
+        // request after the first and closes. Not after a chunked body:
+        // Pingora's chunk parser is lax (an empty chunk-size line ends the
+        // body), so bytes a strict reader would call body must not become
+        // a request: such a connection closes after its response.
+        let chunked = session
+            .req_header()
+            .headers
+            .contains_key(http::header::TRANSFER_ENCODING);
+        session.as_downstream_mut().set_pipelining_enabled(!chunked);
         let cfg = ctx.cfg.clone();
         let redirect = self.identify(session, ctx, &cfg);
         // Our idle timeout, only where Pingora left keepalive on: it turns it
