@@ -302,6 +302,34 @@ async fn warm_pool(old: Option<&Arc<Pool>>, pool: &Arc<Pool>) {
     health::probe_new_members(pool, &carried).await;
 }
 
+/// A SIGHUP that arrived before [`SighupService`] took the signal over.
+static EARLY_HUP: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+extern "C" fn note_early_hup(_: libc::c_int) {
+    // Async-signal-safe: one atomic store.
+    EARLY_HUP.store(true, std::sync::atomic::Ordering::SeqCst);
+}
+
+/// Catch SIGHUP from the start of `serve`: the listening sockets are bound
+/// (and accept connections) before the services run, so a SIGHUP sent as
+/// soon as the port answers would otherwise find the default action, which
+/// ends the process. The service reloads for it once it runs.
+#[allow(unsafe_code)]
+pub fn catch_early_sighup() {
+    // SAFETY: installs a handler that only stores to an atomic (async-
+    // signal-safe), before any other thread uses SIGHUP; tokio's handler
+    // replaces it when the service starts.
+    unsafe {
+        let mut act: libc::sigaction = std::mem::zeroed();
+        act.sa_sigaction = note_early_hup as extern "C" fn(libc::c_int) as usize;
+        libc::sigemptyset(&mut act.sa_mask);
+        act.sa_flags = libc::SA_RESTART;
+        if libc::sigaction(libc::SIGHUP, &act, std::ptr::null_mut()) != 0 {
+            log::warn!("cannot catch SIGHUP before the services start");
+        }
+    }
+}
+
 /// SIGHUP triggers a reload.
 pub struct SighupService(pub Arc<Manager>);
 
@@ -313,6 +341,14 @@ impl BackgroundService for SighupService {
             log::error!("cannot install the SIGHUP handler; reload through the admin API");
             return;
         };
+        // Taken over: one that came before is answered now.
+        if EARLY_HUP.swap(false, std::sync::atomic::Ordering::SeqCst) {
+            log::info!(
+                "SIGHUP (during startup): reloading {}",
+                self.0.path().display()
+            );
+            let _ = self.0.reload().await;
+        }
         loop {
             tokio::select! {
                 _ = shutdown.changed() => return,

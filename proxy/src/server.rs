@@ -99,6 +99,7 @@ pub fn serve(path: &Path, opts: ServeOptions) -> anyhow::Result<()> {
     readiness.watch_models(front.clone());
     let inflight = Arc::new(AtomicUsize::new(0));
 
+    crate::reload::catch_early_sighup();
     let mut sockets = bind_listeners(&listeners, admin_listen.as_deref(), opts.upgrade)?;
 
     let pid_file = conf.pid_file.clone();
