@@ -124,6 +124,9 @@ impl<A: ServerApp + Send + Sync + 'static> ServerApp for Guarded<A> {
         guarded.hsts = hsts;
         guarded.keepalive = Duration::from_secs(keepalive.max(1));
         guarded.limits = limits;
+        if !guarded.read_first_head().await {
+            return None;
+        }
         self.inner.process_new(Box::new(guarded), shutdown).await
     }
 
@@ -150,6 +153,21 @@ pub fn mark_seen(stream: Option<&Stream>) {
     if let Some(g) = stream.and_then(|s| s.as_any().downcast_ref::<HeadDeadline>()) {
         g.seen.store(true, Ordering::Relaxed);
     }
+}
+
+/// Whether `bytes` hold a whole request head: a line feed right after an
+/// empty line (CRs ignored), as [`HeadDeadline::saw`] reads it.
+fn head_ends(bytes: &[u8]) -> bool {
+    let mut since_lf = 1usize;
+    for &b in bytes {
+        match b {
+            b'\n' if since_lf == 0 => return true,
+            b'\n' => since_lf = 0,
+            b'\r' => {}
+            _ => since_lf += 1,
+        }
+    }
+    false
 }
 
 /// Bytes and lines of the head being read (the request line is a line).
@@ -287,6 +305,50 @@ impl HeadDeadline {
             }
         }
         self.phase = Phase::Head { since_lf };
+    }
+
+    /// Read the first request head (or enough of it to tell the HTTP/2
+    /// preface) before Pingora's session for it exists. Pingora's
+    /// per-connection state (its session, buffers and proxy future, some
+    /// tens of KiB) is then only allocated for a connection with a whole
+    /// head: a slowloris connection holds this stream and the bytes it
+    /// sent. The bytes are handed to Pingora's reads afterwards, through
+    /// `peeked`. False when the connection is to be closed: the client
+    /// went away, or the head deadline passed (counted).
+    async fn read_first_head(&mut self) -> bool {
+        use tokio::io::AsyncReadExt;
+        if self.phase == Phase::Off {
+            return true;
+        }
+        // Past the limit the head is Pingora's to refuse (a 431, `bare`).
+        let cap = self.limits.0.saturating_add(1).min(1 << 20);
+        loop {
+            let b = &self.peeked;
+            let preface = preface::could_be_preface(b);
+            if b.len() > cap
+                || (preface && b.len() >= preface::PREFACE.len())
+                || (!preface && head_ends(b))
+            {
+                return true;
+            }
+            self.peeked.reserve(1024);
+            let read = self.inner.read_buf(&mut self.peeked);
+            let n = match self.deadline.as_mut() {
+                Some(d) => tokio::select! {
+                    r = read => r,
+                    _ = d.as_mut() => {
+                        self.deadline = None;
+                        self.phase = Phase::Off;
+                        self.closed.inc();
+                        return false;
+                    }
+                },
+                None => read.await,
+            };
+            if !matches!(n, Ok(n) if n > 0) {
+                return false;
+            }
+        }
     }
 
     /// Whether a write beginning with `first` is Pingora's bare refusal of
@@ -582,6 +644,14 @@ mod tests {
         g.wrote(b"HTTP/1.1 200 OK\r\n\r\n");
         g.saw(b"GET /next");
         assert!(matches!(g.phase, Phase::Head { .. }));
+    }
+
+    #[test]
+    fn a_whole_head_is_told_as_saw_tells_it() {
+        assert!(head_ends(b"GET / HTTP/1.1\r\nHost: a\r\n\r\n"));
+        assert!(head_ends(b"GET / HTTP/1.0\n\nbody"));
+        assert!(!head_ends(b"GET / HTTP/1.1\r\nHost: a\r\n"));
+        assert!(!head_ends(b""));
     }
 
     #[test]
