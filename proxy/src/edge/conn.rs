@@ -155,19 +155,29 @@ pub fn mark_seen(stream: Option<&Stream>) {
     }
 }
 
-/// Whether `bytes` hold a whole request head: a line feed right after an
-/// empty line (CRs ignored), as [`HeadDeadline::saw`] reads it.
+/// One byte of a request head: the count of bytes since the last line feed
+/// after it, or `None` when it ends the head (a line feed right after an
+/// empty line; a CR before a line feed does not start a line).
+fn head_step(since_lf: usize, b: u8) -> Option<usize> {
+    match b {
+        b'\n' if since_lf == 0 => None,
+        b'\n' => Some(0),
+        b'\r' => Some(since_lf),
+        _ => Some(since_lf + 1),
+    }
+}
+
+/// Whether `bytes` hold a whole request head, as [`HeadDeadline::saw`]
+/// reads it.
 fn head_ends(bytes: &[u8]) -> bool {
     let mut since_lf = 1usize;
-    for &b in bytes {
-        match b {
-            b'\n' if since_lf == 0 => return true,
-            b'\n' => since_lf = 0,
-            b'\r' => {}
-            _ => since_lf += 1,
+    bytes.iter().any(|&b| match head_step(since_lf, b) {
+        Some(n) => {
+            since_lf = n;
+            false
         }
-    }
-    false
+        None => true,
+    })
 }
 
 /// Bytes and lines of the head being read (the request line is a line).
@@ -289,20 +299,15 @@ impl HeadDeadline {
         };
         for &b in bytes {
             self.head.bytes += 1;
-            match b {
-                b'\n' if since_lf == 0 => {
-                    self.phase = Phase::Done { wrote: false };
-                    self.deadline = None;
-                    return;
-                }
-                b'\n' => {
-                    since_lf = 0;
-                    self.head.lines += 1;
-                }
-                // A CR before the line feed does not start a line.
-                b'\r' => {}
-                _ => since_lf += 1,
+            let Some(n) = head_step(since_lf, b) else {
+                self.phase = Phase::Done { wrote: false };
+                self.deadline = None;
+                return;
+            };
+            if b == b'\n' {
+                self.head.lines += 1;
             }
+            since_lf = n;
         }
         self.phase = Phase::Head { since_lf };
     }
@@ -599,22 +604,8 @@ mod tests {
         let gauge = prometheus::IntGauge::new("g", "g").unwrap();
         let closed = prometheus::IntCounter::new("c", "c").unwrap();
         let slot = Slot { open, gauge };
-        HeadDeadline {
-            inner: Box::new(a),
-            timeout: Duration::ZERO,
-            phase: Phase::Head { since_lf: 1 },
-            deadline: None,
-            first: true,
-            _slot: slot,
-            closed,
-            seen: AtomicBool::new(false),
-            hsts: None,
-            rewrite: Rewrite::Idle,
-            peeked: Vec::new(),
-            head: HeadSize::default(),
-            limits: (usize::MAX, usize::MAX),
-            keepalive: Duration::from_secs(75),
-        }
+        // No ALPN and no timeout: watching a head, no deadline armed.
+        HeadDeadline::new(Box::new(a), Duration::ZERO, slot, closed)
     }
 
     #[test]
