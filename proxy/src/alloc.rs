@@ -3,10 +3,10 @@
 //! An allocator keeps freed memory for reuse and gives it back on its own
 //! schedule, so the memory a burst took (an overload shed, a flood of
 //! connections) stayed mapped well after it. Once the process is quiet
-//! again after activity (no request, async job or upstream stream in
-//! flight; checked once a second) every arena is asked to purge its free
-//! pages: a busy server never pays for it, and an idle one is back to its
-//! idle memory within a second or two of the last request.
+//! again after activity (no request started for a whole second, and no
+//! request, async job or upstream stream in flight) every arena is asked
+//! to purge its free pages: a busy server never pays for it, and an idle
+//! one is back to its idle memory within two seconds of the last request.
 //!
 //! Why jemalloc is the default (benches/RESULTS.md section 10, round 3):
 //! - mimalloc keeps a 64 KiB page mapped while any block in it lives, so a
@@ -25,7 +25,7 @@ use pingora::services::background::BackgroundService;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
-/// Something allocated since the last release.
+/// A request started since the last check.
 static BUSY: AtomicBool = AtomicBool::new(false);
 
 /// How often the quiet check runs.
@@ -79,14 +79,31 @@ pub fn release() {
 pub struct Releaser<F> {
     /// Whether nothing is in flight now.
     pub quiet: F,
+    /// Activity since the last release: a release is owed.
+    pub owed: AtomicBool,
 }
 
 impl<F: Fn() -> bool> Releaser<F> {
-    /// One check: release if there was activity since the last release and
-    /// there is none now. Returns whether it released.
+    /// A releaser with nothing owed yet.
+    pub fn new(quiet: F) -> Self {
+        Releaser {
+            quiet,
+            owed: AtomicBool::new(false),
+        }
+    }
+
+    /// One check: release when a release is owed, no request started since
+    /// the last check, and nothing is in flight. A purge of a large heap
+    /// holds the allocator's arena locks for a while, so it waits for a
+    /// whole quiet interval rather than a momentary gap between requests.
+    /// Returns whether it released.
     pub fn tick(&self) -> bool {
-        if BUSY.load(Ordering::Relaxed) && (self.quiet)() {
-            BUSY.store(false, Ordering::Relaxed);
+        if BUSY.swap(false, Ordering::Relaxed) {
+            self.owed.store(true, Ordering::Relaxed);
+            return false;
+        }
+        if self.owed.load(Ordering::Relaxed) && (self.quiet)() {
+            self.owed.store(false, Ordering::Relaxed);
             release();
             return true;
         }
@@ -116,16 +133,17 @@ mod tests {
     #[test]
     fn releases_once_per_quiet_period_after_activity() {
         let inflight = AtomicUsize::new(0);
-        let r = Releaser {
-            quiet: || inflight.load(Ordering::Relaxed) == 0,
-        };
+        let r = Releaser::new(|| inflight.load(Ordering::Relaxed) == 0);
         BUSY.store(false, Ordering::Relaxed);
         assert!(!r.tick(), "no activity yet");
         note_busy();
         inflight.store(1, Ordering::Relaxed);
-        assert!(!r.tick(), "busy now");
+        assert!(!r.tick(), "a request started in this interval");
+        assert!(!r.tick(), "still in flight");
         inflight.store(0, Ordering::Relaxed);
-        assert!(r.tick(), "quiet after activity");
+        note_busy();
+        assert!(!r.tick(), "a request started in this interval");
+        assert!(r.tick(), "a whole quiet interval after activity");
         assert!(!r.tick(), "once per quiet period");
     }
 }

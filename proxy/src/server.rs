@@ -236,7 +236,7 @@ pub fn serve(path: &Path, opts: ServeOptions) -> anyhow::Result<()> {
     };
     server.add_service(background_service(
         "memory release",
-        crate::alloc::Releaser { quiet },
+        crate::alloc::Releaser::new(quiet),
     ));
     let grace = Duration::from_secs(shared.load().server.grace_period_s);
     spawn_drain_watcher(&server, inflight, log, pid_file, grace);
