@@ -126,7 +126,7 @@ impl Metrics {
         let conns_closed = must(IntCounterVec::new(
             Opts::new(
                 "ultrafast_downstream_connections_closed_total",
-                "Connections the guard closed: header_timeout (client_header_timeout_ms), max_connections.",
+                "Connections closed by a limit: header_timeout (client_header_timeout_ms), preface_timeout (h2c_preface_timeout_ms), body_timeout (client_body_timeout_ms), send_timeout (send_timeout_ms), max_connections.",
             ),
             &["reason"],
         ));
@@ -134,6 +134,9 @@ impl Metrics {
             open: conns_open.clone(),
             header_timeout: conns_closed.with_label_values(&["header_timeout"]),
             max_connections: conns_closed.with_label_values(&["max_connections"]),
+            preface_timeout: conns_closed.with_label_values(&["preface_timeout"]),
+            body_timeout: conns_closed.with_label_values(&["body_timeout"]),
+            send_timeout: conns_closed.with_label_values(&["send_timeout"]),
         };
         let admitted = must(IntCounterVec::new(
             Opts::new(

@@ -107,6 +107,8 @@ pub struct Route {
     /// Token budgets of the route's rate limits (reserve before running an
     /// inference request, settle with its usage).
     pub budgets: Vec<Arc<crate::admission::budget::TokenBudget>>,
+    /// Read a proxied body whole before taking an upstream connection.
+    pub request_buffering: bool,
 }
 
 #[derive(Debug, Default)]
@@ -276,6 +278,7 @@ mod tests {
             lane: 0,
             limiters: Vec::new(),
             budgets: Vec::new(),
+            request_buffering: true,
         })
     }
 

@@ -28,6 +28,10 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
+/// Most decoded bytes of an HTTP/2 header list (as Pingora's HTTP/1
+/// parser reads at most 1 MiB of a head).
+const H2_HEADER_LIST_MAX: u32 = 1 << 20;
+
 /// Options of `ultrafast serve`.
 #[derive(Debug, Clone, Default)]
 pub struct ServeOptions {
@@ -132,7 +136,15 @@ pub fn serve(path: &Path, opts: ServeOptions) -> anyhow::Result<()> {
         // response policy (Pingora's own 405 would bypass it).
         options.allow_connect_method_proxying = true;
         app.server_options = Some(options);
-        let app = Guarded::new(app, shared.clone(), open.clone(), metrics.conns.clone());
+        // Pingora's HTTP/2 list limit (64 KiB) answers a larger head with a
+        // connection error, or a bare 431 past our policy: decode up to the
+        // 1 MiB its HTTP/1 parser reads, so that our filter refuses it
+        // (`max_header_bytes`) with the 431 every other oversized head gets.
+        let mut h2 = pingora::protocols::http::v2::server::default_h2_options();
+        h2.max_header_list_size(H2_HEADER_LIST_MAX);
+        app.h2_options = Some(h2);
+        let app =
+            Guarded::new(app, shared.clone(), open.clone(), metrics.conns.clone()).with_h2c(l.h2c);
         let handshake = match &l.tls {
             None => Handshake::Plain,
             Some(tls) => {

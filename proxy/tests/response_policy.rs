@@ -441,6 +441,79 @@ fn too_many_headers_is_a_431_of_its_route() {
     assert_policy("431", &r, "rid-431", false, true);
 }
 
+/// A GET over h2c with `headers`: the status and the response headers.
+fn h2_get(port: u16, headers: &[(&str, &str)]) -> (u16, BTreeMap<String, String>) {
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    rt.block_on(async {
+        let tcp = tokio::net::TcpStream::connect(("127.0.0.1", port))
+            .await
+            .unwrap();
+        let (mut client, conn) = h2::client::Builder::new()
+            .max_header_list_size(1 << 20)
+            .handshake::<_, bytes::Bytes>(tcp)
+            .await
+            .unwrap();
+        tokio::spawn(conn);
+        let mut req = http::Request::get(format!("http://127.0.0.1:{port}/"));
+        for (k, v) in headers {
+            req = req.header(*k, *v);
+        }
+        let (resp, _) = client.send_request(req.body(()).unwrap(), true).unwrap();
+        let resp = tokio::time::timeout(std::time::Duration::from_secs(10), resp)
+            .await
+            .expect("an answer in time")
+            .expect("an answer, not a stream or connection error");
+        let head = resp
+            .headers()
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_str().unwrap_or("").to_string()))
+            .collect();
+        (resp.status().as_u16(), head)
+    })
+}
+
+#[test]
+fn an_http2_header_list_past_the_limits_is_a_431_of_its_route() {
+    let e = start();
+    // 80 KB of one header: past Pingora's 64 KB HTTP/2 list (a refused
+    // stream there) and our max_header_bytes. curl (nghttp2) will not send
+    // a block past 64 KB, so an h2 client sends it, over h2c.
+    let port = free_port();
+    let uf = Ultrafast::start(&format!(
+        "[[listeners]]\nname = \"h2c\"\naddress = \"127.0.0.1:{port}\"\nh2c = true\n\n\
+         [[routes]]\npath = \"/\"\nreturn = {{ status = 200, body = \"ok\" }}\n"
+    ));
+    let (status, head) = h2_get(
+        port,
+        &[
+            ("x-request-id", "rid-431-h2"),
+            ("x-big", &"a".repeat(80_000)),
+        ],
+    );
+    assert_eq!(status, 431, "{head:?}");
+    assert_eq!(
+        head.get("x-request-id").map(String::as_str),
+        Some("rid-431-h2")
+    );
+    assert_eq!(
+        head.get("content-type").map(String::as_str),
+        Some("application/json")
+    );
+    drop(uf);
+    // Too many headers over HTTP/2 (TLS, ALPN h2), as curl sends them.
+    let many: Vec<String> = (0..40).map(|i| format!("x-h{i}: 1")).collect();
+    let mut args = vec!["-H", "X-Request-Id: rid-431-h2n"];
+    for h in &many {
+        args.extend(["-H", h.as_str()]);
+    }
+    let r = curl(e.tls_port, "--http2", "/fixed", &args);
+    assert_eq!(r.status, 431, "{r:?}");
+    assert_policy("431 over HTTP/2", &r, "rid-431-h2n", true, true);
+}
+
 #[test]
 fn a_rate_limit_shed_is_a_429_with_the_policy() {
     let e = start();

@@ -51,25 +51,9 @@ impl Drop for Attack {
     }
 }
 
-/// Server-side connections of `port` that the edge still holds open
-/// (ESTABLISHED or CLOSE_WAIT in `/proc/net/tcp`).
-fn held(port: u16) -> usize {
-    let table = std::fs::read_to_string("/proc/net/tcp").unwrap();
-    let port = format!("{port:04X}");
-    table
-        .lines()
-        .skip(1)
-        .filter(|l| {
-            let f: Vec<&str> = l.split_whitespace().collect();
-            f.len() > 3
-                && f[1].rsplit(':').next() == Some(port.as_str())
-                && matches!(f[3], "01" | "08")
-        })
-        .count()
-}
-
-/// What the normal client saw: latencies, failures, held-connection samples.
-type Seen = (Vec<Duration>, Vec<String>, Vec<usize>);
+/// What the normal client saw: latencies, failures, held-connection
+/// samples of the edge and of the origin.
+type Seen = (Vec<Duration>, Vec<String>, Vec<usize>, Vec<usize>);
 
 /// A normal client: a GET every 100 ms on a fresh connection, with its
 /// latency, plus a sample of held connections every 100 ms.
@@ -79,11 +63,12 @@ struct Watch {
 }
 
 impl Watch {
-    fn start(uf: &Ultrafast) -> Watch {
+    fn start(uf: &Ultrafast, origin: u16) -> Watch {
         let (stop, addr, port) = (Arc::new(AtomicBool::new(false)), uf.addr, uf.addr.port());
         let s = stop.clone();
         let thread = std::thread::spawn(move || {
             let (mut lat, mut errors, mut counts) = (Vec::new(), Vec::new(), Vec::new());
+            let mut upstream = Vec::new();
             while !s.load(Ordering::SeqCst) {
                 let t = Instant::now();
                 match Client::connect(addr).and_then(|mut c| c.request("GET", "/", &[], b"")) {
@@ -91,10 +76,12 @@ impl Watch {
                     Ok(r) => errors.push(format!("status {}", r.status)),
                     Err(e) => errors.push(e.to_string()),
                 }
-                counts.push(held(port));
+                let n = held_by(&[port, origin]);
+                counts.push(n[0]);
+                upstream.push(n[1]);
                 std::thread::sleep(Duration::from_millis(100).saturating_sub(t.elapsed()));
             }
-            (lat, errors, counts)
+            (lat, errors, counts, upstream)
         });
         Watch {
             stop,
@@ -125,16 +112,20 @@ fn edge(limits: &str) -> (Origin, Ultrafast) {
 
 /// Run `args` against `uf` for its `-l` (at most `length`), with the
 /// normal client watching; returns the held-connection samples (every
-/// 100 ms) and how long the attacker ran (`slowhttptest` leaves early once
+/// 100 ms; the edge's, then the origin's) and how long the attacker ran (`slowhttptest` leaves early once
 /// the server has closed all its connections). Fails on any failed probe
 /// or a probe p99 over 100 ms.
-fn attack(uf: &Ultrafast, args: &[&str], length: Duration) -> (Vec<usize>, Duration) {
-    let watch = Watch::start(uf);
+fn attack(
+    (origin, uf): &(Origin, Ultrafast),
+    args: &[&str],
+    length: Duration,
+) -> (Vec<usize>, Vec<usize>, Duration) {
+    let watch = Watch::start(uf, origin.addr.port());
     let started = Instant::now();
     let mut atk = Attack::start(&uf.dir, args);
     let ended = atk.wait(length + Duration::from_secs(10));
     let ran = started.elapsed();
-    let (lat, errors, counts) = watch.finish();
+    let (lat, errors, counts, upstream) = watch.finish();
     let log = std::fs::read_to_string(uf.dir.join("slowhttptest.log")).unwrap_or_default();
     assert!(ended, "slowhttptest ran past its length: {log}");
     assert!(errors.is_empty(), "normal client failed: {errors:?}");
@@ -145,17 +136,18 @@ fn attack(uf: &Ultrafast, args: &[&str], length: Duration) -> (Vec<usize>, Durat
         counts.iter().max()
     );
     assert!(p < Duration::from_millis(100), "p99 {p:?} under attack");
-    (counts, ran)
+    (counts, upstream, ran)
 }
 
 #[test]
 fn slowloris_is_closed_by_the_head_deadline_and_does_not_slow_normal_clients() {
     let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
-    let (_a, uf) = edge("client_header_timeout_ms = 3000");
+    let e = edge("client_header_timeout_ms = 3000");
+    let uf = &e.1;
     let url = format!("http://{}/", uf.addr);
     // A header line every 2 s: each read is quick, the whole head is not.
-    let (counts, ran) = attack(
-        &uf,
+    let (counts, _upstream, ran) = attack(
+        &e,
         &[
             "-H", "-c", "200", "-r", "200", "-i", "2", "-x", "8", "-l", "20", "-p", "3", "-u", &url,
         ],
@@ -186,11 +178,12 @@ fn slowloris_is_closed_by_the_head_deadline_and_does_not_slow_normal_clients() {
 #[test]
 fn a_trickled_body_is_closed_by_client_body_timeout() {
     let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
-    let (_a, uf) = edge("client_body_timeout_ms = 1500");
+    let e = edge("client_body_timeout_ms = 1500");
+    let uf = &e.1;
     let url = format!("http://{}/", uf.addr);
     // A body byte group every 4 s: over the 1.5 s deadline.
-    let (counts, ran) = attack(
-        &uf,
+    let (counts, upstream, ran) = attack(
+        &e,
         &[
             "-B", "-c", "200", "-r", "200", "-i", "4", "-s", "8192", "-x", "8", "-l", "12", "-p",
             "3", "-u", &url,
@@ -200,6 +193,15 @@ fn a_trickled_body_is_closed_by_client_body_timeout() {
     let max = counts.iter().copied().max().unwrap_or(0);
     assert!(max >= 100, "the attack held only {max} connections");
     assert!(max <= 210, "held {max} for 200 attack connections");
+    // Request buffering: a body still arriving holds no origin connection
+    // (the normal client's requests keep one or two in the pool).
+    let up = upstream.iter().copied().max().unwrap_or(0);
+    assert!(up <= 3, "the origin held {up} connections for slow bodies");
+    let closed = uf.metric(
+        "ultrafast_downstream_connections_closed_total",
+        &["body_timeout"],
+    );
+    assert!(closed >= 100.0, "{closed} counted at the body deadline");
     // slowhttptest stops once every connection it opened is closed: the
     // deadline closed them all long before the attack's 12 s.
     assert!(
@@ -216,11 +218,12 @@ fn a_trickled_body_is_closed_by_client_body_timeout() {
 #[test]
 fn a_client_that_stops_reading_is_closed_by_send_timeout() {
     let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
-    let (_a, uf) = edge("send_timeout_ms = 1500");
+    let e = edge("send_timeout_ms = 1500");
+    let uf = &e.1;
     // 4 MB each, read through a window of a few bytes.
     let url = format!("http://{}/big/4000000", uf.addr);
-    let (counts, ran) = attack(
-        &uf,
+    let (counts, _upstream, ran) = attack(
+        &e,
         &[
             "-X", "-c", "100", "-r", "100", "-w", "1", "-y", "16", "-n", "2", "-z", "8", "-l",
             "12", "-p", "3", "-u", &url,
@@ -244,4 +247,9 @@ fn a_client_that_stops_reading_is_closed_by_send_timeout() {
         ran >= Duration::from_secs(11),
         "the attack ended after {ran:?}"
     );
+    let closed = uf.metric(
+        "ultrafast_downstream_connections_closed_total",
+        &["send_timeout"],
+    );
+    assert!(closed >= 50.0, "{closed} counted at the send deadline");
 }

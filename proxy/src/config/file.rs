@@ -520,6 +520,21 @@ pub struct LimitsSection {
     /// reading) before the connection is closed (nginx `send_timeout`);
     /// 0 = no limit.
     pub send_timeout_ms: u64,
+    /// On an `h2c` listener, ms a new connection has to show whether it
+    /// speaks HTTP/2 (its 24-byte preface) or HTTP/1; 0 = the head deadline
+    /// (`client_header_timeout_ms`, as nginx times the preface).
+    pub h2c_preface_timeout_ms: u64,
+    /// Read a proxied request body whole before an upstream connection is
+    /// taken (nginx `proxy_request_buffering on`), so a slow client holds
+    /// no upstream connection; a route can turn it off.
+    pub request_buffering: bool,
+    /// KiB of a buffered body held in memory (nginx
+    /// `client_body_buffer_size`); the rest, up to `client_max_body_bytes`,
+    /// goes to an unlinked temporary file. At most 64.
+    pub client_body_buffer_kb: usize,
+    /// Directory of those temporary files (nginx
+    /// `client_body_temp_path`); empty = the system's temporary directory.
+    pub client_body_temp_path: String,
 }
 
 impl Default for LimitsSection {
@@ -533,6 +548,10 @@ impl Default for LimitsSection {
             max_connections: 16_384,
             client_body_timeout_ms: 60_000,
             send_timeout_ms: 60_000,
+            h2c_preface_timeout_ms: 0,
+            request_buffering: true,
+            client_body_buffer_kb: 16,
+            client_body_temp_path: String::new(),
         }
     }
 }
@@ -551,6 +570,16 @@ pub struct ListenerSection {
     pub h2c: bool,
     /// Answer every request with a 301 to `https://HOST:PORT/...` (0 = off).
     pub redirect_https_port: u16,
+    /// This listener's `client_header_timeout_ms` (default: `[limits]`'s).
+    pub client_header_timeout_ms: Option<u64>,
+    /// This listener's `client_body_timeout_ms` (default: `[limits]`'s).
+    pub client_body_timeout_ms: Option<u64>,
+    /// This listener's `send_timeout_ms` (default: `[limits]`'s).
+    pub send_timeout_ms: Option<u64>,
+    /// This listener's `keepalive_timeout_s` (default: `[limits]`'s).
+    pub keepalive_timeout_s: Option<u64>,
+    /// This listener's `h2c_preface_timeout_ms` (default: `[limits]`'s).
+    pub h2c_preface_timeout_ms: Option<u64>,
 }
 
 /// `tls = { ... }` of a listener.
@@ -638,6 +667,9 @@ pub struct RouteSection {
     /// Serve the OpenAI-compatible API (`/v1/chat/completions`,
     /// `/v1/completions`, `/v1/models`, async requests) from `[models]`.
     pub inference: bool,
+    /// `false` streams a request body upstream as it arrives (nginx
+    /// `proxy_request_buffering off`); default: `[limits]`'s.
+    pub request_buffering: Option<bool>,
 }
 
 /// `return = { status, body }`.

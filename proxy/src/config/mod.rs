@@ -91,6 +91,25 @@ pub enum LogFormat {
     Combined,
 }
 
+/// A listener's deadlines on its clients (`[limits]`'s unless the
+/// listener sets its own); nginx's directive beside each.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Deadlines {
+    /// Whole-request-head deadline, ms, 0 = none (`client_header_timeout`).
+    pub client_header_timeout_ms: u64,
+    /// Most time between two reads of a request body, `None`: no limit
+    /// (`client_body_timeout`).
+    pub client_body_timeout: Option<std::time::Duration>,
+    /// Most time one write to the client may take, `None`: no limit
+    /// (`send_timeout`).
+    pub send_timeout: Option<std::time::Duration>,
+    /// Idle keepalive between requests, seconds (`keepalive_timeout`).
+    pub keepalive_timeout_s: u64,
+    /// On an h2c listener, time to tell the HTTP/2 preface from HTTP/1;
+    /// `None`: the head deadline.
+    pub h2c_preface_timeout: Option<std::time::Duration>,
+}
+
 /// Downstream limits.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Limits {
@@ -100,16 +119,16 @@ pub struct Limits {
     pub max_header_bytes: usize,
     /// Max header count.
     pub max_headers: usize,
-    /// Downstream idle keepalive, seconds.
-    pub keepalive_timeout_s: u64,
-    /// Whole-request-head deadline, ms (0 = none).
-    pub client_header_timeout_ms: u64,
     /// Open traffic connections at most (0 = no cap).
     pub max_connections: usize,
-    /// Most time between two reads of a request body (`None`: no limit).
-    pub client_body_timeout: Option<std::time::Duration>,
-    /// Most time one write to the client may take (`None`: no limit).
-    pub send_timeout: Option<std::time::Duration>,
+    /// Deadlines of listeners that set none of their own.
+    pub deadlines: Deadlines,
+    /// Proxied bodies are read whole before an upstream is taken.
+    pub request_buffering: bool,
+    /// Bytes of a buffered body held in memory.
+    pub client_body_buffer_bytes: usize,
+    /// Directory of spilled bodies.
+    pub client_body_temp_path: PathBuf,
 }
 
 /// A traffic listener.
@@ -125,6 +144,8 @@ pub struct Listener {
     pub h2c: bool,
     /// Redirect everything to HTTPS on this port (0 = off).
     pub redirect_https_port: u16,
+    /// Its deadlines (`[limits]`'s where it sets none).
+    pub deadlines: Deadlines,
 }
 
 /// TLS settings of a listener.
@@ -205,6 +226,8 @@ pub struct ListenerRule {
     pub redirect_https_port: Option<u16>,
     /// HSTS header value for responses.
     pub hsts: Option<http::HeaderValue>,
+    /// The listener's deadlines.
+    pub deadlines: Deadlines,
 }
 
 impl Config {
@@ -216,10 +239,17 @@ impl Config {
         let local = local?;
         self.listener_rules.iter().find(|r| r.addr == local)
     }
+
+    /// The deadlines of the listener at `local`.
+    pub fn deadlines(&self, local: Option<std::net::SocketAddr>) -> &Deadlines {
+        self.listener_rule(local)
+            .map_or(&self.limits.deadlines, |r| &r.deadlines)
+    }
 }
 
-/// Rules for listeners that redirect or send HSTS.
-pub fn listener_rules(listeners: &[Listener]) -> Vec<ListenerRule> {
+/// Rules for listeners that redirect, send HSTS or have deadlines of
+/// their own (the others have none: the lookup stays short).
+pub fn listener_rules(listeners: &[Listener], defaults: &Deadlines) -> Vec<ListenerRule> {
     listeners
         .iter()
         .filter_map(|l| {
@@ -230,10 +260,12 @@ pub fn listener_rules(listeners: &[Listener]) -> Vec<ListenerRule> {
                 .as_ref()
                 .and_then(|t| t.hsts_max_age_s)
                 .and_then(|s| http::HeaderValue::from_str(&format!("max-age={s}")).ok());
-            (redirect.is_some() || hsts.is_some()).then_some(ListenerRule {
+            let own = l.deadlines != *defaults;
+            (redirect.is_some() || hsts.is_some() || own).then_some(ListenerRule {
                 addr,
                 redirect_https_port: redirect,
                 hsts,
+                deadlines: l.deadlines,
             })
         })
         .collect()

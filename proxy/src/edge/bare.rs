@@ -24,19 +24,34 @@ pub(super) fn is_400(bytes: &[u8]) -> bool {
     bytes.starts_with(b"HTTP/1.1 400 ") || bytes.starts_with(b"HTTP/1.0 400 ")
 }
 
-/// The edge's `400` for a head it could not parse, or its `431` when the
-/// head was past the configured size limits.
-pub(super) fn response(hsts: Option<&http::HeaderValue>, too_large: bool) -> Vec<u8> {
-    let (status, message, code) = match too_large {
-        true => (
+/// Why the edge answers a head itself.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Bare {
+    /// It could not be parsed: `400`.
+    Unparsed,
+    /// It was past the configured size limits: `431`.
+    TooLarge,
+    /// It did not arrive whole by `client_header_timeout_ms`: `408`.
+    TimedOut,
+}
+
+/// The edge's own answer to a head our filter never saw.
+pub(super) fn response(hsts: Option<&http::HeaderValue>, why: Bare) -> Vec<u8> {
+    let (status, message, code) = match why {
+        Bare::TooLarge => (
             "431 Request Header Fields Too Large",
             "request headers too large",
             "headers_too_large",
         ),
-        false => (
+        Bare::Unparsed => (
             "400 Bad Request",
             "the request head could not be parsed",
             "bad_request",
+        ),
+        Bare::TimedOut => (
+            "408 Request Timeout",
+            "the request head did not arrive in time",
+            "request_timeout",
         ),
     };
     let body = crate::filters::error_body(message, "invalid_request_error", code);
@@ -119,7 +134,7 @@ mod tests {
     #[test]
     fn the_replacement_is_a_complete_json_error_with_the_policy_headers() {
         let hsts = http::HeaderValue::from_static("max-age=600");
-        let r = String::from_utf8(response(Some(&hsts), false)).unwrap();
+        let r = String::from_utf8(response(Some(&hsts), Bare::Unparsed)).unwrap();
         let (head, body) = r.split_once("\r\n\r\n").unwrap();
         assert!(head.starts_with("HTTP/1.1 400 Bad Request\r\n"));
         assert!(head.contains("\r\nstrict-transport-security: max-age=600"));
@@ -127,7 +142,7 @@ mod tests {
         assert!(head.contains(&format!("\r\ncontent-length: {}", body.len())));
         let v: serde_json::Value = serde_json::from_str(body).unwrap();
         assert_eq!(v["error"]["code"], "bad_request");
-        let big = String::from_utf8(response(None, true)).unwrap();
+        let big = String::from_utf8(response(None, Bare::TooLarge)).unwrap();
         assert!(!big.contains("strict-transport-security"));
         assert!(big.starts_with("HTTP/1.1 431 "));
         assert!(big.contains("headers_too_large"));

@@ -22,6 +22,7 @@
 //! Both settings are read from the live config for each new connection.
 
 use super::bare::{self, Rewrite};
+use super::hold::{self, Framing, Hold, Holding, Outcome};
 use super::preface;
 use crate::config::Shared;
 use async_trait::async_trait;
@@ -50,6 +51,12 @@ pub struct ConnMetrics {
     pub header_timeout: prometheus::IntCounter,
     /// Closed at the connection cap.
     pub max_connections: prometheus::IntCounter,
+    /// Closed at an h2c listener's preface deadline.
+    pub preface_timeout: prometheus::IntCounter,
+    /// Closed (408) at `client_body_timeout_ms`.
+    pub body_timeout: prometheus::IntCounter,
+    /// Closed at `send_timeout_ms`.
+    pub send_timeout: prometheus::IntCounter,
 }
 
 /// A listener's app behind the connection guard.
@@ -58,6 +65,7 @@ pub struct Guarded<A> {
     shared: Shared,
     open: Arc<AtomicUsize>,
     metrics: ConnMetrics,
+    h2c: bool,
 }
 
 impl<A> Guarded<A> {
@@ -69,7 +77,15 @@ impl<A> Guarded<A> {
             shared,
             open,
             metrics,
+            h2c: false,
         }
+    }
+
+    /// The listener accepts HTTP/2 with prior knowledge: its preface is
+    /// timed by `h2c_preface_timeout_ms`.
+    pub fn with_h2c(mut self, h2c: bool) -> Self {
+        self.h2c = h2c;
+        self
     }
 }
 
@@ -97,13 +113,15 @@ impl<A: ServerApp + Send + Sync + 'static> ServerApp for Guarded<A> {
         if stream.as_any().downcast_ref::<HeadDeadline>().is_some() {
             return self.inner.process_new(stream, shutdown).await;
         }
-        let (cap, timeout_ms, keepalive, limits, hsts) = {
+        let (cap, deadlines, limits, hsts) = {
             let cfg = self.shared.load();
             let l = &cfg.limits;
+            let local = stream
+                .get_socket_digest()
+                .and_then(|d| d.local_addr()?.as_inet().copied());
             (
                 l.max_connections,
-                l.client_header_timeout_ms,
-                l.keepalive_timeout_s,
+                *cfg.deadlines(local),
                 (l.max_header_bytes, l.max_headers),
                 listener_hsts(&cfg, &stream),
             )
@@ -118,12 +136,16 @@ impl<A: ServerApp + Send + Sync + 'static> ServerApp for Guarded<A> {
             self.metrics.max_connections.inc();
             return None;
         }
-        let timeout = Duration::from_millis(timeout_ms);
+        let timeout = Duration::from_millis(deadlines.client_header_timeout_ms);
         let closed = self.metrics.header_timeout.clone();
         let mut guarded = HeadDeadline::new(stream, timeout, slot, closed);
         guarded.hsts = hsts;
-        guarded.keepalive = Duration::from_secs(keepalive.max(1));
+        guarded.keepalive = Duration::from_secs(deadlines.keepalive_timeout_s.max(1));
         guarded.limits = limits;
+        if self.h2c {
+            guarded.preface_timeout = deadlines.h2c_preface_timeout;
+            guarded.preface_closed = Some(self.metrics.preface_timeout.clone());
+        }
         if !guarded.read_first_head().await {
             return None;
         }
@@ -143,6 +165,14 @@ fn listener_hsts(cfg: &crate::config::Config, stream: &Stream) -> Option<http::H
     }
     let local = stream.get_socket_digest()?.local_addr()?.as_inet().copied();
     cfg.listener_rule(local)?.hsts.clone()
+}
+
+/// Wait for `sleep`, or for ever when there is none.
+async fn sleep_or_never(sleep: Option<&mut Pin<Box<tokio::time::Sleep>>>) {
+    match sleep {
+        Some(s) => s.as_mut().await,
+        None => std::future::pending().await,
+    }
 }
 
 /// Note that the proxy's request filter has seen the current request on
@@ -224,6 +254,82 @@ pub struct HeadDeadline {
     /// Pingora's own keepalive timeout usually closes an idle connection
     /// before the check starts).
     keepalive: Duration,
+    /// Request buffering (`hold`): what Pingora read past the current
+    /// head, and a body being held. Locked only by the request filter
+    /// (reads have `&mut`).
+    body: std::sync::Mutex<Body>,
+    /// On an h2c listener, the time to tell the preface from HTTP/1.
+    preface_timeout: Option<Duration>,
+    /// Closed at the preface deadline.
+    preface_closed: Option<prometheus::IntCounter>,
+}
+
+/// A connection's request-buffering state.
+#[derive(Default)]
+struct Body {
+    /// Bytes that followed the current head in the read that ended it
+    /// (Pingora's parser has them); `None` past [`hold::TAIL_MAX`].
+    tail: Option<Vec<u8>>,
+    /// The body being held, then handed over.
+    holding: Option<Holding>,
+}
+
+impl HeadDeadline {
+    fn body(&mut self) -> &mut Body {
+        self.body
+            .get_mut()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+}
+
+/// Hold the current request's body (`framing`) below Pingora's reads until
+/// it is whole (request buffering, `hold`): `mem_cap` bytes in memory, the
+/// rest in a file in `dir`, `max` at most (0: no limit), `idle` at most
+/// between two reads. False when it cannot be held here: not an HTTP/1
+/// stream of the guard, or Pingora read much of the body with the head.
+pub fn hold_body(
+    stream: Option<&Stream>,
+    framing: Framing,
+    mem_cap: usize,
+    max: u64,
+    dir: &std::path::Path,
+    idle: Option<Duration>,
+) -> bool {
+    let Some(g) = stream.and_then(|s| s.as_any().downcast_ref::<HeadDeadline>()) else {
+        return false;
+    };
+    if g.phase == Phase::Off {
+        return false;
+    }
+    let mut body = g
+        .body
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner);
+    // Bytes still held for an earlier request (pipelined behind its body)
+    // are handed over first: this body streams after them.
+    if body.holding.is_some() {
+        return false;
+    }
+    let Some(tail) = body.tail.take() else {
+        return false;
+    };
+    let hold = Hold::new(framing, &tail, mem_cap, max, dir);
+    if hold.outcome != Outcome::Reading {
+        // Pingora has the whole body already.
+        return false;
+    }
+    body.holding = Some(Holding::new(hold, idle));
+    true
+}
+
+/// How the current request's hold stands, if it has one.
+pub fn hold_outcome(stream: Option<&Stream>) -> Option<Outcome> {
+    let g = stream.and_then(|s| s.as_any().downcast_ref::<HeadDeadline>())?;
+    let body = g
+        .body
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner);
+    body.holding.as_ref().map(|h| h.hold.outcome)
 }
 
 impl std::fmt::Debug for HeadDeadline {
@@ -259,6 +365,9 @@ impl HeadDeadline {
             head: HeadSize::default(),
             limits: (usize::MAX, usize::MAX),
             keepalive: Duration::from_secs(75),
+            body: std::sync::Mutex::new(Body::default()),
+            preface_timeout: None,
+            preface_closed: None,
         };
         // The first head is timed from the accept, as nginx times it.
         if s.phase != Phase::Off {
@@ -297,11 +406,14 @@ impl HeadDeadline {
         let Phase::Head { mut since_lf } = self.phase else {
             return;
         };
-        for &b in bytes {
+        for (i, &b) in bytes.iter().enumerate() {
             self.head.bytes += 1;
             let Some(n) = head_step(since_lf, b) else {
                 self.phase = Phase::Done { wrote: false };
                 self.deadline = None;
+                let rest = &bytes[i + 1..];
+                let body = self.body();
+                body.tail = (rest.len() <= hold::TAIL_MAX).then(|| rest.to_vec());
                 return;
             };
             if b == b'\n' {
@@ -327,6 +439,9 @@ impl HeadDeadline {
         }
         // Past the limit the head is Pingora's to refuse (a 431, `bare`).
         let cap = self.limits.0.saturating_add(1).min(1 << 20);
+        let mut decide = self
+            .preface_timeout
+            .map(|d| Box::pin(tokio::time::sleep(d)));
         loop {
             let b = &self.peeked;
             let preface = preface::could_be_preface(b);
@@ -336,24 +451,45 @@ impl HeadDeadline {
             {
                 return true;
             }
+            // Only while the bytes could still begin HTTP/2's preface.
+            let undecided = preface && decide.is_some();
             self.peeked.reserve(1024);
             let read = self.inner.read_buf(&mut self.peeked);
-            let n = match self.deadline.as_mut() {
-                Some(d) => tokio::select! {
-                    r = read => r,
-                    _ = d.as_mut() => {
-                        self.deadline = None;
-                        self.phase = Phase::Off;
-                        self.closed.inc();
-                        return false;
+            let n = tokio::select! {
+                r = read => r,
+                _ = sleep_or_never(self.deadline.as_mut()) => {
+                    self.deadline = None;
+                    self.phase = Phase::Off;
+                    self.closed.inc();
+                    self.answer_timeout().await;
+                    return false;
+                }
+                _ = sleep_or_never(decide.as_mut()), if undecided => {
+                    self.deadline = None;
+                    self.phase = Phase::Off;
+                    if let Some(c) = &self.preface_closed {
+                        c.inc();
                     }
-                },
-                None => read.await,
+                    return false;
+                }
             };
             if !matches!(n, Ok(n) if n > 0) {
                 return false;
             }
         }
+    }
+
+    /// A `408` to a client whose head did not arrive in time, where one
+    /// can be understood: it has sent part of an HTTP/1 head. Written only
+    /// if the socket takes it at once; the connection closes either way.
+    async fn answer_timeout(&mut self) {
+        use tokio::io::AsyncWriteExt;
+        if self.peeked.is_empty() || preface::could_be_preface(&self.peeked) {
+            return;
+        }
+        let bytes = bare::response(self.hsts.as_ref(), bare::Bare::TimedOut);
+        let write = self.inner.write_all(&bytes);
+        let _ = tokio::time::timeout(Duration::from_millis(100), write).await;
     }
 
     /// Whether a write beginning with `first` is Pingora's bare refusal of
@@ -372,8 +508,11 @@ impl HeadDeadline {
             // (at 256 headers or 1 MiB): that is a 431, as for the heads
             // Pingora parses and our filter refuses.
             let too_large = self.head.bytes > self.limits.0 || self.head.lines > self.limits.1 + 1;
-            self.rewrite
-                .start(bare::response(self.hsts.as_ref(), too_large));
+            let why = match too_large {
+                true => bare::Bare::TooLarge,
+                false => bare::Bare::Unparsed,
+            };
+            self.rewrite.start(bare::response(self.hsts.as_ref(), why));
             self.phase = Phase::Done { wrote: true };
         }
         self.rewrite.poll(&mut self.inner, cx, len)
@@ -401,6 +540,32 @@ impl AsyncRead for HeadDeadline {
         buf: &mut ReadBuf<'_>,
     ) -> Poll<std::io::Result<()>> {
         let before = buf.filled().len();
+        let this = &mut *self;
+        let held = {
+            let body = this
+                .body
+                .get_mut()
+                .unwrap_or_else(std::sync::PoisonError::into_inner);
+            body.holding.as_mut().map(|h| {
+                // What the first-head read took past the head, not yet
+                // read by Pingora, comes before the socket's next bytes.
+                if !this.peeked.is_empty() {
+                    h.hold.add(&std::mem::take(&mut this.peeked));
+                }
+                h.poll_read(&mut this.inner, cx, buf)
+            })
+        };
+        match held {
+            None => {}
+            Some(Poll::Pending) => return Poll::Pending,
+            Some(Poll::Ready(Err(e))) => return Poll::Ready(Err(e)),
+            Some(Poll::Ready(Ok(true))) => {
+                this.saw(&buf.filled()[before..]);
+                return Poll::Ready(Ok(()));
+            }
+            // Handed over: reads go to the socket again.
+            Some(Poll::Ready(Ok(false))) => this.body().holding = None,
+        }
         if !self.peeked.is_empty() {
             // What the h2c check read, first.
             let this = &mut *self;

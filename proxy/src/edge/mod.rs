@@ -10,6 +10,7 @@ pub mod certs;
 pub mod conn;
 pub mod der;
 pub mod devcerts;
+pub mod hold;
 pub mod listener;
 mod preface;
 pub mod ticket;

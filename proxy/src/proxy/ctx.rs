@@ -63,9 +63,14 @@ pub struct Ctx {
     pub(super) upstream_start: Option<Instant>,
     pub(super) upstream_time: Option<Duration>,
     pub(super) body_bytes: u64,
+    /// The edge buffers the request body (`buffering`) and has answered
+    /// any `Expect: 100-continue` itself.
+    pub(super) body_buffered: bool,
     pub(super) error_status: u16,
     /// HSTS of the listener, sent only when `tls` (see `policy`).
     pub(super) hsts: Option<http::HeaderValue>,
+    /// Deadlines of the listener the request came in on.
+    pub(super) deadlines: crate::config::Deadlines,
     /// The request came over TLS: `X-Forwarded-Proto: https`, and HSTS.
     pub(super) tls: bool,
     pub(super) _inflight: InFlight,

@@ -13,7 +13,9 @@ impl EdgeProxy {
         ctx.request_id = filters::request_id(session.req_header());
         ctx.tls = policy::is_tls(session);
         let local = session.server_addr().and_then(|a| a.as_inet()).copied();
-        let rule = cfg.listener_rule(local)?;
+        let rule = cfg.listener_rule(local);
+        ctx.deadlines = rule.map_or(cfg.limits.deadlines, |r| r.deadlines);
+        let rule = rule?;
         ctx.hsts = rule.hsts.clone();
         rule.redirect_https_port
     }
@@ -104,6 +106,9 @@ impl EdgeProxy {
                 }
                 if filters::has_body(session.req_header()) {
                     session.enable_retry_buffering();
+                    if route.request_buffering {
+                        return self.buffer_body(session, ctx).await;
+                    }
                 }
                 Ok(false)
             }

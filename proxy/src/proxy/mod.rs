@@ -7,6 +7,7 @@
 //! and keep it to the end, so a reload never changes a request midway.
 
 mod admit;
+mod buffering;
 mod ctx;
 mod infer;
 mod local;
@@ -102,8 +103,10 @@ impl ProxyHttp for EdgeProxy {
     type CTX = Ctx;
 
     fn new_ctx(&self) -> Ctx {
+        let cfg = self.config.load_full();
         Ctx {
-            cfg: self.config.load_full(),
+            deadlines: cfg.limits.deadlines,
+            cfg,
             started: Instant::now(),
             started_wall: if self.log.enabled() {
                 SystemTime::now()
@@ -123,6 +126,7 @@ impl ProxyHttp for EdgeProxy {
             upstream_start: None,
             upstream_time: None,
             body_bytes: 0,
+            body_buffered: false,
             error_status: 0,
             hsts: None,
             tls: false,
@@ -152,13 +156,13 @@ impl ProxyHttp for EdgeProxy {
         // it, or what a front that trusted the Content-Length took for body
         // would be read here as the next request).
         if session.get_keepalive().is_some() {
-            session.set_keepalive(Some(cfg.limits.keepalive_timeout_s));
+            session.set_keepalive(Some(ctx.deadlines.keepalive_timeout_s));
         }
         // Pingora reads a body with no deadline of its own choosing (60 s
         // per read) and writes to a client with none: a client that trickles
         // its body or stops reading would hold the connection for ever.
-        session.set_read_timeout(cfg.limits.client_body_timeout);
-        session.set_write_timeout(cfg.limits.send_timeout);
+        session.set_read_timeout(ctx.deadlines.client_body_timeout);
+        session.set_write_timeout(ctx.deadlines.send_timeout);
         // Routed before the limits are checked, so that a refusal carries
         // the route's response rules too; a redirecting listener routes
         // nothing (it answers every request alike).
@@ -331,6 +335,11 @@ impl ProxyHttp for EdgeProxy {
             req.insert_header("x-forwarded-for", xff)?;
         }
         req.insert_header("x-forwarded-proto", if ctx.tls { "https" } else { "http" })?;
+        if ctx.body_buffered {
+            // The edge answered the client's `Expect: 100-continue` itself
+            // and has the body: the upstream is not to be asked again.
+            req.remove_header(&http::header::EXPECT);
+        }
         if ctx
             .pool()
             .is_some_and(|p| p.settings.keepalive_idle.is_none())
@@ -432,7 +441,14 @@ impl ProxyHttp for EdgeProxy {
         }
     }
 
-    async fn logging(&self, session: &mut Session, _e: Option<&Error>, ctx: &mut Ctx) {
+    async fn logging(&self, session: &mut Session, e: Option<&Error>, ctx: &mut Ctx) {
+        if let Some(e) = e.filter(|e| e.esource() == &ErrorSource::Downstream) {
+            match e.etype() {
+                ErrorType::ReadTimedout => self.metrics.conns.body_timeout.inc(),
+                ErrorType::WriteTimedout => self.metrics.conns.send_timeout.inc(),
+                _ => {}
+            }
+        }
         let status = session
             .response_written()
             .map(|r| r.status.as_u16())

@@ -20,6 +20,40 @@ pub mod infer;
 /// never one this test process handed out before: the kernel may give a
 /// just-released port again, and two listeners of one config on the same
 /// port fail validation.
+/// FNV-1a of `bytes`: the origin reports it, so a test can check that a
+/// body arrived intact.
+pub fn fnv(bytes: &[u8]) -> u64 {
+    bytes.iter().fold(0xcbf2_9ce4_8422_2325, |h, &b| {
+        (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3)
+    })
+}
+
+/// Server-side connections of `port` that the edge still holds open
+/// (ESTABLISHED or CLOSE_WAIT in `/proc/net/tcp`).
+pub fn held(port: u16) -> usize {
+    held_by(&[port])[0]
+}
+
+/// [`held`] for several ports from one read of `/proc/net/tcp` (the
+/// kernel writes the whole table, TIME_WAIT entries too, for each read:
+/// a sampling loop that reads it twice takes CPU from what it measures).
+pub fn held_by(ports: &[u16]) -> Vec<usize> {
+    let table = std::fs::read_to_string("/proc/net/tcp").unwrap();
+    let want: Vec<String> = ports.iter().map(|p| format!("{p:04X}")).collect();
+    let mut counts = vec![0; ports.len()];
+    for l in table.lines().skip(1) {
+        let f: Vec<&str> = l.split_whitespace().collect();
+        if f.len() <= 3 || !matches!(f[3], "01" | "08") {
+            continue;
+        }
+        let local = f[1].rsplit(':').next().unwrap_or("");
+        if let Some(i) = want.iter().position(|w| w == local) {
+            counts[i] += 1;
+        }
+    }
+    counts
+}
+
 pub fn free_port() -> u16 {
     static GIVEN: Mutex<Vec<u16>> = Mutex::new(Vec::new());
     loop {
@@ -288,7 +322,7 @@ fn serve_conn(conn: TcpStream, st: Arc<OriginState>, name: String) {
         }
         let out = serde_json::json!({
             "origin": name, "method": method, "path": path,
-            "headers": headers, "body_len": body.len(),
+            "headers": headers, "body_len": body.len(), "body_fnv": fnv(&body),
         })
         .to_string();
         let status = st.status.load(Ordering::SeqCst);
@@ -515,6 +549,15 @@ impl Client {
             r: BufReader::new(s),
             w,
         })
+    }
+
+    /// A client on a connection opened elsewhere.
+    pub fn from_stream(s: TcpStream) -> Client {
+        let w = s.try_clone().unwrap();
+        Client {
+            r: BufReader::new(s),
+            w,
+        }
     }
 
     /// Whether the peer closes the connection within `limit` (reads until EOF).

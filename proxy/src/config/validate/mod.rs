@@ -98,8 +98,8 @@ pub(super) fn validate(
     let admin_token = admin_token(f, path, admin_listen.as_deref(), &mut errs);
     let (log_target, log_format) = log(f, &mut errs);
     let limits = limits(f, &mut errs);
-    let listeners = listeners(f, &mut errs);
-    let listener_rules = super::listener_rules(&listeners);
+    let listeners = listeners(f, &limits.deadlines, &mut errs);
+    let listener_rules = super::listener_rules(&listeners, &limits.deadlines);
     let lanes = lanes(f, &mut errs);
     let limiters = rate_limits(f, ctx.prev, &mut errs);
     let (api_keys, key_file_errors) = api_keys(f, path, ctx.prev, &mut errs);
@@ -308,15 +308,52 @@ fn limits(f: &FileConfig, errs: &mut Errors) -> Limits {
     if l.max_headers == 0 {
         errs.push(at.k("max_headers"), "must be at least 1");
     }
+    // Pingora keeps at most 64 KiB of a body for a retry, and a buffered
+    // body reaches the upstream through that buffer (`proxy::buffering`).
+    if l.client_body_buffer_kb == 0 || l.client_body_buffer_kb > 64 {
+        errs.push(at.k("client_body_buffer_kb"), "must be 1 to 64");
+    }
+    let temp = match l.client_body_temp_path.as_str() {
+        "" => std::env::temp_dir(),
+        p => PathBuf::from(p),
+    };
+    if l.request_buffering && !temp.is_dir() {
+        errs.push(
+            at.k("client_body_temp_path"),
+            format!("`{}` is not a directory", temp.display()),
+        );
+    }
     Limits {
         client_max_body_bytes: l.client_max_body_bytes,
         max_header_bytes: l.max_header_bytes,
         max_headers: l.max_headers,
-        keepalive_timeout_s: l.keepalive_timeout_s,
-        client_header_timeout_ms: l.client_header_timeout_ms,
         max_connections: l.max_connections,
-        client_body_timeout: millis(l.client_body_timeout_ms),
-        send_timeout: millis(l.send_timeout_ms),
+        deadlines: Deadlines {
+            client_header_timeout_ms: l.client_header_timeout_ms,
+            client_body_timeout: millis(l.client_body_timeout_ms),
+            send_timeout: millis(l.send_timeout_ms),
+            keepalive_timeout_s: l.keepalive_timeout_s,
+            h2c_preface_timeout: millis(l.h2c_preface_timeout_ms),
+        },
+        request_buffering: l.request_buffering,
+        client_body_buffer_bytes: l.client_body_buffer_kb.clamp(1, 64) * 1024,
+        client_body_temp_path: temp,
+    }
+}
+
+/// A listener's deadlines: its own where it sets them, else `defaults`.
+fn listener_deadlines(l: &super::file::ListenerSection, defaults: &Deadlines) -> Deadlines {
+    let or = |own: Option<u64>, d: Option<Duration>| own.map_or(d, millis);
+    Deadlines {
+        client_header_timeout_ms: l
+            .client_header_timeout_ms
+            .unwrap_or(defaults.client_header_timeout_ms),
+        client_body_timeout: or(l.client_body_timeout_ms, defaults.client_body_timeout),
+        send_timeout: or(l.send_timeout_ms, defaults.send_timeout),
+        keepalive_timeout_s: l
+            .keepalive_timeout_s
+            .unwrap_or(defaults.keepalive_timeout_s),
+        h2c_preface_timeout: or(l.h2c_preface_timeout_ms, defaults.h2c_preface_timeout),
     }
 }
 
@@ -325,7 +362,7 @@ fn millis(ms: u64) -> Option<Duration> {
     (ms > 0).then(|| Duration::from_millis(ms))
 }
 
-fn listeners(f: &FileConfig, errs: &mut Errors) -> Vec<Listener> {
+fn listeners(f: &FileConfig, defaults: &Deadlines, errs: &mut Errors) -> Vec<Listener> {
     let at = FieldPath::key("listeners");
     if f.listeners.is_empty() {
         errs.push(at.clone(), "at least one [[listeners]] entry is required");
@@ -347,6 +384,12 @@ fn listeners(f: &FileConfig, errs: &mut Errors) -> Vec<Listener> {
             .tls
             .as_ref()
             .and_then(|t| tls_listener(t, &at.i(i).k("tls"), errs));
+        if l.h2c_preface_timeout_ms.is_some() && !l.h2c {
+            errs.push(
+                at.i(i).k("h2c_preface_timeout_ms"),
+                "applies to a listener with h2c = true only",
+            );
+        }
         if tls.is_some() && (l.h2c || l.redirect_https_port != 0) {
             errs.push(
                 at.i(i),
@@ -364,6 +407,7 @@ fn listeners(f: &FileConfig, errs: &mut Errors) -> Vec<Listener> {
             tls,
             h2c: l.h2c,
             redirect_https_port: l.redirect_https_port,
+            deadlines: listener_deadlines(l, defaults),
         });
     }
     out
@@ -679,6 +723,7 @@ fn routes(
             lane,
             limiters: route_limiters,
             budgets,
+            request_buffering: r.request_buffering.unwrap_or(f.limits.request_buffering),
         };
         out.push((Arc::new(route), r.hosts.clone()));
     }

@@ -1,0 +1,223 @@
+#!/usr/bin/env python3
+"""Slow clients against ultrafast and nginx 1.22, side by side in one run.
+
+Each server proxies to the same origin (a threaded Python HTTP/1.1 server
+that reads each body whole and answers it), one worker each, nginx's
+default deadlines on both (60 s head, body and send timeouts; request
+buffering on, 16 KiB in memory). Three `slowhttptest` attacks run against
+each, one after the other, --conns connections each for --length seconds:
+
+  slowloris  a header line every 10 s, never the end of the head
+  slow body  a 64 KiB POST body, a few bytes every 5 s
+  slow read  a 4 MB response read through a window of a few bytes
+
+During every attack a normal client sends a GET every 100 ms on a fresh
+connection (latency, failures). Measured: for slowloris, RSS per attack
+connection (exact RSS from smaps_rollup, process and workers, minus idle);
+for slow body, the origin connections held (the origin's ESTABLISHED
+sockets, /proc/net/tcp, sampled every 100 ms); the normal client's p99 for
+each. Loopback only; every attacker, server and socket is stopped at the
+end, and every loop is bounded by --length.
+
+usage: benches/scripts/slow_clients_vs_nginx.py [--conns 500] [--length 20]
+       [--bin target/release/ultrafast]
+Build first: cargo build --release -p ultrafast; needs nginx, slowhttptest.
+"""
+import argparse, http.server, os, shutil, socket, subprocess, sys, tempfile, threading, time
+from benchlib import ROOT, free_port, pct_ms, spawn, stop_tree, wait_port
+
+
+class Origin(http.server.BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+
+    def log_message(self, *a):
+        pass
+
+    def _answer(self, body):
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def do_GET(self):
+        if self.path.startswith("/big"):
+            n = 4_000_000
+            self.send_response(200)
+            self.send_header("Content-Length", str(n))
+            self.end_headers()
+            chunk = b"x" * 65536
+            try:
+                while n > 0:
+                    self.wfile.write(chunk[: min(n, len(chunk))])
+                    n -= len(chunk)
+            except OSError:
+                pass
+            return
+        self._answer(b"ok")
+
+    def do_POST(self):
+        n = int(self.headers.get("Content-Length") or 0)
+        got = self.rfile.read(n)
+        self._answer(f"got {len(got)}".encode())
+
+
+def held(port):
+    """Server-side ESTABLISHED sockets of `port` (the origin's)."""
+    want = f"{port:04X}"
+    n = 0
+    with open("/proc/net/tcp") as f:
+        for line in f.readlines()[1:]:
+            p = line.split()
+            if len(p) > 3 and p[1].rsplit(":", 1)[1] == want and p[3] == "01":
+                n += 1
+    return n
+
+
+def rss_kb(pids):
+    total = 0
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/smaps_rollup") as f:
+                total += next(int(l.split()[1]) for l in f if l.startswith("Rss:"))
+        except (OSError, StopIteration):
+            pass
+    return total
+
+
+def tree(pid):
+    out = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout
+    return [pid] + [int(x) for x in out.split()]
+
+
+def start(kind, binary, tmp, port, origin):
+    if kind == "ultrafast":
+        cfg = os.path.join(tmp, "uf.toml")
+        with open(cfg, "w") as f:
+            f.write(f'[server]\nthreads = 1\npid_file = "{tmp}/uf.pid"\nupgrade_sock = "{tmp}/uf.sock"\n'
+                    f'[admin]\nlisten = ""\n[log]\naccess_log = "off"\n'
+                    f'[limits]\nmax_connections = 0\n'
+                    f'[[listeners]]\naddress = "127.0.0.1:{port}"\n'
+                    f'[pools.o]\nmembers = [{{ addr = "127.0.0.1:{origin}" }}]\n'
+                    '[[routes]]\npath = "/"\npool = "o"\n')
+        return spawn([binary, "serve", "-c", cfg], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                     env={**os.environ, "RUST_LOG": "error"})
+    conf = os.path.join(tmp, "nginx.conf")
+    with open(conf, "w") as f:
+        f.write(f"daemon off; pid {tmp}/ngx.pid; error_log {tmp}/ngx.err; worker_processes 1; "
+                f"events {{ worker_connections 8192; }} http {{ access_log off; "
+                f"client_body_temp_path {tmp}/body; proxy_temp_path {tmp}/proxy; "
+                f"upstream o {{ server 127.0.0.1:{origin}; keepalive 32; }} "
+                f"server {{ listen 127.0.0.1:{port}; location / {{ proxy_pass http://o; "
+                f"proxy_http_version 1.1; proxy_set_header Connection \"\"; }} }} }}")
+    return spawn(["nginx", "-p", tmp, "-c", conf], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
+def probe(port, stop, lat, errors):
+    while not stop.is_set():
+        t = time.time()
+        try:
+            s = socket.create_connection(("127.0.0.1", port), 2)
+            s.settimeout(2)
+            s.sendall(b"GET / HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+            data = b""
+            while True:
+                b = s.recv(4096)
+                if not b:
+                    break
+                data += b
+            s.close()
+            if data.startswith(b"HTTP/1.1 200"):
+                lat.append(time.time() - t)
+            else:
+                errors.append(data[:40])
+        except OSError as e:
+            errors.append(str(e))
+        time.sleep(max(0, 0.1 - (time.time() - t)))
+
+
+ATTACKS = {
+    "slowloris": ["-H", "-i", "10", "-x", "8"],
+    "slow body": ["-B", "-i", "5", "-s", "65536", "-x", "8"],
+    "slow read": ["-X", "-w", "1", "-y", "16", "-n", "2", "-z", "8"],
+}
+
+
+def attack(kind, name, port, origin, pids, conns, length, tmp):
+    path = "/big" if name == "slow read" else "/"
+    args = ["slowhttptest", *ATTACKS[name], "-c", str(conns), "-r", str(conns), "-l", str(length),
+            "-p", "3", "-u", f"http://127.0.0.1:{port}{path}"]
+    idle = rss_kb(pids)
+    stop, lat, errors = threading.Event(), [], []
+    t = threading.Thread(target=probe, args=(port, stop, lat, errors))
+    t.start()
+    log = open(os.path.join(tmp, f"{name}.log"), "w")
+    atk = spawn(args, stdout=log, stderr=log, stdin=subprocess.DEVNULL)
+    up, peak, end = 0, 0, time.time() + length + 10
+    try:
+        while atk.poll() is None and time.time() < end:
+            up = max(up, held(origin))
+            peak = max(peak, rss_kb(pids))
+            time.sleep(0.1)
+    finally:
+        stop_tree(atk)
+        stop.set()
+        t.join()
+        log.close()
+    return {"p99": pct_ms(lat, 0.99), "probes": len(lat), "errors": len(errors),
+            "origin": up, "kib_per_conn": (peak - idle) / conns}
+
+
+def one(kind, binary, conns, length, origin):
+    tmp = tempfile.mkdtemp(prefix="uf-slow-")
+    port = free_port()
+    p = start(kind, binary, tmp, port, origin)
+    out = {}
+    try:
+        wait_port(port)
+        time.sleep(1)
+        pids = tree(p.pid)
+        for name in ATTACKS:
+            out[name] = attack(kind, name, port, origin, pids, conns, length, tmp)
+            r = out[name]
+            print(f"{kind:9s} {name:9s} p99 {r['p99']:.1f} ms over {r['probes']} probes, "
+                  f"{r['errors']} failed; origin held {r['origin']}; {r['kib_per_conn']:.1f} KiB/conn",
+                  flush=True)
+            time.sleep(2)
+    finally:
+        stop_tree(p)
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--conns", type=int, default=500)
+    ap.add_argument("--length", type=int, default=20)
+    ap.add_argument("--bin", default=os.path.join(ROOT, "target/release/ultrafast"))
+    a = ap.parse_args()
+    for need in ("nginx", "slowhttptest"):
+        if not shutil.which(need):
+            sys.exit(f"needs {need}")
+    if not os.path.exists(a.bin):
+        sys.exit("needs the ultrafast binary: cargo build --release -p ultrafast")
+    http.server.ThreadingHTTPServer.daemon_threads = True
+    srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Origin)
+    origin = srv.server_address[1]
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    try:
+        res = {k: one(k, a.bin, a.conns, a.length, origin) for k in ("ultrafast", "nginx")}
+    finally:
+        srv.shutdown()
+    print(f"\n| attack ({a.conns} connections, {a.length} s) | measure | ultrafast | nginx |\n|---|---|---|---|")
+    for name in ATTACKS:
+        u, n = res["ultrafast"][name], res["nginx"][name]
+        print(f"| {name} | normal client p99 (ms) | {u['p99']:.1f} | {n['p99']:.1f} |")
+        print(f"| {name} | normal client failures | {u['errors']} | {n['errors']} |")
+        if name == "slowloris":
+            print(f"| {name} | RSS per connection (KiB) | {u['kib_per_conn']:.1f} | {n['kib_per_conn']:.1f} |")
+        if name == "slow body":
+            print(f"| {name} | origin connections held (max) | {u['origin']} | {n['origin']} |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,130 @@
+//! Request buffering, nginx's `proxy_request_buffering on`: a proxied
+//! body is read whole before an upstream connection is taken, so a client
+//! that trickles its body holds a connection of ours, not an upstream's.
+//!
+//! Over HTTP/1 the connection guard holds the body below Pingora's reads
+//! (`edge::hold`): `client_body_buffer_kb` in memory, the rest in an
+//! unlinked temporary file, `client_max_body_bytes` at most. Over HTTP/2
+//! the body is read here, in memory, up to `client_body_buffer_kb`: what
+//! Pingora reads before the upstream is taken reaches it through the 64 KiB
+//! it keeps for a retry, and a larger HTTP/2 body streams after that (its
+//! flow control already bounds what a slow client makes us hold).
+
+use super::{policy, Ctx, EdgeProxy};
+use crate::edge::conn;
+use crate::edge::hold::{Framing, Outcome};
+use pingora::prelude::*;
+use pingora::proxy::Session;
+
+/// What Pingora may read before the upstream is taken and still send it:
+/// its 64 KiB retry buffer, less one HTTP/2 DATA frame (16 KiB).
+const H2_READ_MAX: usize = 48 * 1024;
+
+impl EdgeProxy {
+    /// Read the request body whole before the upstream is taken. True
+    /// when a response was sent instead (408, 413).
+    pub(super) async fn buffer_body(&self, session: &mut Session, ctx: &mut Ctx) -> Result<bool> {
+        if session.is_body_empty() || session.is_body_done() {
+            return Ok(false);
+        }
+        let cfg = ctx.cfg.clone();
+        let limits = &cfg.limits;
+        let idle = ctx.deadlines.client_body_timeout;
+        let expects = session
+            .req_header()
+            .headers
+            .get(http::header::EXPECT)
+            .is_some_and(|v| v.as_bytes().eq_ignore_ascii_case(b"100-continue"));
+        if expects {
+            // The body is ours to ask for, as nginx does (it drops the
+            // `Expect` upstream).
+            session
+                .as_downstream_mut()
+                .write_continue_response()
+                .await?;
+        }
+        ctx.body_buffered = true;
+        if session.as_downstream().is_http2() {
+            let cap = limits.client_body_buffer_bytes.min(H2_READ_MAX);
+            let mut read = 0;
+            while read < cap && !session.is_body_done() {
+                // Timed by Pingora's read timeout (`client_body_timeout`).
+                match session.read_request_body().await? {
+                    Some(b) => read += b.len(),
+                    None => break,
+                }
+            }
+            return Ok(false);
+        }
+        let framing = framing(session.req_header());
+        let held = conn::hold_body(
+            session.as_downstream().stream(),
+            framing,
+            limits.client_body_buffer_bytes,
+            limits.client_max_body_bytes,
+            &limits.client_body_temp_path,
+            idle,
+        );
+        if !held {
+            return Ok(false);
+        }
+        // The hold times the reads between them, as nginx does; Pingora's
+        // timeout would time the whole body as one read.
+        session.set_read_timeout(None);
+        let read = self.wait_for_hold(session).await;
+        session.set_read_timeout(idle);
+        let outcome = conn::hold_outcome(session.as_downstream().stream());
+        let (status, msg, code) = match outcome {
+            Some(Outcome::TimedOut) => {
+                self.metrics.conns.body_timeout.inc();
+                (408, "the request body stopped arriving", "request_timeout")
+            }
+            Some(Outcome::TooLarge) => {
+                self.metrics
+                    .rejected
+                    .with_label_values(&["body_too_large"])
+                    .inc();
+                (413, "request body too large", "body_too_large")
+            }
+            _ => {
+                read?;
+                return Ok(false);
+            }
+        };
+        ctx.error_status = status;
+        session.set_keepalive(None);
+        policy::respond_error(session, &ctx.policy(), status, msg, code).await?;
+        Ok(true)
+    }
+
+    /// Let Pingora read until the guard has the whole body. Its first read
+    /// may return what it read along with the head; the next waits in the
+    /// guard until the body is whole. What it returns stays in its retry
+    /// buffer, from which it is sent upstream first.
+    async fn wait_for_hold(&self, session: &mut Session) -> Result<()> {
+        loop {
+            let outcome = conn::hold_outcome(session.as_downstream().stream());
+            if outcome != Some(Outcome::Reading) || session.is_body_done() {
+                return Ok(());
+            }
+            if session.read_request_body().await?.is_none() {
+                return Ok(());
+            }
+        }
+    }
+}
+
+/// How the request's body is delimited (chunked wins over a length, as
+/// Pingora reads it).
+fn framing(req: &pingora::http::RequestHeader) -> Framing {
+    if req.headers.contains_key(http::header::TRANSFER_ENCODING) {
+        return Framing::Chunked;
+    }
+    let len = req
+        .headers
+        .get(http::header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.trim().parse().ok())
+        .unwrap_or(0);
+    Framing::Length(len)
+}
