@@ -12,7 +12,8 @@ each, one after the other, --conns connections each for --length seconds:
   slow read  a 4 MB response read through a window of a few bytes
 
 During every attack a normal client sends a GET every 100 ms on a fresh
-connection (latency, failures). Measured: for slowloris, RSS per attack
+connection (latency, failures) to a fixed 200 of the server itself (`/probe`),
+so that it times the edge, not the Python origin the attack keeps busy. Measured: for slowloris, RSS per attack
 connection (exact RSS from smaps_rollup, process and workers, minus idle);
 for slow body, the origin connections held (the origin's ESTABLISHED
 sockets, /proc/net/tcp, sampled every 100 ms); the normal client's p99 for
@@ -20,7 +21,8 @@ each. Loopback only; every attacker, server and socket is stopped at the
 end, and every loop is bounded by --length.
 
 usage: benches/scripts/slow_clients_vs_nginx.py [--conns 500] [--length 20]
-       [--bin target/release/ultrafast]
+       [--bin target/release/ultrafast] [--attacks "slow body,..."]
+       [--servers ultrafast,nginx] [--no-request-buffering]
 Build first: cargo build --release -p ultrafast; needs nginx, slowhttptest.
 """
 import argparse, http.server, os, shutil, socket, subprocess, sys, tempfile, threading, time
@@ -89,15 +91,19 @@ def tree(pid):
     return [pid] + [int(x) for x in out.split()]
 
 
+UF_LIMITS = ""
+
+
 def start(kind, binary, tmp, port, origin):
     if kind == "ultrafast":
         cfg = os.path.join(tmp, "uf.toml")
         with open(cfg, "w") as f:
             f.write(f'[server]\nthreads = 1\npid_file = "{tmp}/uf.pid"\nupgrade_sock = "{tmp}/uf.sock"\n'
                     f'[admin]\nlisten = ""\n[log]\naccess_log = "off"\n'
-                    f'[limits]\nmax_connections = 0\n'
+                    f'[limits]\nmax_connections = 0\n{UF_LIMITS}'
                     f'[[listeners]]\naddress = "127.0.0.1:{port}"\n'
                     f'[pools.o]\nmembers = [{{ addr = "127.0.0.1:{origin}" }}]\n'
+                    '[[routes]]\npath = "/probe"\nmatch = "exact"\nreturn = { status = 200, body = "ok" }\n'
                     '[[routes]]\npath = "/"\npool = "o"\n')
         return spawn([binary, "serve", "-c", cfg], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                      env={**os.environ, "RUST_LOG": "error"})
@@ -107,7 +113,8 @@ def start(kind, binary, tmp, port, origin):
                 f"events {{ worker_connections 8192; }} http {{ access_log off; "
                 f"client_body_temp_path {tmp}/body; proxy_temp_path {tmp}/proxy; "
                 f"upstream o {{ server 127.0.0.1:{origin}; keepalive 32; }} "
-                f"server {{ listen 127.0.0.1:{port}; location / {{ proxy_pass http://o; "
+                f"server {{ listen 127.0.0.1:{port}; location = /probe {{ return 200 ok; }} "
+                f"location / {{ proxy_pass http://o; "
                 f"proxy_http_version 1.1; proxy_set_header Connection \"\"; }} }} }}")
     return spawn(["nginx", "-p", tmp, "-c", conf], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
@@ -118,7 +125,7 @@ def probe(port, stop, lat, errors):
         try:
             s = socket.create_connection(("127.0.0.1", port), 2)
             s.settimeout(2)
-            s.sendall(b"GET / HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+            s.sendall(b"GET /probe HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
             data = b""
             while True:
                 b = s.recv(4096)
@@ -177,6 +184,8 @@ def one(kind, binary, conns, length, origin):
         time.sleep(1)
         pids = tree(p.pid)
         for name in ATTACKS:
+            if name not in ONLY:
+                continue
             out[name] = attack(kind, name, port, origin, pids, conns, length, tmp)
             r = out[name]
             print(f"{kind:9s} {name:9s} p99 {r['p99']:.1f} ms over {r['probes']} probes, "
@@ -194,7 +203,15 @@ def main():
     ap.add_argument("--conns", type=int, default=500)
     ap.add_argument("--length", type=int, default=20)
     ap.add_argument("--bin", default=os.path.join(ROOT, "target/release/ultrafast"))
+    ap.add_argument("--attacks", default=",".join(ATTACKS), help="comma-separated subset")
+    ap.add_argument("--servers", default="ultrafast,nginx")
+    ap.add_argument("--no-request-buffering", action="store_true",
+                    help="ultrafast with request_buffering = false (streams bodies, as before)")
     a = ap.parse_args()
+    global UF_LIMITS, ONLY
+    ONLY = a.attacks.split(",")
+    if a.no_request_buffering:
+        UF_LIMITS = "request_buffering = false\n"
     for need in ("nginx", "slowhttptest"):
         if not shutil.which(need):
             sys.exit(f"needs {need}")
@@ -202,21 +219,26 @@ def main():
         sys.exit("needs the ultrafast binary: cargo build --release -p ultrafast")
     http.server.ThreadingHTTPServer.daemon_threads = True
     srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Origin)
+    # Clients the attack leaves behind reset their connections: not news.
+    srv.handle_error = lambda *a: None
     origin = srv.server_address[1]
     threading.Thread(target=srv.serve_forever, daemon=True).start()
     try:
-        res = {k: one(k, a.bin, a.conns, a.length, origin) for k in ("ultrafast", "nginx")}
+        res = {k: one(k, a.bin, a.conns, a.length, origin) for k in a.servers.split(",")}
     finally:
         srv.shutdown()
-    print(f"\n| attack ({a.conns} connections, {a.length} s) | measure | ultrafast | nginx |\n|---|---|---|---|")
+    kinds = list(res)
+    print(f"\n| attack ({a.conns} connections, {a.length} s) | measure | " + " | ".join(kinds) + " |")
+    print("|---|---|" + "---|" * len(kinds))
+    rows = [("normal client p99 (ms)", "p99", "{:.1f}", None), ("normal client failures", "errors", "{}", None),
+            ("RSS per connection (KiB)", "kib_per_conn", "{:.1f}", "slowloris"),
+            ("origin connections held (max)", "origin", "{}", "slow body")]
     for name in ATTACKS:
-        u, n = res["ultrafast"][name], res["nginx"][name]
-        print(f"| {name} | normal client p99 (ms) | {u['p99']:.1f} | {n['p99']:.1f} |")
-        print(f"| {name} | normal client failures | {u['errors']} | {n['errors']} |")
-        if name == "slowloris":
-            print(f"| {name} | RSS per connection (KiB) | {u['kib_per_conn']:.1f} | {n['kib_per_conn']:.1f} |")
-        if name == "slow body":
-            print(f"| {name} | origin connections held (max) | {u['origin']} | {n['origin']} |")
+        if name not in ONLY:
+            continue
+        for label, key, fmt, only in rows:
+            if only in (None, name):
+                print(f"| {name} | {label} | " + " | ".join(fmt.format(res[k][name][key]) for k in kinds) + " |")
 
 
 if __name__ == "__main__":

@@ -242,6 +242,12 @@ fn each_listener_keeps_its_own_deadlines() {
     default.send_raw(b"\r\n").unwrap();
     assert_eq!(default.read_response(false).unwrap().status, 200);
 
+    // A later head on a kept-alive connection is timed too.
+    let mut again = Client::connect(at(port)).unwrap();
+    assert_eq!(again.request("GET", "/", &[], b"").unwrap().status, 200);
+    again.send_raw(b"GET / HTTP/1.1\r\n").unwrap();
+    assert_eq!(again.read_response(false).unwrap().status, 408);
+
     // The quick listener's 1 s keepalive closes an idle connection.
     let mut idle = Client::connect(at(port)).unwrap();
     assert_eq!(idle.request("GET", "/", &[], b"").unwrap().status, 200);

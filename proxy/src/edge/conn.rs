@@ -592,6 +592,13 @@ impl AsyncRead for HeadDeadline {
                 self.deadline = None;
                 self.phase = Phase::Off;
                 self.closed.inc();
+                if self.head.bytes > 0 {
+                    // Part of a head came: a 408 can be understood. One
+                    // write, no wait: a client that does not take it at
+                    // once is not waited for.
+                    let bytes = bare::response(self.hsts.as_ref(), bare::Bare::TimedOut);
+                    let _ = Pin::new(&mut self.inner).poll_write(cx, &bytes);
+                }
                 Poll::Ready(Err(std::io::Error::new(
                     std::io::ErrorKind::TimedOut,
                     "client_header_timeout: the request head did not arrive in time",
