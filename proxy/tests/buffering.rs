@@ -76,6 +76,33 @@ fn chunked(b: &[u8]) -> Vec<u8> {
     out
 }
 
+/// A POST over h2c that sends its head and then nothing: the status of
+/// the answer and how long it took.
+fn h2_post_stalled(port: u16) -> (u16, Duration) {
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    rt.block_on(async {
+        let tcp = tokio::net::TcpStream::connect(("127.0.0.1", port))
+            .await
+            .unwrap();
+        let (mut client, conn) = h2::client::handshake(tcp).await.unwrap();
+        tokio::spawn(conn);
+        let req = http::Request::post(format!("http://127.0.0.1:{port}/up"))
+            .body(())
+            .unwrap();
+        let t = std::time::Instant::now();
+        // The stream stays open: no DATA, no end of stream.
+        let (resp, _body) = client.send_request(req, false).unwrap();
+        let resp = tokio::time::timeout(Duration::from_secs(10), resp)
+            .await
+            .expect("an answer in time")
+            .expect("an answer, not a reset");
+        (resp.status().as_u16(), t.elapsed())
+    })
+}
+
 #[test]
 fn bodies_still_arriving_hold_no_upstream_connection_and_arrive_whole() {
     // 4 KiB in memory: the 100 kB bodies spill to the temporary file.
@@ -151,12 +178,29 @@ fn bodies_still_arriving_hold_no_upstream_connection_and_arrive_whole() {
     std::io::Read::read_exact(&mut conn, &mut interim).unwrap();
     assert_eq!(&interim, b"HTTP/1.1 100 Continue\r\n\r\n");
     conn.write_all(&b).unwrap();
-    let j = Client::from_stream(conn)
-        .read_response(false)
-        .unwrap()
-        .json();
+    let mut c = Client::from_stream(conn);
+    let j = c.read_response(false).unwrap().json();
     assert_eq!(j["body_fnv"], fnv(&b));
     assert!(j["headers"].get("expect").is_none(), "{j}");
+    // Our 100 Continue did not cost the connection its keepalive.
+    assert_eq!(c.request("GET", "/after", &[], b"").unwrap().status, 200);
+
+    // A POST pipelined behind a GET, its head's end in a later write: it
+    // is not held on what the GET's read carried past its head.
+    let mut conn = TcpStream::connect(uf.addr).unwrap();
+    conn.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+    let first =
+        "GET /a HTTP/1.1\r\nHost: x\r\n\r\nPOST /b HTTP/1.1\r\nHost: x\r\nContent-Length: 5\r\n";
+    conn.write_all(first.as_bytes()).unwrap();
+    std::thread::sleep(Duration::from_millis(300));
+    conn.write_all(b"\r\nhello").unwrap();
+    let mut c = Client::from_stream(conn);
+    assert_eq!(c.read_response(false).unwrap().json()["path"], "/a");
+    let b = c.read_response(false).unwrap().json();
+    assert_eq!(
+        (b["path"].as_str(), b["body_len"].as_u64()),
+        (Some("/b"), Some(5))
+    );
 
     // A route with request_buffering = false streams: the origin holds a
     // connection for each body still arriving.
@@ -180,9 +224,12 @@ fn bodies_still_arriving_hold_no_upstream_connection_and_arrive_whole() {
 
 #[test]
 fn a_body_that_stops_arriving_gets_a_408_and_one_past_the_limit_a_413() {
+    let h2c = free_port();
     let (a, uf) = edge(
         "client_body_timeout_ms = 600\nclient_max_body_bytes = 20000",
-        ROUTES,
+        &format!(
+            "[[listeners]]\nname = \"h2c\"\naddress = \"127.0.0.1:{h2c}\"\nh2c = true\n\n{ROUTES}"
+        ),
     );
     let b = body(10_000, 1);
     let mut p = Partial::open(&uf, &post_head("/up", 10_000), &b, 4000);
@@ -206,6 +253,28 @@ fn a_body_that_stops_arriving_gets_a_408_and_one_past_the_limit_a_413() {
     let r = Client::from_stream(conn).read_response(false).unwrap();
     assert_eq!(r.status, 413, "{}", r.text());
     assert_eq!(a.requests(), 0, "neither reached the origin");
+    // The limit is on the data: 15 kB in one-byte chunks (90 kB on the
+    // wire) is under it.
+    let small = body(15_000, 3);
+    let mut wire = Vec::new();
+    for b in &small {
+        wire.extend_from_slice(b"1\r\n");
+        wire.push(*b);
+        wire.extend_from_slice(b"\r\n");
+    }
+    wire.extend_from_slice(b"0\r\n\r\n");
+    let mut conn = TcpStream::connect(uf.addr).unwrap();
+    conn.set_read_timeout(Some(Duration::from_secs(10)))
+        .unwrap();
+    conn.write_all(head.as_bytes()).unwrap();
+    conn.write_all(&wire).unwrap();
+    let r = Client::from_stream(conn).read_response(false).unwrap();
+    assert_eq!(r.status, 200, "{}", r.text());
+    assert_eq!(r.json()["body_fnv"], fnv(&small));
+    // HTTP/2: a stream that sends its head and no body is timed too.
+    let (status, took) = h2_post_stalled(h2c);
+    assert_eq!(status, 408);
+    assert!(took < Duration::from_secs(3), "{took:?}");
     assert!(
         uf.metric(
             "ultrafast_downstream_connections_closed_total",

@@ -298,19 +298,18 @@ pub fn hold_body(
     let Some(g) = stream.and_then(|s| s.as_any().downcast_ref::<HeadDeadline>()) else {
         return false;
     };
-    if g.phase == Phase::Off {
-        return false;
-    }
     let mut body = g
         .body
         .lock()
         .unwrap_or_else(std::sync::PoisonError::into_inner);
-    // Bytes still held for an earlier request (pipelined behind its body)
-    // are handed over first: this body streams after them.
-    if body.holding.is_some() {
+    let tail = body.tail.take();
+    // Only where the guard saw this request's head end (so `tail` is what
+    // Pingora read past it) and no earlier hold is still handing over
+    // bytes (a request pipelined behind its body streams after them).
+    if g.phase != (Phase::Done { wrote: false }) || body.holding.is_some() {
         return false;
     }
-    let Some(tail) = body.tail.take() else {
+    let Some(tail) = tail else {
         return false;
     };
     let hold = Hold::new(framing, &tail, mem_cap, max, dir);
@@ -401,6 +400,7 @@ impl HeadDeadline {
             self.phase = Phase::Head { since_lf: 1 };
             self.seen.store(false, Ordering::Relaxed);
             self.head = HeadSize::default();
+            self.body().tail = None;
             self.arm();
         }
         let Phase::Head { mut since_lf } = self.phase else {

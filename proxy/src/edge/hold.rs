@@ -55,18 +55,23 @@ enum Chunk {
     Bad,
 }
 
-/// Finds where a chunked body ends (RFC 9112 7.1), leniently about
-/// line ends as Pingora is (a bare LF ends a line).
+/// Finds where a chunked body ends (RFC 9112 7.1). It accepts a bare LF
+/// as a line end; where it reads more leniently than Pingora's parser, the
+/// hold ends later than Pingora would and the client, not the edge, waits
+/// (its body timeout); it never ends a body before Pingora does.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct ChunkScan(Chunk);
+pub struct ChunkScan(Chunk, u64);
 
 impl Default for ChunkScan {
     fn default() -> Self {
-        ChunkScan(Chunk::Size {
-            size: 0,
-            digits: false,
-            ended: false,
-        })
+        ChunkScan(
+            Chunk::Size {
+                size: 0,
+                digits: false,
+                ended: false,
+            },
+            0,
+        )
     }
 }
 
@@ -82,6 +87,7 @@ impl ChunkScan {
             if let Chunk::Data(left) = self.0 {
                 let take = left.min((bytes.len() - i) as u64);
                 i += take as usize;
+                self.1 += take;
                 self.0 = match left - take {
                     0 => Chunk::DataEnd,
                     n => Chunk::Data(n),
@@ -133,6 +139,11 @@ impl ChunkScan {
             (Chunk::Trailer(n), _) => Chunk::Trailer(n + 1),
             (other, _) => other,
         };
+    }
+
+    /// Data bytes so far (the body as decoded).
+    pub fn data(&self) -> u64 {
+        self.1
     }
 
     /// The body ended.
@@ -301,9 +312,17 @@ impl Hold {
                 self.chunks.done() || self.chunks.bad()
             }
         };
+        // A chunked body's limit is on its data, as Pingora counts it; its
+        // framing may add up to as much again (small chunks), no more.
+        let over = match self.framing {
+            Framing::Length(_) => self.held() > self.max,
+            Framing::Chunked => {
+                self.chunks.data() > self.max || self.held() / 2 > self.max.saturating_add(1 << 16)
+            }
+        };
         if whole {
             self.outcome = Outcome::Whole;
-        } else if self.held() > self.max {
+        } else if over {
             self.outcome = Outcome::TooLarge;
         }
     }

@@ -27,35 +27,52 @@ impl EdgeProxy {
         if session.is_body_empty() || session.is_body_done() {
             return Ok(false);
         }
-        let cfg = ctx.cfg.clone();
-        let limits = &cfg.limits;
-        let idle = ctx.deadlines.client_body_timeout;
-        let expects = session
-            .req_header()
-            .headers
-            .get(http::header::EXPECT)
-            .is_some_and(|v| v.as_bytes().eq_ignore_ascii_case(b"100-continue"));
-        if expects {
-            // The body is ours to ask for, as nginx does (it drops the
-            // `Expect` upstream).
-            session
-                .as_downstream_mut()
-                .write_continue_response()
-                .await?;
-        }
+        answer_continue(session).await?;
         ctx.body_buffered = true;
-        if session.as_downstream().is_http2() {
-            let cap = limits.client_body_buffer_bytes.min(H2_READ_MAX);
-            let mut read = 0;
-            while read < cap && !session.is_body_done() {
-                // Timed by Pingora's read timeout (`client_body_timeout`).
-                match session.read_request_body().await? {
-                    Some(b) => read += b.len(),
-                    None => break,
-                }
-            }
+        let refusal = if session.as_downstream().is_http2() {
+            self.buffer_h2(session, ctx).await?
+        } else {
+            self.hold_h1(session, ctx).await?
+        };
+        let Some((status, msg, code)) = refusal else {
             return Ok(false);
+        };
+        ctx.error_status = status;
+        session.set_keepalive(None);
+        policy::respond_error(session, &ctx.policy(), status, msg, code).await?;
+        Ok(true)
+    }
+
+    /// HTTP/2: read up to the buffer size in memory, each read within
+    /// `client_body_timeout` (Pingora times no HTTP/2 body read).
+    async fn buffer_h2(&self, session: &mut Session, ctx: &Ctx) -> Result<Option<Refusal>> {
+        let cap = ctx.cfg.limits.client_body_buffer_bytes.min(H2_READ_MAX);
+        let idle = ctx.deadlines.client_body_timeout;
+        let mut read = 0;
+        while read < cap && !session.is_body_done() {
+            let next = session.read_request_body();
+            let got = match idle {
+                Some(d) => match tokio::time::timeout(d, next).await {
+                    Ok(r) => r?,
+                    Err(_) => {
+                        self.metrics.conns.body_timeout.inc();
+                        return Ok(Some(TIMED_OUT));
+                    }
+                },
+                None => next.await?,
+            };
+            match got {
+                Some(b) => read += b.len(),
+                None => break,
+            }
         }
+        Ok(None)
+    }
+
+    /// HTTP/1: the connection guard holds the body until it is whole.
+    async fn hold_h1(&self, session: &mut Session, ctx: &Ctx) -> Result<Option<Refusal>> {
+        let limits = &ctx.cfg.limits;
+        let idle = ctx.deadlines.client_body_timeout;
         let framing = framing(session.req_header());
         let held = conn::hold_body(
             session.as_downstream().stream(),
@@ -66,35 +83,34 @@ impl EdgeProxy {
             idle,
         );
         if !held {
-            return Ok(false);
+            return Ok(None);
+        }
+        if framing == Framing::Chunked {
+            // Bytes after a chunked body are never read as a request (the
+            // parser is lax about where such a body ends, see
+            // `request_filter`); held bytes past it could be handed over
+            // where Pingora no longer sees them as extra: close after.
+            session.set_keepalive(None);
         }
         // The hold times the reads between them, as nginx does; Pingora's
         // timeout would time the whole body as one read.
         session.set_read_timeout(None);
         let read = self.wait_for_hold(session).await;
         session.set_read_timeout(idle);
-        let outcome = conn::hold_outcome(session.as_downstream().stream());
-        let (status, msg, code) = match outcome {
+        match conn::hold_outcome(session.as_downstream().stream()) {
             Some(Outcome::TimedOut) => {
                 self.metrics.conns.body_timeout.inc();
-                (408, "the request body stopped arriving", "request_timeout")
+                Ok(Some(TIMED_OUT))
             }
             Some(Outcome::TooLarge) => {
                 self.metrics
                     .rejected
                     .with_label_values(&["body_too_large"])
                     .inc();
-                (413, "request body too large", "body_too_large")
+                Ok(Some((413, "request body too large", "body_too_large")))
             }
-            _ => {
-                read?;
-                return Ok(false);
-            }
-        };
-        ctx.error_status = status;
-        session.set_keepalive(None);
-        policy::respond_error(session, &ctx.policy(), status, msg, code).await?;
-        Ok(true)
+            _ => read.map(|_| None),
+        }
     }
 
     /// Let Pingora read until the guard has the whole body. Its first read
@@ -112,6 +128,32 @@ impl EdgeProxy {
             }
         }
     }
+}
+
+/// A refusal instead of the upstream: status, message, error code.
+type Refusal = (u16, &'static str, &'static str);
+
+const TIMED_OUT: Refusal = (408, "the request body stopped arriving", "request_timeout");
+
+/// Answer `Expect: 100-continue` (HTTP/1.1 and later): the body is the
+/// edge's to ask for, as nginx does (the `Expect` is dropped upstream).
+async fn answer_continue(session: &mut Session) -> Result<()> {
+    let req = session.req_header();
+    let expects = req.version >= http::Version::HTTP_11
+        && req
+            .headers
+            .get(http::header::EXPECT)
+            .is_some_and(|v| v.as_bytes().eq_ignore_ascii_case(b"100-continue"));
+    if !expects {
+        return Ok(());
+    }
+    // Pingora takes any head written before the body is read, a 1xx too,
+    // for an early response, and closes the connection after it.
+    let down = session.as_downstream_mut();
+    down.set_close_on_response_before_downstream_finish(false);
+    let sent = down.write_continue_response().await;
+    down.set_close_on_response_before_downstream_finish(true);
+    sent
 }
 
 /// How the request's body is delimited (chunked wins over a length, as

@@ -104,7 +104,9 @@ impl EdgeProxy {
                 if let LbSpec::ConsistentHash(key, _) = &pool.lb {
                     ctx.hash = filters::hash_key(session, key);
                 }
-                if filters::has_body(session.req_header()) {
+                // An HTTP/2 body need not be declared: a head without
+                // END_STREAM has one.
+                if filters::has_body(session.req_header()) || !session.is_body_empty() {
                     session.enable_retry_buffering();
                     if route.request_buffering {
                         return self.buffer_body(session, ctx).await;
