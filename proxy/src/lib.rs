@@ -12,6 +12,7 @@ pub mod admin;
 pub mod admission;
 pub mod alloc;
 pub mod cli;
+pub mod compress;
 pub mod config;
 pub mod drain;
 pub mod edge;

@@ -109,6 +109,8 @@ pub struct Route {
     pub budgets: Vec<Arc<crate::admission::budget::TokenBudget>>,
     /// Read a proxied body whole before taking an upstream connection.
     pub request_buffering: bool,
+    /// Compression of proxied responses, if the route asks for it.
+    pub compress: Option<Arc<crate::compress::CompressSpec>>,
 }
 
 #[derive(Debug, Default)]
@@ -279,6 +281,7 @@ mod tests {
             limiters: Vec::new(),
             budgets: Vec::new(),
             request_buffering: true,
+            compress: None,
         })
     }
 

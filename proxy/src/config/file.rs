@@ -670,6 +670,39 @@ pub struct RouteSection {
     /// `false` streams a request body upstream as it arrives (nginx
     /// `proxy_request_buffering off`); default: `[limits]`'s.
     pub request_buffering: Option<bool>,
+    /// Compress proxied responses (nginx `gzip on`, plus br and zstd).
+    pub compress: Option<CompressSection>,
+}
+
+/// `compress = { gzip, br, zstd, min_bytes, types }` of a route.
+#[derive(Debug, Clone, PartialEq, Deserialize, Serialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct CompressSection {
+    /// gzip level 1-9 (nginx `gzip_comp_level`); 0 = not offered.
+    pub gzip: u32,
+    /// brotli quality 1-11; 0 = not offered.
+    pub br: u32,
+    /// zstd level 1-19; 0 = not offered.
+    pub zstd: u32,
+    /// Smallest `Content-Length` compressed (nginx `gzip_min_length`).
+    pub min_bytes: u64,
+    /// Media types compressed, exact or `type/*` (nginx `gzip_types`).
+    pub types: Vec<String>,
+}
+
+impl Default for CompressSection {
+    fn default() -> Self {
+        Self {
+            gzip: 6,
+            br: 5,
+            zstd: 3,
+            min_bytes: 256,
+            types: crate::compress::DEFAULT_TYPES
+                .iter()
+                .map(|s| s.to_string())
+                .collect(),
+        }
+    }
 }
 
 /// `return = { status, body }`.

@@ -197,7 +197,7 @@ pub struct Hold {
     mem_pos: usize,
     file_pos: u64,
     overflow_pos: usize,
-    /// Bytes held at most (the body limit, plus what follows it in a read).
+    /// The body limit (`client_max_body_bytes`; no limit: `u64::MAX`).
     max: u64,
     temp_dir: std::path::PathBuf,
     /// How the reading ended.
@@ -239,11 +239,7 @@ impl Hold {
             mem_pos: 0,
             file_pos: 0,
             overflow_pos: 0,
-            max: if max == 0 {
-                u64::MAX
-            } else {
-                max.saturating_add(1)
-            },
+            max: if max == 0 { u64::MAX } else { max },
             temp_dir: temp_dir.to_path_buf(),
             outcome: Outcome::Reading,
         };
@@ -535,7 +531,10 @@ mod tests {
     fn a_body_past_the_limit_stops_the_hold() {
         let dir = std::env::temp_dir();
         let mut h = Hold::new(Framing::Chunked, b"", 16, 10, &dir);
+        // The limit is on data: 11 bytes of it is past 10.
         h.add(b"ff\r\n0123456789");
+        assert_eq!(h.outcome, Outcome::Reading, "10 data bytes, 14 on the wire");
+        h.add(b"a");
         assert_eq!(h.outcome, Outcome::TooLarge);
     }
 }

@@ -66,6 +66,8 @@ pub struct Ctx {
     /// The edge buffers the request body (`buffering`) and has answered
     /// any `Expect: 100-continue` itself.
     pub(super) body_buffered: bool,
+    /// The response body's encoder, when the route compresses it.
+    pub(super) encoder: Option<crate::compress::Encoder>,
     pub(super) error_status: u16,
     /// HSTS of the listener, sent only when `tls` (see `policy`).
     pub(super) hsts: Option<http::HeaderValue>,

@@ -78,6 +78,33 @@ fn is_idempotent(m: &http::Method) -> bool {
     )
 }
 
+/// Choose the response's coding (`compress`) and set its head for it.
+fn compress_head(
+    session: &Session,
+    resp: &mut ResponseHeader,
+    ctx: &mut Ctx,
+    spec: &crate::compress::CompressSpec,
+) {
+    if !spec.eligible(resp) {
+        return;
+    }
+    crate::compress::add_vary(resp);
+    let req = session.req_header();
+    let Some((coding, level)) = spec.choose(req.headers.get(http::header::ACCEPT_ENCODING)) else {
+        return;
+    };
+    let http1 = !session.as_downstream().is_http2();
+    if req.method == http::Method::HEAD {
+        // The head a GET would get, and no body to encode.
+        crate::compress::set_encoded(resp, coding, http1);
+        return;
+    }
+    if let Some(enc) = crate::compress::Encoder::new(coding, level) {
+        crate::compress::set_encoded(resp, coding, http1);
+        ctx.encoder = Some(enc);
+    }
+}
+
 fn status_for(e: &Error) -> u16 {
     match e.etype() {
         ErrorType::HTTPStatus(code) => *code,
@@ -127,6 +154,7 @@ impl ProxyHttp for EdgeProxy {
             upstream_time: None,
             body_bytes: 0,
             body_buffered: false,
+            encoder: None,
             error_status: 0,
             hsts: None,
             tls: false,
@@ -400,11 +428,32 @@ impl ProxyHttp for EdgeProxy {
 
     async fn response_filter(
         &self,
-        _session: &mut Session,
+        session: &mut Session,
         resp: &mut ResponseHeader,
         ctx: &mut Ctx,
     ) -> Result<()> {
+        if let Some(spec) = ctx.route.as_ref().and_then(|r| r.compress.clone()) {
+            compress_head(session, resp, ctx, &spec);
+        }
         ctx.policy().apply(resp)
+    }
+
+    fn response_body_filter(
+        &self,
+        _session: &mut Session,
+        body: &mut Option<Bytes>,
+        end_of_stream: bool,
+        ctx: &mut Ctx,
+    ) -> Result<Option<std::time::Duration>> {
+        if let Some(enc) = ctx.encoder.as_mut() {
+            if body.is_some() || end_of_stream {
+                *body = Some(enc.encode(body.as_ref(), end_of_stream)?);
+            }
+            if end_of_stream {
+                ctx.encoder = None;
+            }
+        }
+        Ok(None)
     }
 
     fn suppress_error_log(&self, _session: &Session, _ctx: &Ctx, e: &Error) -> bool {

@@ -54,6 +54,12 @@ pub fn held_by(ports: &[u16]) -> Vec<usize> {
     counts
 }
 
+/// `n` bytes of text the origin's `/text/N` sends.
+pub fn text(n: usize) -> Vec<u8> {
+    let line = b"the quick brown fox jumps over the lazy dog 0123456789\n";
+    line.iter().copied().cycle().take(n).collect()
+}
+
 pub fn free_port() -> u16 {
     static GIVEN: Mutex<Vec<u16>> = Mutex::new(Vec::new());
     loop {
@@ -298,6 +304,19 @@ fn serve_conn(conn: TcpStream, st: Arc<OriginState>, name: String) {
         if fault == Fault::RstAfterRequest {
             reset(&w);
             return;
+        }
+        if let Some(n) = path
+            .strip_prefix("/text/")
+            .and_then(|n| n.parse::<usize>().ok())
+        {
+            // Text that compresses, with the validators a cache would see.
+            let body = text(n);
+            let _ = write!(
+                w,
+                "HTTP/1.1 200 OK\r\nContent-Type: text/plain; charset=utf-8\r\nETag: \"v1\"\r\nAccept-Ranges: bytes\r\nContent-Length: {n}\r\n\r\n"
+            );
+            let _ = w.write_all(&body);
+            continue;
         }
         if let Some(n) = path
             .strip_prefix("/big/")

@@ -341,6 +341,43 @@ fn limits(f: &FileConfig, errs: &mut Errors) -> Limits {
     }
 }
 
+/// A route's `compress`, checked.
+fn compress(
+    c: &super::file::CompressSection,
+    at: &FieldPath,
+    errs: &mut Errors,
+) -> Option<Arc<crate::compress::CompressSpec>> {
+    let before = errs.0.len();
+    for (key, level, max) in [("gzip", c.gzip, 9), ("br", c.br, 11), ("zstd", c.zstd, 19)] {
+        if level > max {
+            errs.push(at.k(key), format!("must be 0 (off) to {max}"));
+        }
+    }
+    if c.gzip == 0 && c.br == 0 && c.zstd == 0 {
+        errs.push(at.clone(), "offers no coding (gzip, br and zstd are all 0)");
+    }
+    let mut types = Vec::new();
+    for (i, t) in c.types.iter().enumerate() {
+        let t = t.trim().to_ascii_lowercase();
+        match t.split_once('/') {
+            Some((a, b)) if !a.is_empty() && !b.is_empty() && a != "*" => types.push(t),
+            _ => errs.push(
+                at.k("types").i(i),
+                format!("`{t}` is not a media type (`type/subtype` or `type/*`)"),
+            ),
+        }
+    }
+    (errs.0.len() == before).then(|| {
+        Arc::new(crate::compress::CompressSpec {
+            gzip: c.gzip,
+            br: c.br,
+            zstd: c.zstd,
+            min_bytes: c.min_bytes,
+            types,
+        })
+    })
+}
+
 /// A listener's deadlines: its own where it sets them, else `defaults`.
 fn listener_deadlines(l: &super::file::ListenerSection, defaults: &Deadlines) -> Deadlines {
     let or = |own: Option<u64>, d: Option<Duration>| own.map_or(d, millis);
@@ -724,6 +761,10 @@ fn routes(
             limiters: route_limiters,
             budgets,
             request_buffering: r.request_buffering.unwrap_or(f.limits.request_buffering),
+            compress: r
+                .compress
+                .as_ref()
+                .and_then(|c| compress(c, &at.k("compress"), errs)),
         };
         out.push((Arc::new(route), r.hosts.clone()));
     }
