@@ -10,9 +10,13 @@ use std::io::Read;
 use std::process::Command;
 
 fn edge() -> (Origin, Ultrafast) {
+    edge_with("")
+}
+
+fn edge_with(listeners: &str) -> (Origin, Ultrafast) {
     let a = Origin::start("a");
     let uf = Ultrafast::start(&format!(
-        "{}[[routes]]\npath = \"/plain\"\npool = \"a\"\n\n\
+        "{listeners}{}[[routes]]\npath = \"/plain\"\npool = \"a\"\n\n\
          [[routes]]\npath = \"/\"\npool = \"a\"\ncompress = {{ gzip = 6, br = 5, zstd = 3, min_bytes = 256 }}\n",
         pool_toml("a", &[&a], "")
     ));
@@ -94,11 +98,7 @@ fn each_coding_alone_and_by_q_value_decodes_to_the_origins_bytes() {
 fn curl_compressed_gets_the_same_bytes_and_head_gets_the_same_head() {
     let (_a, uf) = edge();
     let url = format!("http://{}/text/100000", uf.addr);
-    let out = Command::new("curl")
-        .args(["-s", "--compressed", "-D", "-", "--max-time", "10", &url])
-        .output()
-        .unwrap();
-    let raw = out.stdout;
+    let raw = curl(&["--compressed", &url]);
     let split = raw.windows(4).position(|w| w == b"\r\n\r\n").unwrap();
     let head = String::from_utf8_lossy(&raw[..split]).to_ascii_lowercase();
     assert!(head.contains("content-encoding:"), "{head}");
@@ -119,6 +119,37 @@ fn curl_compressed_gets_the_same_bytes_and_head_gets_the_same_head() {
         .request("GET", "/text/3000", &[("Accept-Encoding", "gzip")], b"")
         .unwrap();
     assert_eq!(decode("gzip", &r.body), text(3000));
+}
+
+/// `curl -s -D - ARGS`: the head and the (decoded) body.
+fn curl(args: &[&str]) -> Vec<u8> {
+    Command::new("curl")
+        .args(["-s", "-D", "-", "--max-time", "10"])
+        .args(args)
+        .output()
+        .unwrap()
+        .stdout
+}
+
+#[test]
+fn over_http2_too() {
+    let port = free_port();
+    let (_a, _uf) = edge_with(&format!(
+        "[[listeners]]\nname = \"h2c\"\naddress = \"127.0.0.1:{port}\"\nh2c = true\n\n"
+    ));
+    let url = format!("http://127.0.0.1:{port}/text/100000");
+    let raw = curl(&["--http2-prior-knowledge", "--compressed", &url]);
+    let split = raw.windows(4).position(|w| w == b"\r\n\r\n").unwrap();
+    let head = String::from_utf8_lossy(&raw[..split]).to_ascii_lowercase();
+    assert!(head.starts_with("http/2 200"), "{head}");
+    assert!(head.contains("content-encoding:"), "{head}");
+    assert!(!head.contains("transfer-encoding"), "{head}");
+    let body = &raw[split + 4..];
+    assert!(
+        body == &text(100_000)[..],
+        "curl decoded {} bytes",
+        body.len()
+    );
 }
 
 #[test]
