@@ -52,6 +52,8 @@ pub struct Metrics {
     pub cert_reloads: IntCounterVec,
     /// Inference front and engine families.
     pub inference: crate::inference::metrics::InferenceMetrics,
+    /// Upgraded (WebSocket) connections.
+    pub upgrades: crate::proxy::upgrade::UpgradeMetrics,
 }
 
 fn must<T>(r: prometheus::Result<T>) -> T {
@@ -329,9 +331,11 @@ impl Metrics {
             must(registry.register(c));
         }
         let inference = crate::inference::metrics::InferenceMetrics::new(&registry);
+        let upgrades = crate::proxy::upgrade::UpgradeMetrics::new(&registry);
         Metrics {
             registry,
             inference,
+            upgrades,
             requests,
             upstream_latency,
             upstream_conns,

@@ -1,6 +1,6 @@
 //! Slow clients (`slowhttptest`: slowloris, slow body, slow read) against a
 //! proxy route in front of a real origin. During each attack a normal client
-//! sends a request every 100 ms on a fresh connection; its p99 must stay
+//! sends a request every 50 ms on a fresh connection; its p99 must stay
 //! under 100 ms. The connections the edge holds for the attacker are
 //! counted from `/proc/net/tcp` (server side of the listener port): they
 //! stay bounded by the attack, and the head, body and send deadlines close them
@@ -55,7 +55,7 @@ impl Drop for Attack {
 /// samples of the edge and of the origin.
 type Seen = (Vec<Duration>, Vec<String>, Vec<usize>, Vec<usize>);
 
-/// A normal client: a GET every 100 ms on a fresh connection, with its
+/// A normal client: a GET every 50 ms on a fresh connection, with its
 /// latency, plus a sample of held connections every 100 ms.
 struct Watch {
     stop: Arc<AtomicBool>,
@@ -69,17 +69,25 @@ impl Watch {
         let thread = std::thread::spawn(move || {
             let (mut lat, mut errors, mut counts) = (Vec::new(), Vec::new(), Vec::new());
             let mut upstream = Vec::new();
-            while !s.load(Ordering::SeqCst) {
+            // A probe every 50 ms (about 240 in a 12 s attack, so one
+            // moment of this shared VM's noise is not the p99 alone); the
+            // held connections every 100 ms, one read of /proc/net/tcp.
+            for i in 0u64.. {
+                if s.load(Ordering::SeqCst) {
+                    break;
+                }
                 let t = Instant::now();
                 match Client::connect(addr).and_then(|mut c| c.request("GET", "/", &[], b"")) {
                     Ok(r) if r.status == 200 => lat.push(t.elapsed()),
                     Ok(r) => errors.push(format!("status {}", r.status)),
                     Err(e) => errors.push(e.to_string()),
                 }
-                let n = held_by(&[port, origin]);
-                counts.push(n[0]);
-                upstream.push(n[1]);
-                std::thread::sleep(Duration::from_millis(100).saturating_sub(t.elapsed()));
+                if i % 2 == 0 {
+                    let n = held_by(&[port, origin]);
+                    counts.push(n[0]);
+                    upstream.push(n[1]);
+                }
+                std::thread::sleep(Duration::from_millis(50).saturating_sub(t.elapsed()));
             }
             (lat, errors, counts, upstream)
         });
@@ -130,9 +138,12 @@ fn attack(
     assert!(ended, "slowhttptest ran past its length: {log}");
     assert!(errors.is_empty(), "normal client failed: {errors:?}");
     let n = lat.len();
+    let mut worst = lat.clone();
+    worst.sort();
+    let worst: Vec<_> = worst.iter().rev().take(3).collect();
     let p = p99(lat);
     eprintln!(
-        "{args:?}: ran {ran:?}, {n} probes, p99 {p:?}, held max {:?}",
+        "{args:?}: ran {ran:?}, {n} probes, p99 {p:?}, worst {worst:?}, held max {:?}",
         counts.iter().max()
     );
     assert!(p < Duration::from_millis(100), "p99 {p:?} under attack");

@@ -535,6 +535,12 @@ pub struct LimitsSection {
     /// Directory of those temporary files (nginx
     /// `client_body_temp_path`); empty = the system's temporary directory.
     pub client_body_temp_path: String,
+    /// Upgraded (WebSocket) connections open at most, all listeners
+    /// together; one more gets a 503; 0 = no cap.
+    pub max_upgraded: usize,
+    /// Seconds an upgraded connection's client may stay silent before it
+    /// is closed (nginx `proxy_read_timeout` on a tunnel); 0 = no limit.
+    pub upgraded_idle_timeout_s: u64,
 }
 
 impl Default for LimitsSection {
@@ -552,6 +558,8 @@ impl Default for LimitsSection {
             request_buffering: true,
             client_body_buffer_kb: 16,
             client_body_temp_path: String::new(),
+            max_upgraded: 1024,
+            upgraded_idle_timeout_s: 60,
         }
     }
 }

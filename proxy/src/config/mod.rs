@@ -129,6 +129,10 @@ pub struct Limits {
     pub client_body_buffer_bytes: usize,
     /// Directory of spilled bodies.
     pub client_body_temp_path: PathBuf,
+    /// Upgraded connections at most (0 = no cap).
+    pub max_upgraded: usize,
+    /// Most silence from an upgraded connection's client (`None`: none).
+    pub upgraded_idle_timeout: Option<std::time::Duration>,
 }
 
 /// A traffic listener.

@@ -66,6 +66,8 @@ pub struct Ctx {
     /// The edge buffers the request body (`buffering`) and has answered
     /// any `Expect: 100-continue` itself.
     pub(super) body_buffered: bool,
+    /// The `max_upgraded` slot of a request that asks to upgrade.
+    pub(super) upgrade: Option<super::upgrade::Slot>,
     /// The response body's encoder, when the route compresses it.
     pub(super) encoder: Option<crate::compress::Encoder>,
     pub(super) error_status: u16,

@@ -104,6 +104,26 @@ impl EdgeProxy {
                 if let LbSpec::ConsistentHash(key, _) = &pool.lb {
                     ctx.hash = filters::hash_key(session, key);
                 }
+                if super::upgrade::asks_upgrade(session.req_header()) {
+                    let up = &self.metrics.upgrades;
+                    match up.take(ctx.cfg.limits.max_upgraded) {
+                        Some(slot) => ctx.upgrade = Some(slot),
+                        None => {
+                            up.refused_cap.inc();
+                            let msg = "too many upgraded connections (max_upgraded)";
+                            session.set_keepalive(None);
+                            policy::respond_error(
+                                session,
+                                &ctx.policy(),
+                                503,
+                                msg,
+                                "too_many_upgrades",
+                            )
+                            .await?;
+                            return Ok(true);
+                        }
+                    }
+                }
                 // An HTTP/2 body need not be declared: a head without
                 // END_STREAM has one.
                 if filters::has_body(session.req_header()) || !session.is_body_empty() {

@@ -12,6 +12,7 @@ mod ctx;
 mod infer;
 mod local;
 mod policy;
+pub mod upgrade;
 
 use ctx::Tried;
 pub use ctx::{Ctx, InFlight};
@@ -155,6 +156,7 @@ impl ProxyHttp for EdgeProxy {
             body_bytes: 0,
             body_buffered: false,
             encoder: None,
+            upgrade: None,
             error_status: 0,
             hsts: None,
             tls: false,
@@ -432,6 +434,21 @@ impl ProxyHttp for EdgeProxy {
         resp: &mut ResponseHeader,
         ctx: &mut Ctx,
     ) -> Result<()> {
+        if let Some(slot) = ctx.upgrade.as_mut() {
+            let up = &self.metrics.upgrades;
+            if resp.status == http::StatusCode::SWITCHING_PROTOCOLS {
+                slot.upgraded(&up.open);
+                up.upgraded.inc();
+                let idle = ctx.cfg.limits.upgraded_idle_timeout;
+                session.set_read_timeout(idle);
+            } else {
+                // Refused: whatever the client sent behind its request was
+                // meant for a tunnel, never to be read as a request.
+                up.refused_upstream.inc();
+                ctx.upgrade = None;
+                session.set_keepalive(None);
+            }
+        }
         if let Some(spec) = ctx.route.as_ref().and_then(|r| r.compress.clone()) {
             compress_head(session, resp, ctx, &spec);
         }

@@ -338,6 +338,8 @@ fn limits(f: &FileConfig, errs: &mut Errors) -> Limits {
         request_buffering: l.request_buffering,
         client_body_buffer_bytes: l.client_body_buffer_kb.clamp(1, 64) * 1024,
         client_body_temp_path: temp,
+        max_upgraded: l.max_upgraded,
+        upgraded_idle_timeout: millis(l.upgraded_idle_timeout_s.saturating_mul(1000)),
     }
 }
 
