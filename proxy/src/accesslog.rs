@@ -144,26 +144,87 @@ fn writer(rx: Receiver<Msg>, out: Box<dyn Write + Send>, format: LogFormat) {
     let _ = out.flush();
 }
 
+/// One JSON line, written field by field: building a `serde_json::Value`
+/// first (a map, a string per field) cost about 20,000 instructions per
+/// request (benches/RESULTS.md section 13). Keys in the sorted order that
+/// map wrote them in, so lines read as before.
 fn json_line(e: &Entry, out: &mut String) {
-    let v = serde_json::json!({
-        "time": rfc3339(e.time),
-        "request_id": e.request_id,
-        "client": e.client.map(|c| c.to_string()),
-        "method": e.method.as_str(),
-        "uri": e.uri,
-        "route": e.route.as_ref().map(|r| r.name.as_str()),
-        "upstream": e.upstream,
-        "status": e.status,
-        "bytes": e.bytes,
-        "total_ms": e.total.as_secs_f64() * 1000.0,
-        "upstream_ms": e.upstream_time.map(|d| d.as_secs_f64() * 1000.0),
-        "tries": e.tries,
-        "user_agent": e.user_agent,
-        "lane": e.lane,
-        "queue_ms": e.queue_ms,
-    });
-    out.push_str(&v.to_string());
-    out.push('\n');
+    use std::fmt::Write as _;
+    let _ = write!(out, "{{\"bytes\":{},\"client\":", e.bytes);
+    match e.client {
+        Some(c) => {
+            let _ = write!(out, "\"{c}\"");
+        }
+        None => out.push_str("null"),
+    }
+    out.push_str(",\"lane\":");
+    json_str(out, &e.lane);
+    out.push_str(",\"method\":");
+    json_str(out, e.method.as_str());
+    out.push_str(",\"queue_ms\":");
+    json_num(out, e.queue_ms);
+    out.push_str(",\"request_id\":");
+    json_str(out, &e.request_id);
+    out.push_str(",\"route\":");
+    match &e.route {
+        Some(r) => json_str(out, &r.name),
+        None => out.push_str("null"),
+    }
+    let _ = write!(out, ",\"status\":{},\"time\":\"", e.status);
+    rfc3339_into(out, e.time);
+    out.push_str("\",\"total_ms\":");
+    json_num(out, Some(e.total.as_secs_f64() * 1000.0));
+    let _ = write!(out, ",\"tries\":{},\"upstream\":", e.tries);
+    match &e.upstream {
+        Some(u) => json_str(out, u),
+        None => out.push_str("null"),
+    }
+    out.push_str(",\"upstream_ms\":");
+    json_num(out, e.upstream_time.map(|d| d.as_secs_f64() * 1000.0));
+    out.push_str(",\"uri\":");
+    json_str(out, &e.uri);
+    out.push_str(",\"user_agent\":");
+    json_str(out, &e.user_agent);
+    out.push_str("}\n");
+}
+
+/// `s` as a JSON string (RFC 8259: quote, backslash and controls escaped).
+fn json_str(out: &mut String, s: &str) {
+    use std::fmt::Write as _;
+    out.push('"');
+    let mut plain = 0;
+    for (i, c) in s.char_indices() {
+        let esc = match c {
+            '"' => "\\\"",
+            '\\' => "\\\\",
+            '\n' => "\\n",
+            '\r' => "\\r",
+            '\t' => "\\t",
+            c if (c as u32) < 0x20 => "",
+            _ => continue,
+        };
+        out.push_str(&s[plain..i]);
+        if esc.is_empty() {
+            let _ = write!(out, "\\u{:04x}", c as u32);
+        } else {
+            out.push_str(esc);
+        }
+        plain = i + c.len_utf8();
+    }
+    out.push_str(&s[plain..]);
+    out.push('"');
+}
+
+/// A finite number, or `null` (Rust's shortest round-trip form is valid
+/// JSON: no exponent, no NaN for a duration).
+fn json_num(out: &mut String, v: Option<f64>) {
+    use std::fmt::Write as _;
+    match v.filter(|v| v.is_finite()) {
+        Some(v) => {
+            let _ = write!(out, "{v}");
+        }
+        None => out.push_str("null"),
+    }
 }
 
 fn combined_line(e: &Entry, out: &mut String) {
@@ -191,6 +252,14 @@ fn combined_line(e: &Entry, out: &mut String) {
 
 /// UTC RFC 3339 with milliseconds, without a date library.
 pub fn rfc3339(t: SystemTime) -> String {
+    let mut s = String::with_capacity(24);
+    rfc3339_into(&mut s, t);
+    s
+}
+
+/// [`rfc3339`], appended to `out`.
+fn rfc3339_into(out: &mut String, t: SystemTime) {
+    use std::fmt::Write as _;
     let d = t.duration_since(UNIX_EPOCH).unwrap_or_default();
     let secs = d.as_secs() as i64;
     let (days, rem) = (secs.div_euclid(86_400), secs.rem_euclid(86_400));
@@ -204,18 +273,62 @@ pub fn rfc3339(t: SystemTime) -> String {
     let day = doy - (153 * mp + 2) / 5 + 1;
     let month = if mp < 10 { mp + 3 } else { mp - 9 };
     let year = yoe + era * 400 + (month <= 2) as i64;
-    format!(
+    let _ = write!(
+        out,
         "{year:04}-{month:02}-{day:02}T{:02}:{:02}:{:02}.{:03}Z",
         rem / 3600,
         rem / 60 % 60,
         rem % 60,
         d.subsec_millis()
-    )
+    );
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_json_line_parses_with_every_field_and_escape() {
+        let e = Entry {
+            time: UNIX_EPOCH + Duration::from_millis(1_709_210_096_123),
+            request_id: "rid-\"1\"".into(),
+            client: Some("127.0.0.1".parse().unwrap()),
+            method: http::Method::POST,
+            uri: "/a?b=\\c".into(),
+            route: None,
+            upstream: Some("10.0.0.1:80".into()),
+            status: 201,
+            bytes: 42,
+            total: Duration::from_micros(1500),
+            upstream_time: None,
+            tries: 2,
+            user_agent: "ua\u{1}\n\té\u{1F600}".into(),
+            lane: "ultra".into(),
+            queue_ms: Some(0.25),
+        };
+        let mut line = String::new();
+        json_line(&e, &mut line);
+        assert!(line.ends_with("}\n"));
+        let v: serde_json::Value = serde_json::from_str(&line).unwrap();
+        assert_eq!(v["request_id"], "rid-\"1\"");
+        assert_eq!(v["uri"], "/a?b=\\c");
+        assert_eq!(v["user_agent"], "ua\u{1}\n\té\u{1F600}");
+        assert_eq!(v["client"], "127.0.0.1");
+        assert_eq!(v["method"], "POST");
+        assert_eq!(v["route"], serde_json::Value::Null);
+        assert_eq!(v["upstream"], "10.0.0.1:80");
+        assert_eq!(
+            (v["status"].as_u64(), v["bytes"].as_u64()),
+            (Some(201), Some(42))
+        );
+        assert_eq!(v["total_ms"].as_f64(), Some(1.5));
+        assert_eq!(v["upstream_ms"], serde_json::Value::Null);
+        assert_eq!(v["queue_ms"].as_f64(), Some(0.25));
+        assert_eq!(v["tries"].as_u64(), Some(2));
+        assert_eq!(v["lane"], "ultra");
+        assert_eq!(v["time"], "2024-02-29T12:34:56.123Z");
+        assert_eq!(v.as_object().unwrap().len(), 15);
+    }
 
     #[test]
     fn rfc3339_known_instants() {

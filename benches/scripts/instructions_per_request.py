@@ -1,0 +1,156 @@
+#!/usr/bin/env python3
+"""Instructions per proxied request under callgrind: ultrafast vs a bare
+Pingora proxy, in one run.
+
+Wall-clock ratios on these VMs move by +-20%, and they have no hardware
+counters (`perf stat -e instructions` is "not supported"), so instructions
+are counted by valgrind's callgrind. Each proxy runs under callgrind twice,
+serving N1 and N2 requests on one keepalive connection (a Python client,
+GET / with a small fixed answer from an nginx origin); the per-request cost
+is (I(N2) - I(N1)) / (N2 - N1), which cancels start-up and shutdown. Both
+proxies run one worker thread. ultrafast runs the plain proxy path with
+what production has on: forwarding headers, request ids and the access log
+(to a file). The top functions of the difference are listed from
+callgrind_annotate, per function the N2 run less the N1 run, per request.
+
+usage: benches/scripts/instructions_per_request.py [--n1 500] [--n2 3000]
+       [--bin target/release/ultrafast] [--bare target/release/bare-pingora]
+Build first: cargo build --release -p ultrafast -p ultrafast-benches;
+needs valgrind and nginx. Loopback only; every process is stopped by PID.
+"""
+import argparse, os, re, shutil, signal, socket, subprocess, sys, tempfile, time
+from benchlib import ROOT, free_port, spawn, stop_tree, wait_port
+
+
+def origin(tmp):
+    port = free_port()
+    conf = os.path.join(tmp, "origin.conf")
+    with open(conf, "w") as f:
+        f.write(f"daemon off; pid {tmp}/o.pid; error_log {tmp}/o.err; worker_processes 1; "
+                f"events {{ worker_connections 1024; }} http {{ access_log off; keepalive_requests 100000; "
+                f"server {{ listen 127.0.0.1:{port}; location / {{ return 200 ok; }} }} }}")
+    p = spawn(["nginx", "-p", tmp, "-c", conf], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    wait_port(port)
+    return p, port
+
+
+def proxy_cmd(kind, a, tmp, port, oport):
+    if kind == "bare":
+        return [a.bare, f"127.0.0.1:{port}", f"127.0.0.1:{oport}", "1"]
+    cfg = os.path.join(tmp, f"uf-{port}.toml")
+    with open(cfg, "w") as f:
+        f.write(f'[server]\nthreads = 1\npid_file = "{tmp}/uf-{port}.pid"\nupgrade_sock = "{tmp}/uf-{port}.sock"\n'
+                f'[admin]\nlisten = ""\n[log]\naccess_log = "{tmp}/access-{port}.log"\n'
+                f'[[listeners]]\naddress = "127.0.0.1:{port}"\n'
+                f'[pools.o]\nmembers = [{{ addr = "127.0.0.1:{oport}" }}]\n'
+                '[[routes]]\npath = "/"\npool = "o"\n')
+    return [a.bin, "serve", "-c", cfg]
+
+
+def drive(port, n):
+    s = socket.create_connection(("127.0.0.1", port), 30)
+    s.settimeout(60)
+    req = b"GET / HTTP/1.1\r\nHost: bench\r\n\r\n"
+    buf = b""
+    for _ in range(n):
+        s.sendall(req)
+        while True:
+            end = buf.find(b"\r\n\r\n")
+            if end >= 0:
+                m = re.search(rb"(?i)content-length:\s*(\d+)", buf[:end])
+                total = end + 4 + (int(m.group(1)) if m else 0)
+                if len(buf) >= total:
+                    buf = buf[total:]
+                    break
+            chunk = s.recv(65536)
+            if not chunk:
+                sys.exit("the proxy closed the connection")
+            buf += chunk
+    s.close()
+
+
+def one(kind, a, tmp, oport, n):
+    port = free_port()
+    out = os.path.join(tmp, f"cg-{kind}-{n}.out")
+    cmd = ["valgrind", "--tool=callgrind", f"--callgrind-out-file={out}", "--dump-line=no"]
+    p = spawn(cmd + proxy_cmd(kind, a, tmp, port, oport), stdout=subprocess.DEVNULL,
+              stderr=open(os.path.join(tmp, f"vg-{kind}-{n}.log"), "w"),
+              env={**os.environ, "RUST_LOG": "warn"})
+    try:
+        wait_port(port, limit=120)
+        drive(port, n)
+        # SIGINT: Pingora's fast shutdown; callgrind writes its file at exit.
+        os.kill(p.pid, signal.SIGINT)
+        p.wait(timeout=120)
+    finally:
+        stop_tree(p)
+    with open(out) as f:
+        for line in f:
+            if line.startswith(("summary:", "totals:")):
+                return int(line.split()[1]), out
+    sys.exit(f"no totals in {out}")
+
+
+def functions(out):
+    """Exclusive instructions per function of a callgrind file (with LTO,
+    a function's own count includes what was inlined into it)."""
+    txt = subprocess.run(["callgrind_annotate", "--inclusive=no", "--threshold=100", out],
+                         capture_output=True, text=True).stdout
+    res = {}
+    for line in txt.splitlines():
+        m = re.match(r"\s*([\d,]+)\s+\([\s\d.]+%\)\s+(\S.*)", line)
+        # "=>" and "<" lines are call-tree lines (inclusive costs of calls).
+        if not m or m.group(2).startswith(("PROGRAM TOTALS", "events annotated", "=>", "<")):
+            continue
+        name = m.group(2)
+        if name.startswith(("???:", "/")) and ":" in name:
+            name = name.split(":", 1)[1]
+        name = re.sub(r"\s+\[.*\]$", "", name)
+        name = re.sub(r"\s+\([\d,]+x\)$", "", name).strip()[:110]
+        res[name] = res.get(name, 0) + int(m.group(1).replace(",", ""))
+    return res
+
+
+def per_request(f1, f2, dn):
+    """Per-function instructions per request: the N2 run less the N1 run."""
+    a, b = functions(f1), functions(f2)
+    return {k: (b.get(k, 0) - a.get(k, 0)) / dn for k in set(a) | set(b)}
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--n1", type=int, default=500)
+    ap.add_argument("--n2", type=int, default=3000)
+    ap.add_argument("--top", type=int, default=25, help="functions of the difference listed")
+    ap.add_argument("--bin", default=os.path.join(ROOT, "target/release/ultrafast"))
+    ap.add_argument("--bare", default=os.path.join(ROOT, "target/release/bare-pingora"))
+    a = ap.parse_args()
+    for need in ("valgrind", "nginx", "callgrind_annotate"):
+        if not shutil.which(need):
+            sys.exit(f"needs {need}")
+    tmp = tempfile.mkdtemp(prefix="uf-cg-")
+    o, oport = origin(tmp)
+    try:
+        per, funcs = {}, {}
+        for kind in ("bare", "ultrafast"):
+            i1, f1 = one(kind, a, tmp, oport, a.n1)
+            i2, f2 = one(kind, a, tmp, oport, a.n2)
+            per[kind] = (i2 - i1) / (a.n2 - a.n1)
+            funcs[kind] = per_request(f1, f2, a.n2 - a.n1)
+            print(f"{kind:9s} I({a.n1}) = {i1:,}  I({a.n2}) = {i2:,}  -> {per[kind]:,.0f} instructions/request",
+                  flush=True)
+        print(f"\n| proxy | instructions per request | vs bare Pingora |\n|---|---|---|")
+        print(f"| bare Pingora | {per['bare']:,.0f} | 1.00x |")
+        print(f"| ultrafast | {per['ultrafast']:,.0f} | {per['ultrafast'] / per['bare']:.2f}x |")
+        u, b = funcs["ultrafast"], funcs["bare"]
+        diff = sorted(((u.get(k, 0) - b.get(k, 0), k) for k in set(u) | set(b)), reverse=True)
+        print(f"\n| function (exclusive, inlined callees included) | ultrafast | bare | difference |\n|---|---|---|---|")
+        for d, k in diff[:a.top]:
+            print(f"| `{k}` | {u.get(k, 0):,.0f} | {b.get(k, 0):,.0f} | {d:+,.0f} |")
+    finally:
+        stop_tree(o)
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
