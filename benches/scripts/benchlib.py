@@ -37,6 +37,25 @@ def stop_tree(p):
         pass
 
 
+def exact_rss_kb(pids):
+    """RSS of `pids` summed, in KiB, from smaps_rollup: exact (since Linux
+    6.2 the RSS in /proc/PID/status is an approximate per-CPU sum)."""
+    total = 0
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/smaps_rollup") as f:
+                total += next(int(l.split()[1]) for l in f if l.startswith("Rss:"))
+        except (OSError, StopIteration):
+            pass
+    return total
+
+
+def with_children(pid):
+    """`pid` and its direct children (nginx's workers)."""
+    out = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout
+    return [pid] + [int(x) for x in out.split()]
+
+
 def pct_ms(values, q):
     """The q-quantile of durations in seconds, in ms (nan if empty)."""
     if not values:

@@ -26,7 +26,7 @@ usage: benches/scripts/slow_clients_vs_nginx.py [--conns 500] [--length 20]
 Build first: cargo build --release -p ultrafast; needs nginx, slowhttptest.
 """
 import argparse, http.server, os, shutil, socket, subprocess, sys, tempfile, threading, time
-from benchlib import ROOT, free_port, pct_ms, spawn, stop_tree, wait_port
+from benchlib import ROOT, exact_rss_kb, free_port, pct_ms, spawn, stop_tree, wait_port, with_children
 
 
 class Origin(http.server.BaseHTTPRequestHandler):
@@ -73,22 +73,6 @@ def held(port):
             if len(p) > 3 and p[1].rsplit(":", 1)[1] == want and p[3] == "01":
                 n += 1
     return n
-
-
-def rss_kb(pids):
-    total = 0
-    for pid in pids:
-        try:
-            with open(f"/proc/{pid}/smaps_rollup") as f:
-                total += next(int(l.split()[1]) for l in f if l.startswith("Rss:"))
-        except (OSError, StopIteration):
-            pass
-    return total
-
-
-def tree(pid):
-    out = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout
-    return [pid] + [int(x) for x in out.split()]
 
 
 UF_LIMITS = ""
@@ -153,7 +137,7 @@ def attack(kind, name, port, origin, pids, conns, length, tmp):
     path = "/big" if name == "slow read" else "/"
     args = ["slowhttptest", *ATTACKS[name], "-c", str(conns), "-r", str(conns), "-l", str(length),
             "-p", "3", "-u", f"http://127.0.0.1:{port}{path}"]
-    idle = rss_kb(pids)
+    idle = exact_rss_kb(pids)
     stop, lat, errors = threading.Event(), [], []
     t = threading.Thread(target=probe, args=(port, stop, lat, errors))
     t.start()
@@ -163,7 +147,7 @@ def attack(kind, name, port, origin, pids, conns, length, tmp):
     try:
         while atk.poll() is None and time.time() < end:
             up = max(up, held(origin))
-            peak = max(peak, rss_kb(pids))
+            peak = max(peak, exact_rss_kb(pids))
             time.sleep(0.1)
     finally:
         stop_tree(atk)
@@ -182,7 +166,7 @@ def one(kind, binary, conns, length, origin):
     try:
         wait_port(port)
         time.sleep(1)
-        pids = tree(p.pid)
+        pids = with_children(p.pid)
         for name in ATTACKS:
             if name not in ONLY:
                 continue

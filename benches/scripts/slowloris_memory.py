@@ -13,30 +13,7 @@ usage: benches/scripts/slowloris_memory.py [--conns 1000] [--rounds 3]
 Build first: cargo build --release -p ultrafast; needs nginx.
 """
 import argparse, os, shutil, socket, statistics, subprocess, sys, tempfile, time
-from benchlib import ROOT, free_port, spawn, stop_tree
-
-
-def rss_kb(pid):
-    with open(f"/proc/{pid}/smaps_rollup") as f:
-        for line in f:
-            if line.startswith("Rss:"):
-                return int(line.split()[1])
-    return 0
-
-
-def tree(pid):
-    out = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout
-    return [pid] + [int(x) for x in out.split()]
-
-
-def wait_port(port):
-    for _ in range(200):
-        try:
-            socket.create_connection(("127.0.0.1", port), 0.1).close()
-            return
-        except OSError:
-            time.sleep(0.05)
-    sys.exit(f"nothing listening on {port}")
+from benchlib import ROOT, exact_rss_kb, free_port, spawn, stop_tree, wait_port, with_children
 
 
 def start(kind, binary, tmp, port):
@@ -64,14 +41,14 @@ def one(kind, binary, conns):
     try:
         wait_port(port)
         time.sleep(1)
-        pids = tree(p.pid)
-        idle = sum(rss_kb(x) for x in pids)
+        pids = with_children(p.pid)
+        idle = exact_rss_kb(pids)
         for _ in range(conns):
             s = socket.create_connection(("127.0.0.1", port), 5)
             s.sendall(b"GET / HTTP/1.1\r\nHost: x\r\nX-a: 1\r\n")
             socks.append(s)
         time.sleep(2)
-        held = sum(rss_kb(x) for x in pids)
+        held = exact_rss_kb(pids)
         return idle, held, (held - idle) / conns
     finally:
         for s in socks:

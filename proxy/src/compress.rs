@@ -101,7 +101,7 @@ impl CompressSpec {
         let no_transform = h
             .get_all(CACHE_CONTROL)
             .iter()
-            .any(|v| contains_token(v.as_bytes(), b"no-transform"));
+            .any(|v| crate::filters::has_token(v.as_bytes(), b"no-transform"));
         if encoded || no_transform || h.contains_key(CONTENT_RANGE) {
             return false;
         }
@@ -152,16 +152,11 @@ fn parse_accept(value: &str) -> Vec<(String, f32)> {
         .collect()
 }
 
-/// Whether the comma-separated header value `v` lists `token`.
-fn contains_token(v: &[u8], token: &[u8]) -> bool {
-    v.split(|&b| b == b',')
-        .any(|t| t.trim_ascii().eq_ignore_ascii_case(token))
-}
-
 /// Add `Vary: Accept-Encoding` unless the response varies on it already.
 pub fn add_vary(resp: &mut ResponseHeader) {
     let has = resp.headers.get_all(VARY).iter().any(|v| {
-        contains_token(v.as_bytes(), b"accept-encoding") || contains_token(v.as_bytes(), b"*")
+        crate::filters::has_token(v.as_bytes(), b"accept-encoding")
+            || crate::filters::has_token(v.as_bytes(), b"*")
     });
     if !has {
         let _ = resp.append_header(VARY, "Accept-Encoding");

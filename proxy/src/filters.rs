@@ -87,6 +87,13 @@ pub fn check_head(
     None
 }
 
+/// Whether the comma-separated header value `v` lists `token` (ASCII
+/// case-insensitive, as `Connection`, `Vary` and `Cache-Control` compare).
+pub fn has_token(v: &[u8], token: &[u8]) -> bool {
+    v.split(|&b| b == b',')
+        .any(|t| t.trim_ascii().eq_ignore_ascii_case(token))
+}
+
 /// Whether the request may carry a body.
 pub fn has_body(req: &RequestHeader) -> bool {
     req.headers.contains_key(http::header::TRANSFER_ENCODING)

@@ -79,28 +79,12 @@ fn chunked(b: &[u8]) -> Vec<u8> {
 /// A POST over h2c that sends its head and then nothing: the status of
 /// the answer and how long it took.
 fn h2_post_stalled(port: u16) -> (u16, Duration) {
-    let rt = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
+    let req = http::Request::post(format!("http://127.0.0.1:{port}/up"))
+        .body(())
         .unwrap();
-    rt.block_on(async {
-        let tcp = tokio::net::TcpStream::connect(("127.0.0.1", port))
-            .await
-            .unwrap();
-        let (mut client, conn) = h2::client::handshake(tcp).await.unwrap();
-        tokio::spawn(conn);
-        let req = http::Request::post(format!("http://127.0.0.1:{port}/up"))
-            .body(())
-            .unwrap();
-        let t = std::time::Instant::now();
-        // The stream stays open: no DATA, no end of stream.
-        let (resp, _body) = client.send_request(req, false).unwrap();
-        let resp = tokio::time::timeout(Duration::from_secs(10), resp)
-            .await
-            .expect("an answer in time")
-            .expect("an answer, not a reset");
-        (resp.status().as_u16(), t.elapsed())
-    })
+    // The stream stays open: no DATA, no end of stream.
+    let a = h2c(port, req, false);
+    (a.status, a.took)
 }
 
 #[test]

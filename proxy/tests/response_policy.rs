@@ -443,36 +443,12 @@ fn too_many_headers_is_a_431_of_its_route() {
 
 /// A GET over h2c with `headers`: the status and the response headers.
 fn h2_get(port: u16, headers: &[(&str, &str)]) -> (u16, BTreeMap<String, String>) {
-    let rt = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .unwrap();
-    rt.block_on(async {
-        let tcp = tokio::net::TcpStream::connect(("127.0.0.1", port))
-            .await
-            .unwrap();
-        let (mut client, conn) = h2::client::Builder::new()
-            .max_header_list_size(1 << 20)
-            .handshake::<_, bytes::Bytes>(tcp)
-            .await
-            .unwrap();
-        tokio::spawn(conn);
-        let mut req = http::Request::get(format!("http://127.0.0.1:{port}/"));
-        for (k, v) in headers {
-            req = req.header(*k, *v);
-        }
-        let (resp, _) = client.send_request(req.body(()).unwrap(), true).unwrap();
-        let resp = tokio::time::timeout(std::time::Duration::from_secs(10), resp)
-            .await
-            .expect("an answer in time")
-            .expect("an answer, not a stream or connection error");
-        let head = resp
-            .headers()
-            .iter()
-            .map(|(k, v)| (k.to_string(), v.to_str().unwrap_or("").to_string()))
-            .collect();
-        (resp.status().as_u16(), head)
-    })
+    let mut req = http::Request::get(format!("http://127.0.0.1:{port}/"));
+    for (k, v) in headers {
+        req = req.header(*k, *v);
+    }
+    let a = h2c(port, req.body(()).unwrap(), true);
+    (a.status, a.headers)
 }
 
 #[test]

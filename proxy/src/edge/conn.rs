@@ -180,9 +180,14 @@ async fn sleep_or_never(sleep: Option<&mut Pin<Box<tokio::time::Sleep>>>) {
 /// bare refusal (`bare`). A no-op on a stream the guard does not wrap
 /// (HTTP/2 sessions have none to give).
 pub fn mark_seen(stream: Option<&Stream>) {
-    if let Some(g) = stream.and_then(|s| s.as_any().downcast_ref::<HeadDeadline>()) {
+    if let Some(g) = guard(stream) {
         g.seen.store(true, Ordering::Relaxed);
     }
+}
+
+/// The guard under `stream`, if it wraps it.
+fn guard(stream: Option<&Stream>) -> Option<&HeadDeadline> {
+    stream.and_then(|s| s.as_any().downcast_ref::<HeadDeadline>())
 }
 
 /// One byte of a request head: the count of bytes since the last line feed
@@ -276,10 +281,22 @@ struct Body {
 
 impl HeadDeadline {
     fn body(&mut self) -> &mut Body {
+        body_mut(&mut self.body)
+    }
+
+    /// The body state, from the request filter (a poisoned lock holds
+    /// plain data: still good).
+    fn lock_body(&self) -> std::sync::MutexGuard<'_, Body> {
         self.body
-            .get_mut()
+            .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner)
     }
+}
+
+/// The body state, from a read (`&mut`: no locking).
+fn body_mut(m: &mut std::sync::Mutex<Body>) -> &mut Body {
+    m.get_mut()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
 }
 
 /// Hold the current request's body (`framing`) below Pingora's reads until
@@ -295,13 +312,10 @@ pub fn hold_body(
     dir: &std::path::Path,
     idle: Option<Duration>,
 ) -> bool {
-    let Some(g) = stream.and_then(|s| s.as_any().downcast_ref::<HeadDeadline>()) else {
+    let Some(g) = guard(stream) else {
         return false;
     };
-    let mut body = g
-        .body
-        .lock()
-        .unwrap_or_else(std::sync::PoisonError::into_inner);
+    let mut body = g.lock_body();
     let tail = body.tail.take();
     // Only where the guard saw this request's head end (so `tail` is what
     // Pingora read past it) and no earlier hold is still handing over
@@ -323,12 +337,8 @@ pub fn hold_body(
 
 /// How the current request's hold stands, if it has one.
 pub fn hold_outcome(stream: Option<&Stream>) -> Option<Outcome> {
-    let g = stream.and_then(|s| s.as_any().downcast_ref::<HeadDeadline>())?;
-    let body = g
-        .body
-        .lock()
-        .unwrap_or_else(std::sync::PoisonError::into_inner);
-    body.holding.as_ref().map(|h| h.hold.outcome)
+    let outcome = guard(stream)?.lock_body().holding.as_ref()?.hold.outcome;
+    Some(outcome)
 }
 
 impl std::fmt::Debug for HeadDeadline {
@@ -542,11 +552,7 @@ impl AsyncRead for HeadDeadline {
         let before = buf.filled().len();
         let this = &mut *self;
         let held = {
-            let body = this
-                .body
-                .get_mut()
-                .unwrap_or_else(std::sync::PoisonError::into_inner);
-            body.holding.as_mut().map(|h| {
+            body_mut(&mut this.body).holding.as_mut().map(|h| {
                 // What the first-head read took past the head, not yet
                 // read by Pingora, comes before the socket's next bytes.
                 if !this.peeked.is_empty() {

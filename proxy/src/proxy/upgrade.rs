@@ -119,11 +119,7 @@ pub fn asks_upgrade(req: &pingora::http::RequestHeader) -> bool {
     req.headers
         .get_all(http::header::CONNECTION)
         .iter()
-        .any(|v| {
-            v.as_bytes()
-                .split(|&b| b == b',')
-                .any(|t| t.trim_ascii().eq_ignore_ascii_case(b"upgrade"))
-        })
+        .any(|v| crate::filters::has_token(v.as_bytes(), b"upgrade"))
 }
 
 #[cfg(test)]

@@ -54,6 +54,50 @@ pub fn held_by(ports: &[u16]) -> Vec<usize> {
     counts
 }
 
+/// What an HTTP/2 request got: the status, the response headers and the
+/// time to the response head.
+pub struct H2Answer {
+    pub status: u16,
+    pub headers: BTreeMap<String, String>,
+    pub took: Duration,
+}
+
+/// Send `req` on a fresh h2c connection to `port` (an `h2` client, which
+/// sends header lists curl will not); `end = false` leaves the stream
+/// open with no body sent.
+pub fn h2c(port: u16, req: http::Request<()>, end: bool) -> H2Answer {
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    rt.block_on(async {
+        let tcp = tokio::net::TcpStream::connect(("127.0.0.1", port))
+            .await
+            .unwrap();
+        let (mut client, conn) = h2::client::Builder::new()
+            .max_header_list_size(1 << 20)
+            .handshake::<_, bytes::Bytes>(tcp)
+            .await
+            .unwrap();
+        tokio::spawn(conn);
+        let t = Instant::now();
+        let (resp, _body) = client.send_request(req, end).unwrap();
+        let resp = tokio::time::timeout(Duration::from_secs(10), resp)
+            .await
+            .expect("an answer in time")
+            .expect("an answer, not a stream or connection error");
+        H2Answer {
+            status: resp.status().as_u16(),
+            headers: resp
+                .headers()
+                .iter()
+                .map(|(k, v)| (k.to_string(), v.to_str().unwrap_or("").to_string()))
+                .collect(),
+            took: t.elapsed(),
+        }
+    })
+}
+
 /// `n` bytes of text the origin's `/text/N` sends.
 pub fn text(n: usize) -> Vec<u8> {
     let line = b"the quick brown fox jumps over the lazy dog 0123456789\n";
