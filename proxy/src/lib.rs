@@ -11,6 +11,7 @@ pub mod accesslog;
 pub mod admin;
 pub mod admission;
 pub mod alloc;
+pub mod cache;
 pub mod cli;
 pub mod compress;
 pub mod config;

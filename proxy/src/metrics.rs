@@ -54,6 +54,8 @@ pub struct Metrics {
     pub inference: crate::inference::metrics::InferenceMetrics,
     /// Upgraded (WebSocket) connections.
     pub upgrades: crate::proxy::upgrade::UpgradeMetrics,
+    /// The HTTP cache's zones.
+    pub cache: crate::cache::CacheMetrics,
 }
 
 fn must<T>(r: prometheus::Result<T>) -> T {
@@ -332,7 +334,9 @@ impl Metrics {
         }
         let inference = crate::inference::metrics::InferenceMetrics::new(&registry);
         let upgrades = crate::proxy::upgrade::UpgradeMetrics::new(&registry);
+        let cache = crate::cache::CacheMetrics::new(&registry);
         Metrics {
+            cache,
             registry,
             inference,
             upgrades,

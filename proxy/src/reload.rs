@@ -204,6 +204,14 @@ impl Manager {
         let hash = new.hash.clone();
         self.publish(&new);
         let inf = new.file.inference.clone();
+        let caching: Vec<&str> = new
+            .router
+            .routes()
+            .iter()
+            .filter(|r| r.cache.is_some())
+            .map(|r| r.name.as_str())
+            .collect();
+        crate::cache::retain(&caching);
         self.shared.store(Arc::new(new));
         if let Some((f, staged)) = staged {
             diff.models = staged.changes.clone();

@@ -111,6 +111,8 @@ pub struct Route {
     pub request_buffering: bool,
     /// Compression of proxied responses, if the route asks for it.
     pub compress: Option<Arc<crate::compress::CompressSpec>>,
+    /// The route's HTTP cache, if it has one.
+    pub cache: Option<Arc<crate::cache::RouteCache>>,
 }
 
 #[derive(Debug, Default)]
@@ -221,6 +223,11 @@ impl Router {
         t
     }
 
+    /// Every route, in config order.
+    pub fn routes(&self) -> &[Arc<Route>] {
+        &self.routes
+    }
+
     /// The route for a host (may carry a port) and a path, if any.
     pub fn find(&self, host: &str, path: &str) -> Option<&Arc<Route>> {
         let host = strip_port(host);
@@ -282,6 +289,7 @@ mod tests {
             budgets: Vec::new(),
             request_buffering: true,
             compress: None,
+            cache: None,
         })
     }
 

@@ -1,8 +1,11 @@
 //! The admin listener: `/metrics` (Prometheus text), `/healthz` (the process
 //! is up), `/readyz` (it should get traffic), `/admin/reload`,
-//! `/admin/config` and `/admin/slo` (the watchdog's windows and states). Served by its own Pingora
+//! `/admin/config`, `/admin/slo` (the watchdog's windows and states) and
+//! `/admin/cache` (zones; `/admin/cache/purge`). Served by its own Pingora
 //! service on its own thread so a flood of traffic cannot starve a scrape,
 //! and bound to loopback by default.
+
+mod cache;
 
 use crate::metrics::Metrics;
 use crate::reload::Manager;
@@ -225,6 +228,9 @@ impl ServeHttp for AdminApp {
             "/admin/reload" if post => self.reload().await,
             "/admin/reload" => reply(405, "text/plain", b"use POST\n".to_vec()),
             "/admin/config" => self.config_view(),
+            "/admin/cache/purge" if post => cache::purge(session).await,
+            "/admin/cache/purge" => reply(405, "text/plain", b"use POST\n".to_vec()),
+            "/admin/cache" => cache::list(),
             "/admin/slo" => self.slo(),
             "/metrics" => reply(200, "text/plain; version=0.0.4", self.metrics.render()),
             "/healthz" => reply(200, "text/plain", b"ok\n".to_vec()),

@@ -680,6 +680,36 @@ pub struct RouteSection {
     pub request_buffering: Option<bool>,
     /// Compress proxied responses (nginx `gzip on`, plus br and zstd).
     pub compress: Option<CompressSection>,
+    /// Cache proxied responses (nginx `proxy_cache`).
+    pub cache: Option<CacheSection>,
+}
+
+/// `cache = { size_mb, max_object_kb, default_ttl_s, lock_timeout_ms }` of
+/// a route.
+#[derive(Debug, Clone, PartialEq, Deserialize, Serialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct CacheSection {
+    /// The zone's memory bound, MiB (nginx `keys_zone` + `max_size`).
+    pub size_mb: u64,
+    /// Largest body stored, KiB; larger responses pass uncached.
+    pub max_object_kb: u64,
+    /// Freshness of responses that state none (nginx `proxy_cache_valid`);
+    /// 0: only what `Cache-Control`/`Expires` allow.
+    pub default_ttl_s: u64,
+    /// How long concurrent misses wait for the first fill (nginx
+    /// `proxy_cache_lock_timeout`).
+    pub lock_timeout_ms: u64,
+}
+
+impl Default for CacheSection {
+    fn default() -> Self {
+        Self {
+            size_mb: 64,
+            max_object_kb: 1024,
+            default_ttl_s: 0,
+            lock_timeout_ms: 5000,
+        }
+    }
 }
 
 /// `compress = { gzip, br, zstd, min_bytes, types }` of a route.

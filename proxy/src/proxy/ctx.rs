@@ -68,6 +68,8 @@ pub struct Ctx {
     pub(super) body_buffered: bool,
     /// The `max_upgraded` slot of a request that asks to upgrade.
     pub(super) upgrade: Option<super::upgrade::Slot>,
+    /// What the route's cache did with the request.
+    pub(super) cache: super::cache::CacheCtx,
     /// The response body's encoder, when the route compresses it.
     pub(super) encoder: Option<crate::compress::Encoder>,
     pub(super) error_status: u16,

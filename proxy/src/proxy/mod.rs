@@ -8,6 +8,7 @@
 
 mod admit;
 mod buffering;
+mod cache;
 mod ctx;
 mod infer;
 mod local;
@@ -30,6 +31,8 @@ use crate::routing::{Action, Route, UpstreamHost};
 use crate::upstream::{LbSpec, Member, Membership, Outstanding, Pool};
 use async_trait::async_trait;
 use bytes::Bytes;
+use pingora::cache::key::HashBinary;
+use pingora::cache::{CacheKey, CacheMeta, RespCacheable};
 use pingora::http::{RequestHeader, ResponseHeader};
 use pingora::prelude::*;
 use pingora::proxy::{FailToProxy, ProxyHttp, Session};
@@ -158,6 +161,7 @@ impl ProxyHttp for EdgeProxy {
             encoder: None,
             upgrade: None,
             error_status: 0,
+            cache: Default::default(),
             hsts: None,
             tls: false,
             _inflight: InFlight::new(&self.inflight),
@@ -253,6 +257,45 @@ impl ProxyHttp for EdgeProxy {
             }
         }
         Ok(())
+    }
+
+    fn request_cache_filter(&self, session: &mut Session, ctx: &mut Ctx) -> Result<()> {
+        cache::enable(session, ctx);
+        Ok(())
+    }
+
+    fn cache_key_callback(&self, session: &Session, ctx: &mut Ctx) -> Result<CacheKey> {
+        cache::key(session, ctx)
+    }
+
+    fn response_cache_filter(
+        &self,
+        session: &Session,
+        resp: &ResponseHeader,
+        ctx: &mut Ctx,
+    ) -> Result<RespCacheable> {
+        Ok(cache::cacheable(session, resp, ctx))
+    }
+
+    fn cache_vary_filter(
+        &self,
+        meta: &CacheMeta,
+        _ctx: &mut Ctx,
+        req: &RequestHeader,
+    ) -> Option<HashBinary> {
+        cache::variance(meta, req)
+    }
+
+    fn should_serve_stale(
+        &self,
+        _session: &mut Session,
+        _ctx: &mut Ctx,
+        error: Option<&Error>,
+    ) -> bool {
+        // Pingora asks only within the stored response's own
+        // stale-while-revalidate / stale-if-error windows; its default
+        // refuses stale-while-revalidate (error `None`) outright.
+        error.is_none_or(|e| e.esource() == &ErrorSource::Upstream)
     }
 
     async fn upstream_peer(&self, _session: &mut Session, ctx: &mut Ctx) -> Result<Box<HttpPeer>> {
@@ -449,6 +492,7 @@ impl ProxyHttp for EdgeProxy {
                 session.set_keepalive(None);
             }
         }
+        cache::status_header(session, resp, ctx);
         if let Some(spec) = ctx.route.as_ref().and_then(|r| r.compress.clone()) {
             compress_head(session, resp, ctx, &spec);
         }
@@ -521,6 +565,9 @@ impl ProxyHttp for EdgeProxy {
             .unwrap_or(ctx.error_status);
         if let Some(route) = &ctx.route {
             route.metrics.observe(status);
+            if let Some(rc) = &route.cache {
+                self.metrics.cache.observe(rc.zone(), ctx.cache.outcome);
+            }
         }
         ctx.outstanding = None;
         ctx.permit = None;

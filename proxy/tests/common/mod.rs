@@ -349,6 +349,13 @@ fn serve_conn(conn: TcpStream, st: Arc<OriginState>, name: String) {
             reset(&w);
             return;
         }
+        if path.starts_with("/cache/") {
+            let n = st.requests.load(Ordering::SeqCst);
+            if cache_answer(&mut w, &st, &method, &path, &headers, n).is_err() {
+                return;
+            }
+            continue;
+        }
         if let Some(n) = path
             .strip_prefix("/text/")
             .and_then(|n| n.parse::<usize>().ok())
@@ -437,6 +444,136 @@ fn serve_conn(conn: TcpStream, st: Arc<OriginState>, name: String) {
             return;
         }
     }
+}
+
+/// `%XX` and `+` of a query value.
+pub fn unescape(v: &str) -> String {
+    let b = v.as_bytes();
+    let mut out = Vec::new();
+    let mut i = 0;
+    while i < b.len() {
+        match b[i] {
+            b'%' if i + 2 < b.len() => {
+                let h = std::str::from_utf8(&b[i + 1..i + 3]).unwrap_or("");
+                out.push(u8::from_str_radix(h, 16).unwrap_or(b'?'));
+                i += 3;
+            }
+            b'+' => {
+                out.push(b' ');
+                i += 1;
+            }
+            c => {
+                out.push(c);
+                i += 1;
+            }
+        }
+    }
+    String::from_utf8_lossy(&out).into_owned()
+}
+
+/// `%`-escape a query value.
+pub fn escape(v: &str) -> String {
+    v.bytes()
+        .map(|c| match c {
+            b'A'..=b'Z' | b'a'..=b'z' | b'0'..=b'9' | b'-' | b'.' | b'_' => (c as char).to_string(),
+            _ => format!("%{c:02X}"),
+        })
+        .collect()
+}
+
+/// A cacheable resource, shaped by its query: `cc` (Cache-Control),
+/// `etag`, `lm` (a fixed Last-Modified), `vary`, `expires` (seconds from
+/// now, may be negative), `cookie`, `delay` (ms before answering), `len`
+/// (body bytes). The status is the origin's (`state.status`). A matching
+/// `If-None-Match` / `If-Modified-Since` gets a 304. The body names the
+/// request's number at the origin, so a test can tell a stored copy from a
+/// fresh one.
+fn cache_answer(
+    w: &mut TcpStream,
+    st: &OriginState,
+    method: &str,
+    path: &str,
+    req: &BTreeMap<String, String>,
+    n: u64,
+) -> std::io::Result<()> {
+    const LM: &str = "Tue, 01 Dec 2026 10:00:00 GMT";
+    let q: BTreeMap<String, String> = path
+        .split_once('?')
+        .map(|(_, q)| q)
+        .unwrap_or("")
+        .split('&')
+        .filter_map(|kv| kv.split_once('='))
+        .map(|(k, v)| (k.to_string(), unescape(v)))
+        .collect();
+    if let Some(ms) = q.get("delay").and_then(|v| v.parse().ok()) {
+        std::thread::sleep(Duration::from_millis(ms));
+    }
+    let mut head = String::new();
+    if let Some(cc) = q.get("cc") {
+        head += &format!("Cache-Control: {cc}\r\n");
+    }
+    let etag = q.get("etag").map(|e| format!("\"{e}\""));
+    if let Some(e) = &etag {
+        head += &format!("ETag: {e}\r\n");
+    }
+    if q.contains_key("lm") {
+        head += &format!("Last-Modified: {LM}\r\n");
+    }
+    if let Some(v) = q.get("vary") {
+        head += &format!("Vary: {v}\r\n");
+    }
+    if let Some(s) = q.get("expires").and_then(|v| v.parse::<i64>().ok()) {
+        let now = std::time::SystemTime::now();
+        let at = if s >= 0 {
+            now + Duration::from_secs(s as u64)
+        } else {
+            now - Duration::from_secs(s.unsigned_abs())
+        };
+        head += &format!("Expires: {}\r\n", httpdate::fmt_http_date(at));
+    }
+    if q.contains_key("cookie") {
+        head += "Set-Cookie: session=1\r\n";
+    }
+    let matched = etag
+        .as_ref()
+        .is_some_and(|e| req.get("if-none-match") == Some(e))
+        || (q.contains_key("lm") && req.get("if-modified-since").map(|s| s.as_str()) == Some(LM));
+    if matched {
+        return write!(w, "HTTP/1.1 304 Not Modified\r\n{head}\r\n");
+    }
+    let varied: Vec<String> = q
+        .get("vary")
+        .map(|v| {
+            v.split(',')
+                .map(|h| h.trim().to_ascii_lowercase())
+                .collect()
+        })
+        .unwrap_or_default();
+    let seen: Vec<String> = varied
+        .iter()
+        .map(|h| format!("{h}={}", req.get(h).map_or("", |v| v.as_str())))
+        .collect();
+    let mut body = format!(
+        "{} #{n} {}",
+        path.split('?').next().unwrap_or(""),
+        seen.join(" ")
+    );
+    if let Some(len) = q.get("len").and_then(|v| v.parse::<usize>().ok()) {
+        while body.len() < len {
+            body.push('x');
+        }
+        body.truncate(len);
+    }
+    let status = st.status.load(Ordering::SeqCst);
+    write!(
+        w,
+        "HTTP/1.1 {status} X\r\nContent-Type: text/plain\r\n{head}Content-Length: {}\r\n\r\n",
+        body.len()
+    )?;
+    if method != "HEAD" {
+        w.write_all(body.as_bytes())?;
+    }
+    Ok(())
 }
 
 /// Make the coming close a TCP reset (SO_LINGER 0) instead of a FIN; the

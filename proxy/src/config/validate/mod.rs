@@ -343,6 +343,39 @@ fn limits(f: &FileConfig, errs: &mut Errors) -> Limits {
     }
 }
 
+/// A route's `cache`, checked.
+fn cache(
+    c: &super::file::CacheSection,
+    name: &str,
+    at: &FieldPath,
+    errs: &mut Errors,
+) -> Option<Arc<crate::cache::RouteCache>> {
+    let before = errs.0.len();
+    if c.size_mb == 0 || c.size_mb > 1 << 20 {
+        errs.push(at.k("size_mb"), "must be 1 to 1048576 (MiB)");
+    }
+    if c.max_object_kb == 0 || c.max_object_kb.saturating_mul(1024) > c.size_mb << 20 {
+        errs.push(
+            at.k("max_object_kb"),
+            "must be at least 1 and fit in size_mb",
+        );
+    }
+    if c.lock_timeout_ms == 0 || c.lock_timeout_ms > 600_000 {
+        errs.push(at.k("lock_timeout_ms"), "must be 1 to 600000");
+    }
+    (errs.0.len() == before).then(|| {
+        Arc::new(crate::cache::RouteCache::new(
+            name,
+            crate::cache::CacheSpec {
+                size_bytes: (c.size_mb << 20) as usize,
+                max_object_bytes: (c.max_object_kb << 10) as usize,
+                default_ttl: std::time::Duration::from_secs(c.default_ttl_s),
+                lock_timeout: std::time::Duration::from_millis(c.lock_timeout_ms),
+            },
+        ))
+    })
+}
+
 /// A route's `compress`, checked.
 fn compress(
     c: &super::file::CompressSection,
@@ -751,6 +784,14 @@ fn routes(
         let Some((action, pool_name)) = action(r, &at, pools, &file_pools, errs) else {
             continue;
         };
+        let route_cache = match (&r.cache, &action) {
+            (Some(c), Action::Proxy(_)) => cache(c, &name, &at.k("cache"), errs),
+            (Some(_), _) => {
+                errs.push(at.k("cache"), "only a route with a pool can cache");
+                None
+            }
+            (None, _) => None,
+        };
         let route = Route {
             metrics: metrics.route(&name, &pool_name),
             name,
@@ -767,6 +808,7 @@ fn routes(
                 .compress
                 .as_ref()
                 .and_then(|c| compress(c, &at.k("compress"), errs)),
+            cache: route_cache,
         };
         out.push((Arc::new(route), r.hosts.clone()));
     }

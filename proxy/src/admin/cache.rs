@@ -1,0 +1,124 @@
+//! `POST /admin/cache/purge` and `GET /admin/cache`: purge what a route's
+//! cache holds, and see what each zone holds.
+
+use super::reply;
+use crate::cache::{self, Purge};
+use http::Response;
+use pingora::protocols::http::ServerSession;
+
+/// Purge requests are small JSON objects.
+const MAX_BODY: usize = 64 * 1024;
+
+#[derive(serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+struct PurgeRequest {
+    /// `scheme://host[:port]/path?query`, as a client asked for it.
+    url: Option<String>,
+    /// One route's zone; default: every zone.
+    zone: Option<String>,
+    /// Everything in the zone(s).
+    #[serde(default)]
+    all: bool,
+}
+
+fn error(status: u16, msg: &str) -> Response<Vec<u8>> {
+    let body = serde_json::json!({"error": msg});
+    reply(status, "application/json", body.to_string().into_bytes())
+}
+
+async fn read_body(session: &mut ServerSession) -> Result<Vec<u8>, &'static str> {
+    let mut body = Vec::new();
+    loop {
+        match session.read_request_body().await {
+            Ok(Some(b)) => {
+                body.extend_from_slice(&b);
+                if body.len() > MAX_BODY {
+                    return Err("body over 64 KiB");
+                }
+            }
+            Ok(None) => return Ok(body),
+            Err(_) => return Err("could not read the body"),
+        }
+    }
+}
+
+/// The key a URL is cached under, as the proxy builds it.
+fn url_key(url: &str) -> Result<String, String> {
+    let uri: http::Uri = url
+        .parse()
+        .map_err(|e| format!("`url` is not a URL: {e}"))?;
+    let (Some(scheme), Some(auth)) = (uri.scheme_str(), uri.authority()) else {
+        return Err("`url` needs a scheme and a host (http://host/path)".into());
+    };
+    let target = uri.path_and_query().map_or("/", |p| p.as_str());
+    Ok(cache::primary(
+        &scheme.to_ascii_lowercase(),
+        &auth.as_str().to_ascii_lowercase(),
+        target,
+    ))
+}
+
+/// `POST /admin/cache/purge` with `{"url": ...}` (every `Vary` variant
+/// of it) or `{"all": true}`, optionally `"zone": "<route>"`.
+pub(super) async fn purge(session: &mut ServerSession) -> Response<Vec<u8>> {
+    let body = match read_body(session).await {
+        Ok(b) => b,
+        Err(why) => return error(400, why),
+    };
+    let req: PurgeRequest = match serde_json::from_slice(&body) {
+        Ok(r) => r,
+        Err(e) => {
+            return error(
+                400,
+                &format!("expected {{\"url\": ...}} or {{\"all\": true}}: {e}"),
+            )
+        }
+    };
+    let key;
+    let what = match (&req.url, req.all) {
+        (Some(url), false) => match url_key(url) {
+            Ok(k) => {
+                key = k;
+                Purge::Url(&key)
+            }
+            Err(why) => return error(400, &why),
+        },
+        (None, true) => Purge::All,
+        _ => return error(400, "give exactly one of `url` and `all`"),
+    };
+    match cache::purge(req.zone.as_deref(), what) {
+        Some(n) => {
+            let body = serde_json::json!({"purged": n});
+            reply(200, "application/json", body.to_string().into_bytes())
+        }
+        None => error(
+            404,
+            "no cache zone by that name (zones are named after their routes)",
+        ),
+    }
+}
+
+/// `GET /admin/cache`: each zone's bytes and objects.
+pub(super) fn list() -> Response<Vec<u8>> {
+    let zones: Vec<_> = cache::usage()
+        .into_iter()
+        .map(|(zone, bytes, objects)| serde_json::json!({"zone": zone, "bytes": bytes, "objects": objects}))
+        .collect();
+    let body = serde_json::json!({"zones": zones});
+    reply(200, "application/json", body.to_string().into_bytes())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_url_keys_as_the_proxy_keys_a_request() {
+        assert_eq!(
+            url_key("HTTP://Example.COM:8080/a/B?x=1").as_deref(),
+            Ok("http://example.com:8080/a/B?x=1")
+        );
+        assert_eq!(url_key("http://h").as_deref(), Ok("http://h/"));
+        assert!(url_key("/only/a/path").is_err());
+    }
+}
