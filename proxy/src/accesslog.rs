@@ -189,7 +189,7 @@ fn json_line(e: &Entry, out: &mut String) {
 }
 
 /// `s` as a JSON string (RFC 8259: quote, backslash and controls escaped).
-fn json_str(out: &mut String, s: &str) {
+pub(crate) fn json_str(out: &mut String, s: &str) {
     use std::fmt::Write as _;
     out.push('"');
     let mut plain = 0;

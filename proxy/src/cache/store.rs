@@ -358,7 +358,11 @@ mod tests {
         assert!(!s.remove(&key("a")));
         assert_eq!(s.bytes(), 30 + OVERHEAD);
         let w = obj(0).weight();
-        assert_eq!(w, 30 + OVERHEAD, "a head without headers weighs nothing more");
+        assert_eq!(
+            w,
+            30 + OVERHEAD,
+            "a head without headers weighs nothing more"
+        );
         assert_eq!(s.clear().len(), 1);
         assert_eq!(s.bytes(), 0);
         assert!(s.is_empty());

@@ -93,9 +93,9 @@ impl<D: Downstream + ?Sized> Sink for SseSink<'_, D> {
 
     async fn text(&mut self, text: &str) -> Result<(), Gone> {
         self.head().await?;
-        let chunk = self.ident.chunk(text, self.first_chunk, None);
+        let line = self.ident.chunk_line(text, self.first_chunk);
         self.first_chunk = false;
-        self.down.body(sse::data(&chunk.to_string()), false).await
+        self.down.body(line, false).await
     }
 
     async fn done(&mut self, end: &Finished, t: &mut Timing) -> Result<(), Gone> {

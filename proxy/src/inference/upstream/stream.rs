@@ -3,9 +3,37 @@
 //! sent one) or one `Error` (malformed SSE, an error object).
 
 use super::super::sse::Parser;
+use serde::Deserialize;
 use serde_json::Value;
+use std::borrow::Cow;
+use std::ops::ControlFlow;
 use std::time::Duration;
 use ultrafast_engine::api::{Event, FinishReason, Usage};
+
+/// The fields of an OpenAI stream chunk the relay reads.
+#[derive(Deserialize)]
+struct Chunk<'a> {
+    #[serde(borrow)]
+    choices: Option<Vec<Choice<'a>>>,
+    usage: Option<Value>,
+    error: Option<Value>,
+}
+
+#[derive(Deserialize)]
+struct Choice<'a> {
+    #[serde(borrow)]
+    delta: Option<Delta<'a>>,
+    #[serde(borrow)]
+    text: Option<Cow<'a, str>>,
+    #[serde(borrow)]
+    finish_reason: Option<Cow<'a, str>>,
+}
+
+#[derive(Deserialize)]
+struct Delta<'a> {
+    #[serde(borrow)]
+    content: Option<Cow<'a, str>>,
+}
 
 /// What the SSE of one upstream response has said so far.
 #[derive(Default)]
@@ -38,51 +66,95 @@ impl StreamState {
                 out.push(self.done_event());
                 return;
             }
-            let v: Value = match serde_json::from_str(&d) {
-                Ok(v) => v,
-                Err(e) => {
-                    self.failed = true;
-                    out.push(Event::Error(format!("upstream sent malformed SSE: {e}")));
-                    return;
-                }
+            // The typed, borrowing parse first (a token's text is usually
+            // borrowed straight from the bytes); anything it cannot read
+            // goes through the lenient `Value` path, as before.
+            let step = match serde_json::from_str::<Chunk<'_>>(&d) {
+                Ok(c) => self.typed(c, out),
+                Err(_) => match serde_json::from_str::<Value>(&d) {
+                    Ok(v) => self.value(&v, out),
+                    Err(e) => {
+                        self.failed = true;
+                        out.push(Event::Error(format!("upstream sent malformed SSE: {e}")));
+                        return;
+                    }
+                },
             };
-            if let Some(err) = v.get("error") {
-                self.failed = true;
-                let msg = err["message"].as_str().unwrap_or("upstream error");
-                out.push(Event::Error(format!("upstream error: {msg}")));
+            if step.is_break() {
                 return;
             }
-            if let Some(u) = v.get("usage").filter(|u| u.is_object()) {
-                let n = |k: &str| u[k].as_u64().unwrap_or(0) as usize;
-                self.usage = Some(Usage {
-                    prompt_tokens: n("prompt_tokens"),
-                    completion_tokens: n("completion_tokens"),
-                    cached_tokens: u["prompt_tokens_details"]["cached_tokens"]
-                        .as_u64()
-                        .unwrap_or(0) as usize,
-                });
-            }
-            let Some(c) = v["choices"].get(0) else {
-                continue;
-            };
-            let text = c["delta"]["content"]
-                .as_str()
-                .or_else(|| c["text"].as_str())
-                .unwrap_or("");
-            if !text.is_empty() {
-                self.chunks += 1;
-                out.push(Event::Token {
-                    id: 0,
-                    text: text.to_string(),
-                });
-            }
-            if let Some(f) = c["finish_reason"].as_str() {
-                self.finish = Some(if f == "length" {
-                    FinishReason::Length
-                } else {
-                    FinishReason::Stop
-                });
-            }
+        }
+    }
+
+    fn typed(&mut self, c: Chunk<'_>, out: &mut Vec<Event>) -> ControlFlow<()> {
+        if let Some(err) = c.error {
+            return self.error(&err, out);
+        }
+        if let Some(u) = c.usage.filter(|u| u.is_object()) {
+            self.usage(&u);
+        }
+        let Some(choice) = c.choices.and_then(|v| v.into_iter().next()) else {
+            return ControlFlow::Continue(());
+        };
+        let text = choice
+            .delta
+            .and_then(|d| d.content)
+            .or(choice.text)
+            .unwrap_or_default();
+        self.token(&text, choice.finish_reason.as_deref(), out);
+        ControlFlow::Continue(())
+    }
+
+    fn value(&mut self, v: &Value, out: &mut Vec<Event>) -> ControlFlow<()> {
+        if let Some(err) = v.get("error") {
+            return self.error(err, out);
+        }
+        if let Some(u) = v.get("usage").filter(|u| u.is_object()) {
+            self.usage(u);
+        }
+        let Some(c) = v["choices"].get(0) else {
+            return ControlFlow::Continue(());
+        };
+        let text = c["delta"]["content"]
+            .as_str()
+            .or_else(|| c["text"].as_str())
+            .unwrap_or("");
+        self.token(text, c["finish_reason"].as_str(), out);
+        ControlFlow::Continue(())
+    }
+
+    fn error(&mut self, err: &Value, out: &mut Vec<Event>) -> ControlFlow<()> {
+        self.failed = true;
+        let msg = err["message"].as_str().unwrap_or("upstream error");
+        out.push(Event::Error(format!("upstream error: {msg}")));
+        ControlFlow::Break(())
+    }
+
+    fn usage(&mut self, u: &Value) {
+        let n = |k: &str| u[k].as_u64().unwrap_or(0) as usize;
+        self.usage = Some(Usage {
+            prompt_tokens: n("prompt_tokens"),
+            completion_tokens: n("completion_tokens"),
+            cached_tokens: u["prompt_tokens_details"]["cached_tokens"]
+                .as_u64()
+                .unwrap_or(0) as usize,
+        });
+    }
+
+    fn token(&mut self, text: &str, finish: Option<&str>, out: &mut Vec<Event>) {
+        if !text.is_empty() {
+            self.chunks += 1;
+            out.push(Event::Token {
+                id: 0,
+                text: text.to_string(),
+            });
+        }
+        if let Some(f) = finish {
+            self.finish = Some(if f == "length" {
+                FinishReason::Length
+            } else {
+                FinishReason::Stop
+            });
         }
     }
 
@@ -125,6 +197,35 @@ mod tests {
             }
             e => panic!("{e:?}"),
         }
+    }
+
+    #[test]
+    fn odd_but_valid_chunks_read_as_before() {
+        let mut st = StreamState::default();
+        let mut out = Vec::new();
+        // Escapes (an owned string), nulls, a non-string text, an empty
+        // choice list, legacy completions' `text`, a string error.
+        st.feed(
+            b"data: {\"choices\":[{\"delta\":{\"content\":\"a\\\"b\\n\"}}]}\n\n",
+            &mut out,
+        );
+        st.feed(b"data: {\"choices\":null,\"usage\":null}\n\n", &mut out);
+        st.feed(
+            b"data: {\"choices\":[{\"delta\":null,\"text\":\"t\"}]}\n\n",
+            &mut out,
+        );
+        st.feed(b"data: {\"choices\":[{\"text\":5}]}\n\n", &mut out);
+        st.feed(b"data: {\"choices\":[]}\n\n", &mut out);
+        let texts: Vec<_> = out
+            .iter()
+            .map(|e| match e {
+                Event::Token { text, .. } => text.clone(),
+                e => panic!("{e:?}"),
+            })
+            .collect();
+        assert_eq!(texts, ["a\"b\n", "t"]);
+        st.feed(b"data: {\"error\":\"overloaded\"}\n\n", &mut out);
+        assert!(matches!(&out[2], Event::Error(m) if m == "upstream error: upstream error"));
     }
 
     #[test]
