@@ -426,3 +426,39 @@ fn hits_are_compressed_per_request_and_a_reload_keeps_the_zone_warm() {
     assert_eq!(zones["zones"][0]["objects"], 0, "{zones}");
     assert!(get(uf.addr, u, &[]).header("cache-status").is_none());
 }
+
+#[test]
+fn http2_clients_are_served_from_the_same_zone() {
+    let a = Origin::start("a");
+    let port = free_port();
+    let uf = Ultrafast::start(&format!(
+        "[[listeners]]\nname = \"h2c\"\naddress = \"127.0.0.1:{port}\"\nh2c = true\n\n{}[[routes]]\nname = \"site\"\npath = \"/\"\npool = \"a\"\ncache = {{ }}\n",
+        pool_toml("a", &[&a], "")
+    ));
+    let u = "/cache/h2?cc=max-age%3D60&len=3000";
+    // Stored by an HTTP/1.1 client (Host: test.local, as curl's below).
+    let first = get(uf.addr, u, &[]);
+    let url = format!("http://127.0.0.1:{port}{u}");
+    let out = std::process::Command::new("curl")
+        .args([
+            "-s",
+            "-D",
+            "-",
+            "--max-time",
+            "10",
+            "--http2-prior-knowledge",
+        ])
+        .args(["-H", "host: test.local", &url])
+        .output()
+        .unwrap()
+        .stdout;
+    let split = out.windows(4).position(|w| w == b"\r\n\r\n").unwrap();
+    let head = String::from_utf8_lossy(&out[..split]).to_ascii_lowercase();
+    assert!(head.starts_with("http/2 200"), "{head}");
+    assert!(
+        head.contains("cache-status: ultrafast; hit; ttl="),
+        "{head}"
+    );
+    assert_eq!(&out[split + 4..], &first.body[..]);
+    assert_eq!(fetched(&a, "/cache/h2"), 1);
+}
