@@ -355,7 +355,9 @@ impl Backend for UpstreamBackend {
             .await?;
         let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
         let work = crate::drain::Work::start(crate::drain::Kind::UpstreamStream);
-        let relay = self.clone().relay(opened, req, prepared, tx);
+        let mut opened = opened;
+        let sent = relay::send_leading(&mut opened, &tx);
+        let relay = self.clone().relay(opened, req, prepared, tx, sent);
         tokio::spawn(async move {
             let _work = work;
             relay.await

@@ -25,9 +25,31 @@ enum End {
 
 /// What went out to the consumer so far.
 #[derive(Default)]
-struct Sent {
+pub(super) struct Sent {
     text: String,
     tokens: usize,
+}
+
+/// Send the tokens `o` opened with now, from the request's own task: the
+/// client's first chunk then does not wait for the relay task to be
+/// scheduled (a hand-over measured at about 45 us of time to first token).
+/// What follows them (more tokens, the end) is the relay's.
+pub(super) fn send_leading(o: &mut Opened, tx: &UnboundedSender<Event>) -> Sent {
+    let mut sent = Sent::default();
+    let n = o
+        .first
+        .iter()
+        .take_while(|e| matches!(e, Event::Token { .. }))
+        .count();
+    for e in o.first.drain(..n) {
+        if let Event::Token { text, .. } = &e {
+            sent.text.push_str(text);
+            sent.tokens += 1;
+        }
+        // The receiver is not handed out yet: this cannot fail.
+        let _ = tx.send(e);
+    }
+    sent
 }
 
 impl UpstreamBackend {
@@ -40,8 +62,8 @@ impl UpstreamBackend {
         req: InferenceRequest,
         prepared: Prepared,
         tx: UnboundedSender<Event>,
+        mut sent: Sent,
     ) {
-        let mut sent = Sent::default();
         // Tokens delivered before the current upstream stream began.
         let mut before = 0usize;
         let mut failovers = 0u32;
