@@ -15,22 +15,7 @@ Build first: cargo build --release -p ultrafast
 """
 import argparse, os, shutil, statistics, subprocess, sys, tempfile, time, urllib.request
 from benchlib import ROOT, free_port, spawn, stop_tree, wait_port
-from proxy_vs_nginx import CLK, busy_fraction, cpu_ticks, nginx
-
-
-def wrk(port, path, duration, conns):
-    import re
-    out = subprocess.run(["wrk", "-t1", f"-c{conns}", f"-d{duration}s", "--latency",
-                          f"http://127.0.0.1:{port}{path}"],
-                         capture_output=True, text=True, timeout=duration + 30).stdout
-    rps = float(re.search(r"Requests/sec:\s+([\d.]+)", out).group(1))
-    total = int(re.search(r"(\d+) requests in", out).group(1))
-    errors = re.search(r"Non-2xx or 3xx responses: (\d+)", out)
-    def lat(q):
-        m = re.search(rf"\s{q}%\s+([\d.]+)(us|ms|s)", out)
-        v, u = float(m.group(1)), m.group(2)
-        return v / 1000 if u == "us" else v * 1000 if u == "s" else v
-    return rps, lat(50), lat(99), total, int(errors.group(1)) if errors else 0
+from proxy_vs_nginx import CLK, busy_fraction, cpu_ticks, nginx, wrk
 
 
 def head(port, path):
@@ -83,14 +68,14 @@ def main():
             for k in servers:
                 head(ports[k], path)
                 print(f"# {k} {path}: {head(ports[k], path)}")
-                wrk(ports[k], path, 1, a.conns)  # warm-up
+                wrk(ports[k], 1, a.conns, path)  # warm-up
             for r in range(a.rounds):
                 order = list(servers)[r % 2:] + list(servers)[:r % 2]
                 for k in order:
                     while busy_fraction(0.3) > 0.25:
                         time.sleep(0.5)
                     c0 = cpu_ticks(servers[k].pid)
-                    rps, p50, p99, total, errs = wrk(ports[k], path, a.duration, a.conns)
+                    rps, p50, p99, total, errs = wrk(ports[k], a.duration, a.conns, path)
                     cpu_us = (cpu_ticks(servers[k].pid) - c0) / CLK * 1e6 / max(1, total)
                     results.setdefault((s, k), []).append((rps, p50, p99, cpu_us, errs))
                     print(f"size={s} round={r} {k:9s} {rps:9.0f} req/s p50 {p50:.3f} ms p99 {p99:.3f} ms cpu {cpu_us:.1f} us/req errors {errs}", flush=True)

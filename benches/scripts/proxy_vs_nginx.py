@@ -68,8 +68,8 @@ def nginx(tmp, name, body):
     return p
 
 
-def wrk(port, duration, conns):
-    out = subprocess.run(["wrk", "-t1", f"-c{conns}", f"-d{duration}s", "--latency", f"http://127.0.0.1:{port}/"],
+def wrk(port, duration, conns, path="/"):
+    out = subprocess.run(["wrk", "-t1", f"-c{conns}", f"-d{duration}s", "--latency", f"http://127.0.0.1:{port}{path}"],
                          capture_output=True, text=True, timeout=duration + 30).stdout
     rps = float(re.search(r"Requests/sec:\s+([\d.]+)", out).group(1))
     total = int(re.search(r"(\d+) requests in", out).group(1))

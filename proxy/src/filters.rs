@@ -87,6 +87,17 @@ pub fn check_head(
     None
 }
 
+/// The host a request names: its `Host` header, else the target's
+/// authority (HTTP/2, absolute-form), else empty. Routing and the cache
+/// key read the same one.
+pub fn request_host(req: &RequestHeader) -> &str {
+    req.headers
+        .get(http::header::HOST)
+        .and_then(|h| h.to_str().ok())
+        .or_else(|| req.uri.host())
+        .unwrap_or("")
+}
+
 /// Whether the comma-separated header value `v` lists `token` (ASCII
 /// case-insensitive, as `Connection`, `Vary` and `Cache-Control` compare).
 pub fn has_token(v: &[u8], token: &[u8]) -> bool {

@@ -75,16 +75,19 @@ pub struct RouteCache {
     pub name: String,
     /// The settings.
     pub spec: CacheSpec,
+    /// The zone's series, resolved with the config.
+    pub metrics: ZoneMetrics,
     zone: OnceLock<&'static Zone>,
 }
 
 impl RouteCache {
     /// A route's cache; the zone is looked up when first used, so that
     /// checking a config that is then refused resizes nothing.
-    pub fn new(name: &str, spec: CacheSpec) -> Self {
+    pub fn new(name: &str, spec: CacheSpec, metrics: &CacheMetrics) -> Self {
         RouteCache {
             name: name.to_string(),
             spec,
+            metrics: metrics.zone(name),
             zone: OnceLock::new(),
         }
     }
@@ -226,17 +229,53 @@ impl CacheMetrics {
         }
     }
 
-    /// Count one request of `zone` and refresh its usage.
+    /// The series of zone `name`, resolved once (a config build), so a
+    /// request increments a handle and never hashes a label set.
+    pub fn zone(&self, name: &str) -> ZoneMetrics {
+        ZoneMetrics {
+            outcomes: OUTCOMES.map(|o| self.requests.with_label_values(&[name, o])),
+            bytes: self.bytes.with_label_values(&[name]),
+            objects: self.objects.with_label_values(&[name]),
+        }
+    }
+}
+
+/// The `outcome` label's values; the last stands for anything else.
+const OUTCOMES: [&str; 8] = [
+    "hit",
+    "stale",
+    "revalidated",
+    "expired",
+    "miss",
+    "uncacheable",
+    "bypass",
+    "error",
+];
+
+/// One zone's series.
+pub struct ZoneMetrics {
+    outcomes: [prometheus::IntCounter; 8],
+    bytes: prometheus::IntGauge,
+    objects: prometheus::IntGauge,
+}
+
+impl std::fmt::Debug for ZoneMetrics {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("ZoneMetrics")
+    }
+}
+
+impl ZoneMetrics {
+    /// Count one request by its outcome (`""`: it ended in an error) and
+    /// refresh the zone's usage.
     pub fn observe(&self, zone: &Zone, outcome: &str) {
-        let outcome = if outcome.is_empty() { "error" } else { outcome };
-        let name = zone.name.as_str();
-        self.requests.with_label_values(&[name, outcome]).inc();
-        self.bytes
-            .with_label_values(&[name])
-            .set(zone.store.bytes() as i64);
-        self.objects
-            .with_label_values(&[name])
-            .set(zone.store.len() as i64);
+        let i = OUTCOMES
+            .iter()
+            .position(|o| *o == outcome)
+            .unwrap_or(OUTCOMES.len() - 1);
+        self.outcomes[i].inc();
+        self.bytes.set(zone.store.bytes() as i64);
+        self.objects.set(zone.store.len() as i64);
     }
 }
 

@@ -61,13 +61,7 @@ pub(super) fn key(session: &Session, ctx: &Ctx) -> Result<CacheKey> {
         );
     };
     let req = session.req_header();
-    let host = req
-        .headers
-        .get(http::header::HOST)
-        .and_then(|h| h.to_str().ok())
-        .or_else(|| req.uri.host())
-        .unwrap_or("")
-        .to_ascii_lowercase();
+    let host = filters::request_host(req).to_ascii_lowercase();
     let target = req.uri.path_and_query().map_or("/", |p| p.as_str());
     let scheme = if ctx.tls { "https" } else { "http" };
     Ok(CacheKey::new(

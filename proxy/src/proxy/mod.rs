@@ -202,12 +202,7 @@ impl ProxyHttp for EdgeProxy {
         // nothing (it answers every request alike).
         if redirect.is_none() {
             let req = session.req_header();
-            let host = req
-                .headers
-                .get(http::header::HOST)
-                .and_then(|h| h.to_str().ok())
-                .or_else(|| req.uri.host())
-                .unwrap_or("");
+            let host = filters::request_host(req);
             ctx.route = cfg.router.find(host, req.uri.path()).cloned();
         }
         let limits = &cfg.limits;
@@ -566,7 +561,7 @@ impl ProxyHttp for EdgeProxy {
         if let Some(route) = &ctx.route {
             route.metrics.observe(status);
             if let Some(rc) = &route.cache {
-                self.metrics.cache.observe(rc.zone(), ctx.cache.outcome);
+                rc.metrics.observe(rc.zone(), ctx.cache.outcome);
             }
         }
         ctx.outstanding = None;

@@ -347,6 +347,7 @@ fn limits(f: &FileConfig, errs: &mut Errors) -> Limits {
 fn cache(
     c: &super::file::CacheSection,
     name: &str,
+    metrics: &crate::cache::CacheMetrics,
     at: &FieldPath,
     errs: &mut Errors,
 ) -> Option<Arc<crate::cache::RouteCache>> {
@@ -372,6 +373,7 @@ fn cache(
                 default_ttl: std::time::Duration::from_secs(c.default_ttl_s),
                 lock_timeout: std::time::Duration::from_millis(c.lock_timeout_ms),
             },
+            metrics,
         ))
     })
 }
@@ -785,7 +787,7 @@ fn routes(
             continue;
         };
         let route_cache = match (&r.cache, &action) {
-            (Some(c), Action::Proxy(_)) => cache(c, &name, &at.k("cache"), errs),
+            (Some(c), Action::Proxy(_)) => cache(c, &name, &metrics.cache, &at.k("cache"), errs),
             (Some(_), _) => {
                 errs.push(at.k("cache"), "only a route with a pool can cache");
                 None

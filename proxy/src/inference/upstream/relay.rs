@@ -30,6 +30,13 @@ pub(super) struct Sent {
     tokens: usize,
 }
 
+impl Sent {
+    fn add(&mut self, text: &str) {
+        self.text.push_str(text);
+        self.tokens += 1;
+    }
+}
+
 /// Send the tokens `o` opened with now, from the request's own task: the
 /// client's first chunk then does not wait for the relay task to be
 /// scheduled (a hand-over measured at about 45 us of time to first token).
@@ -43,8 +50,7 @@ pub(super) fn send_leading(o: &mut Opened, tx: &UnboundedSender<Event>) -> Sent 
         .count();
     for e in o.first.drain(..n) {
         if let Event::Token { text, .. } = &e {
-            sent.text.push_str(text);
-            sent.tokens += 1;
+            sent.add(text);
         }
         // The receiver is not handed out yet: this cannot fail.
         let _ = tx.send(e);
@@ -133,8 +139,7 @@ impl UpstreamBackend {
                     Event::Error(why) => return End::Broken(why),
                     Event::Done { .. } => return End::Done(e),
                     Event::Token { ref text, .. } => {
-                        sent.text.push_str(text);
-                        sent.tokens += 1;
+                        sent.add(text);
                         if tx.send(e).is_err() {
                             return End::Gone;
                         }
