@@ -130,7 +130,7 @@ fn graceful_upgrade_hands_over_sockets_without_failing_a_request() {
         std::thread::spawn(move || {
             let deadline = Instant::now() + Duration::from_secs(20);
             let mut n = 0;
-            while !stop.load(Ordering::SeqCst) && Instant::now() < deadline && n < 20_000 {
+            while !stop.load(Ordering::SeqCst) && Instant::now() < deadline && n < 400_000 {
                 n += 1;
                 match Client::connect(addr).and_then(|mut c| c.request("GET", "/", &[], b"")) {
                     Ok(r) if r.status == 200 => ok.fetch_add(1, Ordering::SeqCst),
