@@ -24,6 +24,13 @@
 //! `slow_fraction`, `slow_ttft_ms` and `fail` (true: every completion
 //! answers 500); it answers with those settings.
 //!
+//! `GET /metrics` answers as vLLM's does for the figures an endpoint
+//! picker reads: `vllm:num_requests_running` (its active requests),
+//! `vllm:num_requests_waiting` and `vllm:kv_cache_usage_perc`, the last two
+//! as set by `/control`'s `vllm_waiting` and `vllm_kv_usage` (default 0);
+//! `"metrics": false` makes it answer 404 instead, as a server whose
+//! metrics are off would.
+//!
 //! Usage: fake-openai [--listen ADDR] [--name NAME] [--ttft-ms N]
 //!   [--itl-ms N] [--jitter-ms N] [--burst N] [--tokens N] [--capacity N]
 //!   [--fail-first N] [--stall-after N] [--malformed-after N]
@@ -67,6 +74,12 @@ struct Opts {
     fail: bool,
     /// Refuse a non-UUID `X-Request-Id` with an empty 400.
     uuid_request_ids: bool,
+    /// `vllm:num_requests_waiting` on `/metrics`.
+    vllm_waiting: u64,
+    /// `vllm:kv_cache_usage_perc` on `/metrics`.
+    vllm_kv_usage: f64,
+    /// Whether `/metrics` answers.
+    metrics: bool,
 }
 
 #[derive(Default)]
@@ -81,6 +94,7 @@ struct Stats {
     resumed: AtomicU64,
     health_gets: AtomicU64,
     models_gets: AtomicU64,
+    metrics_gets: AtomicU64,
     rng: AtomicU64,
 }
 
@@ -118,6 +132,9 @@ fn parse_opts() -> Result<Opts, String> {
         slow_ttft_ms: 0,
         fail: false,
         uuid_request_ids: false,
+        vllm_waiting: 0,
+        vllm_kv_usage: 0.0,
+        metrics: true,
     };
     let args: Vec<String> = std::env::args().skip(1).collect();
     let mut i = 0;
@@ -259,7 +276,8 @@ fn resume_offset(req: &Value) -> u64 {
 /// The settings `/control` can change, as it reports them.
 fn settings(o: &Opts) -> Value {
     json!({"ttft_ms": o.ttft_ms, "itl_ms": o.itl_ms, "tokens": o.tokens, "die_after": o.die_after,
-        "slow_fraction": o.slow_fraction, "slow_ttft_ms": o.slow_ttft_ms, "fail": o.fail})
+        "slow_fraction": o.slow_fraction, "slow_ttft_ms": o.slow_ttft_ms, "fail": o.fail,
+        "vllm_waiting": o.vllm_waiting, "vllm_kv_usage": o.vllm_kv_usage, "metrics": o.metrics})
 }
 
 fn error(status: u16, kind: &str, message: &str) -> Vec<u8> {
@@ -300,6 +318,16 @@ fn control(st: &State, body: &[u8]) -> Vec<u8> {
                 .as_bool()
                 .map(|b| o.fail = b)
                 .ok_or(format!("{k}: want true or false")),
+            "vllm_waiting" => n().map(|n| o.vllm_waiting = n),
+            "vllm_kv_usage" => v
+                .as_f64()
+                .filter(|f| (0.0..=1.0).contains(f))
+                .map(|f| o.vllm_kv_usage = f)
+                .ok_or(format!("{k}: want a number between 0 and 1")),
+            "metrics" => v
+                .as_bool()
+                .map(|b| o.metrics = b)
+                .ok_or(format!("{k}: want true or false")),
             // A typo must not pass silently as "no change".
             _ => Err(format!("unknown setting {k}")),
         };
@@ -338,6 +366,8 @@ async fn read_request(
                 len = v.trim().parse().ok()?;
             } else if k.eq_ignore_ascii_case("x-request-id") {
                 request_id = Some(v.trim().to_string());
+            } else if k.eq_ignore_ascii_case("traceparent") {
+                *lock(&LAST_TRACEPARENT) = Value::from(v.trim());
             }
         }
     }
@@ -345,6 +375,9 @@ async fn read_request(
     r.read_exact(&mut body).await.ok()?;
     Some((method, path, request_id, body))
 }
+
+/// The last `traceparent` header received (`/stats`' `last_traceparent`).
+static LAST_TRACEPARENT: Mutex<Value> = Mutex::new(Value::Null);
 
 fn response(status: u16, ctype: &str, body: &str) -> Vec<u8> {
     format!(
@@ -404,10 +437,29 @@ async fn handle(st: Arc<State>, sock: TcpStream) {
                     "cancelled": c(&s.cancelled), "failed": c(&s.failed), "slow": c(&s.slow), "killed": c(&s.killed),
                     "resumed": c(&s.resumed), "last_body": lock(&st.last_body).clone(), "name": st.opts().name,
                     "last_request_id": lock(&st.last_request_id).clone(),
-                    "health_gets": c(&s.health_gets), "models_gets": c(&s.models_gets)});
+                    "last_traceparent": lock(&LAST_TRACEPARENT).clone(),
+                    "health_gets": c(&s.health_gets), "models_gets": c(&s.models_gets),
+                    "metrics_gets": c(&s.metrics_gets)});
                 response(200, "application/json", &v.to_string())
             }
             ("POST", "/control") => control(&st, &body),
+            ("GET", "/metrics") => {
+                st.s.metrics_gets.fetch_add(1, Ordering::Relaxed);
+                let o = st.opts();
+                if o.metrics {
+                    let running = st.s.active.load(Ordering::Relaxed);
+                    let l = format!("{{model_name=\"{}\"}}", o.name);
+                    let page = format!(
+                        "# TYPE vllm:num_requests_running gauge\nvllm:num_requests_running{l} {running}\n\
+                         # TYPE vllm:num_requests_waiting gauge\nvllm:num_requests_waiting{l} {}\n\
+                         # TYPE vllm:kv_cache_usage_perc gauge\nvllm:kv_cache_usage_perc{l} {}\n",
+                        o.vllm_waiting, o.vllm_kv_usage
+                    );
+                    response(200, "text/plain; version=0.0.4", &page)
+                } else {
+                    error(404, "invalid_request_error", "not found")
+                }
+            }
             ("POST", "/v1/chat/completions") | ("POST", "/v1/completions") => {
                 let chat = path.ends_with("chat/completions");
                 match complete(&st, chat, &body, &mut r, &mut w).await {

@@ -107,6 +107,8 @@ pub struct InferenceRequest {
     pub lane_rank: u32,
     /// Request id, passed on to upstreams.
     pub request_id: String,
+    /// W3C `traceparent` to send an upstream server (its parent span).
+    pub traceparent: Option<String>,
     /// End-user id (OpenAI's `user`), passed on.
     pub user: Option<String>,
 }

@@ -22,6 +22,7 @@ pub mod filters;
 pub mod fuzzing;
 pub mod inference;
 pub mod metrics;
+pub mod otel;
 pub mod proxy;
 pub mod reload;
 pub mod reqid;

@@ -17,6 +17,7 @@ pub struct Metrics {
     upstream_latency: HistogramVec,
     upstream_conns: IntCounterVec,
     member_healthy: IntGaugeVec,
+    member_in_flight: IntGaugeVec,
     ejections: IntCounterVec,
     /// Live holders of each member's series; at 0 the series go.
     member_refs: MemberRefs,
@@ -56,6 +57,9 @@ pub struct Metrics {
     pub upgrades: crate::proxy::upgrade::UpgradeMetrics,
     /// The HTTP cache's zones.
     pub cache: crate::cache::CacheMetrics,
+    /// Each lane's TTFT and inter-token targets (seconds), for dashboards.
+    lane_ttft_target: prometheus::GaugeVec,
+    lane_itl_target: prometheus::GaugeVec,
 }
 
 fn must<T>(r: prometheus::Result<T>) -> T {
@@ -101,6 +105,24 @@ impl Metrics {
             ),
             &["pool", "member"],
         ));
+        let member_in_flight = must(IntGaugeVec::new(
+            Opts::new(
+                "ultrafast_upstream_member_in_flight",
+                "Requests in flight to the member (read at scrape time).",
+            ),
+            &["pool", "member"],
+        ));
+        let lane_target = |name: &str, help: &str| {
+            must(prometheus::GaugeVec::new(Opts::new(name, help), &["lane"]))
+        };
+        let lane_ttft_target = lane_target(
+            "ultrafast_lane_ttft_target_seconds",
+            "Each lane's time-to-first-token target (ttft_slo_ms).",
+        );
+        let lane_itl_target = lane_target(
+            "ultrafast_lane_itl_target_seconds",
+            "Each lane's inter-token target (itl_slo_ms).",
+        );
         let ejections = must(IntCounterVec::new(
             Opts::new(
                 "ultrafast_upstream_ejections_total",
@@ -290,6 +312,11 @@ impl Metrics {
             ),
             &["result"],
         ));
+        // Both outcomes exist from the start, so a dashboard or an alert
+        // sees 0 rather than no series.
+        for r in ["ok", "error"] {
+            cert_reloads.with_label_values(&[r]);
+        }
         let build = must(IntGaugeVec::new(
             Opts::new("ultrafast_build_info", "Build information."),
             &["version"],
@@ -300,6 +327,9 @@ impl Metrics {
             Box::new(upstream_latency.clone()),
             Box::new(upstream_conns.clone()),
             Box::new(member_healthy.clone()),
+            Box::new(member_in_flight.clone()),
+            Box::new(lane_ttft_target.clone()),
+            Box::new(lane_itl_target.clone()),
             Box::new(ejections.clone()),
             Box::new(retries.clone()),
             Box::new(access_log_dropped.clone()),
@@ -344,7 +374,10 @@ impl Metrics {
             upstream_latency,
             upstream_conns,
             member_healthy,
+            member_in_flight,
             ejections,
+            lane_ttft_target,
+            lane_itl_target,
             member_refs: Default::default(),
             retries,
             access_log_dropped,
@@ -412,6 +445,41 @@ impl Metrics {
         }
     }
 
+    /// Set the lane target gauges from a newly active config.
+    pub fn set_lane_targets(&self, cfg: &crate::config::Config) {
+        self.lane_ttft_target.reset();
+        self.lane_itl_target.reset();
+        for lane in &cfg.lanes {
+            if let Some(t) = lane.ttft_slo {
+                self.lane_ttft_target
+                    .with_label_values(&[&lane.name])
+                    .set(t.as_secs_f64());
+            }
+            let itl = cfg.file.lanes.get(&lane.name).map_or(0, |s| s.itl_slo_ms);
+            if itl > 0 {
+                self.lane_itl_target
+                    .with_label_values(&[&lane.name])
+                    .set(itl as f64 / 1000.0);
+            }
+        }
+    }
+
+    /// Read what is only known at scrape time from `cfg`: each member's
+    /// requests in flight.
+    pub fn refresh_pools(&self, cfg: &crate::config::Config) {
+        for pool in cfg.pools.values() {
+            for m in &pool.members().members {
+                m.state.metrics.in_flight.set(m.outstanding() as i64);
+            }
+        }
+    }
+
+    /// Every family, with the scrape-time engine gauges read first.
+    pub fn gather(&self) -> Vec<prometheus::proto::MetricFamily> {
+        self.inference.refresh();
+        self.registry.gather()
+    }
+
     /// Prometheus text exposition of everything.
     pub fn render(&self) -> Vec<u8> {
         self.inference.refresh();
@@ -439,10 +507,12 @@ impl Metrics {
         MemberMetrics {
             healthy: self.member_healthy.with_label_values(&[pool, member]),
             ejections: self.ejections.with_label_values(&[pool, member]),
+            in_flight: self.member_in_flight.with_label_values(&[pool, member]),
             _series: Some(MemberSeries {
                 key,
                 refs: self.member_refs.clone(),
                 healthy: self.member_healthy.clone(),
+                in_flight: self.member_in_flight.clone(),
                 ejections: self.ejections.clone(),
             }),
         }
@@ -514,6 +584,8 @@ pub struct MemberMetrics {
     pub healthy: IntGauge,
     /// Passive ejections.
     pub ejections: IntCounter,
+    /// Requests in flight, set when `/metrics` is read.
+    pub in_flight: IntGauge,
     _series: Option<MemberSeries>,
 }
 
@@ -526,6 +598,7 @@ struct MemberSeries {
     key: (String, String),
     refs: MemberRefs,
     healthy: IntGaugeVec,
+    in_flight: IntGaugeVec,
     ejections: IntCounterVec,
 }
 
@@ -536,6 +609,7 @@ impl Clone for MemberSeries {
             key: self.key.clone(),
             refs: self.refs.clone(),
             healthy: self.healthy.clone(),
+            in_flight: self.in_flight.clone(),
             ejections: self.ejections.clone(),
         }
     }
@@ -552,6 +626,7 @@ impl Drop for MemberSeries {
             refs.remove(&self.key);
             let labels = [self.key.0.as_str(), self.key.1.as_str()];
             let _ = self.healthy.remove_label_values(&labels);
+            let _ = self.in_flight.remove_label_values(&labels);
             let _ = self.ejections.remove_label_values(&labels);
         }
     }
@@ -563,6 +638,7 @@ impl MemberMetrics {
         MemberMetrics {
             healthy: must(IntGauge::new("detached_healthy", "unregistered")),
             ejections: must(IntCounter::new("detached_ejections_total", "unregistered")),
+            in_flight: must(IntGauge::new("detached_in_flight", "unregistered")),
             _series: None,
         }
     }

@@ -62,6 +62,18 @@ pub struct Manager {
     shared: Shared,
     lock: tokio::sync::Mutex<()>,
     front: Option<Arc<crate::inference::Front>>,
+    last: parking_lot::Mutex<Option<LastReload>>,
+}
+
+/// The outcome of the latest reload, for the status page.
+#[derive(Debug, Clone)]
+pub struct LastReload {
+    /// Unix time it finished.
+    pub at_unix: f64,
+    /// Whether it took effect.
+    pub ok: bool,
+    /// Why not (`file:line:col: field: message` each).
+    pub errors: Vec<String>,
 }
 
 fn unix_now() -> f64 {
@@ -80,6 +92,7 @@ impl Manager {
             shared,
             lock: tokio::sync::Mutex::new(()),
             front: None,
+            last: parking_lot::Mutex::new(None),
         };
         // Both outcomes exist from the start, so an alert on errors sees 0
         // rather than no series.
@@ -101,6 +114,11 @@ impl Manager {
         &self.shared
     }
 
+    /// The latest reload's outcome (None before the first).
+    pub fn last_reload(&self) -> Option<LastReload> {
+        self.last.lock().clone()
+    }
+
     /// The config file.
     pub fn path(&self) -> &PathBuf {
         &self.path
@@ -113,12 +131,22 @@ impl Manager {
             .with_label_values(&[&cfg.hash])
             .set(1);
         self.metrics.config_loaded.set(unix_now());
+        self.metrics.set_lane_targets(cfg);
     }
 
     /// Reload from the file. On any error the live config is untouched.
     pub async fn reload(&self) -> Result<Report, Vec<ConfigError>> {
         let _one_at_a_time = self.lock.lock().await;
         let result = self.try_reload().await;
+        *self.last.lock() = Some(LastReload {
+            at_unix: unix_now(),
+            ok: result.is_ok(),
+            errors: result
+                .as_ref()
+                .err()
+                .map(|errs| errs.iter().map(|e| e.to_string()).collect())
+                .unwrap_or_default(),
+        });
         match &result {
             Ok(r) => {
                 self.metrics.reloads.with_label_values(&["ok"]).inc();

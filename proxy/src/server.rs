@@ -76,6 +76,10 @@ pub fn serve(path: &Path, opts: ServeOptions) -> anyhow::Result<()> {
             anyhow::bail!("{} error(s) in {}", errs.len(), path.display());
         }
     };
+    let t = &cfg.file.tracing;
+    if !t.otlp_endpoint.is_empty() {
+        crate::otel::init(&t.otlp_endpoint, &t.service_name).map_err(anyhow::Error::msg)?;
+    }
     let conf = server_conf(&cfg);
     let pingora_opt = Opt {
         upgrade: opts.upgrade,
@@ -200,7 +204,8 @@ pub fn serve(path: &Path, opts: ServeOptions) -> anyhow::Result<()> {
     );
     if let Some(addr) = admin_listen {
         let app = AdminApp::new(metrics.clone(), readiness.clone(), manager.clone())
-            .with_front(front.clone());
+            .with_front(front.clone())
+            .with_status_page();
         let admin = Endpoint {
             name: "admin".to_string(),
             socket: sockets.remove(&addr).flatten(),
@@ -213,6 +218,10 @@ pub fn serve(path: &Path, opts: ServeOptions) -> anyhow::Result<()> {
     server.add_service(background_service(
         "health checks",
         HealthChecker::new(shared.clone()),
+    ));
+    server.add_service(background_service(
+        "load scrapes",
+        crate::upstream::load::LoadScraper::new(shared.clone()),
     ));
     server.add_service(background_service("sighup", SighupService(manager.clone())));
     server.add_service(background_service(

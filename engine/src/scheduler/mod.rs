@@ -254,6 +254,11 @@ impl Engine {
         self.pool.stats()
     }
 
+    /// Token slots per KV block.
+    pub fn block_size(&self) -> usize {
+        self.pool.block_size()
+    }
+
     /// Scheduler counters.
     pub fn stats(&self) -> &EngineStats {
         &self.stats
@@ -286,9 +291,29 @@ struct Worker {
 }
 
 impl Worker {
+    /// The running and waiting counts the metrics read.
+    fn publish_counts(&self) {
+        self.stats
+            .running
+            .store(self.running.len(), Ordering::Relaxed);
+        self.stats
+            .waiting
+            .store(self.waiting.len(), Ordering::Relaxed);
+        let mut by_rank = [0usize; 4];
+        for s in &self.waiting {
+            by_rank[(s.req.lane_rank as usize).min(3)] += 1;
+        }
+        for (slot, n) in self.stats.waiting_by_rank.iter().zip(by_rank) {
+            slot.store(n, Ordering::Relaxed);
+        }
+    }
+
     fn run(mut self) {
         loop {
             if self.running.is_empty() && self.waiting.is_empty() {
+                // Idle: say so before blocking, or the last step's counts
+                // would stand until the next request.
+                self.publish_counts();
                 match self.rx.recv() {
                     Ok(Cmd::Submit(s)) => self.waiting.push(*s),
                     Err(_) => return,
@@ -309,19 +334,7 @@ impl Worker {
             self.running.retain(|s| !s.cancelled());
             self.waiting.retain(|s| !s.cancelled());
             let plan = self.plan();
-            self.stats
-                .running
-                .store(self.running.len(), Ordering::Relaxed);
-            self.stats
-                .waiting
-                .store(self.waiting.len(), Ordering::Relaxed);
-            let mut by_rank = [0usize; 4];
-            for s in &self.waiting {
-                by_rank[(s.req.lane_rank as usize).min(3)] += 1;
-            }
-            for (slot, n) in self.stats.waiting_by_rank.iter().zip(by_rank) {
-                slot.store(n, Ordering::Relaxed);
-            }
+            self.publish_counts();
             if plan.is_empty() {
                 // Nothing runnable (waiting for blocks that only frees on
                 // cancellation): do not spin.

@@ -1,11 +1,18 @@
 //! The admin listener: `/metrics` (Prometheus text), `/healthz` (the process
 //! is up), `/readyz` (it should get traffic), `/admin/reload`,
-//! `/admin/config`, `/admin/slo` (the watchdog's windows and states) and
-//! `/admin/cache` (zones; `/admin/cache/purge`). Served by its own Pingora
+//! `/admin/config`, `/admin/slo` (the watchdog's windows and states),
+//! `/admin/cache` (zones; `/admin/cache/purge`), and the live status page
+//! `/status` with its data, `/admin/stats`. Served by its own Pingora
 //! service on its own thread so a flood of traffic cannot starve a scrape,
 //! and bound to loopback by default.
 
 mod cache;
+mod stats;
+mod stats_view;
+
+/// The status page: one self-contained file, embedded so that nothing is
+/// fetched from elsewhere.
+const STATUS_PAGE: &str = include_str!("status.html");
 
 use crate::metrics::Metrics;
 use crate::reload::Manager;
@@ -87,6 +94,7 @@ pub struct AdminApp {
     readiness: Arc<Readiness>,
     manager: Arc<Manager>,
     front: Option<Arc<crate::inference::Front>>,
+    sampler: Option<Arc<stats::Sampler>>,
 }
 
 impl AdminApp {
@@ -97,6 +105,7 @@ impl AdminApp {
             readiness,
             manager,
             front: None,
+            sampler: None,
         }
     }
 
@@ -104,6 +113,50 @@ impl AdminApp {
     pub fn with_front(mut self, front: Arc<crate::inference::Front>) -> Self {
         self.front = Some(front);
         self
+    }
+
+    /// Start the status page's sampler (a thread reading the registry once
+    /// a second); without it `/status` and `/admin/stats` answer 404.
+    pub fn with_status_page(mut self) -> Self {
+        self.sampler = Some(stats::Sampler::start(
+            self.metrics.clone(),
+            self.manager.clone(),
+            self.front.clone(),
+        ));
+        self
+    }
+
+    fn stats(&self) -> Response<Vec<u8>> {
+        let Some(sampler) = &self.sampler else {
+            return reply(404, "text/plain", b"no status page\n".to_vec());
+        };
+        let body = stats_view::stats(sampler, &self.manager, self.front.as_deref());
+        let mut r = reply(200, "application/json", body.to_string().into_bytes());
+        r.headers_mut().insert(
+            http::header::CACHE_CONTROL,
+            http::HeaderValue::from_static("no-store"),
+        );
+        r
+    }
+
+    fn status_page(&self) -> Response<Vec<u8>> {
+        if self.sampler.is_none() {
+            return reply(404, "text/plain", b"no status page\n".to_vec());
+        }
+        let mut r = reply(
+            200,
+            "text/html; charset=utf-8",
+            STATUS_PAGE.as_bytes().to_vec(),
+        );
+        // The page holds no data (it reads `/admin/stats`, with the token
+        // from its URL fragment), and runs nothing but its own script.
+        r.headers_mut().insert(
+            http::header::CONTENT_SECURITY_POLICY,
+            http::HeaderValue::from_static(
+                "default-src 'none'; script-src 'unsafe-inline'; style-src 'unsafe-inline'; connect-src 'self'; img-src data:",
+            ),
+        );
+        r
     }
 
     fn slo(&self) -> Response<Vec<u8>> {
@@ -210,7 +263,8 @@ impl ServeHttp for AdminApp {
     async fn response(&self, session: &mut ServerSession) -> Response<Vec<u8>> {
         let path = session.req_header().uri.path().to_string();
         let post = session.req_header().method == http::Method::POST;
-        let open = matches!(path.as_str(), "/healthz" | "/readyz");
+        // `/status` is the static page only: its data needs the token.
+        let open = matches!(path.as_str(), "/healthz" | "/readyz" | "/status");
         let token = self.manager.shared().load().admin_token.clone();
         if !open && !authorized(token.as_deref(), session.req_header()) {
             let mut r = reply(
@@ -232,7 +286,12 @@ impl ServeHttp for AdminApp {
             "/admin/cache/purge" => reply(405, "text/plain", b"use POST\n".to_vec()),
             "/admin/cache" => cache::list(),
             "/admin/slo" => self.slo(),
-            "/metrics" => reply(200, "text/plain; version=0.0.4", self.metrics.render()),
+            "/admin/stats" => self.stats(),
+            "/status" => self.status_page(),
+            "/metrics" => {
+                self.metrics.refresh_pools(&self.manager.shared().load());
+                reply(200, "text/plain; version=0.0.4", self.metrics.render())
+            }
             "/healthz" => reply(200, "text/plain", b"ok\n".to_vec()),
             "/readyz" if self.readiness.is_ready() => reply(200, "text/plain", b"ready\n".to_vec()),
             "/readyz" => reply(

@@ -181,6 +181,11 @@ impl Gate {
         drop(orphans);
     }
 
+    /// Requests waiting now, per lane (by rank).
+    pub fn depths(&self) -> Vec<i64> {
+        self.metrics.depth.iter().map(|g| g.get()).collect()
+    }
+
     /// Free slots now (capacity minus slots held), for tests and metrics.
     pub fn free(&self) -> usize {
         let g = self.inner.lock();

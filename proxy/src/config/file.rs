@@ -40,6 +40,29 @@ pub struct FileConfig {
     pub models: BTreeMap<String, ModelSection>,
     /// Inference front settings (async mode store, heartbeats).
     pub inference: InferenceSection,
+    /// Traces over OTLP/HTTP (off unless an endpoint is set).
+    pub tracing: TracingSection,
+}
+
+/// `[tracing]`: OpenTelemetry traces of inference requests. Read at
+/// start: a change takes effect at the next start or graceful upgrade.
+#[derive(Debug, Clone, PartialEq, Deserialize, Serialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct TracingSection {
+    /// The collector's OTLP/HTTP URL (`http://host:4318`, or a full
+    /// `.../v1/traces` URL); empty: no traces.
+    pub otlp_endpoint: String,
+    /// `service.name` of the spans.
+    pub service_name: String,
+}
+
+impl Default for TracingSection {
+    fn default() -> Self {
+        Self {
+            otlp_endpoint: String::new(),
+            service_name: "ultrafast".into(),
+        }
+    }
 }
 
 /// `[models.NAME]`: a model served on inference routes, by the in-process
@@ -793,7 +816,8 @@ pub struct HeaderRules {
 pub struct PoolSection {
     /// Members.
     pub members: Vec<MemberSection>,
-    /// `round_robin`, `least_outstanding`, `consistent_hash` or `peak_ewma`.
+    /// `round_robin`, `least_outstanding`, `consistent_hash`, `peak_ewma`
+    /// or `queue_aware`.
     pub lb: String,
     /// For `consistent_hash`: `client_ip`, `header:NAME` or `cookie:NAME`.
     pub hash_key: String,
@@ -834,6 +858,10 @@ pub struct PoolSection {
     /// when it is a UUID, else a fresh UUID), `uuid` (always a fresh one) or
     /// `none`.
     pub request_id: String,
+    /// For `queue_aware`: how often each member's metrics are read (ms).
+    pub scrape_interval_ms: u64,
+    /// For `queue_aware`: the members' Prometheus path.
+    pub metrics_path: String,
 }
 
 /// `tls = { ... }` of a pool: HTTPS to the members.
@@ -885,6 +913,8 @@ impl Default for PoolSection {
             resume: String::new(),
             dialect: String::new(),
             request_id: "forward".into(),
+            scrape_interval_ms: 1000,
+            metrics_path: "/metrics".into(),
         }
     }
 }

@@ -70,12 +70,15 @@ pub struct InferenceMetrics {
     engine_queue: IntGaugeVec,
     startup: GaugeVec,
     ready: IntGaugeVec,
+    /// The same engine figures under vLLM's names.
+    pub vllm: super::vllm::VllmMetrics,
     engines: Mutex<Vec<Watched>>,
 }
 
-/// An engine exported on scrape: the service, its model name, and the
-/// (preemption, interrupted step) counts already added to the counters.
-type Watched = (Arc<EngineService>, String, [u64; 2]);
+/// An engine exported on scrape: the service, its model name, the
+/// (preemption, interrupted step) counts and the vLLM prefix-cache (hit,
+/// query) token counts already added to the counters.
+type Watched = (Arc<EngineService>, String, [u64; 2], [u64; 2]);
 
 /// Feeds engine steps into the histograms.
 pub struct Steps {
@@ -125,7 +128,7 @@ impl InferenceMetrics {
             must(r.register(Box::new(g.clone())));
             g
         };
-        let lb = &["lane", "backend"];
+        let lb = &["model", "lane", "backend"];
         let batch: Vec<f64> = vec![
             1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0, 512.0, 1024.0,
         ];
@@ -258,6 +261,7 @@ impl InferenceMetrics {
                 "1 when the model is loaded and warmed up.",
                 &["model"],
             ),
+            vllm: super::vllm::VllmMetrics::new(r),
             engines: Mutex::new(Vec::new()),
         }
     }
@@ -285,20 +289,21 @@ impl InferenceMetrics {
     pub fn watch(&self, name: &str, svc: Arc<EngineService>) {
         let mut g = self.engines.lock();
         // A model reloaded live replaces its old engine here.
-        g.retain(|(_, n, _)| n != name);
-        g.push((svc, name.to_string(), [0; 2]));
+        g.retain(|(_, n, _, _)| n != name);
+        g.push((svc, name.to_string(), [0; 2], [0; 2]));
     }
 
     /// Stop exporting the engine of a removed model.
     pub fn unwatch(&self, name: &str) {
-        self.engines.lock().retain(|(_, n, _)| n != name);
+        self.engines.lock().retain(|(_, n, _, _)| n != name);
         let _ = self.ready.remove_label_values(&[name]);
+        self.vllm.remove(name);
     }
 
     /// Read engine counters into the gauges (called on scrape).
     pub fn refresh(&self) {
         let mut engines = self.engines.lock();
-        for (svc, name, seen) in engines.iter_mut() {
+        for (svc, name, seen, seen_prefix) in engines.iter_mut() {
             let name = name.as_str();
             let ready = svc.readiness() == Readiness::Ready;
             self.ready.with_label_values(&[name]).set(ready as i64);
@@ -332,6 +337,16 @@ impl InferenceMetrics {
             };
             self.prefix_hit.with_label_values(&[name]).set(ratio);
             let s = e.stats();
+            let block = e.block_size() as u64;
+            let now = super::vllm::EngineNow {
+                running: s.running.load(Ordering::Relaxed),
+                waiting: s.waiting.load(Ordering::Relaxed),
+                used_blocks: p.used,
+                total_blocks: p.used + p.free + p.cached,
+                hit_tokens: p.hits * block,
+                queried_tokens: lookups * block,
+            };
+            self.vllm.refresh(name, &now, seen_prefix);
             let counters = [
                 (&self.preemptions, &s.preemptions),
                 (&self.interrupted, &s.interrupted),

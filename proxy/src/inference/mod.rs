@@ -27,7 +27,9 @@ pub mod registry;
 mod run;
 pub mod sinks;
 pub mod sse;
+mod trace;
 pub mod upstream;
+pub mod vllm;
 pub mod watchdog;
 
 use crate::admission::gate::Gate;

@@ -45,6 +45,8 @@ pub struct Incoming {
     pub network: Duration,
     /// The caller's API key, when keys are configured.
     pub key: Option<Arc<crate::admission::keys::KeyEntry>>,
+    /// Its trace, when tracing is on.
+    pub trace: Option<crate::otel::ReqTrace>,
 }
 
 impl Incoming {
@@ -181,6 +183,11 @@ impl Front {
             lane_rank: lanes[lane].rank,
             request_id: inc.request_id.clone(),
             user: parsed.user.clone(),
+            // Tracing off: the caller's own, passed on as a proxy would.
+            traceparent: inc
+                .header("traceparent")
+                .filter(|v| crate::otel::parse_traceparent(v).is_some())
+                .map(str::to_string),
         };
         // A backend too busy for even a one-token prompt refuses before
         // the prompt is tokenized: a flood is shed at the cost of parsing.

@@ -80,6 +80,7 @@ async fn send(front: &Front, cfg: &crate::config::Config, p: &Probe) {
         lane: "probe".into(),
         lane_rank: p.rank,
         request_id: format!("probe-{}", super::jobs::random_id()),
+        traceparent: None,
         user: None,
     };
     let t0 = Instant::now();

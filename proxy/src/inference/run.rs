@@ -35,7 +35,12 @@ pub(super) async fn run<S: Sink + ?Sized>(
             .inference
             .requests
             .with_label_values(&[&call.model.name, lane, o])
-            .inc()
+            .inc();
+        if o != "ok" {
+            if let Some(t) = &inc.trace {
+                t.fail(o);
+            }
+        }
     };
     let mut timing = Timing::new(inc.arrived, inc.network);
     timing.predicted = call.passed.predicted;
@@ -52,11 +57,20 @@ pub(super) async fn run<S: Sink + ?Sized>(
             return r;
         }
     };
-    timing.queue = queued_at.elapsed();
+    let admitted_at = Instant::now();
+    timing.queue = admitted_at - queued_at;
     sink.admitted();
-    let gen = call
-        .backend
-        .generate(call.req.clone(), call.prepared.clone());
+    let backend_span = inc
+        .trace
+        .as_ref()
+        .and_then(|t| t.backend(super::trace::backend_attrs(&call)));
+    let mut req = call.req.clone();
+    if let Some(b) = &backend_span {
+        // The upstream's spans become children of the backend span.
+        req.traceparent = Some(b.traceparent());
+    }
+    let dispatched = Instant::now();
+    let gen = call.backend.generate(req, call.prepared.clone());
     let events = match drive::wait(sink, inc.heartbeat(), gen).await {
         Err(Gone) => {
             outcome("client_gone");
@@ -68,6 +82,10 @@ pub(super) async fn run<S: Sink + ?Sized>(
         }
         Ok(Ok(rx)) => rx,
     };
+    let traced = inc
+        .trace
+        .as_ref()
+        .map(|_| super::trace::request_attrs(&call, lane));
     let ticket = call.passed.ticket;
     if let Some(t) = &ticket {
         t.dispatched();
@@ -78,14 +96,17 @@ pub(super) async fn run<S: Sink + ?Sized>(
         .get(call.lane)
         .copied()
         .unwrap_or(PaceSpec::OFF);
-    let labels = [lane, call.backend.kind()];
+    let labels = [call.model.name.as_str(), lane, call.backend.kind()];
     let mut delivery = Delivery::default();
+    // Engine models are also reported under vLLM's names.
+    let vllm = matches!(call.model.backend, super::ModelBackend::Engine(_))
+        .then(|| metrics.inference.vllm.request(&call.model.name));
     let observe = observer(
         metrics,
         inc,
         labels,
         call.passed.predicted,
-        sink.streaming(),
+        vllm.as_ref(),
         call.watch.as_deref(),
     );
     let result = drive::drive(
@@ -116,6 +137,7 @@ pub(super) async fn run<S: Sink + ?Sized>(
             ..end
         },
     };
+    let backend_done = Instant::now();
     if let Some(t) = ticket {
         t.finish(end.usage.completion_tokens);
     }
@@ -124,7 +146,26 @@ pub(super) async fn run<S: Sink + ?Sized>(
         .settle((u.prompt_tokens + u.completion_tokens) as u64);
     let r = sink.done(&end, &mut timing).await;
     outcome(if r.is_ok() { "ok" } else { "client_gone" });
-    account(metrics, &call.model.name, labels, &u, &timing);
+    if let (Some(t), Some((name, mut attrs)), true) = (&inc.trace, traced, r.is_ok()) {
+        let phases = crate::otel::Phases {
+            gate: queued_at,
+            admitted: admitted_at,
+            dispatched,
+            first_token: delivery.first_text,
+            backend_done,
+            end: Instant::now(),
+        };
+        attrs.extend(super::trace::end_attrs(&end, &timing));
+        t.finish(backend_span.as_ref(), &phases, &name, attrs);
+    }
+    account(metrics, labels, &u, &timing);
+    if let Some(v) = &vllm {
+        v.done(
+            timing.total,
+            u.prompt_tokens as u64,
+            u.completion_tokens as u64,
+        );
+    }
     r
 }
 
@@ -157,23 +198,28 @@ async fn gate<S: Sink + ?Sized>(
 }
 
 /// What each delivered text tells the metrics: the first one the TTFT
-/// from arrival and the prediction's error, later ones (streams) the
-/// delivered inter-token interval.
+/// from arrival and the prediction's error, later ones the inter-token
+/// interval (at the socket write for streams; as produced for whole
+/// responses and async jobs, whose texts are collected as they come).
 fn observer<'a>(
     metrics: &'a Metrics,
     inc: &'a Incoming,
-    labels: [&'a str; 2],
+    labels: [&'a str; 3],
     predicted: Option<std::time::Duration>,
-    streaming: bool,
+    vllm: Option<&'a super::vllm::VllmRequest>,
     watch: Option<&'a parking_lot::Mutex<super::watchdog::LaneWatch>>,
 ) -> impl OnText + 'a {
     let im = &metrics.inference;
+    // Resolved once: every token of a stream observes these.
+    let ttft_h = im.ttft.with_label_values(&labels);
+    let itl_h = im.itl.with_label_values(&labels);
     move |at: Instant, prev: Option<Instant>| match prev {
         None => {
             let ttft = at.saturating_duration_since(inc.arrived);
-            im.ttft
-                .with_label_values(&labels)
-                .observe(ttft.as_secs_f64());
+            ttft_h.observe(ttft.as_secs_f64());
+            if let Some(v) = vllm {
+                v.ttft(ttft);
+            }
             if let Some(w) = watch {
                 w.lock().ttft(ttft);
             }
@@ -184,23 +230,26 @@ fn observer<'a>(
                     ("under", ttft - p)
                 };
                 im.prediction_error
-                    .with_label_values(&[labels[0], dir])
+                    .with_label_values(&[labels[1], dir])
                     .observe(err.as_secs_f64());
             }
         }
-        Some(prev) if streaming => {
+        Some(prev) => {
             let d = at.saturating_duration_since(prev);
-            im.itl.with_label_values(&labels).observe(d.as_secs_f64());
+            itl_h.observe(d.as_secs_f64());
+            if let Some(v) = vllm {
+                v.itl(d);
+            }
             if let Some(w) = watch {
                 w.lock().itl(d);
             }
         }
-        Some(_) => {}
     }
 }
 
 /// Tokens, end to end, queue and the latency breakdown of a finished one.
-fn account(metrics: &Metrics, model: &str, labels: [&str; 2], u: &Usage, t: &Timing) {
+fn account(metrics: &Metrics, labels: [&str; 3], u: &Usage, t: &Timing) {
+    let model = labels[0];
     let im = &metrics.inference;
     im.tokens
         .with_label_values(&[model, "prompt"])
@@ -221,7 +270,7 @@ fn account(metrics: &Metrics, model: &str, labels: [&str; 2], u: &Usage, t: &Tim
         ("output", t.output()),
     ] {
         im.phase
-            .with_label_values(&[phase, labels[0]])
+            .with_label_values(&[phase, labels[1]])
             .observe(d.as_secs_f64());
     }
 }

@@ -79,6 +79,8 @@ pub struct Ctx {
     pub(super) deadlines: crate::config::Deadlines,
     /// The request came over TLS: `X-Forwarded-Proto: https`, and HSTS.
     pub(super) tls: bool,
+    /// The trace of a proxied request, when tracing is on.
+    pub(super) trace: Option<crate::otel::ReqTrace>,
     pub(super) _inflight: InFlight,
 }
 

@@ -78,6 +78,11 @@ impl EdgeProxy {
             arrived: ctx.started,
             network: Duration::ZERO,
             key: None,
+            trace: crate::otel::ReqTrace::begin(
+                &req.headers,
+                ctx.started,
+                &format!("{method} {path}"),
+            ),
         };
         let mut down = Down {
             session,

@@ -164,6 +164,7 @@ impl ProxyHttp for EdgeProxy {
             cache: Default::default(),
             hsts: None,
             tls: false,
+            trace: None,
             _inflight: InFlight::new(&self.inflight),
         }
     }
@@ -226,6 +227,11 @@ impl ProxyHttp for EdgeProxy {
         };
         if matches!(route.action, Action::Inference) {
             return self.inference(session, ctx, &route).await;
+        }
+        if matches!(route.action, Action::Proxy(_)) {
+            let req = session.req_header();
+            let name = format!("{} {}", req.method, route.name);
+            ctx.trace = crate::otel::ReqTrace::begin(&req.headers, ctx.started, &name);
         }
         if self.admit(session, ctx, &route).await? {
             return Ok(true);
@@ -387,6 +393,10 @@ impl ProxyHttp for EdgeProxy {
         let Some(route) = ctx.route.clone() else {
             return Ok(());
         };
+        if let Some(t) = &ctx.trace {
+            // The member's spans become children of this request's.
+            let _ = req.insert_header("traceparent", t.traceparent());
+        }
         if let Some(ip) = session
             .client_addr()
             .and_then(|a| a.as_inet())
@@ -566,6 +576,20 @@ impl ProxyHttp for EdgeProxy {
         }
         ctx.outstanding = None;
         ctx.permit = None;
+        if let Some(t) = ctx.trace.take() {
+            let req = session.req_header();
+            let mut attrs = vec![
+                opentelemetry::KeyValue::new("http.request.method", req.method.to_string()),
+                opentelemetry::KeyValue::new("url.path", req.uri.path().to_string()),
+            ];
+            if let Some(m) = ctx.member() {
+                attrs.push(opentelemetry::KeyValue::new(
+                    "server.address",
+                    m.label.clone(),
+                ));
+            }
+            t.end_http(status, attrs);
+        }
         if !self.log.enabled() {
             return;
         }

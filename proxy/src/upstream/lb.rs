@@ -52,6 +52,15 @@ pub enum Balancer {
         /// Random state.
         rng: AtomicU64,
     },
+    /// Fewest waiting (as the members report it) plus in flight, with KV
+    /// usage as a cost; least outstanding for a member whose figures are
+    /// stale.
+    QueueAware {
+        /// Rotates the starting point so ties spread out.
+        next: AtomicU64,
+        /// Figures older than this (ms) are not used.
+        stale_ms: u64,
+    },
 }
 
 /// splitmix64: a cheap, well-mixed 64-bit permutation.
@@ -183,6 +192,33 @@ impl Balancer {
                     fallback.get_or_insert(i);
                 }
                 fallback
+            }
+            Balancer::QueueAware { next, stale_ms } => {
+                let start = next.fetch_add(1, Ordering::Relaxed) as usize;
+                let now = super::now_ms();
+                let candidates = (0..n).map(|k| (start + k) % n).filter(|&i| ok(i));
+                let figures: Vec<_> = candidates
+                    .map(|i| (i, members[i].state.load.fresh(now, *stale_ms)))
+                    .collect();
+                if figures.iter().any(|(_, f)| f.is_none()) {
+                    // Scores from figures and from in-flight counts alone
+                    // do not compare: one stale member turns the pick into
+                    // least outstanding for all.
+                    return figures
+                        .iter()
+                        .min_by_key(|(i, _)| {
+                            (members[*i].outstanding() + 1) * 1_000_000
+                                / members[*i].weight.max(1) as u64
+                        })
+                        .map(|(i, _)| *i);
+                }
+                figures
+                    .iter()
+                    .filter_map(|(i, f)| {
+                        f.map(|(w, kv)| (*i, super::load::score(&members[*i], w, kv)))
+                    })
+                    .min_by(|a, b| a.1.total_cmp(&b.1))
+                    .map(|(i, _)| i)
             }
             Balancer::PeakEwma { rng } => {
                 // Two random available members, without collecting them: start

@@ -12,6 +12,7 @@ pub mod dialect;
 pub mod dns;
 pub mod health;
 pub mod lb;
+pub mod load;
 
 use crate::metrics::{MemberMetrics, PoolMetrics};
 use arc_swap::ArcSwap;
@@ -116,6 +117,8 @@ pub struct MemberState {
     /// Peak-EWMA of response latency, nanoseconds.
     ewma_ns: AtomicU64,
     ewma_stamp_ms: AtomicU64,
+    /// What the member's own metrics say (queue-aware pools).
+    pub load: load::MemberLoad,
     /// This member's metric handles.
     pub metrics: MemberMetrics,
 }
@@ -131,6 +134,7 @@ impl MemberState {
             ejected_until_ms: AtomicU64::new(0),
             ewma_ns: AtomicU64::new(0),
             ewma_stamp_ms: AtomicU64::new(0),
+            load: load::MemberLoad::default(),
             metrics,
         }
     }
@@ -188,6 +192,8 @@ pub enum LbSpec {
     ConsistentHash(lb::HashKey, f64),
     /// Peak EWMA P2C.
     PeakEwma,
+    /// By the members' own queue and KV figures, scraped.
+    QueueAware(load::ScrapeSpec),
 }
 
 impl LbSpec {
@@ -201,6 +207,10 @@ impl LbSpec {
             LbSpec::ConsistentHash(_, factor) => Balancer::consistent_hash(members, *factor),
             LbSpec::PeakEwma => Balancer::PeakEwma {
                 rng: AtomicU64::new(0x5eed),
+            },
+            LbSpec::QueueAware(spec) => Balancer::QueueAware {
+                next: AtomicU64::new(0),
+                stale_ms: spec.stale_ms(),
             },
         }
     }
@@ -225,6 +235,8 @@ pub struct Pool {
     pub metrics: PoolMetrics,
     /// Next due time of the health check, ms on the process clock.
     pub(crate) health_due_ms: AtomicU64,
+    /// Next due time of the load scrape (queue-aware pools).
+    pub(crate) scrape_due_ms: AtomicU64,
     /// Admission gate (concurrency limit with lane queues), if configured.
     pub gate: Option<Arc<crate::admission::gate::Gate>>,
     /// Members given by host name, kept fresh by DNS prefetch.

@@ -95,6 +95,7 @@ pub(super) fn validate(
         .then(|| Duration::from_millis(f.reload.watch_interval_ms.max(50)));
     let server = server(f, path, &mut errs);
     let admin_listen = admin(f, &mut errs);
+    tracing(f, &mut errs);
     let admin_token = admin_token(f, path, admin_listen.as_deref(), &mut errs);
     let (log_target, log_format) = log(f, &mut errs);
     let limits = limits(f, &mut errs);
@@ -217,6 +218,22 @@ fn server(f: &FileConfig, path: &Path, errs: &mut Errors) -> ServerSettings {
         pid_file: or_default(&s.pid_file, "pid"),
         upgrade_sock: or_default(&s.upgrade_sock, "upgrade.sock"),
         keepalive_pool_size: s.upstream_keepalive_pool_size,
+    }
+}
+
+fn tracing(f: &FileConfig, errs: &mut Errors) {
+    let e = f.tracing.otlp_endpoint.trim();
+    if e.is_empty() {
+        return;
+    }
+    let host = e
+        .strip_prefix("http://")
+        .map(|r| r.split('/').next().unwrap_or(""));
+    if host.is_none_or(|h| h.is_empty()) {
+        errs.push(
+            FieldPath::key("tracing").k("otlp_endpoint"),
+            format!("`{e}` is not an http://host:port URL (a TLS collector: run a local agent)"),
+        );
     }
 }
 

@@ -171,10 +171,22 @@ pub(super) fn pool(
         "least_outstanding" | "least_conn" => LbSpec::LeastOutstanding,
         "consistent_hash" => LbSpec::ConsistentHash(hash_key, p.hash_load_factor),
         "peak_ewma" | "p2c" => LbSpec::PeakEwma,
+        "queue_aware" => {
+            if !(10..=60_000).contains(&p.scrape_interval_ms) {
+                errs.push(at.k("scrape_interval_ms"), "must be between 10 and 60000");
+            }
+            if !p.metrics_path.starts_with('/') {
+                errs.push(at.k("metrics_path"), "must start with /");
+            }
+            LbSpec::QueueAware(crate::upstream::load::ScrapeSpec {
+                interval: std::time::Duration::from_millis(p.scrape_interval_ms.max(10)),
+                path: p.metrics_path.clone(),
+            })
+        }
         other => {
             errs.push(
                 at.k("lb"),
-                format!("unknown policy `{other}` (round_robin, least_outstanding, consistent_hash, peak_ewma)"),
+                format!("unknown policy `{other}` (round_robin, least_outstanding, consistent_hash, peak_ewma, queue_aware)"),
             );
             LbSpec::LeastOutstanding
         }
@@ -258,6 +270,7 @@ pub(super) fn pool(
         budget: RetryBudget::new(p.retry.budget_ratio, p.retry.budget_min_per_s),
         metrics: pool_metrics,
         health_due_ms: AtomicU64::new(0),
+        scrape_due_ms: AtomicU64::new(0),
         gate,
         dns,
         def: p.clone(),

@@ -173,6 +173,8 @@ impl UpstreamBackend {
         }
         let spec = match self.spec.affinity {
             Some(f) => LbSpec::ConsistentHash(crate::upstream::lb::HashKey::ClientIp, f),
+            // A pool that reads its members' own queues balances by them.
+            None if matches!(self.spec.pool.lb, LbSpec::QueueAware(_)) => self.spec.pool.lb.clone(),
             None => LbSpec::LeastOutstanding,
         };
         let b = Arc::new(spec.build(&m.members));
@@ -347,7 +349,7 @@ impl Backend for UpstreamBackend {
             .first_token(
                 &path,
                 &body,
-                &req.request_id,
+                open::Ids::of(&req),
                 prepared.prefix_hash,
                 &[],
                 true,

@@ -18,6 +18,25 @@ use std::pin::Pin;
 use std::time::{Duration, Instant};
 use ultrafast_engine::api::{BackendError, Event};
 
+/// What identifies a request to a member: its id and trace parent.
+#[derive(Debug, Clone, Copy)]
+pub(super) struct Ids<'a> {
+    /// Sent as `X-Request-Id` (as the pool's `request_id` says).
+    pub request_id: &'a str,
+    /// Sent as `traceparent`.
+    pub traceparent: Option<&'a str>,
+}
+
+impl<'a> Ids<'a> {
+    /// The ids of `req`.
+    pub fn of(req: &'a ultrafast_engine::api::InferenceRequest) -> Self {
+        Ids {
+            request_id: &req.request_id,
+            traceparent: req.traceparent.as_deref(),
+        }
+    }
+}
+
 /// Recent times to first token (a ring), for a quantile hedge delay. A
 /// sorted copy is refreshed every `RESORT` samples, so asking for the
 /// quantile on every request neither allocates nor sorts.
@@ -122,7 +141,7 @@ impl UpstreamBackend {
         &self,
         path: &str,
         body: &Bytes,
-        request_id: &str,
+        ids: Ids<'_>,
         key: u64,
         exclude: &[std::net::SocketAddr],
         hedge: bool,
@@ -144,9 +163,8 @@ impl UpstreamBackend {
         // and `b` (the hedge).
         let mut a: Option<TryFuture> = None;
         let mut b: Option<TryFuture> = None;
-        let open = |i: usize| -> TryFuture {
-            Box::pin(self.open(members[i].clone(), path, body, request_id))
-        };
+        let open =
+            |i: usize| -> TryFuture { Box::pin(self.open(members[i].clone(), path, body, ids)) };
         loop {
             if a.is_none() && b.is_none() {
                 if tried.len() - skipped >= attempts {
@@ -223,12 +241,12 @@ impl UpstreamBackend {
         m: Member,
         path: &str,
         body: &Bytes,
-        request_id: &str,
+        ids: Ids<'_>,
     ) -> Result<Opened, TryError> {
         let pool = &self.spec.pool;
         let out = Outstanding::acquire(&m);
         let peer = pool.peer(&m);
-        let r = self.exchange(&m, &peer, path, body, request_id).await;
+        let r = self.exchange(&m, &peer, path, body, ids).await;
         if matches!(r, Err(TryError::Retry(_))) {
             pool.record_failure(&m);
         }
@@ -249,7 +267,7 @@ impl UpstreamBackend {
         peer: &HttpPeer,
         path: &str,
         body: &Bytes,
-        request_id: &str,
+        ids: Ids<'_>,
     ) -> Result<(HttpSession, StreamState, Vec<Event>), TryError> {
         let retry = |what: &str, e: &dyn std::fmt::Display| {
             TryError::Retry(format!("{} ({}): {what}: {e}", m.label, m.addr))
@@ -265,8 +283,11 @@ impl UpstreamBackend {
         let _ = head.insert_header("content-type", "application/json");
         let _ = head.insert_header("accept", "text/event-stream");
         let _ = head.insert_header("content-length", body.len());
-        if let Some(id) = self.spec.pool.settings.request_id.header(request_id) {
+        if let Some(id) = self.spec.pool.settings.request_id.header(ids.request_id) {
             let _ = head.insert_header("x-request-id", id);
+        }
+        if let Some(tp) = ids.traceparent {
+            let _ = head.insert_header("traceparent", tp);
         }
         s.write_request_header(Box::new(head))
             .await

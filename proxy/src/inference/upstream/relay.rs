@@ -108,7 +108,7 @@ impl UpstreamBackend {
                 .first_token(
                     &path,
                     &body,
-                    &req.request_id,
+                    super::open::Ids::of(&req),
                     prepared.prefix_hash,
                     &[broken],
                     false,
