@@ -85,6 +85,11 @@ pub fn init(endpoint: &str, service: &str) -> Result<(), String> {
     Ok(())
 }
 
+/// Whether spans are exported (a caller can skip building a span's name).
+pub fn enabled() -> bool {
+    OTEL.get().is_some()
+}
+
 /// Send what is queued (at shutdown).
 pub fn flush() {
     if let Some(o) = OTEL.get() {
@@ -178,19 +183,25 @@ impl BackendSpan {
 
 impl ReqTrace {
     /// A trace for a request that arrived at `arrived` with `headers`, named
-    /// `name`; None when tracing is off or the caller's trace is not sampled.
+    /// `name`; None when tracing is off.
     pub fn begin(headers: &http::HeaderMap, arrived: Instant, name: &str) -> Option<ReqTrace> {
         let otel = OTEL.get()?;
         let parent = headers
             .get("traceparent")
             .and_then(|v| v.to_str().ok())
             .and_then(parse_traceparent);
+        // The edge records every request whatever the caller's sampled
+        // flag says: a client must not be able to keep its requests out of
+        // the operator's traces. Its trace id and span are kept as the
+        // parent, so a traced client still sees one trace.
         let cx = match parent {
-            // The caller decided not to record this trace: neither do we.
-            Some((_, _, flags)) if !flags.is_sampled() => return None,
-            Some((trace, span, flags)) => Context::new().with_remote_span_context(
-                SpanContext::new(trace, span, flags, true, TraceState::default()),
-            ),
+            Some((trace, span, _)) => Context::new().with_remote_span_context(SpanContext::new(
+                trace,
+                span,
+                TraceFlags::SAMPLED,
+                true,
+                TraceState::default(),
+            )),
             None => Context::new(),
         };
         let epoch = SystemTime::now() - arrived.elapsed();

@@ -121,13 +121,15 @@ fn inference_requests_are_traced_under_the_callers_trace() {
         let r = chat(&uf, stream, &tp);
         assert_eq!(r.status, 200, "{}", r.text());
     }
-    // A caller that does not sample its trace: nothing is recorded.
-    let unsampled = format!("00-{}-{PARENT}-00", "1".repeat(32));
+    // A caller that says not to sample is recorded all the same (a client
+    // cannot keep its requests out of the edge's traces), in its trace.
+    let unsampled_trace = "1".repeat(32);
+    let unsampled = format!("00-{unsampled_trace}-{PARENT}-00");
     assert_eq!(chat(&uf, false, &unsampled).status, 200);
     let complete = || {
         let g = got.lock().unwrap();
-        g.spans.iter().filter(|s| s.name == "chat fm").count() >= 2
-            && g.spans.iter().filter(|s| s.name == "decode").count() >= 2
+        g.spans.iter().filter(|s| s.name == "chat fm").count() >= 3
+            && g.spans.iter().filter(|s| s.name == "decode").count() >= 3
     };
     assert!(
         eventually(Duration::from_secs(15), complete),
@@ -143,10 +145,13 @@ fn inference_requests_are_traced_under_the_callers_trace() {
     let g = got.lock().unwrap();
     assert!(g.paths.iter().all(|p| p == "/v1/traces"), "{:?}", g.paths);
     assert!(
-        g.spans.iter().all(|s| hex(&s.trace_id) == TRACE),
-        "an unsampled caller's trace was recorded"
+        g.spans
+            .iter()
+            .all(|s| hex(&s.trace_id) == TRACE || hex(&s.trace_id) == unsampled_trace),
+        "a span outside the callers' traces"
     );
     let roots: Vec<&Span> = g.spans.iter().filter(|s| s.name == "chat fm").collect();
+    assert_eq!(roots.len(), 3);
     for root in &roots {
         assert_eq!(
             hex(&root.parent_span_id),
@@ -211,11 +216,14 @@ fn inference_requests_are_traced_under_the_callers_trace() {
         .spans
         .iter()
         .filter(|s| s.name == "backend")
-        .map(|s| format!("00-{TRACE}-{}-01", hex(&s.span_id)))
+        .map(|s| format!("00-{}-{}-01", hex(&s.trace_id), hex(&s.span_id)))
         .collect();
-    // The unsampled request went last and carries the caller's own parent.
-    assert_eq!(sent, unsampled);
-    assert_eq!(backends.len(), 2, "{backends:?}");
+    // The last request's upstream was sent its backend span, sampled.
+    assert_eq!(backends.len(), 3, "{backends:?}");
+    assert!(
+        sent.starts_with(&format!("00-{unsampled_trace}-")) && backends.contains(&sent),
+        "{sent} not among {backends:?}"
+    );
 }
 
 #[test]

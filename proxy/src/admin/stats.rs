@@ -66,7 +66,7 @@ impl Buckets {
         let mut lower = (0.0, 0u64);
         for &(upper, cum) in &self.bounds {
             if cum as f64 >= rank {
-                let span = (cum - lower.1) as f64;
+                let span = cum.saturating_sub(lower.1) as f64;
                 let frac = if span == 0.0 {
                     1.0
                 } else {

@@ -223,6 +223,7 @@ pub async fn drive<S: Sink + ?Sized>(
     timing: &mut Timing,
     delivery: &mut Delivery,
     mut on_text: impl OnText,
+    mut on_token: impl OnText,
 ) -> Result<Option<Finished>, Gone> {
     let dispatched = Instant::now();
     let mut pacer: Pacer<String> = Pacer::new(if sink.streaming() {
@@ -293,6 +294,7 @@ pub async fn drive<S: Sink + ?Sized>(
                         .then(|| now.saturating_duration_since(dispatched));
                     t.token(last_token.map(|l| now.saturating_duration_since(l)), alone);
                 }
+                on_token(now, last_token);
                 last_token = Some(now);
                 if !text.is_empty() {
                     pacer.push(text, now);

@@ -117,6 +117,9 @@ impl Front {
         let call = match self.prepare(metrics, inc, ep, body).await {
             Ok(c) => c,
             Err(f) => {
+                if let Some(t) = &inc.trace {
+                    t.end_http(f.status, Vec::new());
+                }
                 let mut sink = JsonSink::new(down, Ident::new(ep, "", ""), base);
                 return sink.fail(&f).await;
             }

@@ -106,7 +106,6 @@ pub(super) async fn run<S: Sink + ?Sized>(
         inc,
         labels,
         call.passed.predicted,
-        vllm.as_ref(),
         call.watch.as_deref(),
     );
     let result = drive::drive(
@@ -118,6 +117,7 @@ pub(super) async fn run<S: Sink + ?Sized>(
         &mut timing,
         &mut delivery,
         observe,
+        produced(inc, vllm.as_ref()),
     )
     .await;
     let so_far = (call.prepared.prompt_tokens + delivery.tokens) as u64;
@@ -206,7 +206,6 @@ fn observer<'a>(
     inc: &'a Incoming,
     labels: [&'a str; 3],
     predicted: Option<std::time::Duration>,
-    vllm: Option<&'a super::vllm::VllmRequest>,
     watch: Option<&'a parking_lot::Mutex<super::watchdog::LaneWatch>>,
 ) -> impl OnText + 'a {
     let im = &metrics.inference;
@@ -217,9 +216,6 @@ fn observer<'a>(
         None => {
             let ttft = at.saturating_duration_since(inc.arrived);
             ttft_h.observe(ttft.as_secs_f64());
-            if let Some(v) = vllm {
-                v.ttft(ttft);
-            }
             if let Some(w) = watch {
                 w.lock().ttft(ttft);
             }
@@ -237,12 +233,22 @@ fn observer<'a>(
         Some(prev) => {
             let d = at.saturating_duration_since(prev);
             itl_h.observe(d.as_secs_f64());
-            if let Some(v) = vllm {
-                v.itl(d);
-            }
             if let Some(w) = watch {
                 w.lock().itl(d);
             }
+        }
+    }
+}
+
+/// What each token the backend produced tells vLLM's histograms: as vLLM
+/// measures them, in the engine's own time, before cadence pacing (the
+/// `ultrafast_*` families above time delivery).
+fn produced<'a>(inc: &'a Incoming, vllm: Option<&'a super::vllm::VllmRequest>) -> impl OnText + 'a {
+    move |at: Instant, prev: Option<Instant>| {
+        let Some(v) = vllm else { return };
+        match prev {
+            None => v.ttft(at.saturating_duration_since(inc.arrived)),
+            Some(p) => v.itl(at.saturating_duration_since(p)),
         }
     }
 }

@@ -366,6 +366,7 @@ mod tests {
             &mut t,
             &mut d,
             |_, _| {},
+            |_, _| {},
         )
         .await;
         if let Ok(Some(end)) = &r {
@@ -517,6 +518,7 @@ mod tests {
             None,
             &mut t,
             &mut d,
+            |_, _| {},
             |_, _| {},
         );
         let (r, left) = tokio::join!(drive, leave);

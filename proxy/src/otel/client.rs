@@ -37,7 +37,10 @@ fn post(req: &Request<Bytes>, timeout: Duration) -> Result<Response<Bytes>, Http
     let uri = req.uri();
     let host = uri.host().ok_or("no host")?;
     let port = uri.port_u16().unwrap_or(80);
-    let addr = (host, port)
+    let deadline = std::time::Instant::now() + timeout;
+    // `[::1]` names the address without its brackets.
+    let bare = host.trim_start_matches('[').trim_end_matches(']');
+    let addr = (bare, port)
         .to_socket_addrs()?
         .next()
         .ok_or("the collector's name has no address")?;
@@ -57,17 +60,33 @@ fn post(req: &Request<Bytes>, timeout: Duration) -> Result<Response<Bytes>, Http
     head.push_str("\r\n");
     s.write_all(head.as_bytes())?;
     s.write_all(req.body())?;
+    // One deadline for the whole answer: a collector that trickles bytes
+    // must not hold the batch thread past it.
     let mut answer = Vec::new();
-    s.take(MAX_ANSWER).read_to_end(&mut answer)?;
-    let text = String::from_utf8_lossy(&answer);
-    let status: u16 = text
-        .strip_prefix("HTTP/1.")
+    let mut chunk = [0u8; 8192];
+    while (answer.len() as u64) < MAX_ANSWER {
+        let left = deadline.saturating_duration_since(std::time::Instant::now());
+        if left.is_zero() {
+            return Err("the collector's answer took too long".into());
+        }
+        s.set_read_timeout(Some(left))?;
+        match s.read(&mut chunk)? {
+            0 => break,
+            n => answer.extend_from_slice(&chunk[..n]),
+        }
+    }
+    let end = answer
+        .windows(4)
+        .position(|w| w == b"\r\n\r\n")
+        .ok_or("the collector's answer has no head")?;
+    let status: u16 = std::str::from_utf8(&answer[..end])
+        .ok()
+        .and_then(|h| h.strip_prefix("HTTP/1."))
         .and_then(|r| r.get(2..5))
         .and_then(|c| c.parse().ok())
         .ok_or("the collector's answer is not HTTP")?;
-    let body = text
-        .split_once("\r\n\r\n")
-        .map_or(Bytes::new(), |(_, b)| Bytes::from(b.as_bytes().to_vec()));
+    // The body is protobuf: its bytes as they came.
+    let body = Bytes::from(answer[end + 4..].to_vec());
     let mut r = Response::new(body);
     *r.status_mut() = http::StatusCode::from_u16(status)?;
     Ok(r)

@@ -78,11 +78,16 @@ impl EdgeProxy {
             arrived: ctx.started,
             network: Duration::ZERO,
             key: None,
-            trace: crate::otel::ReqTrace::begin(
-                &req.headers,
-                ctx.started,
-                &format!("{method} {path}"),
-            ),
+            // The name is built only when tracing is on.
+            trace: crate::otel::enabled()
+                .then(|| {
+                    crate::otel::ReqTrace::begin(
+                        &req.headers,
+                        ctx.started,
+                        &format!("{method} {path}"),
+                    )
+                })
+                .flatten(),
         };
         let mut down = Down {
             session,
@@ -95,6 +100,9 @@ impl EdgeProxy {
             // Refused before the body was read: close rather than drain it.
             Err(f) => {
                 down.session.set_keepalive(None);
+                if let Some(t) = &inc.trace {
+                    t.end_http(f.status, Vec::new());
+                }
                 fail(&mut down, &f).await
             }
             Ok(key) => {
@@ -147,6 +155,9 @@ impl EdgeProxy {
                 .rejected
                 .with_label_values(&["bad_request"])
                 .inc();
+        }
+        if let Some(t) = &inc.trace {
+            t.end_http(reply.status, Vec::new());
         }
         send(down, &[], reply).await
     }

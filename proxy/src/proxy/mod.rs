@@ -228,7 +228,7 @@ impl ProxyHttp for EdgeProxy {
         if matches!(route.action, Action::Inference) {
             return self.inference(session, ctx, &route).await;
         }
-        if matches!(route.action, Action::Proxy(_)) {
+        if matches!(route.action, Action::Proxy(_)) && crate::otel::enabled() {
             let req = session.req_header();
             let name = format!("{} {}", req.method, route.name);
             ctx.trace = crate::otel::ReqTrace::begin(&req.headers, ctx.started, &name);

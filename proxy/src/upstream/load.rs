@@ -34,8 +34,10 @@ pub struct MemberLoad {
 impl MemberLoad {
     /// Record a scrape's figures.
     pub fn set(&self, waiting: f64, kv: f64, now: u64) {
+        // A member's page is input: a huge figure must not overflow the
+        // score's sum (it only has to lose).
         self.waiting
-            .store(waiting.max(0.0) as u64, Ordering::Relaxed);
+            .store(waiting.clamp(0.0, 1e9) as u64, Ordering::Relaxed);
         self.kv
             .store(kv.clamp(0.0, 1.0).to_bits(), Ordering::Relaxed);
         self.at_ms.store(now.max(1), Ordering::Relaxed);
@@ -75,7 +77,7 @@ impl ScrapeSpec {
 /// scrape interval), per unit of weight, with a full KV cache costing as
 /// much as two waiting requests (a member near it preempts).
 pub fn score(m: &Member, waiting: u64, kv: f64) -> f64 {
-    (waiting + m.outstanding()) as f64 / m.weight.max(1) as f64 + 2.0 * kv
+    (waiting as f64 + m.outstanding() as f64) / m.weight.max(1) as f64 + 2.0 * kv
 }
 
 /// `vllm:num_requests_waiting` (summed over label sets: a server with
@@ -138,14 +140,36 @@ async fn scrape(m: &Member, path: &str) -> Option<(f64, f64)> {
         }
         buf.extend_from_slice(&chunk[..n]);
     }
-    let text = std::str::from_utf8(&buf).ok()?;
-    let (head, body) = text.split_once("\r\n\r\n")?;
-    if !head.starts_with("HTTP/1.") || head.get(9..10) != Some("2") {
+    let end = buf.windows(4).position(|w| w == b"\r\n\r\n")?;
+    let head = String::from_utf8_lossy(&buf[..end]).to_ascii_lowercase();
+    if !head.starts_with("http/1.") || head.get(9..10) != Some("2") {
         return None;
     }
-    // A chunked page's size lines never parse as metric lines: skipping
-    // them needs no decoder.
-    parse(body)
+    let body = &buf[end + 4..];
+    let body = if head.contains("transfer-encoding: chunked") {
+        dechunk(body)?
+    } else {
+        body.to_vec()
+    };
+    parse(std::str::from_utf8(&body).ok()?)
+}
+
+/// A chunked body's data (RFC 9112 7.1), or None when it is malformed.
+fn dechunk(mut b: &[u8]) -> Option<Vec<u8>> {
+    let mut out = Vec::with_capacity(b.len());
+    loop {
+        let eol = b.windows(2).position(|w| w == b"\r\n")?;
+        let size = std::str::from_utf8(&b[..eol]).ok()?;
+        // Chunk extensions follow a `;`.
+        let size = size.split(';').next()?.trim();
+        let n = usize::from_str_radix(size, 16).ok()?;
+        b = &b[eol + 2..];
+        if n == 0 {
+            return Some(out);
+        }
+        out.extend_from_slice(b.get(..n)?);
+        b = b.get(n..)?.strip_prefix(b"\r\n")?;
+    }
 }
 
 /// Whether `buf` holds a whole response: its head and a body of its
@@ -259,6 +283,27 @@ mod tests {
         let chunked = b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n2\r\nab\r\n";
         assert!(!complete(chunked));
         assert!(complete(&[&chunked[..], b"0\r\n\r\n"].concat()));
+    }
+
+    #[test]
+    fn a_chunked_page_is_decoded_before_it_is_parsed() {
+        // A chunk boundary inside a value: "1" then "2" is 12.
+        let body = b"1b\r\nvllm:num_requests_waiting 1\r\n2;ext=1\r\n2\n\r\n0\r\n\r\n";
+        let data = dechunk(body).unwrap();
+        assert_eq!(
+            parse(std::str::from_utf8(&data).unwrap()),
+            Some((12.0, 0.0))
+        );
+        assert_eq!(dechunk(b"zz\r\n"), None);
+        assert_eq!(dechunk(b"5\r\nab"), None);
+    }
+
+    #[test]
+    fn a_huge_figure_cannot_overflow_the_score() {
+        let l = MemberLoad::default();
+        l.set(1e30, 0.0, 1);
+        let (w, _) = l.fresh(1, 10).unwrap();
+        assert_eq!(w, 1_000_000_000);
     }
 
     #[test]

@@ -4,18 +4,23 @@
 
 use super::*;
 
-/// The fake upstream binary, built on first use.
+/// The fake upstream binary, brought up to date once per test process
+/// (`cargo test` does not build another package's binaries, and one left
+/// from an older checkout would lack what the tests ask of it).
 pub fn fake_bin() -> PathBuf {
     let dir = PathBuf::from(bin()).parent().unwrap().to_path_buf();
     let p = dir.join("fake-openai");
-    static BUILD: Mutex<()> = Mutex::new(());
-    let _g = BUILD.lock().unwrap();
-    if !p.exists() {
-        let st = Command::new(env!("CARGO"))
-            .args(["build", "-p", "ultrafast-benches", "--bin", "fake-openai"])
-            .status()
-            .unwrap();
+    static BUILT: Mutex<bool> = Mutex::new(false);
+    let mut built = BUILT.lock().unwrap();
+    if !*built {
+        let mut cmd = Command::new(env!("CARGO"));
+        cmd.args(["build", "-p", "ultrafast-benches", "--bin", "fake-openai"]);
+        if dir.ends_with("release") {
+            cmd.arg("--release");
+        }
+        let st = cmd.status().unwrap();
         assert!(st.success(), "building fake-openai failed");
+        *built = true;
     }
     p
 }

@@ -175,8 +175,20 @@ pub(super) fn pool(
             if !(10..=60_000).contains(&p.scrape_interval_ms) {
                 errs.push(at.k("scrape_interval_ms"), "must be between 10 and 60000");
             }
-            if !p.metrics_path.starts_with('/') {
-                errs.push(at.k("metrics_path"), "must start with /");
+            // It goes into a request line: a path, nothing else.
+            let path_ok = p.metrics_path.starts_with('/')
+                && p.metrics_path.bytes().all(|b| b.is_ascii_graphic());
+            if !path_ok {
+                errs.push(
+                    at.k("metrics_path"),
+                    "must be a path starting with / (no spaces or control characters)",
+                );
+            }
+            if p.tls.is_some() {
+                errs.push(
+                    at.k("lb"),
+                    "`queue_aware` reads members' metrics over plain HTTP; this pool's members use TLS",
+                );
             }
             LbSpec::QueueAware(crate::upstream::load::ScrapeSpec {
                 interval: std::time::Duration::from_millis(p.scrape_interval_ms.max(10)),
