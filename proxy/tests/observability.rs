@@ -411,6 +411,68 @@ fn every_dashboard_query_answers_in_prometheus() {
 // ---------------------------------------------------------------------------
 // Helpers.
 
+#[test]
+fn with_an_admin_token_the_page_opens_but_its_data_needs_the_token() {
+    // Its browsers would take CPU from the timed tests beside it.
+    let _one = one_at_a_time();
+    let token = "status-page-token-0123456";
+    let d = scratch("status-token");
+    let (port, admin) = (free_port(), free_port());
+    let cfg = d.join("u.toml");
+    std::fs::write(
+        &cfg,
+        format!(
+            "[server]\nthreads = 1\npid_file = \"{p}/p\"\nupgrade_sock = \"{p}/s\"\n[log]\naccess_log = \"off\"\n\
+             [admin]\nlisten = \"127.0.0.1:{admin}\"\ntoken = \"{token}\"\n\
+             [[listeners]]\nname = \"web\"\naddress = \"127.0.0.1:{port}\"\n",
+            p = d.display()
+        ),
+    )
+    .unwrap();
+    let uf = Ultrafast::spawn(d.clone(), cfg, port, admin, false);
+    let page = get(uf.admin, "/status", &[]);
+    assert_eq!(page.status, 200, "the page itself is open");
+    assert!(page.text().contains("/admin/stats"));
+    assert!(page
+        .header("content-security-policy")
+        .is_some_and(|c| c.contains("default-src 'none'")));
+    assert_eq!(get(uf.admin, "/admin/stats", &[]).status, 401);
+    let bearer = format!("Bearer {token}");
+    let stats = get(
+        uf.admin,
+        "/admin/stats",
+        &[("authorization", bearer.as_str())],
+    );
+    assert_eq!(stats.status, 200);
+    assert!(stats.json()["config"]["hash"].is_string());
+    // In a browser: without the token the page says why it has no data;
+    // with it in the fragment (never sent to the server) the page renders.
+    let without = chromium(
+        &d,
+        "no-token",
+        "--dump-dom",
+        &format!("http://{}/status", uf.admin),
+    );
+    assert_eq!(body_updates(&without.stdout), 0);
+    assert!(
+        without.stdout.contains("401"),
+        "{}",
+        tail(&without.stdout, 3000)
+    );
+    let with = chromium(
+        &d,
+        "token",
+        "--dump-dom",
+        &format!("http://{}/status#token={token}", uf.admin),
+    );
+    assert!(
+        body_updates(&with.stdout) >= 2,
+        "{}",
+        tail(&with.stdout, 3000)
+    );
+    assert!(with.stdout.contains(r#"data-k="config:hash""#));
+}
+
 /// Both tests load the model and time their own windows (the page's last
 /// minute, Prometheus's 30 s rates): on two cores they run one at a time.
 fn one_at_a_time() -> MutexGuard<'static, ()> {
