@@ -106,6 +106,8 @@ struct State {
     slots: Semaphore,
     last_body: Mutex<Value>,
     last_request_id: Mutex<Value>,
+    /// The last inference request's `traceparent`.
+    last_traceparent: Mutex<Value>,
 }
 
 /// Lock, ignoring poisoning: the data is plain values that a panic elsewhere
@@ -339,10 +341,18 @@ fn control(st: &State, body: &[u8]) -> Vec<u8> {
     response(200, "application/json", &settings(&g).to_string())
 }
 
-/// Method, path, `X-Request-Id` (if any) and body of the next request.
-async fn read_request(
-    r: &mut BufReader<tokio::net::tcp::OwnedReadHalf>,
-) -> Option<(String, String, Option<String>, Vec<u8>)> {
+/// The next request: method, path, body, and the headers a test asks
+/// about.
+struct Request {
+    method: String,
+    path: String,
+    request_id: Option<String>,
+    traceparent: Option<String>,
+    body: Vec<u8>,
+}
+
+/// The next request on `r`.
+async fn read_request(r: &mut BufReader<tokio::net::tcp::OwnedReadHalf>) -> Option<Request> {
     let mut line = String::new();
     if r.read_line(&mut line).await.ok()? == 0 {
         return None;
@@ -351,7 +361,7 @@ async fn read_request(
     let method = parts.next()?.to_string();
     let path = parts.next()?.to_string();
     let mut len = 0usize;
-    let mut request_id = None;
+    let (mut request_id, mut traceparent) = (None, None);
     loop {
         let mut h = String::new();
         if r.read_line(&mut h).await.ok()? == 0 {
@@ -367,17 +377,20 @@ async fn read_request(
             } else if k.eq_ignore_ascii_case("x-request-id") {
                 request_id = Some(v.trim().to_string());
             } else if k.eq_ignore_ascii_case("traceparent") {
-                *lock(&LAST_TRACEPARENT) = Value::from(v.trim());
+                traceparent = Some(v.trim().to_string());
             }
         }
     }
     let mut body = vec![0u8; len];
     r.read_exact(&mut body).await.ok()?;
-    Some((method, path, request_id, body))
+    Some(Request {
+        method,
+        path,
+        request_id,
+        traceparent,
+        body,
+    })
 }
-
-/// The last `traceparent` header received (`/stats`' `last_traceparent`).
-static LAST_TRACEPARENT: Mutex<Value> = Mutex::new(Value::Null);
 
 fn response(status: u16, ctype: &str, body: &str) -> Vec<u8> {
     format!(
@@ -396,10 +409,18 @@ async fn handle(st: Arc<State>, sock: TcpStream) {
     let _ = sock.set_nodelay(true);
     let (r, mut w) = sock.into_split();
     let mut r = BufReader::new(r);
-    while let Some((method, path, request_id, body)) = read_request(&mut r).await {
+    while let Some(req) = read_request(&mut r).await {
+        let Request {
+            method,
+            path,
+            request_id,
+            traceparent,
+            body,
+        } = req;
         let inference = method == "POST" && path.starts_with("/v1/");
         if inference {
             *lock(&st.last_request_id) = request_id.clone().map_or(Value::Null, Value::from);
+            *lock(&st.last_traceparent) = traceparent.map_or(Value::Null, Value::from);
         }
         // Like llama-cpp-python's server: an id that is not a UUID is an
         // empty 400.
@@ -437,7 +458,7 @@ async fn handle(st: Arc<State>, sock: TcpStream) {
                     "cancelled": c(&s.cancelled), "failed": c(&s.failed), "slow": c(&s.slow), "killed": c(&s.killed),
                     "resumed": c(&s.resumed), "last_body": lock(&st.last_body).clone(), "name": st.opts().name,
                     "last_request_id": lock(&st.last_request_id).clone(),
-                    "last_traceparent": lock(&LAST_TRACEPARENT).clone(),
+                    "last_traceparent": lock(&st.last_traceparent).clone(),
                     "health_gets": c(&s.health_gets), "models_gets": c(&s.models_gets),
                     "metrics_gets": c(&s.metrics_gets)});
                 response(200, "application/json", &v.to_string())
@@ -700,6 +721,7 @@ async fn main() {
         s: Stats::default(),
         last_body: Mutex::new(Value::Null),
         last_request_id: Mutex::new(Value::Null),
+        last_traceparent: Mutex::new(Value::Null),
     });
     loop {
         if let Ok((sock, _)) = listener.accept().await {

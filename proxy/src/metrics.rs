@@ -482,10 +482,9 @@ impl Metrics {
 
     /// Prometheus text exposition of everything.
     pub fn render(&self) -> Vec<u8> {
-        self.inference.refresh();
         let mut out = Vec::with_capacity(16 * 1024);
         // Encoding into a Vec cannot fail for well-formed families.
-        let _ = TextEncoder::new().encode(&self.registry.gather(), &mut out);
+        let _ = TextEncoder::new().encode(&self.gather(), &mut out);
         out
     }
 

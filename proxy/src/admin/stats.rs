@@ -6,7 +6,8 @@
 //! registry `/metrics` exposes, so the page and a scrape agree by
 //! construction, and the request path pays nothing for the page.
 
-use crate::inference::Front;
+use crate::config::Config;
+use crate::inference::{Front, ModelBackend};
 use crate::metrics::Metrics;
 use crate::reload::Manager;
 use parking_lot::Mutex;
@@ -205,7 +206,7 @@ impl Sampler {
         let cfg = self.manager.shared().load_full();
         self.metrics.refresh_pools(&cfg);
         let mut snap = Snap::from_families(unix_now(), &self.metrics.gather());
-        super::stats_view::queue_depths(&cfg, self.front.as_deref(), &mut snap);
+        queue_depths(&cfg, self.front.as_deref(), &mut snap);
         snap
     }
 
@@ -228,6 +229,37 @@ impl Sampler {
             ..Snap::default()
         });
         (h.snaps.iter().cloned().collect(), start)
+    }
+}
+
+/// Requests waiting for each (model, lane) now: in the model's gate and in
+/// its engine's queue.
+fn queue_depths(cfg: &Config, front: Option<&Front>, snap: &mut Snap) {
+    for (name, m) in &cfg.models {
+        let gate = m.gate.as_ref().map(|g| g.depths()).unwrap_or_default();
+        let engine = front
+            .and_then(|f| f.engines.get(name))
+            .and_then(|s| s.engine());
+        for (i, lane) in cfg.lanes.iter().enumerate() {
+            let l = snap
+                .lanes
+                .entry((name.clone(), lane.name.clone()))
+                .or_default();
+            if l.backend.is_empty() {
+                l.backend = match m.backend {
+                    ModelBackend::Engine(_) => "engine",
+                    ModelBackend::Upstream(_) => "upstream",
+                }
+                .into();
+            }
+            let mut depth = gate.get(i).copied().unwrap_or(0);
+            if let Some(e) = &engine {
+                let rank = (lane.rank as usize).min(3);
+                depth += e.stats().waiting_by_rank[rank].load(std::sync::atomic::Ordering::Relaxed)
+                    as i64;
+            }
+            l.queue = depth;
+        }
     }
 }
 

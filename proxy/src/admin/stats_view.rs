@@ -27,37 +27,6 @@ fn rate(now: f64, then: f64, dt: f64) -> f64 {
     }
 }
 
-/// Requests waiting for each (model, lane) now: in the model's gate and in
-/// its engine's queue.
-pub(super) fn queue_depths(cfg: &Config, front: Option<&Front>, snap: &mut Snap) {
-    for (name, m) in &cfg.models {
-        let gate = m.gate.as_ref().map(|g| g.depths()).unwrap_or_default();
-        let engine = front
-            .and_then(|f| f.engines.get(name))
-            .and_then(|s| s.engine());
-        for (i, lane) in cfg.lanes.iter().enumerate() {
-            let l = snap
-                .lanes
-                .entry((name.clone(), lane.name.clone()))
-                .or_default();
-            if l.backend.is_empty() {
-                l.backend = match m.backend {
-                    ModelBackend::Engine(_) => "engine",
-                    ModelBackend::Upstream(_) => "upstream",
-                }
-                .into();
-            }
-            let mut depth = gate.get(i).copied().unwrap_or(0);
-            if let Some(e) = &engine {
-                let rank = (lane.rank as usize).min(3);
-                depth += e.stats().waiting_by_rank[rank].load(std::sync::atomic::Ordering::Relaxed)
-                    as i64;
-            }
-            l.queue = depth;
-        }
-    }
-}
-
 /// The whole `/admin/stats` document.
 pub fn stats(sampler: &Sampler, manager: &Manager, front: Option<&Front>) -> Value {
     let cfg = manager.shared().load_full();

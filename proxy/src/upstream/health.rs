@@ -6,7 +6,7 @@
 //! It reads the live config on each tick, so pools added by a reload are
 //! checked without restarting anything.
 
-use super::{now_ms, Member, Pool};
+use super::{Member, Pool};
 use crate::config::Shared;
 use async_trait::async_trait;
 use pingora::server::ShutdownWatch;
@@ -46,13 +46,9 @@ impl BackgroundService for HealthChecker {
             let cfg = self.config.load_full();
             for pool in cfg.pools.values() {
                 let Some(h) = &pool.health else { continue };
-                let now = now_ms();
-                if pool.health_due_ms.load(Ordering::Relaxed) > now {
-                    continue;
+                if super::take_due(&pool.health_due_ms, h.interval) {
+                    check_pool(pool.clone(), &mut streaks).await;
                 }
-                pool.health_due_ms
-                    .store(now + h.interval.as_millis() as u64, Ordering::Relaxed);
-                check_pool(pool.clone(), &mut streaks).await;
             }
         }
     }

@@ -160,9 +160,7 @@ impl Balancer {
                     if !ok(i) {
                         continue;
                     }
-                    let m = &members[i];
-                    // Compare outstanding/weight without division.
-                    let score = (m.outstanding() + 1) * 1_000_000 / m.weight.max(1) as u64;
+                    let score = outstanding_score(&members[i]);
                     if best.is_none_or(|(b, _)| score < b) {
                         best = Some((score, i));
                     }
@@ -206,10 +204,7 @@ impl Balancer {
                     // least outstanding for all.
                     return figures
                         .iter()
-                        .min_by_key(|(i, _)| {
-                            (members[*i].outstanding() + 1) * 1_000_000
-                                / members[*i].weight.max(1) as u64
-                        })
+                        .min_by_key(|(i, _)| outstanding_score(&members[*i]))
                         .map(|(i, _)| *i);
                 }
                 figures
@@ -241,6 +236,12 @@ impl Balancer {
             }
         }
     }
+}
+
+/// Least outstanding's score: in flight (plus this one) per unit of
+/// weight, in integers.
+fn outstanding_score(m: &Member) -> u64 {
+    (m.outstanding() + 1) * 1_000_000 / m.weight.max(1) as u64
 }
 
 /// Cost of sending one more request to `m`: latency estimate times load.

@@ -238,14 +238,10 @@ impl BackgroundService for LoadScraper {
                 let super::LbSpec::QueueAware(spec) = &pool.lb else {
                     continue;
                 };
-                let now = now_ms();
-                if pool.scrape_due_ms.load(Ordering::Relaxed) > now {
-                    continue;
+                if super::take_due(&pool.scrape_due_ms, spec.interval) {
+                    // Off this loop: a slow member must not delay other pools.
+                    tokio::spawn(scrape_pool(pool.clone(), spec.clone()));
                 }
-                let next = now + spec.interval.as_millis() as u64;
-                pool.scrape_due_ms.store(next, Ordering::Relaxed);
-                // Off this loop: a slow member must not delay other pools.
-                tokio::spawn(scrape_pool(pool.clone(), spec.clone()));
             }
         }
     }

@@ -245,6 +245,18 @@ pub struct Pool {
     pub def: crate::config::file::PoolSection,
 }
 
+/// Whether the periodic work timed by `due` (ms on `now_ms`'s clock) is
+/// due now; if so, the next time is set `every` from now. The health
+/// checks and the load scrapes time their rounds with it.
+pub(crate) fn take_due(due: &AtomicU64, every: Duration) -> bool {
+    let now = now_ms();
+    if due.load(Ordering::Relaxed) > now {
+        return false;
+    }
+    due.store(now + every.as_millis() as u64, Ordering::Relaxed);
+    true
+}
+
 /// Milliseconds on a process-wide monotonic clock.
 pub fn now_ms() -> u64 {
     static START: std::sync::OnceLock<Instant> = std::sync::OnceLock::new();
