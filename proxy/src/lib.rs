@@ -13,6 +13,7 @@ pub mod admission;
 pub mod alloc;
 pub mod cache;
 pub mod cli;
+pub mod cluster;
 pub mod compress;
 pub mod config;
 pub mod drain;

@@ -57,6 +57,8 @@ pub struct Metrics {
     pub upgrades: crate::proxy::upgrade::UpgradeMetrics,
     /// The HTTP cache's zones.
     pub cache: crate::cache::CacheMetrics,
+    /// The shared store of `[cluster]`.
+    pub cluster: crate::cluster::ClusterMetrics,
     /// Each lane's TTFT and inter-token targets (seconds), for dashboards.
     lane_ttft_target: prometheus::GaugeVec,
     lane_itl_target: prometheus::GaugeVec,
@@ -365,8 +367,10 @@ impl Metrics {
         let inference = crate::inference::metrics::InferenceMetrics::new(&registry);
         let upgrades = crate::proxy::upgrade::UpgradeMetrics::new(&registry);
         let cache = crate::cache::CacheMetrics::new(&registry);
+        let cluster = crate::cluster::ClusterMetrics::new(&registry);
         Metrics {
             cache,
+            cluster,
             registry,
             inference,
             upgrades,

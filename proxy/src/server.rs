@@ -80,6 +80,9 @@ pub fn serve(path: &Path, opts: ServeOptions) -> anyhow::Result<()> {
     if !t.otlp_endpoint.is_empty() {
         crate::otel::init(&t.otlp_endpoint, &t.service_name).map_err(anyhow::Error::msg)?;
     }
+    if let Some(c) = &cfg.file.cluster {
+        crate::cluster::init(c, &metrics.cluster).map_err(anyhow::Error::msg)?;
+    }
     let conf = server_conf(&cfg);
     let pingora_opt = Opt {
         upgrade: opts.upgrade,
@@ -99,6 +102,15 @@ pub fn serve(path: &Path, opts: ServeOptions) -> anyhow::Result<()> {
         ),
         watchdog: Default::default(),
     });
+    if let Some(c) = crate::cluster::get() {
+        // A `DELETE` taken by another instance reaches the job here.
+        let weak = Arc::downgrade(&front);
+        c.on_cancel(Box::new(move |id| {
+            if let Some(job) = weak.upgrade().and_then(|f| f.jobs.get(id)) {
+                job.cancel();
+            }
+        }));
+    }
     let listeners = cfg.listeners.clone();
     let threads = cfg.server.threads;
     let admin_listen = cfg.admin_listen.clone();

@@ -286,6 +286,14 @@ impl ServeHttp for AdminApp {
             "/admin/cache/purge" => reply(405, "text/plain", b"use POST\n".to_vec()),
             "/admin/cache" => cache::list(),
             "/admin/slo" => self.slo(),
+            "/admin/cluster" => match crate::cluster::get() {
+                Some(c) => reply(200, "application/json", c.view().to_string().into_bytes()),
+                None => reply(
+                    200,
+                    "application/json",
+                    br#"{"instance":null,"store":"none","live_instances":1,"members":[]}"#.to_vec(),
+                ),
+            },
             "/admin/stats" => self.stats(),
             "/status" => self.status_page(),
             "/metrics" => {

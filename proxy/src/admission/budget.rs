@@ -59,6 +59,9 @@ pub enum BudgetRefusal {
         /// The bucket's size.
         burst: u64,
     },
+    /// The shared store is unreachable and the budget fails closed.
+    #[error("the shared limit store is unreachable")]
+    StoreDown,
 }
 
 impl BudgetRefusal {
@@ -66,7 +69,7 @@ impl BudgetRefusal {
     pub fn retry_after(&self) -> Option<Duration> {
         match self {
             BudgetRefusal::Wait { retry_after } => Some(*retry_after),
-            BudgetRefusal::TooLarge { .. } => None,
+            BudgetRefusal::TooLarge { .. } | BudgetRefusal::StoreDown => None,
         }
     }
 }
@@ -113,6 +116,8 @@ pub struct TokenBudget {
     per_s: f64,
     clock: Arc<dyn Clock>,
     keys: Mutex<Keys>,
+    /// What it does with `[cluster]` while the store is down.
+    pub on_store_error: crate::cluster::OnStoreError,
 }
 
 impl fmt::Debug for TokenBudget {
@@ -152,7 +157,13 @@ impl TokenBudget {
                 map: HashMap::new(),
                 last_sweep: None,
             }),
+            on_store_error: crate::cluster::OnStoreError::Local,
         })
+    }
+
+    /// Refill rate in tokens per second.
+    pub fn per_s(&self) -> f64 {
+        self.per_s
     }
 
     /// Name from the config.
@@ -178,12 +189,47 @@ impl TokenBudget {
 
     /// Take `tokens` from `key`'s bucket, or say how long until they fit.
     pub fn reserve(self: &Arc<Self>, key: u64, tokens: u64) -> Result<Reservation, BudgetRefusal> {
+        self.reserve_scaled(key, tokens, 1)
+    }
+
+    /// `Err(TooLarge)` when `tokens` can never fit.
+    pub fn fits(&self, tokens: u64) -> Result<(), BudgetRefusal> {
         if tokens > self.spec.burst {
             return Err(BudgetRefusal::TooLarge {
                 tokens,
                 burst: self.spec.burst,
             });
         }
+        Ok(())
+    }
+
+    /// A reservation held in the shared store under `store_key` (taken
+    /// there already); settling refunds it there.
+    pub fn shared(self: &Arc<Self>, store_key: String, tokens: u64) -> Reservation {
+        Reservation {
+            budget: Arc::clone(self),
+            key: 0,
+            tokens,
+            scale: 1,
+            shared: Some(store_key),
+            settled: false,
+        }
+    }
+
+    /// `reserve`, charging `share` times the tokens (capped so that a
+    /// request that fits the burst still fits): with `share` instances
+    /// each keeping its own bucket, each gets 1/`share` of the rate (the
+    /// `local` fallback of `[cluster]`).
+    pub fn reserve_scaled(
+        self: &Arc<Self>,
+        key: u64,
+        tokens: u64,
+        share: usize,
+    ) -> Result<Reservation, BudgetRefusal> {
+        self.fits(tokens)?;
+        let scale = (share.max(1) as u64)
+            .min(self.spec.burst / tokens.max(1))
+            .max(1);
         let now = self.clock.now();
         let burst = self.spec.burst as f64;
         let mut keys = self.keys.lock();
@@ -194,7 +240,7 @@ impl TokenBudget {
             pending: 0,
         });
         b.refill(now, self.per_s, burst);
-        let need = tokens as f64;
+        let need = (tokens * scale) as f64;
         if b.level < need {
             let secs = (need - b.level) / self.per_s;
             let retry_after = Duration::try_from_secs_f64(secs)
@@ -208,6 +254,8 @@ impl TokenBudget {
             budget: Arc::clone(self),
             key,
             tokens,
+            scale,
+            shared: None,
             settled: false,
         })
     }
@@ -270,6 +318,10 @@ pub struct Reservation {
     budget: Arc<TokenBudget>,
     key: u64,
     tokens: u64,
+    /// Tokens charged per token (the `local` fallback's share).
+    scale: u64,
+    /// The shared store's key, when the store holds the tokens.
+    shared: Option<String>,
     settled: bool,
 }
 
@@ -297,14 +349,31 @@ impl Reservation {
     /// The request used `used` tokens: refund the rest, or take the overshoot.
     pub fn settle(mut self, used: u64) {
         self.settled = true;
-        self.budget.give_back(self.key, self.tokens, used);
+        self.release(used);
+    }
+
+    fn release(&mut self, used: u64) {
+        match self.shared.take() {
+            Some(k) => {
+                if let Some(c) = crate::cluster::get() {
+                    let b = &self.budget;
+                    let delta = self.tokens as f64 - used as f64;
+                    c.refund(k, b.per_s, b.spec.burst, delta);
+                }
+            }
+            None => {
+                let s = self.scale;
+                self.budget
+                    .give_back(self.key, self.tokens * s, used.saturating_mul(s));
+            }
+        }
     }
 }
 
 impl Drop for Reservation {
     fn drop(&mut self) {
         if !self.settled {
-            self.budget.give_back(self.key, self.tokens, 0);
+            self.release(0);
         }
     }
 }

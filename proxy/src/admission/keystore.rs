@@ -58,6 +58,21 @@ impl KeyEntry {
         }
     }
 
+    /// `check_rate` as `share` requests' worth (capped at the burst): the
+    /// `local` fallback of `[cluster]`, as `Limiter::check_scaled`.
+    pub fn check_rate_scaled(&self, share: usize) -> Result<(), Duration> {
+        let (Some(l), Some((_, burst))) = (&self.limiter, self.limits.rate) else {
+            return self.check_rate();
+        };
+        let n = std::num::NonZeroU32::new(share.clamp(1, burst.max(1) as usize) as u32)
+            .unwrap_or(std::num::NonZeroU32::MIN);
+        match l.check_n(n) {
+            Ok(Ok(())) => Ok(()),
+            Ok(Err(not_until)) => Err(not_until.wait_time_from(DefaultClock::default().now())),
+            Err(_) => Err(Duration::from_secs(1)),
+        }
+    }
+
     /// Reserve `tokens` from the key's budget; Ok(None) when it has none.
     pub fn reserve_tokens(&self, tokens: u64) -> Result<Option<Reservation>, BudgetRefusal> {
         match &self.budget {

@@ -22,6 +22,7 @@ pub mod keys;
 pub mod keystore;
 pub mod queue;
 pub mod ratelimit;
+pub mod shared;
 
 use bytes::Bytes;
 use queue::{LaneSpec, OnMiss, Reason};
@@ -103,6 +104,10 @@ pub fn refusal(
         ),
         Reason::Slo => (
             "server is saturated: the predicted time to first token exceeds this lane's target",
+            "server_overloaded",
+        ),
+        Reason::StoreDown => (
+            "the shared limit store is unreachable and this limit fails closed; retry shortly",
             "server_overloaded",
         ),
     };

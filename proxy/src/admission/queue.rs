@@ -38,6 +38,8 @@ pub enum Reason {
     Slo,
     /// The client's token budget cannot cover the request now.
     TokenBudget,
+    /// The shared limit store is unreachable and the limit fails closed.
+    StoreDown,
 }
 
 impl Reason {
@@ -51,6 +53,7 @@ impl Reason {
             Reason::Preempted => "preempted",
             Reason::Slo => "slo",
             Reason::TokenBudget => "token_budget",
+            Reason::StoreDown => "store_unavailable",
         }
     }
 }

@@ -102,6 +102,8 @@ pub enum Verdict {
     Limited(Duration),
     /// The key could not be derived (malformed input): a 400.
     BadKey(&'static str),
+    /// The shared store is unreachable and the limit fails closed: a 503.
+    StoreDown,
 }
 
 const OVERFLOW_KEY: u64 = u64::MAX;
@@ -114,6 +116,10 @@ pub struct Limiter {
     limiter: DefaultKeyedRateLimiter<u64>,
     clock: DefaultClock,
     max_keys: usize,
+    rate_per_s: f64,
+    burst: u32,
+    /// What it does with `[cluster]` while the store is down.
+    pub on_store_error: crate::cluster::OnStoreError,
 }
 
 impl std::fmt::Debug for Limiter {
@@ -157,11 +163,22 @@ impl Limiter {
             limiter: RateLimiter::keyed(quota),
             clock: DefaultClock::default(),
             max_keys: max_keys.max(1),
+            rate_per_s,
+            burst,
+            on_store_error: crate::cluster::OnStoreError::Local,
         })
     }
 
     /// Check (and count) one request.
     pub fn check(&self, input: &KeyInput) -> Verdict {
+        self.check_scaled(input, 1)
+    }
+
+    /// Check one request as `share` requests' worth of cells: with `share`
+    /// live instances each keeping its own state, each gets 1/`share` of
+    /// the rate and burst (the `local` fallback of `[cluster]`). The share
+    /// is capped at the burst so one request always fits.
+    pub fn check_scaled(&self, input: &KeyInput, share: usize) -> Verdict {
         let mut key = match self.source.key(input) {
             Ok(k) => k,
             Err(why) => return Verdict::BadKey(why),
@@ -172,10 +189,25 @@ impl Limiter {
                 key = OVERFLOW_KEY;
             }
         }
-        match self.limiter.check_key(&key) {
-            Ok(()) => Verdict::Allow,
-            Err(not_until) => Verdict::Limited(not_until.wait_time_from(self.clock.now())),
+        if share <= 1 {
+            return match self.limiter.check_key(&key) {
+                Ok(()) => Verdict::Allow,
+                Err(not_until) => Verdict::Limited(not_until.wait_time_from(self.clock.now())),
+            };
         }
+        let cells = NonZeroU32::new(share.min(self.burst.max(1) as usize) as u32)
+            .unwrap_or(NonZeroU32::MIN);
+        match self.limiter.check_key_n(&key, cells) {
+            Ok(Ok(())) => Verdict::Allow,
+            Ok(Err(not_until)) => Verdict::Limited(not_until.wait_time_from(self.clock.now())),
+            // Cannot happen (cells <= burst); refuse for a period if it does.
+            Err(_) => Verdict::Limited(Duration::from_secs_f64(1.0 / self.rate_per_s)),
+        }
+    }
+
+    /// Sustained requests per second and burst.
+    pub fn rate(&self) -> (f64, u32) {
+        (self.rate_per_s, self.burst)
     }
 
     /// Where this limiter's key comes from.

@@ -42,6 +42,40 @@ pub struct FileConfig {
     pub inference: InferenceSection,
     /// Traces over OTLP/HTTP (off unless an endpoint is set).
     pub tracing: TracingSection,
+    /// State shared by several instances through Redis (absent: none).
+    pub cluster: Option<ClusterSection>,
+}
+
+/// `[cluster]`: rate limits, token budgets, async requests and membership
+/// shared by every instance that names the same Redis. Read at start: a
+/// change takes effect at the next start or graceful upgrade.
+#[derive(Debug, Clone, PartialEq, Deserialize, Serialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct ClusterSection {
+    /// `redis://[user:password@]host:port/db`, or `rediss://` for TLS.
+    pub redis: String,
+    /// The most any request waits on the store, in ms; past it the limit's
+    /// `on_store_error` decides.
+    pub timeout_ms: u64,
+    /// Prefix of every key and channel (several clusters on one Redis).
+    pub prefix: String,
+    /// How often this instance renews its membership, in ms; it counts as
+    /// gone after three missed beats.
+    pub heartbeat_ms: u64,
+    /// This instance's id (default: host name, pid and a random suffix).
+    pub instance: String,
+}
+
+impl Default for ClusterSection {
+    fn default() -> Self {
+        Self {
+            redis: String::new(),
+            timeout_ms: 50,
+            prefix: "ultrafast:".into(),
+            heartbeat_ms: 1000,
+            instance: String::new(),
+        }
+    }
 }
 
 /// `[tracing]`: OpenTelemetry traces of inference requests. Read at
@@ -374,6 +408,10 @@ pub struct RateLimitSection {
     pub burst_tokens: Option<u64>,
     /// Most keys tracked; idle keys are evicted first.
     pub max_keys: usize,
+    /// With `[cluster]`, what a decision does while Redis is unreachable:
+    /// `local` (per-instance limits divided by the live instances last
+    /// seen), `open` (allow) or `closed` (refuse with 503).
+    pub on_store_error: String,
 }
 
 impl RateLimitSection {
@@ -390,6 +428,7 @@ impl Default for RateLimitSection {
             tokens_per_min: None,
             burst_tokens: None,
             max_keys: 100_000,
+            on_store_error: "local".into(),
         }
     }
 }
@@ -404,6 +443,9 @@ pub struct ApiKeysSection {
     /// How often to look for changes to the key file, in ms (0 = only on
     /// config reload).
     pub watch_interval_ms: u64,
+    /// With `[cluster]`, what the keys' own rates and budgets do while Redis
+    /// is unreachable: `local`, `open` or `closed` (as `[rate_limits]`).
+    pub on_store_error: String,
 }
 
 impl Default for ApiKeysSection {
@@ -411,6 +453,7 @@ impl Default for ApiKeysSection {
         Self {
             file: String::new(),
             watch_interval_ms: 2000,
+            on_store_error: "local".into(),
         }
     }
 }

@@ -8,6 +8,8 @@ use super::jobs::Job;
 use super::pipeline::Incoming;
 use super::sse;
 use super::Front;
+use crate::cluster::jobs::RemoteJob;
+use crate::cluster::Cluster;
 use bytes::Bytes;
 use serde_json::{json, Value};
 use std::sync::Arc;
@@ -52,11 +54,26 @@ fn no_job(id: &str) -> BackendError {
     )
 }
 
+/// A job found here or, with `[cluster]`, in the shared store.
+enum Found {
+    Here(Arc<Job>),
+    Elsewhere(Arc<Cluster>, RemoteJob),
+}
+
 impl Front {
-    /// The job `id` if the caller may see it.
-    fn job(&self, inc: &Incoming, id: &str) -> Result<Arc<Job>, BackendError> {
+    /// The job `id` if the caller may see it: this instance's, else the
+    /// shared store's (the same tenancy rule on both).
+    async fn job(&self, inc: &Incoming, id: &str) -> Result<Found, BackendError> {
         match self.jobs.get(id) {
-            Some(j) if j.owner == inc.tenant() => Ok(j),
+            Some(j) if j.owner == inc.tenant() => return Ok(Found::Here(j)),
+            Some(_) => return Err(no_job(id)),
+            None => {}
+        }
+        let Some(c) = crate::cluster::get() else {
+            return Err(no_job(id));
+        };
+        match c.remote_job(id).await {
+            Some(r) if r.owner == inc.tenant() => Ok(Found::Elsewhere(c.clone(), r)),
             _ => Err(no_job(id)),
         }
     }
@@ -82,19 +99,39 @@ impl Front {
     }
 
     /// `GET /v1/requests/{id}`.
-    pub fn job_status(&self, inc: &Incoming, id: &str) -> Reply {
-        match self.job(inc, id) {
-            Ok(j) => Reply::ok(j.view()),
+    pub async fn job_status(&self, inc: &Incoming, id: &str) -> Reply {
+        match self.job(inc, id).await {
+            Ok(Found::Here(j)) => Reply::ok(j.view()),
+            Ok(Found::Elsewhere(_, r)) => Reply::ok(r.view),
             Err(e) => Reply::error(&e),
         }
     }
 
     /// `DELETE /v1/requests/{id}`: cancel it (a finished one stays as is).
-    pub fn job_cancel(&self, inc: &Incoming, id: &str) -> Reply {
-        match self.job(inc, id) {
-            Ok(j) => {
+    /// A job run by another instance is cancelled there (through the
+    /// store's `cancel` channel); the reply waits up to a second for it.
+    pub async fn job_cancel(&self, inc: &Incoming, id: &str) -> Reply {
+        match self.job(inc, id).await {
+            Ok(Found::Here(j)) => {
                 j.cancel();
                 Reply::ok(j.view())
+            }
+            Ok(Found::Elsewhere(_, r)) if r.finished() => Reply::ok(r.view),
+            Ok(Found::Elsewhere(c, mut r)) => {
+                if c.cancel_remote(id).await {
+                    for _ in 0..50 {
+                        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+                        match c.remote_job(id).await {
+                            Some(now) if now.finished() => {
+                                r = now;
+                                break;
+                            }
+                            Some(now) => r = now,
+                            None => break,
+                        }
+                    }
+                }
+                Reply::ok(r.view)
             }
             Err(e) => Reply::error(&e),
         }
@@ -109,7 +146,7 @@ impl Front {
         down: &mut dyn Downstream,
     ) -> Result<(), Gone> {
         let fail = |e: BackendError| Reply::error(&e);
-        let job = self.job(inc, id).map_err(fail);
+        let job = self.job(inc, id).await.map_err(fail);
         let from = match inc.headers.get("last-event-id").map(|v| v.to_str()) {
             None => Ok(0),
             Some(Ok(v)) => v.trim().parse::<usize>().map(|n| n + 1).map_err(|_| {
@@ -138,6 +175,12 @@ impl Front {
         let heartbeat =
             std::time::Duration::from_millis(inc.cfg.file.inference.heartbeat_ms.max(1));
         let mut sink = Beats(down);
+        let job = match job {
+            Found::Here(j) => j,
+            Found::Elsewhere(c, _) => {
+                return remote_events(&c, id, from, heartbeat, &mut sink).await
+            }
+        };
         let mut changes = job.subscribe();
         loop {
             let (evs, finished) = job.events_from(from);
@@ -158,6 +201,51 @@ impl Front {
                 .is_err()
             {
                 return sink.0.body(Bytes::from_static(sse::DONE), true).await;
+            }
+        }
+    }
+}
+
+/// The events of a job another instance runs, from the store: what is
+/// there from `from` on, then what each announcement (or, if one is
+/// missed, a poll every 250 ms) brings, until it finishes. A store that
+/// stops answering ends the stream as a finished job's would.
+async fn remote_events(
+    c: &Arc<Cluster>,
+    id: &str,
+    mut from: usize,
+    heartbeat: std::time::Duration,
+    sink: &mut Beats<'_>,
+) -> Result<(), Gone> {
+    let follow = c.follow(id);
+    let poll = std::time::Duration::from_millis(250);
+    let mut quiet = std::time::Duration::ZERO;
+    loop {
+        let woken = follow.notify.notified();
+        tokio::pin!(woken);
+        woken.as_mut().enable();
+        let Some((evs, finished)) = c.remote_events(id, from).await else {
+            return sink.0.body(Bytes::from_static(sse::DONE), true).await;
+        };
+        for payload in evs {
+            sink.0
+                .body(sse::data_with_id(from, &payload), false)
+                .await?;
+            from += 1;
+            quiet = std::time::Duration::ZERO;
+        }
+        if finished {
+            return sink.0.body(Bytes::from_static(sse::DONE), true).await;
+        }
+        let wait = poll.min(heartbeat);
+        tokio::select! {
+            _ = woken => {}
+            _ = tokio::time::sleep(wait) => {
+                quiet += wait;
+                if quiet >= heartbeat {
+                    quiet = std::time::Duration::ZERO;
+                    drive::Sink::heartbeat(sink).await?;
+                }
             }
         }
     }

@@ -88,6 +88,16 @@ impl Job {
         let mut g = self.inner.lock();
         if g.status == Status::Queued {
             g.status = Status::InProgress;
+            drop(g);
+            self.mirror(|c, ttl| c.job_started(&self.id, ttl));
+        }
+    }
+
+    /// With `[cluster]`, hand a change to the store's writer (the TTL is
+    /// this store's, read now so a reload's applies).
+    fn mirror(&self, f: impl FnOnce(&crate::cluster::Cluster, Duration)) {
+        if let (Some(c), Some(st)) = (crate::cluster::get(), self.store.upgrade()) {
+            f(c, st.ttl());
         }
     }
 
@@ -126,6 +136,8 @@ impl Job {
                 return false;
             }
             g.bytes += n;
+            // Under the lock, so the store sees the events in their order.
+            self.mirror(|c, ttl| c.job_event(&self.id, &payload, ttl));
             g.events.push(payload);
             g.events.len()
         };
@@ -141,9 +153,18 @@ impl Job {
                 return;
             }
             g.status = status;
+            g.finished_at = Some(Instant::now());
+            self.mirror(|c, ttl| {
+                c.job_finished(
+                    &self.id,
+                    status.as_str(),
+                    result.as_ref(),
+                    error.as_ref(),
+                    ttl,
+                )
+            });
             g.result = result;
             g.error = error;
-            g.finished_at = Some(Instant::now());
             g.events.len()
         };
         self.changed.send_replace(len);
@@ -299,6 +320,11 @@ impl Shared {
 }
 
 impl Store {
+    /// How long finished jobs are kept.
+    pub fn ttl(&self) -> Duration {
+        self.0.ttl()
+    }
+
     /// Entries and bytes held.
     pub fn usage(&self) -> (usize, usize) {
         self.0.usage()

@@ -13,7 +13,9 @@ use crate::admission::budget::{BudgetRefusal, Reservation};
 use crate::admission::keys::KeyEntry;
 use crate::admission::queue::Reason;
 use crate::admission::ratelimit::{KeyInput, Verdict};
-use crate::admission::{check_limits, refusal};
+use crate::admission::refusal;
+use crate::admission::shared::{self, check_rates, Want};
+use crate::cluster::OnStoreError;
 use crate::metrics::Metrics;
 use std::sync::Arc;
 use std::time::Duration;
@@ -62,21 +64,34 @@ fn unauthorized(status: u16, code: &'static str, message: String) -> Failure {
 }
 
 impl Front {
-    /// Limits that need no body: the route's request rates, then the API
-    /// key and its own rate. Ok: the caller's key (None without keys).
-    pub fn limits(
+    /// Limits that need no body: the route's request rates and the API
+    /// key's own rate, as one decision (`admission::shared`). Ok: the
+    /// caller's key (None without keys). A rate refusal comes before a bad
+    /// key, as a refusal that costs the least.
+    pub async fn limits(
         &self,
         metrics: &Metrics,
         inc: &Incoming,
         lane: &str,
     ) -> Result<Option<Arc<KeyEntry>>, Failure> {
-        match check_limits(&inc.route.limiters, &input(inc)) {
-            Ok(()) => {}
+        let key = match &inc.cfg.api_keys {
+            None => Ok(None),
+            Some(keys) => keys.authenticate(&inc.headers).map(Some),
+        };
+        let key_ref = match &key {
+            Ok(Some(k)) => Some((k.as_ref(), key_mode(inc))),
+            _ => None,
+        };
+        match check_rates(&inc.route.limiters, key_ref, &input(inc)).await {
+            Ok(()) | Err(Verdict::Allow) => {}
             Err(Verdict::Limited(wait)) => {
                 metrics.shed(lane, Reason::RateLimit.as_str());
                 return Err(rate_refusal(wait));
             }
-            Err(Verdict::Allow) => {}
+            Err(Verdict::StoreDown) => {
+                metrics.shed(lane, Reason::StoreDown.as_str());
+                return Err(store_down());
+            }
             Err(Verdict::BadKey(why)) => {
                 metrics
                     .rejected
@@ -89,22 +104,14 @@ impl Front {
                 )));
             }
         }
-        let Some(keys) = &inc.cfg.api_keys else {
-            return Ok(None);
-        };
-        let key = keys.authenticate(&inc.headers).map_err(|e| {
+        key.map_err(|e| {
             metrics
                 .rejected
                 .with_label_values(&["invalid_api_key"])
                 .inc();
             let (status, code, message) = e.response();
             unauthorized(status, code, message)
-        })?;
-        if let Err(wait) = key.check_rate() {
-            metrics.shed(lane, Reason::RateLimit.as_str());
-            return Err(rate_refusal(wait));
-        }
-        Ok(Some(key))
+        })
     }
 
     /// Whether the caller's key may use `model` (403 otherwise).
@@ -122,16 +129,45 @@ impl Front {
     }
 
     /// Reserve `tokens` (prompt plus `max_tokens`) from every token budget
-    /// of the route and of the key; all or nothing.
-    pub fn reserve(
+    /// of the route and of the key; all or nothing, one decision.
+    pub async fn reserve(
         &self,
         metrics: &Metrics,
         inc: &Incoming,
         lane: &str,
         tokens: u64,
     ) -> Result<Held, Failure> {
-        let mut held = Held::default();
-        let refused = |r: BudgetRefusal| -> Failure {
+        let input = input(inc);
+        let mut wants = Vec::with_capacity(inc.route.budgets.len() + 1);
+        for b in &inc.route.budgets {
+            let key = b.key(&input).map_err(|why| {
+                super::sinks::backend_failure(&BackendError::invalid(
+                    "invalid_api_key",
+                    None,
+                    why.to_string(),
+                ))
+            })?;
+            wants.push(Want {
+                budget: b,
+                key,
+                store_key: format!("tb:{}:{key:016x}", b.name()),
+                mode: b.on_store_error,
+            });
+        }
+        if let Some(k) = &inc.key {
+            if let Some(b) = &k.budget {
+                wants.push(Want {
+                    budget: b,
+                    key: 0,
+                    store_key: format!("ak:{}:t", k.name),
+                    mode: key_mode(inc),
+                });
+            }
+        }
+        if wants.is_empty() {
+            return Ok(Held::default());
+        }
+        shared::reserve(&wants, tokens).await.map(Held).map_err(|r| {
             metrics.shed(lane, "token_budget");
             match r {
                 BudgetRefusal::Wait { retry_after } => {
@@ -150,25 +186,29 @@ impl Front {
                         format!("this request needs {tokens} tokens (prompt plus max_tokens), more than the budget ever holds ({burst}); lower max_tokens"),
                     ))
                 }
+                BudgetRefusal::StoreDown => store_down(),
             }
-        };
-        let input = input(inc);
-        for b in &inc.route.budgets {
-            let key = b.key(&input).map_err(|why| {
-                super::sinks::backend_failure(&BackendError::invalid(
-                    "invalid_api_key",
-                    None,
-                    why.to_string(),
-                ))
-            })?;
-            held.0.push(b.reserve(key, tokens).map_err(refused)?);
-        }
-        if let Some(k) = &inc.key {
-            if let Some(r) = k.reserve_tokens(tokens).map_err(refused)? {
-                held.0.push(r);
-            }
-        }
-        Ok(held)
+        })
+    }
+}
+
+/// `[api_keys] on_store_error` of the live config.
+fn key_mode(inc: &Incoming) -> OnStoreError {
+    inc.cfg
+        .file
+        .api_keys
+        .as_ref()
+        .and_then(|a| OnStoreError::parse(&a.on_store_error))
+        .unwrap_or(OnStoreError::Local)
+}
+
+/// A limit that fails closed while the shared store is down: a 503.
+fn store_down() -> Failure {
+    let (status, headers, body) = refusal(Reason::StoreDown, Duration::from_secs(1), None);
+    Failure {
+        status,
+        headers,
+        body,
     }
 }
 

@@ -215,7 +215,9 @@ impl Front {
         };
         let prepared = prepared.map_err(reject)?;
         let tokens = (prepared.prompt_tokens + prepared.max_tokens) as u64;
-        let budget = self.reserve(metrics, inc, &lanes[lane].name, tokens)?;
+        let budget = self
+            .reserve(metrics, inc, &lanes[lane].name, tokens)
+            .await?;
         let passed = admit::slo(
             lanes,
             lane,
@@ -306,6 +308,11 @@ impl Front {
             }
         };
         self.export_store(metrics);
+        if let Some(c) = crate::cluster::get() {
+            let ttl = self.jobs.ttl();
+            c.job_created(&id, job.owner.as_deref(), job.created, ttl)
+                .await;
+        }
         let ident = Ident::new(call.parsed.endpoint, &call.parsed.model, &id);
         let (inc2, metrics2) = (inc.clone(), metrics.clone());
         let work = crate::drain::Work::start(crate::drain::Kind::AsyncJob);

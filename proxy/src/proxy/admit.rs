@@ -58,8 +58,12 @@ impl EdgeProxy {
             route: &route.name,
             pool,
         };
-        match admission::check_limits(&route.limiters, &input) {
+        match admission::shared::check_rates(&route.limiters, None, &input).await {
             Ok(()) | Err(Verdict::Allow) => Ok(false),
+            Err(Verdict::StoreDown) => {
+                self.shed(session, ctx, Reason::StoreDown, Duration::from_secs(1))
+                    .await
+            }
             Err(Verdict::Limited(wait)) => self.shed(session, ctx, Reason::RateLimit, wait).await,
             Err(Verdict::BadKey(why)) => {
                 self.bad_request(session, ctx, why, "invalid_api_key").await

@@ -96,7 +96,10 @@ impl EdgeProxy {
         };
         let front = &self.front;
         let lane = ctx.cfg.lanes.get(route.lane).map(|l| l.name.clone());
-        let done = match front.limits(&self.metrics, &inc, lane.as_deref().unwrap_or("")) {
+        let done = match front
+            .limits(&self.metrics, &inc, lane.as_deref().unwrap_or(""))
+            .await
+        {
             // Refused before the body was read: close rather than drain it.
             Err(f) => {
                 down.session.set_keepalive(None);
@@ -135,8 +138,8 @@ impl EdgeProxy {
             }
             (&http::Method::GET, ["v1", "models"]) => front.models(inc),
             (&http::Method::GET, ["v1", "models", id]) => front.model(inc, id),
-            (&http::Method::GET, ["v1", "requests", id]) => front.job_status(inc, id),
-            (&http::Method::DELETE, ["v1", "requests", id]) => front.job_cancel(inc, id),
+            (&http::Method::GET, ["v1", "requests", id]) => front.job_status(inc, id).await,
+            (&http::Method::DELETE, ["v1", "requests", id]) => front.job_cancel(inc, id).await,
             (_, ["v1", "chat", "completions"] | ["v1", "completions"] | ["v1", "models"]) => {
                 Reply::error(&BackendError::request(
                     405,

@@ -6,6 +6,7 @@ use super::*;
 use crate::admission::budget::{BudgetSpec, TokenBudget};
 use crate::admission::keyfile::KeyFileError;
 use crate::admission::keys::{resolve_path, ApiKeys};
+use crate::cluster::OnStoreError;
 
 pub(super) fn lanes(f: &FileConfig, errs: &mut Errors) -> Vec<LaneSpec> {
     if f.lanes.is_empty() {
@@ -95,8 +96,16 @@ pub(super) fn rate_limits(f: &FileConfig, prev: Option<&Config>, errs: &mut Erro
             (None, Some(_)) => None,
             (None, None) => Some(RateLimitSection::DEFAULT_RATE_PER_S),
         };
+        let mode = store_mode(&r.on_store_error, &at, errs);
         let requests = rate.and_then(|rate| request_limit(name, &source, rate, r, &at, errs));
-        let tokens = token_budget(name, &source, r, &at, errs);
+        let requests = requests.map(|mut l| {
+            l.on_store_error = mode;
+            Arc::new(l)
+        });
+        let tokens = token_budget(name, &source, r, &at, errs).map(|mut b| {
+            b.on_store_error = mode;
+            Arc::new(b)
+        });
         if errs.0.len() == before {
             let def = r.clone();
             out.insert(
@@ -112,6 +121,17 @@ pub(super) fn rate_limits(f: &FileConfig, prev: Option<&Config>, errs: &mut Erro
     out
 }
 
+/// `on_store_error`: `local`, `open` or `closed`.
+pub(super) fn store_mode(v: &str, at: &FieldPath, errs: &mut Errors) -> OnStoreError {
+    OnStoreError::parse(v).unwrap_or_else(|| {
+        errs.push(
+            at.k("on_store_error"),
+            format!("`{v}` is not one of local, open, closed"),
+        );
+        OnStoreError::Local
+    })
+}
+
 fn request_limit(
     name: &str,
     source: &KeySource,
@@ -119,7 +139,7 @@ fn request_limit(
     r: &RateLimitSection,
     at: &FieldPath,
     errs: &mut Errors,
-) -> Option<Arc<Limiter>> {
+) -> Option<Limiter> {
     if !(rate > 0.0 && rate <= 1e9) {
         errs.push(at.k("rate_per_s"), "must be > 0 and at most 1e9");
         return None;
@@ -132,7 +152,7 @@ fn request_limit(
     if l.is_none() {
         errs.push(at.k("rate_per_s"), "invalid rate limit");
     }
-    l.map(Arc::new)
+    l
 }
 
 fn token_budget(
@@ -141,7 +161,7 @@ fn token_budget(
     r: &RateLimitSection,
     at: &FieldPath,
     errs: &mut Errors,
-) -> Option<Arc<TokenBudget>> {
+) -> Option<TokenBudget> {
     let Some(per_min) = r.tokens_per_min else {
         if r.burst_tokens.is_some() {
             errs.push(at.k("burst_tokens"), "needs tokens_per_min");
@@ -167,7 +187,7 @@ fn token_budget(
     if b.is_none() {
         errs.push(at.k("tokens_per_min"), "invalid token budget");
     }
-    b.map(Arc::new)
+    b
 }
 
 /// `[api_keys]`: the key store, and the key file's own errors (located in
@@ -185,6 +205,7 @@ pub(super) fn api_keys(
         return (None, Vec::new());
     };
     let at = FieldPath::key("api_keys");
+    store_mode(&s.on_store_error, &at, errs);
     if s.file.trim().is_empty() {
         errs.push(at.k("file"), "must name the key file");
         return (None, Vec::new());
@@ -206,6 +227,25 @@ pub(super) fn api_keys(
             (None, Vec::new())
         }
         Err(KeyFileError::Invalid(v)) => (None, v),
+    }
+}
+
+/// `[cluster]`: the Redis URL parses, the timeout and beat are sane.
+pub(super) fn cluster(f: &FileConfig, errs: &mut Errors) {
+    let Some(c) = &f.cluster else {
+        return;
+    };
+    let at = FieldPath::key("cluster");
+    if c.redis.trim().is_empty() {
+        errs.push(at.k("redis"), "must name the store: redis://host:port/db");
+    } else if let Err(e) = crate::cluster::check_url(c.redis.trim()) {
+        errs.push(at.k("redis"), e);
+    }
+    if !(1..=10_000).contains(&c.timeout_ms) {
+        errs.push(at.k("timeout_ms"), "must be between 1 and 10000");
+    }
+    if !(50..=60_000).contains(&c.heartbeat_ms) {
+        errs.push(at.k("heartbeat_ms"), "must be between 50 and 60000");
     }
 }
 

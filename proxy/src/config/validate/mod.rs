@@ -27,7 +27,7 @@ mod admission;
 mod models;
 mod pools;
 
-use admission::{api_keys, lanes, rate_limits};
+use admission::{api_keys, cluster, lanes, rate_limits};
 use pools::pool;
 pub(in crate::config) use pools::{parse_member_addr, MemberAddr};
 
@@ -96,6 +96,7 @@ pub(super) fn validate(
     let server = server(f, path, &mut errs);
     let admin_listen = admin(f, &mut errs);
     tracing(f, &mut errs);
+    cluster(f, &mut errs);
     let admin_token = admin_token(f, path, admin_listen.as_deref(), &mut errs);
     let (log_target, log_format) = log(f, &mut errs);
     let limits = limits(f, &mut errs);

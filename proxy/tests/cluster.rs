@@ -1,0 +1,391 @@
+//! Three instances as one edge through a real `redis-server` (loopback,
+//! an ephemeral port, started and stopped here by PID): a client's request
+//! rate and token budget hold in total across the instances; a `202` made
+//! on one instance is read, followed (with `Last-Event-ID`) and cancelled
+//! on the others, and other tenants see nothing; Redis stopped mid-test
+//! gives each limit its `on_store_error` within the store timeout, and
+//! shared limits resume when it returns.
+#![allow(clippy::unwrap_used)]
+
+mod common;
+use common::infer::*;
+use common::*;
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::TcpStream;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+/// A `redis-server` child on a fixed loopback port.
+struct Redis {
+    child: Option<Child>,
+    port: u16,
+    dir: std::path::PathBuf,
+}
+
+fn ping(port: u16) -> bool {
+    let Ok(mut s) = TcpStream::connect(("127.0.0.1", port)) else {
+        return false;
+    };
+    let _ = s.set_read_timeout(Some(Duration::from_millis(500)));
+    let mut b = [0u8; 7];
+    s.write_all(b"PING\r\n").is_ok() && s.read_exact(&mut b).is_ok() && &b == b"+PONG\r\n"
+}
+
+impl Redis {
+    fn start() -> Redis {
+        let mut r = Redis {
+            child: None,
+            port: free_port(),
+            dir: scratch("redis"),
+        };
+        r.resume();
+        r
+    }
+
+    /// (Re)start on the same port, with nothing persisted.
+    fn resume(&mut self) {
+        let child = Command::new("redis-server")
+            .args(["--bind", "127.0.0.1", "--port", &self.port.to_string()])
+            .args(["--save", "", "--appendonly", "no", "--dir"])
+            .arg(&self.dir)
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("redis-server (Debian package redis-server; .ci/run installs it)");
+        self.child = Some(child);
+        assert!(
+            eventually(Duration::from_secs(10), || ping(self.port)),
+            "redis-server did not start"
+        );
+    }
+
+    fn stop(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+
+    fn url(&self) -> String {
+        format!("redis://127.0.0.1:{}/0", self.port)
+    }
+}
+
+impl Drop for Redis {
+    fn drop(&mut self) {
+        self.stop();
+    }
+}
+
+fn cluster(redis: &Redis, tag: &str) -> String {
+    format!(
+        "[cluster]\nredis = \"{}\"\nprefix = \"{tag}:\"\ntimeout_ms = 100\nheartbeat_ms = 100\n\n",
+        redis.url()
+    )
+}
+
+/// Three instances of `body`, each waiting until it sees all three.
+fn three(body: &str) -> Vec<Ultrafast> {
+    let ufs: Vec<Ultrafast> = (0..3).map(|_| Ultrafast::start(body)).collect();
+    for uf in &ufs {
+        let seen = eventually(Duration::from_secs(10), || {
+            get(uf.admin, "/admin/cluster", &[]).json()["live_instances"] == 3
+        });
+        assert!(seen, "{}", get(uf.admin, "/admin/cluster", &[]).text());
+    }
+    ufs
+}
+
+fn status_of(uf: &Ultrafast, path: &str) -> u16 {
+    get(uf.addr, path, &[]).status
+}
+
+#[test]
+fn a_request_rate_holds_in_total_across_three_instances() {
+    let redis = Redis::start();
+    let origin = Origin::start("o");
+    let ufs = three(&format!(
+        "{}[rate_limits.per_client]\nkey = \"client_ip\"\nrate_per_s = 2.0\nburst = 5\n\n\
+         [pools.p]\nmembers = [{{ addr = \"{}\" }}]\n\n[[routes]]\npath = \"/\"\npool = \"p\"\nrate_limits = [\"per_client\"]\n",
+        cluster(&redis, "rate"),
+        origin.addr
+    ));
+    let v = get(ufs[0].admin, "/admin/cluster", &[]).json();
+    assert_eq!(v["store"], "up");
+    assert_eq!(v["members"].as_array().unwrap().len(), 3, "{v}");
+    // 30 requests round robin as fast as they go: one bucket of 5 plus
+    // 2/s, not three.
+    let t0 = Instant::now();
+    let mut ok = 0;
+    let mut limited = [0; 3];
+    for i in 0..30 {
+        match get(ufs[i % 3].addr, "/x", &[]) {
+            r if r.status == 200 => ok += 1,
+            r => {
+                assert_eq!(r.status, 429, "{}", r.text());
+                assert!(r.header("retry-after").is_some());
+                limited[i % 3] += 1;
+            }
+        }
+    }
+    let allowed = 5.0 + 2.0 * t0.elapsed().as_secs_f64();
+    assert!(ok >= 5, "{ok} allowed");
+    assert!(
+        ok as f64 <= allowed.floor() + 1.0,
+        "{ok} allowed, the shared limit allows {allowed:.1}"
+    );
+    assert!(limited.iter().all(|n| *n > 0), "{limited:?}");
+    let decisions = ufs[0].metric("ultrafast_cluster_decision_seconds_count", &[]);
+    assert!(decisions >= 10.0, "{decisions}");
+}
+
+fn chat(max_tokens: u32, key: &str, uf: &Ultrafast, extra: &[(&str, &str)]) -> Resp {
+    let body = serde_json::json!({"model": "m", "max_tokens": max_tokens,
+        "messages": [{"role": "user", "content": "hi"}]})
+    .to_string();
+    let auth = format!("Bearer {key}");
+    let mut h = vec![
+        ("Authorization", auth.as_str()),
+        ("Content-Type", "application/json"),
+    ];
+    h.extend_from_slice(extra);
+    Client::connect(uf.addr)
+        .unwrap()
+        .request("POST", "/v1/chat/completions", &h, body.as_bytes())
+        .unwrap()
+}
+
+const KEYS: &str = r#"
+[[keys]]
+name = "alpha"
+key = "sk-alpha"
+tokens_per_min = 6
+burst_tokens = 100
+
+[[keys]]
+name = "beta"
+key = "sk-beta"
+"#;
+
+fn inference_body(redis: &Redis, tag: &str, fake: &Fake) -> String {
+    let dir = scratch("keys");
+    let file = dir.join("keys.toml");
+    std::fs::write(&file, KEYS).unwrap();
+    format!(
+        "{}[api_keys]\nfile = \"{}\"\n\n{INFERENCE_ROUTE}{}",
+        cluster(redis, tag),
+        file.display(),
+        upstream_model("m", &[fake], "")
+    )
+}
+
+#[test]
+fn a_token_budget_holds_in_total_across_three_instances() {
+    let redis = Redis::start();
+    // Every request uses all 40 of its tokens, so nothing is refunded.
+    let fake = Fake::start(&["--tokens", "40", "--itl-ms", "0"]);
+    let ufs = three(&inference_body(&redis, "tokens", &fake));
+    // alpha holds 100 tokens (6 a minute back): two requests of 40 and a
+    // prompt fit, in total, not two per instance.
+    let mut ok = 0;
+    let mut refused = 0;
+    for i in 0..6 {
+        let r = chat(40, "sk-alpha", &ufs[i % 3], &[]);
+        match r.status {
+            200 => ok += 1,
+            429 => {
+                assert_eq!(r.json()["error"]["code"], "token_budget", "{}", r.text());
+                refused += 1;
+            }
+            s => panic!("{s}: {}", r.text()),
+        }
+    }
+    assert_eq!(ok, 2, "{ok} of 6 fit a shared budget of 100 tokens");
+    assert_eq!(refused, 4);
+    // beta has no budget: unaffected.
+    assert_eq!(chat(40, "sk-beta", &ufs[1], &[]).status, 200);
+}
+
+fn get_as(uf: &Ultrafast, key: &str, path: &str) -> Resp {
+    get(
+        uf.addr,
+        path,
+        &[("Authorization", &format!("Bearer {key}"))],
+    )
+}
+
+/// Event ids and payloads of an SSE response read to its end.
+fn events(uf: &Ultrafast, key: &str, path: &str, last: Option<usize>) -> Vec<(usize, String)> {
+    let mut s = TcpStream::connect(uf.addr).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    let last = last
+        .map(|l| format!("Last-Event-ID: {l}\r\n"))
+        .unwrap_or_default();
+    write!(
+        s,
+        "GET {path} HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {key}\r\n{last}Connection: close\r\n\r\n"
+    )
+    .unwrap();
+    let mut out = Vec::new();
+    let mut id = None;
+    for line in BufReader::new(s).lines() {
+        let Ok(line) = line else { break };
+        if let Some(v) = line.strip_prefix("id: ") {
+            id = v.trim().parse().ok();
+        } else if let Some(d) = line.strip_prefix("data: ") {
+            if d == "[DONE]" {
+                break;
+            }
+            out.push((id.take().unwrap(), d.to_string()));
+        }
+    }
+    out
+}
+
+#[test]
+fn an_async_request_is_followed_resumed_and_cancelled_on_other_instances() {
+    let redis = Redis::start();
+    let fake = Fake::start(&["--tokens", "400", "--itl-ms", "20"]);
+    let ufs = three(&inference_body(&redis, "jobs", &fake));
+    let (a, b, c) = (&ufs[0], &ufs[1], &ufs[2]);
+    let r = chat(12, "sk-beta", a, &[("Prefer", "respond-async")]);
+    assert_eq!(r.status, 202, "{}", r.text());
+    let id = r.json()["id"].as_str().unwrap().to_string();
+    let loc = r.header("location").unwrap().to_string();
+    // Followed live on B from the start: every event, in order, then done.
+    let all = events(b, "sk-beta", &loc, None);
+    let ids: Vec<usize> = all.iter().map(|(i, _)| *i).collect();
+    assert_eq!(ids, (0..all.len()).collect::<Vec<_>>());
+    assert!(all.len() >= 12, "{} events", all.len());
+    let st = get_as(c, "sk-beta", &format!("/v1/requests/{id}")).json();
+    assert_eq!(st["status"], "completed", "{st}");
+    assert_eq!(st["result"]["usage"]["completion_tokens"], 12, "{st}");
+    // Resumed on C after event 4: exactly the rest, the same payloads.
+    let rest = events(c, "sk-beta", &loc, Some(4));
+    assert_eq!(rest, all[5..].to_vec());
+    // Another tenant sees nothing, on any instance.
+    for uf in [a, b, c] {
+        assert_eq!(
+            get_as(uf, "sk-alpha", &format!("/v1/requests/{id}")).status,
+            404
+        );
+        assert_eq!(get_as(uf, "sk-alpha", &loc).status, 404);
+    }
+    // A long job started on A, cancelled from C: A stops generating.
+    let r = chat(400, "sk-beta", a, &[("Prefer", "respond-async")]);
+    assert_eq!(r.status, 202);
+    let id = r.json()["id"].as_str().unwrap().to_string();
+    assert!(eventually(Duration::from_secs(5), || {
+        get_as(b, "sk-beta", &format!("/v1/requests/{id}")).json()["status"] == "in_progress"
+    }));
+    let del = Client::connect(c.addr)
+        .unwrap()
+        .request(
+            "DELETE",
+            &format!("/v1/requests/{id}"),
+            &[("Authorization", "Bearer sk-beta")],
+            b"",
+        )
+        .unwrap();
+    assert_eq!(del.status, 200, "{}", del.text());
+    assert_eq!(del.json()["status"], "cancelled", "{}", del.text());
+    // The runner (A) has it cancelled in its own store.
+    assert_eq!(
+        get_as(a, "sk-beta", &format!("/v1/requests/{id}")).json()["status"],
+        "cancelled"
+    );
+    let n = get_as(b, "sk-beta", &format!("/v1/requests/{id}")).json()["events"]
+        .as_u64()
+        .unwrap();
+    assert!(n < 100, "generation went on after the cancel: {n} events");
+    assert!(eventually(Duration::from_secs(5), || fake
+        .stat("cancelled")
+        >= 1));
+}
+
+#[test]
+fn a_store_outage_falls_back_per_limit_and_recovers() {
+    let mut redis = Redis::start();
+    let origin = Origin::start("o");
+    let limit = |name: &str, rate: f64, burst: u32, mode: &str| {
+        format!(
+            "[rate_limits.{name}]\nkey = \"client_ip\"\nrate_per_s = {rate}\nburst = {burst}\non_store_error = \"{mode}\"\n\n"
+        )
+    };
+    let route = |path: &str, limit: &str| {
+        format!("[[routes]]\npath = \"{path}\"\npool = \"p\"\nrate_limits = [\"{limit}\"]\n\n")
+    };
+    let ufs = three(&format!(
+        "{}{}{}{}[pools.p]\nmembers = [{{ addr = \"{}\" }}]\n\n{}{}{}",
+        cluster(&redis, "outage"),
+        limit("local", 30.0, 30, "local"),
+        limit("open", 1.0, 1, "open"),
+        limit("closed", 100.0, 100, "closed"),
+        origin.addr,
+        route("/local", "local"),
+        route("/open", "open"),
+        route("/closed", "closed"),
+    ));
+    assert_eq!(status_of(&ufs[0], "/closed"), 200);
+    redis.stop();
+    // The first decision after the stop waits at most the store timeout
+    // (100 ms), then falls back; the ones after it do not wait at all.
+    let t = Instant::now();
+    let first = status_of(&ufs[0], "/local");
+    assert_eq!(first, 200);
+    assert!(
+        t.elapsed() < Duration::from_millis(600),
+        "{:?}",
+        t.elapsed()
+    );
+    for uf in &ufs {
+        assert!(eventually(Duration::from_secs(5), || uf
+            .metric("ultrafast_cluster_store_up", &[])
+            == 0.0));
+    }
+    // local: 30/s in total is 10/s per instance now (burst 10 each);
+    // 2 requests a second to each instance are all allowed.
+    for i in 0..12 {
+        let t = Instant::now();
+        assert_eq!(status_of(&ufs[i % 3], "/local"), 200, "request {i}");
+        assert!(
+            t.elapsed() < Duration::from_millis(300),
+            "{:?}",
+            t.elapsed()
+        );
+        std::thread::sleep(Duration::from_millis(150));
+    }
+    // open: a 1/s limit lets everything through while the store is away.
+    for i in 0..6 {
+        assert_eq!(status_of(&ufs[i % 3], "/open"), 200, "request {i}");
+    }
+    // closed: refused with a 503 that says why.
+    let r = get(ufs[1].addr, "/closed", &[]);
+    assert_eq!(r.status, 503, "{}", r.text());
+    assert_eq!(r.header("x-ultrafast-shed"), Some("store_unavailable"));
+    assert!(r.header("retry-after").is_some());
+    for mode in ["local", "open", "closed"] {
+        let n: f64 = ufs
+            .iter()
+            .map(|u| u.metric("ultrafast_cluster_fallback_decisions_total", &[mode]))
+            .sum();
+        assert!(n >= 1.0, "{mode}: {n}");
+    }
+    assert!(ufs[0].stderr().contains("cluster store unreachable"));
+    // Redis returns: every instance finds it again and limits are shared.
+    redis.resume();
+    for uf in &ufs {
+        assert!(eventually(Duration::from_secs(10), || uf
+            .metric("ultrafast_cluster_store_up", &[])
+            == 1.0));
+        assert!(uf.metric("ultrafast_cluster_store_transitions_total", &["\"up\""]) >= 1.0);
+    }
+    assert_eq!(status_of(&ufs[2], "/closed"), 200);
+    let statuses: Vec<u16> = (0..4).map(|i| status_of(&ufs[i % 3], "/open")).collect();
+    assert_eq!(
+        statuses.iter().filter(|s| **s == 200).count(),
+        1,
+        "{statuses:?}"
+    );
+    assert!(ufs[0].stderr().contains("reachable again"));
+}
