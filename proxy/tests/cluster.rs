@@ -389,3 +389,82 @@ fn a_store_outage_falls_back_per_limit_and_recovers() {
     );
     assert!(ufs[0].stderr().contains("reachable again"));
 }
+
+#[test]
+fn the_store_url_carries_tls_and_a_password() {
+    // A TLS-only Redis that wants a password, with the dev CA's localhost
+    // certificate; ultrafast trusts that CA through SSL_CERT_FILE.
+    let dir = scratch("redis-tls");
+    let st = Command::new(bin())
+        .current_dir(&dir)
+        .args(["certs", "dev"])
+        .output()
+        .unwrap();
+    assert!(st.status.success());
+    let certs = dir.join("certs/dev");
+    let port = free_port();
+    let cmd = Command::new("redis-server")
+        .args([
+            "--bind",
+            "127.0.0.1",
+            "--port",
+            "0",
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+        ])
+        .args(["--tls-port", &port.to_string(), "--tls-auth-clients", "no"])
+        .arg("--tls-cert-file")
+        .arg(certs.join("localhost.pem"))
+        .arg("--tls-key-file")
+        .arg(certs.join("localhost.key"))
+        .arg("--tls-ca-cert-file")
+        .arg(certs.join("ca.pem"))
+        .args(["--requirepass", "s3cret"])
+        .arg("--dir")
+        .arg(&dir)
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn();
+    let _redis = Reap(cmd.unwrap());
+    assert!(eventually(Duration::from_secs(10), || TcpStream::connect(
+        ("127.0.0.1", port)
+    )
+    .is_ok()));
+    let origin = Origin::start("o");
+    let body = |url: &str| {
+        format!(
+            "[cluster]\nredis = \"{url}\"\nprefix = \"tls:\"\ntimeout_ms = 200\nheartbeat_ms = 100\n\n\
+             [rate_limits.one]\nkey = \"client_ip\"\nrate_per_s = 1.0\nburst = 2\non_store_error = \"closed\"\n\n\
+             [pools.p]\nmembers = [{{ addr = \"{}\" }}]\n\n[[routes]]\npath = \"/\"\npool = \"p\"\nrate_limits = [\"one\"]\n",
+            origin.addr
+        )
+    };
+    let ca = certs.join("ca.pem").display().to_string();
+    let env = [("SSL_CERT_FILE", ca.as_str())];
+    let uf =
+        Ultrafast::start_with_env(&body(&format!("rediss://:s3cret@localhost:{port}/0")), &env);
+    let up = eventually(Duration::from_secs(10), || {
+        get(uf.admin, "/admin/cluster", &[]).json()["live_instances"] == 1
+            && uf.metric("ultrafast_cluster_store_up", &[]) == 1.0
+    });
+    assert!(up, "{}", uf.stderr());
+    // The shared limit answers (closed: a refusal would be a 503).
+    let statuses: Vec<u16> = (0..3).map(|_| status_of(&uf, "/x")).collect();
+    assert_eq!(statuses, [200, 200, 429], "{}", uf.stderr());
+    // A wrong password is a store that does not answer: closed refuses.
+    let bad =
+        Ultrafast::start_with_env(&body(&format!("rediss://:wrong@localhost:{port}/0")), &env);
+    assert!(eventually(Duration::from_secs(5), || status_of(&bad, "/x") == 503));
+}
+
+/// A child process stopped (by PID) when the test ends, even on a panic.
+struct Reap(Child);
+
+impl Drop for Reap {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
