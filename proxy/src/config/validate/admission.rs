@@ -304,6 +304,29 @@ mod tests {
     }
 
     #[test]
+    fn bad_cluster_settings_are_located() {
+        let text = format!(
+            "{BASE}[rate_limits.rl]\non_store_error = \"maybe\"\n\n[cluster]\nredis = \"mysql://x\"\ntimeout_ms = 0\n"
+        );
+        let errs: Vec<String> = build(Path::new("u.toml"), &text, None)
+            .unwrap_err()
+            .iter()
+            .map(ToString::to_string)
+            .collect();
+        let has = |p: &str| errs.iter().any(|e| e.starts_with(p));
+        assert!(has("u.toml:10:1: rate_limits.rl.on_store_error: `maybe` is not one of local, open, closed"), "{errs:?}");
+        assert!(
+            has("u.toml:13:1: cluster.redis: `mysql://x` is not a Redis URL"),
+            "{errs:?}"
+        );
+        assert!(has("u.toml:14:1: cluster.timeout_ms: "), "{errs:?}");
+        // A good section builds (nothing connects at config time).
+        let ok = format!("{BASE}[rate_limits.rl]\n\n[cluster]\nredis = \"redis://127.0.0.1:1/0\"\n");
+        let built = build(Path::new("u.toml"), &ok, None);
+        assert!(built.is_ok(), "{:?}", built.err());
+    }
+
+    #[test]
     fn bad_budgets_are_located() {
         let text = format!(
             "{BASE}[rate_limits.rl]\nburst_tokens = 5\n\n[rate_limits.z]\ntokens_per_min = -1.0\n"
