@@ -80,12 +80,26 @@ async fn beat(c: &Cluster) -> redis::RedisResult<Vec<Member>> {
         .collect())
 }
 
+/// While the store is down: a PING on every connection of the pool, so
+/// that none is left to fail the first decision after the store returns.
+async fn probe_all(c: &Cluster) -> redis::RedisResult<()> {
+    for mut conn in c.pool.iter().cloned() {
+        let _: String = redis::cmd("PING").query_async(&mut conn).await?;
+    }
+    Ok(())
+}
+
 /// The heartbeat loop (runs on the cluster runtime for the process's life).
 pub(super) async fn heartbeat(c: Arc<Cluster>) {
     loop {
         let op = {
             let c = c.clone();
-            async move { beat(&c).await }
+            async move {
+                if !c.is_up() {
+                    probe_all(&c).await?;
+                }
+                beat(&c).await
+            }
         };
         // The probe runs even while the store is marked down.
         let res = tokio::time::timeout(c.timeout.max(Duration::from_millis(200)), op).await;

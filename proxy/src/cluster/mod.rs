@@ -79,7 +79,8 @@ pub struct Cluster {
     timeout: Duration,
     heartbeat: Duration,
     client: redis::Client,
-    conn: redis::aio::ConnectionManager,
+    pool: Vec<redis::aio::ConnectionManager>,
+    next: AtomicUsize,
     rt: tokio::runtime::Handle,
     up: AtomicBool,
     live: AtomicUsize,
@@ -141,10 +142,14 @@ pub fn init(s: &ClusterSection, metrics: &ClusterMetrics) -> Result<(), String> 
         .set_response_timeout(Some(timeout))
         .set_number_of_retries(1)
         .set_max_delay(Duration::from_millis(200));
-    let conn = {
+    let pool = {
         let _in_rt = handle.enter();
-        redis::aio::ConnectionManager::new_lazy_with_config(client.clone(), cfg)
-            .map_err(|e| format!("cluster.redis: {e}"))?
+        (0..s.pool_size.clamp(1, 64))
+            .map(|_| {
+                redis::aio::ConnectionManager::new_lazy_with_config(client.clone(), cfg.clone())
+                    .map_err(|e| format!("cluster.redis: {e}"))
+            })
+            .collect::<Result<Vec<_>, _>>()?
     };
     let instance = if s.instance.trim().is_empty() {
         default_instance()
@@ -157,7 +162,8 @@ pub fn init(s: &ClusterSection, metrics: &ClusterMetrics) -> Result<(), String> 
         timeout,
         heartbeat: Duration::from_millis(s.heartbeat_ms.max(50)),
         client,
-        conn,
+        pool,
+        next: AtomicUsize::new(0),
         rt: handle,
         up: AtomicBool::new(true),
         live: AtomicUsize::new(1),
@@ -201,9 +207,11 @@ impl Cluster {
         &self.metrics
     }
 
-    /// A connection handle (cheap: the manager is multiplexed).
+    /// A connection of the pool, round robin (a cheap handle: each
+    /// manager is multiplexed and reconnects by itself).
     fn conn(&self) -> redis::aio::ConnectionManager {
-        self.conn.clone()
+        let i = self.next.fetch_add(1, Ordering::Relaxed) % self.pool.len();
+        self.pool[i].clone()
     }
 
     /// Run `op` on the cluster runtime, waiting at most the store timeout;

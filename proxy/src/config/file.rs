@@ -64,6 +64,9 @@ pub struct ClusterSection {
     pub heartbeat_ms: u64,
     /// This instance's id (default: host name, pid and a random suffix).
     pub instance: String,
+    /// Connections to the store, each multiplexed (requests pipeline on
+    /// it); operations spread over them round robin.
+    pub pool_size: usize,
 }
 
 impl Default for ClusterSection {
@@ -74,6 +77,7 @@ impl Default for ClusterSection {
             prefix: "ultrafast:".into(),
             heartbeat_ms: 1000,
             instance: String::new(),
+            pool_size: 4,
         }
     }
 }

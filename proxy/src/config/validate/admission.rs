@@ -244,6 +244,9 @@ pub(super) fn cluster(f: &FileConfig, errs: &mut Errors) {
     if !(1..=10_000).contains(&c.timeout_ms) {
         errs.push(at.k("timeout_ms"), "must be between 1 and 10000");
     }
+    if !(1..=64).contains(&c.pool_size) {
+        errs.push(at.k("pool_size"), "must be between 1 and 64");
+    }
     if !(50..=60_000).contains(&c.heartbeat_ms) {
         errs.push(at.k("heartbeat_ms"), "must be between 50 and 60000");
     }
@@ -321,7 +324,8 @@ mod tests {
         );
         assert!(has("u.toml:14:1: cluster.timeout_ms: "), "{errs:?}");
         // A good section builds (nothing connects at config time).
-        let ok = format!("{BASE}[rate_limits.rl]\n\n[cluster]\nredis = \"redis://127.0.0.1:1/0\"\n");
+        let ok =
+            format!("{BASE}[rate_limits.rl]\n\n[cluster]\nredis = \"redis://127.0.0.1:1/0\"\n");
         let built = build(Path::new("u.toml"), &ok, None);
         assert!(built.is_ok(), "{:?}", built.err());
     }
