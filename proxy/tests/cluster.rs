@@ -66,6 +66,17 @@ impl Redis {
         }
     }
 
+    /// Stop (SIGSTOP) or continue (SIGCONT) the server by PID: unreachable
+    /// while stopped, with its data when it continues.
+    fn signal(&self, sig: &str) {
+        let pid = self.child.as_ref().unwrap().id().to_string();
+        assert!(Command::new("kill")
+            .args([sig, &pid])
+            .status()
+            .unwrap()
+            .success());
+    }
+
     fn url(&self) -> String {
         format!("redis://127.0.0.1:{}/0", self.port)
     }
@@ -73,6 +84,9 @@ impl Redis {
 
 impl Drop for Redis {
     fn drop(&mut self) {
+        if self.child.is_some() {
+            self.signal("-CONT");
+        }
         self.stop();
     }
 }
@@ -467,4 +481,55 @@ impl Drop for Reap {
         let _ = self.0.kill();
         let _ = self.0.wait();
     }
+}
+
+#[test]
+fn an_async_request_outlives_a_store_outage() {
+    let redis = Redis::start();
+    let fake = Fake::start(&["--tokens", "400", "--itl-ms", "10"]);
+    let ufs = three(&inference_body(&redis, "jobs-outage", &fake));
+    let (a, b) = (&ufs[0], &ufs[1]);
+    let r = chat(150, "sk-beta", a, &[("Prefer", "respond-async")]);
+    assert_eq!(r.status, 202, "{}", r.text());
+    let id = r.json()["id"].as_str().unwrap().to_string();
+    let loc = format!("/v1/requests/{id}/events");
+    // B follows; the store goes away mid-stream: B's stream ends with an
+    // error event and no [DONE], since the job is not over.
+    let mut s = TcpStream::connect(b.addr).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    write!(
+        s,
+        "GET {loc} HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer sk-beta\r\nConnection: close\r\n\r\n"
+    )
+    .unwrap();
+    let mut lines = BufReader::new(s).lines();
+    let mut seen = 0;
+    while seen < 10 {
+        if lines.next().unwrap().unwrap().starts_with("data: ") {
+            seen += 1;
+        }
+    }
+    redis.signal("-STOP");
+    let rest: Vec<String> = lines.map_while(Result::ok).collect();
+    assert!(rest.iter().any(|l| l == "event: error"), "{rest:?}");
+    assert!(rest.iter().any(|l| l.contains("events_unavailable")));
+    assert!(!rest.iter().any(|l| l == "data: [DONE]"), "{rest:?}");
+    // The runner goes on and finishes; its end reaches the store once the
+    // store is back, marked incomplete (events were lost meanwhile).
+    assert!(eventually(Duration::from_secs(10), || {
+        get_as(a, "sk-beta", &format!("/v1/requests/{id}")).json()["status"] == "completed"
+    }));
+    redis.signal("-CONT");
+    let remote = eventually(Duration::from_secs(10), || {
+        let v = get_as(b, "sk-beta", &format!("/v1/requests/{id}")).json();
+        v["status"] == "completed" && v["events_incomplete"] == true
+    });
+    assert!(
+        remote,
+        "{}",
+        get_as(b, "sk-beta", &format!("/v1/requests/{id}")).text()
+    );
+    // The runner still serves the whole stream.
+    let all = events(a, "sk-beta", &loc, None);
+    assert!(all.len() >= 150, "{}", all.len());
 }

@@ -55,6 +55,9 @@ local now = tonumber(t[1]) * 1000000 + tonumber(t[2])
 local n = #KEYS
 local new = {}
 local function num(x) return string.format('%.17g', x) end
+-- TTLs in ms as integers, at most 30 days (a slower limit's key may then
+-- expire early, which only forgets a very old request).
+local function ttl(ms) return string.format('%d', math.max(1000, math.min(ms, 2592000000))) end
 for i = 1, n do
   local kind = ARGV[(i - 1) * 4 + 1]
   local a = tonumber(ARGV[(i - 1) * 4 + 2])
@@ -80,10 +83,10 @@ for i = 1, n do
   local a = tonumber(ARGV[(i - 1) * 4 + 2])
   local b = tonumber(ARGV[(i - 1) * 4 + 3])
   if kind == 'r' then
-    redis.call('SET', KEYS[i], num(new[i]), 'PX', math.floor((new[i] - now) / 1000) + 1000)
+    redis.call('SET', KEYS[i], num(new[i]), 'PX', ttl((new[i] - now) / 1000 + 1000))
   else
     redis.call('HSET', KEYS[i], 'l', num(new[i]), 't', num(now))
-    redis.call('PEXPIRE', KEYS[i], math.floor((b - new[i]) / a * 1000) + 1000)
+    redis.call('PEXPIRE', KEYS[i], ttl((b - new[i]) / a * 1000 + 1000))
   end
 end
 return {0, 0}
@@ -104,7 +107,7 @@ if level < b and now > at then level = math.min(b, level + (now - at) * a / 1000
 level = level + d
 if d > 0 and level > b then level = b end
 redis.call('HSET', KEYS[1], 'l', string.format('%.17g', level), 't', string.format('%.17g', now))
-redis.call('PEXPIRE', KEYS[1], math.floor((b - level) / a * 1000) + 1000)
+redis.call('PEXPIRE', KEYS[1], string.format('%d', math.max(1000, math.min((b - level) / a * 1000 + 1000, 2592000000))))
 return 0
 "#;
 

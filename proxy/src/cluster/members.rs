@@ -1,7 +1,10 @@
-//! Membership: each instance renews `PREFIX member:ID` (a TTL of three
-//! beats) once a beat and lists the others with `SCAN`. The count is what
-//! the `local` fallback divides each limit by; the beat doubles as the
-//! store's health probe, four times a second while the store is down.
+//! Membership: each instance renews `PREFIX member:ID` (its description,
+//! with a TTL of three beats) once a beat, and its entry in the sorted set
+//! `PREFIX members` (scored by the same expiry, on Redis's clock); one
+//! script renews both, drops the expired entries and lists the rest, so a
+//! beat costs two round trips however many keys the limits hold. The count
+//! is what the `local` fallback divides each limit by; the beat doubles as
+//! the store's health probe, four times a second while the store is down.
 
 use super::Cluster;
 use redis::AsyncCommands;
@@ -34,46 +37,45 @@ fn now_ms() -> u64 {
         .unwrap_or(0)
 }
 
-/// One beat: renew our key, then read every member's.
+/// KEYS: our member key, the members set. ARGV: our id, description, TTL
+/// ms. Returns the ids of the live members.
+const BEAT: &str = r#"
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+redis.call('SET', KEYS[1], ARGV[2], 'PX', ARGV[3])
+redis.call('ZADD', KEYS[2], now + tonumber(ARGV[3]), ARGV[1])
+redis.call('ZREMRANGEBYSCORE', KEYS[2], '-inf', now)
+return redis.call('ZRANGE', KEYS[2], 0, 999)
+"#;
+
+static BEAT_SCRIPT: std::sync::LazyLock<redis::Script> =
+    std::sync::LazyLock::new(|| redis::Script::new(BEAT));
+
+/// One beat: renew our entry, then read the live members' descriptions.
 async fn beat(c: &Cluster) -> redis::RedisResult<Vec<Member>> {
     let mut conn = c.conn();
     let prefix = c.key("member:");
     let ttl = (c.heartbeat.as_millis() as u64).saturating_mul(3).max(150);
     let info = serde_json::json!({"at_ms": now_ms(), "pid": std::process::id()}).to_string();
-    let _: () = conn
-        .pset_ex(format!("{prefix}{}", c.instance), info, ttl)
+    let ids: Vec<String> = BEAT_SCRIPT
+        .key(format!("{prefix}{}", c.instance))
+        .key(c.key("members"))
+        .arg(&c.instance)
+        .arg(info)
+        .arg(ttl)
+        .invoke_async(&mut conn)
         .await?;
-    let mut keys: Vec<String> = Vec::new();
-    let mut cursor: u64 = 0;
-    // Bounded: a SCAN pass is at most 100 rounds of 100 keys.
-    for _ in 0..100 {
-        let (next, batch): (u64, Vec<String>) = redis::cmd("SCAN")
-            .arg(cursor)
-            .arg("MATCH")
-            .arg(format!("{prefix}*"))
-            .arg("COUNT")
-            .arg(100)
-            .query_async(&mut conn)
-            .await?;
-        keys.extend(batch);
-        cursor = next;
-        if cursor == 0 {
-            break;
-        }
+    if ids.is_empty() {
+        return Ok(Vec::new());
     }
-    keys.sort();
-    keys.dedup();
-    let infos: Vec<Option<String>> = if keys.is_empty() {
-        Vec::new()
-    } else {
-        conn.mget(&keys).await?
-    };
-    Ok(keys
+    let keys: Vec<String> = ids.iter().map(|i| format!("{prefix}{i}")).collect();
+    let infos: Vec<Option<String>> = conn.mget(&keys).await?;
+    Ok(ids
         .into_iter()
         .zip(infos)
-        .filter_map(|(k, info)| {
+        .filter_map(|(instance, info)| {
             Some(Member {
-                instance: k.strip_prefix(&prefix)?.to_string(),
+                instance,
                 info: info?,
             })
         })

@@ -67,7 +67,8 @@ impl OnStoreError {
     }
 }
 
-/// The store could not answer in time: the caller falls back.
+/// The store did not answer in time (or refused the operation): the
+/// caller falls back.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct StoreDown;
 
@@ -228,8 +229,19 @@ impl Cluster {
         let abort = task.abort_handle();
         match tokio::time::timeout(self.timeout, task).await {
             Ok(Ok(Ok(v))) => Ok(v),
+            // Only a store that cannot be reached is "down"; an error the
+            // store answered (a full memory, a wrong password) fails this
+            // operation alone, and the heartbeat judges the store.
             Ok(Ok(Err(e))) => {
-                self.set_up(false, &e.to_string());
+                if e.is_io_error()
+                    || e.is_timeout()
+                    || e.is_connection_dropped()
+                    || e.is_connection_refusal()
+                {
+                    self.set_up(false, &e.to_string());
+                } else {
+                    log::debug!("cluster store refused an operation: {e}");
+                }
                 Err(StoreDown)
             }
             Ok(Err(e)) => {

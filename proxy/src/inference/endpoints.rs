@@ -119,7 +119,8 @@ impl Front {
             Ok(Found::Elsewhere(_, r)) if r.finished() => Reply::ok(r.view),
             Ok(Found::Elsewhere(c, mut r)) => {
                 if c.cancel_remote(id).await {
-                    for _ in 0..50 {
+                    let until = std::time::Instant::now() + std::time::Duration::from_secs(1);
+                    while std::time::Instant::now() < until {
                         tokio::time::sleep(std::time::Duration::from_millis(20)).await;
                         match c.remote_job(id).await {
                             Some(now) if now.finished() => {
@@ -149,13 +150,19 @@ impl Front {
         let job = self.job(inc, id).await.map_err(fail);
         let from = match inc.headers.get("last-event-id").map(|v| v.to_str()) {
             None => Ok(0),
-            Some(Ok(v)) => v.trim().parse::<usize>().map(|n| n + 1).map_err(|_| {
-                fail(BackendError::invalid(
-                    "invalid_last_event_id",
-                    None,
-                    format!("Last-Event-ID `{v}` is not an event id of this stream"),
-                ))
-            }),
+            Some(Ok(v)) => v
+                .trim()
+                .parse::<usize>()
+                .ok()
+                .and_then(|n| n.checked_add(1))
+                .ok_or(())
+                .map_err(|_| {
+                    fail(BackendError::invalid(
+                        "invalid_last_event_id",
+                        None,
+                        format!("Last-Event-ID `{v}` is not an event id of this stream"),
+                    ))
+                }),
             Some(Err(_)) => Err(fail(BackendError::invalid(
                 "invalid_last_event_id",
                 None,
@@ -206,10 +213,14 @@ impl Front {
     }
 }
 
+/// The end of a followed stream whose store stopped answering (or lost
+/// writes): an SSE error event, without `[DONE]`.
+const STORE_LOST: &[u8] = b"event: error\ndata: {\"error\":{\"message\":\"the shared store cannot give this request's events now; retry with Last-Event-ID\",\"type\":\"server_error\",\"param\":null,\"code\":\"events_unavailable\"}}\n\n";
+
 /// The events of a job another instance runs, from the store: what is
 /// there from `from` on, then what each announcement (or, if one is
 /// missed, a poll every 250 ms) brings, until it finishes. A store that
-/// stops answering ends the stream as a finished job's would.
+/// stops answering ends the stream with an error event (`STORE_LOST`).
 async fn remote_events(
     c: &Arc<Cluster>,
     id: &str,
@@ -224,8 +235,10 @@ async fn remote_events(
         let woken = follow.notify.notified();
         tokio::pin!(woken);
         woken.as_mut().enable();
-        let Some((evs, finished)) = c.remote_events(id, from).await else {
-            return sink.0.body(Bytes::from_static(sse::DONE), true).await;
+        let Ok((evs, finished)) = c.remote_events(id, from).await else {
+            // Not `[DONE]`: the job may not be over. An error event says
+            // why, and a client may come back with its Last-Event-ID.
+            return sink.0.body(Bytes::from_static(STORE_LOST), true).await;
         };
         for payload in evs {
             sink.0

@@ -75,6 +75,7 @@ pub struct Job {
     changed: watch::Sender<usize>,
     cancel: watch::Sender<bool>,
     store: std::sync::Weak<Shared>,
+    mirrored: std::sync::atomic::AtomicBool,
 }
 
 impl Job {
@@ -88,7 +89,7 @@ impl Job {
         let mut g = self.inner.lock();
         if g.status == Status::Queued {
             g.status = Status::InProgress;
-            drop(g);
+            // Under the lock: a cancel cannot be written before it.
             self.mirror(|c, ttl| c.job_started(&self.id, ttl));
         }
     }
@@ -96,9 +97,19 @@ impl Job {
     /// With `[cluster]`, hand a change to the store's writer (the TTL is
     /// this store's, read now so a reload's applies).
     fn mirror(&self, f: impl FnOnce(&crate::cluster::Cluster, Duration)) {
+        if !self.mirrored.load(Ordering::Relaxed) {
+            return;
+        }
         if let (Some(c), Some(st)) = (crate::cluster::get(), self.store.upgrade()) {
             f(c, st.ttl());
         }
+    }
+
+    /// With `[cluster]`: whether the store took the job's creation; when
+    /// it did not, nothing more of it is mirrored (it stays this
+    /// instance's).
+    pub fn set_mirrored(&self, yes: bool) {
+        self.mirrored.store(yes, Ordering::Relaxed);
     }
 
     /// Append one event payload; false when the store has no room left
@@ -137,7 +148,8 @@ impl Job {
             }
             g.bytes += n;
             // Under the lock, so the store sees the events in their order.
-            self.mirror(|c, ttl| c.job_event(&self.id, &payload, ttl));
+            let index = g.events.len();
+            self.mirror(|c, ttl| c.job_event(&self.id, index, &payload, ttl));
             g.events.push(payload);
             g.events.len()
         };
@@ -154,12 +166,14 @@ impl Job {
             }
             g.status = status;
             g.finished_at = Some(Instant::now());
+            let n = g.events.len();
             self.mirror(|c, ttl| {
                 c.job_finished(
                     &self.id,
                     status.as_str(),
                     result.as_ref(),
                     error.as_ref(),
+                    n,
                     ttl,
                 )
             });
@@ -221,6 +235,7 @@ impl Shared {
 
     fn remove(&self, map: &mut HashMap<String, Arc<Job>>, id: &str) {
         if let Some(j) = map.remove(id) {
+            j.mirror(|c, _| c.job_removed(id));
             let mut g = j.inner.lock();
             self.bytes.fetch_sub(g.bytes, Ordering::Relaxed);
             g.bytes = 0;
@@ -388,6 +403,7 @@ impl Store {
             changed: watch::Sender::new(0),
             cancel: watch::Sender::new(false),
             store: Arc::downgrade(&self.0),
+            mirrored: std::sync::atomic::AtomicBool::new(true),
         });
         g.0.insert(id.clone(), job.clone());
         g.1.push_back(id);

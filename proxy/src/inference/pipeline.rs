@@ -310,8 +310,10 @@ impl Front {
         self.export_store(metrics);
         if let Some(c) = crate::cluster::get() {
             let ttl = self.jobs.ttl();
-            c.job_created(&id, job.owner.as_deref(), job.created, ttl)
+            let taken = c
+                .job_created(&id, job.owner.as_deref(), job.created, ttl)
                 .await;
+            job.set_mirrored(taken);
         }
         let ident = Ident::new(call.parsed.endpoint, &call.parsed.model, &id);
         let (inc2, metrics2) = (inc.clone(), metrics.clone());
