@@ -15,6 +15,29 @@ pub fn fake_bin() -> PathBuf {
     if !*built {
         let mut cmd = Command::new(env!("CARGO"));
         cmd.args(["build", "-p", "ultrafast-benches", "--bin", "fake-openai"]);
+        // Without the variables `cargo test` set for this test (its package
+        // name, manifest dir, ...): build scripts that read them would see
+        // a change and rebuild ring, rustls, pingora and the rest, here and
+        // again at the next build from a shell.
+        for (k, _) in std::env::vars_os() {
+            let k = k.to_string_lossy();
+            let injected = ["CARGO_PKG_", "CARGO_BIN_EXE_"]
+                .iter()
+                .any(|p| k.starts_with(p))
+                || [
+                    "CARGO_MANIFEST_DIR",
+                    "CARGO_MANIFEST_PATH",
+                    "CARGO_CRATE_NAME",
+                    "CARGO_BIN_NAME",
+                    "CARGO_TARGET_TMPDIR",
+                    "CARGO_PRIMARY_PACKAGE",
+                    "OUT_DIR",
+                ]
+                .contains(&k.as_ref());
+            if injected {
+                cmd.env_remove(k.as_ref());
+            }
+        }
         if dir.ends_with("release") {
             cmd.arg("--release");
         }
