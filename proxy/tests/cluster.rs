@@ -157,16 +157,7 @@ fn chat(max_tokens: u32, key: &str, uf: &Ultrafast, extra: &[(&str, &str)]) -> R
     let body = serde_json::json!({"model": "m", "max_tokens": max_tokens,
         "messages": [{"role": "user", "content": "hi"}]})
     .to_string();
-    let auth = format!("Bearer {key}");
-    let mut h = vec![
-        ("Authorization", auth.as_str()),
-        ("Content-Type", "application/json"),
-    ];
-    h.extend_from_slice(extra);
-    Client::connect(uf.addr)
-        .unwrap()
-        .request("POST", "/v1/chat/completions", &h, body.as_bytes())
-        .unwrap()
+    post_as(uf, key, &body, extra)
 }
 
 const KEYS: &str = r#"
@@ -218,14 +209,6 @@ fn a_token_budget_holds_in_total_across_three_instances() {
     assert_eq!(refused, 4);
     // beta has no budget: unaffected.
     assert_eq!(chat(40, "sk-beta", &ufs[1], &[]).status, 200);
-}
-
-fn get_as(uf: &Ultrafast, key: &str, path: &str) -> Resp {
-    get(
-        uf.addr,
-        path,
-        &[("Authorization", &format!("Bearer {key}"))],
-    )
 }
 
 /// Event ids and payloads of an SSE response read to its end.
@@ -409,13 +392,8 @@ fn the_store_url_carries_tls_and_a_password() {
     // A TLS-only Redis that wants a password, with the dev CA's localhost
     // certificate; ultrafast trusts that CA through SSL_CERT_FILE.
     let dir = scratch("redis-tls");
-    let st = Command::new(bin())
-        .current_dir(&dir)
-        .args(["certs", "dev"])
-        .output()
-        .unwrap();
-    assert!(st.status.success());
-    let certs = dir.join("certs/dev");
+    let certs = dir.join("certs");
+    let (cert, key) = dev_certs(&certs);
     let port = free_port();
     let cmd = Command::new("redis-server")
         .args([
@@ -430,9 +408,9 @@ fn the_store_url_carries_tls_and_a_password() {
         ])
         .args(["--tls-port", &port.to_string(), "--tls-auth-clients", "no"])
         .arg("--tls-cert-file")
-        .arg(certs.join("localhost.pem"))
+        .arg(&cert)
         .arg("--tls-key-file")
-        .arg(certs.join("localhost.key"))
+        .arg(&key)
         .arg("--tls-ca-cert-file")
         .arg(certs.join("ca.pem"))
         .args(["--requirepass", "s3cret"])

@@ -98,20 +98,11 @@ fn the_configmaps_config_passes_ultrafast_check() {
     );
     let toml = String::from_utf8(out.stdout).unwrap();
     // The Secret's files, as the pod mounts them.
-    let st = Command::new(common::bin())
-        .current_dir(&dir)
-        .args(["certs", "dev"])
-        .output()
-        .unwrap();
-    assert!(
-        st.status.success(),
-        "{}",
-        String::from_utf8_lossy(&st.stderr)
-    );
+    let (cert, key) = common::dev_certs(&dir.join("certs"));
     let secret = dir.join("secret");
     std::fs::create_dir_all(&secret).unwrap();
-    std::fs::copy(dir.join("certs/dev/localhost.pem"), secret.join("tls.crt")).unwrap();
-    std::fs::copy(dir.join("certs/dev/localhost.key"), secret.join("tls.key")).unwrap();
+    std::fs::copy(cert, secret.join("tls.crt")).unwrap();
+    std::fs::copy(key, secret.join("tls.key")).unwrap();
     std::fs::write(secret.join("ticket.keys"), "ab".repeat(32)).unwrap();
     std::fs::write(secret.join("admin-token"), "t".repeat(32)).unwrap();
     for f in ["ticket.keys", "admin-token", "tls.key"] {

@@ -46,24 +46,6 @@ fn chat(model: &str, max_tokens: Option<u32>, stream: bool) -> String {
     v.to_string()
 }
 
-fn post(uf: &Ultrafast, key: &str, body: &str, extra: &[(&str, &str)]) -> Resp {
-    let auth = format!("Bearer {key}");
-    let mut h = vec![
-        ("Authorization", auth.as_str()),
-        ("Content-Type", "application/json"),
-    ];
-    h.extend_from_slice(extra);
-    Client::connect(uf.addr)
-        .unwrap()
-        .request("POST", "/v1/chat/completions", &h, body.as_bytes())
-        .unwrap()
-}
-
-fn get_as(uf: &Ultrafast, key: &str, path: &str) -> Resp {
-    let auth = format!("Bearer {key}");
-    get(uf.addr, path, &[("Authorization", &auth)])
-}
-
 #[test]
 fn keys_and_token_budgets_through_the_openai_client() {
     let fake = Fake::start(&["--tokens", "8", "--itl-ms", "1"]);
@@ -77,7 +59,7 @@ fn keys_and_token_budgets_through_the_openai_client() {
         assert!(r.header("www-authenticate").is_some());
     }
     // Beta has no allow-list and no budget.
-    let r = post(&uf, "sk-beta", &chat("other", Some(5), false), &[]);
+    let r = post_as(&uf, "sk-beta", &chat("other", Some(5), false), &[]);
     assert_eq!(r.status, 200, "{}", r.text());
 }
 
@@ -98,7 +80,7 @@ fn a_running_request_holds_its_reservation_until_it_ends() {
         line.clear();
         r.read_line(&mut line).unwrap();
     }
-    let refused = post(&uf, "sk-alpha", &chat("m", Some(80), false), &[]);
+    let refused = post_as(&uf, "sk-alpha", &chat("m", Some(80), false), &[]);
     assert_eq!(refused.status, 429, "{}", refused.text());
     assert_eq!(refused.header("x-ultrafast-shed"), Some("token_budget"));
     let wait: u64 = refused.header("retry-after").unwrap().parse().unwrap();
@@ -106,14 +88,14 @@ fn a_running_request_holds_its_reservation_until_it_ends() {
     assert_eq!(refused.json()["error"]["code"], "token_budget");
     // Beta's work is not alpha's budget.
     assert_eq!(
-        post(&uf, "sk-beta", &chat("m", Some(80), false), &[]).status,
+        post_as(&uf, "sk-beta", &chat("m", Some(80), false), &[]).status,
         200
     );
     // Once the first ends it is settled to what it used (about 25 tokens).
     while r.read_line(&mut line).unwrap_or(0) > 0 && !line.contains("[DONE]") {
         line.clear();
     }
-    assert!(eventually(Duration::from_secs(5), || post(
+    assert!(eventually(Duration::from_secs(5), || post_as(
         &uf,
         "sk-alpha",
         &chat("m", Some(60), false),
@@ -188,7 +170,7 @@ fn rate_limits_cover_every_v1_endpoint_before_any_work() {
 fn async_requests_are_visible_to_their_tenant_only() {
     let fake = Fake::start(&["--tokens", "4", "--itl-ms", "1"]);
     let (uf, _) = start(&fake, KEYS, "");
-    let r = post(
+    let r = post_as(
         &uf,
         "sk-beta",
         &chat("m", Some(4), false),

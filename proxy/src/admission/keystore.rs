@@ -10,7 +10,7 @@
 use super::budget::{BudgetRefusal, BudgetSpec, Reservation, TokenBudget};
 use super::clock::Clock;
 use super::keyfile::{self, KeyLimits, ValidKey};
-use super::ratelimit::{bearer, quota, KeySource};
+use super::ratelimit::{bearer, cells, quota, KeySource};
 use bytes::Bytes;
 use governor::clock::{Clock as _, DefaultClock};
 use governor::{DefaultDirectRateLimiter, RateLimiter};
@@ -64,9 +64,7 @@ impl KeyEntry {
         let (Some(l), Some((_, burst))) = (&self.limiter, self.limits.rate) else {
             return self.check_rate();
         };
-        let n = std::num::NonZeroU32::new(share.clamp(1, burst.max(1) as usize) as u32)
-            .unwrap_or(std::num::NonZeroU32::MIN);
-        match l.check_n(n) {
+        match l.check_n(cells(share, burst)) {
             Ok(Ok(())) => Ok(()),
             Ok(Err(not_until)) => Err(not_until.wait_time_from(DefaultClock::default().now())),
             Err(_) => Err(Duration::from_secs(1)),

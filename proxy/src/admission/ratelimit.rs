@@ -128,6 +128,13 @@ impl std::fmt::Debug for Limiter {
     }
 }
 
+/// The GCRA cells one request costs when `share` instances each keep their
+/// own state (the `local` fallback of `[cluster]`): `share`, capped at the
+/// burst so one request always fits.
+pub(crate) fn cells(share: usize, burst: u32) -> NonZeroU32 {
+    NonZeroU32::new(share.clamp(1, burst.max(1) as usize) as u32).unwrap_or(NonZeroU32::MIN)
+}
+
 /// Parse `Authorization: Bearer <token>` strictly.
 pub(crate) fn bearer(v: &[u8]) -> Result<&[u8], &'static str> {
     let rest = v
@@ -195,9 +202,7 @@ impl Limiter {
                 Err(not_until) => Verdict::Limited(not_until.wait_time_from(self.clock.now())),
             };
         }
-        let cells = NonZeroU32::new(share.min(self.burst.max(1) as usize) as u32)
-            .unwrap_or(NonZeroU32::MIN);
-        match self.limiter.check_key_n(&key, cells) {
+        match self.limiter.check_key_n(&key, cells(share, self.burst)) {
             Ok(Ok(())) => Verdict::Allow,
             Ok(Err(not_until)) => Verdict::Limited(not_until.wait_time_from(self.clock.now())),
             // Cannot happen (cells <= burst); refuse for a period if it does.

@@ -41,7 +41,7 @@ pub async fn check_rates(
         let k = l.source().key(input).map_err(Verdict::BadKey)?;
         let (per_s, burst) = l.rate();
         checks.push(Check::Rate {
-            key: c.key(&format!("rl:{}:{k:016x}", l.name)),
+            key: c.key(format_args!("rl:{}:{k:016x}", l.name)),
             per_s,
             burst,
         });
@@ -49,7 +49,7 @@ pub async fn check_rates(
     let key_rate = key.and_then(|(k, _)| k.limits.rate);
     if let (Some((k, _)), Some((per_s, burst))) = (key, key_rate) {
         checks.push(Check::Rate {
-            key: c.key(&format!("ak:{}:r", k.name)),
+            key: c.key(format_args!("ak:{}:r", k.name)),
             per_s,
             burst,
         });
@@ -98,16 +98,26 @@ fn count(c: &Cluster, mode: OnStoreError) {
 }
 
 /// One budget of a reservation: the budget, the request's key in it, and
-/// its store key and `on_store_error`.
+/// its `on_store_error`.
 pub struct Want<'a> {
     /// The budget.
     pub budget: &'a Arc<TokenBudget>,
     /// The request's key in it (0 for an API key's own budget).
     pub key: u64,
-    /// Store key name (`tb:NAME:KEY` or `ak:NAME:t`, without the prefix).
-    pub store_key: String,
+    /// The API key whose own budget this is; None for a route's budget.
+    pub api_key: Option<&'a str>,
     /// What it does while the store is down.
     pub mode: OnStoreError,
+}
+
+impl Want<'_> {
+    /// Its key in the store: `ak:NAME:t` or `tb:NAME:KEY`.
+    fn store_key(&self, c: &Cluster) -> String {
+        match self.api_key {
+            Some(name) => c.key(format_args!("ak:{name}:t")),
+            None => c.key(format_args!("tb:{}:{:016x}", self.budget.name(), self.key)),
+        }
+    }
 }
 
 /// Reserve `tokens` from every budget in `wants`, all or nothing.
@@ -124,16 +134,18 @@ pub async fn reserve(wants: &[Want<'_>], tokens: u64) -> Result<Vec<Reservation>
     let checks: Vec<Check> = wants
         .iter()
         .map(|w| Check::Tokens {
-            key: c.key(&w.store_key),
+            key: w.store_key(c),
             per_s: w.budget.per_s(),
             burst: w.budget.spec().burst,
             tokens,
         })
         .collect();
     match c.decide(&checks).await {
+        // Each reservation keeps the key its check was made with.
         Ok(None) => Ok(wants
             .iter()
-            .map(|w| w.budget.shared(c.key(&w.store_key), tokens))
+            .zip(checks)
+            .map(|(w, check)| w.budget.shared(check.into_key(), tokens))
             .collect()),
         Ok(Some((_, retry_after))) => Err(BudgetRefusal::Wait { retry_after }),
         Err(_) => {

@@ -158,11 +158,11 @@ impl Drop for Follow {
 }
 
 fn job_key(c: &Cluster, id: &str) -> String {
-    c.key(&format!("job:{id}"))
+    c.key(format_args!("job:{id}"))
 }
 
 fn ev_key(c: &Cluster, id: &str) -> String {
-    c.key(&format!("job:{id}:ev"))
+    c.key(format_args!("job:{id}:ev"))
 }
 
 impl Cluster {
@@ -369,7 +369,7 @@ fn add(c: &Cluster, pipe: &mut redis::Pipeline, op: &Op, ttl: Duration) {
         .arg(ev_key(c, id))
         .arg(kind)
         .arg((ttl + RUNNING_GRACE).as_millis().to_string())
-        .arg(c.key(&format!("ev:{id}")));
+        .arg(c.key(format_args!("ev:{id}")));
     match op {
         Op::Status(_, s) => {
             cmd.arg(*s);

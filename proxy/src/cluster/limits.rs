@@ -46,6 +46,15 @@ pub enum Check {
     },
 }
 
+impl Check {
+    /// Its Redis key.
+    pub fn into_key(self) -> String {
+        match self {
+            Check::Rate { key, .. } | Check::Tokens { key, .. } => key,
+        }
+    }
+}
+
 /// KEYS: one per check. ARGV: per check, kind ("r" or "t") and three
 /// numbers (rate: period in us, burst, unused; tokens: per second, burst,
 /// tokens). Returns {0, 0} when all pass, else {index (1-based), wait us}.

@@ -183,8 +183,9 @@ pub fn init(s: &ClusterSection, metrics: &ClusterMetrics) -> Result<(), String> 
 }
 
 impl Cluster {
-    /// A key or channel name under this cluster's prefix.
-    pub fn key(&self, rest: &str) -> String {
+    /// A key or channel name under this cluster's prefix (`rest` may be
+    /// `format_args!`, so the name is formatted once).
+    pub fn key(&self, rest: impl std::fmt::Display) -> String {
         format!("{}{rest}", self.prefix)
     }
 

@@ -150,7 +150,7 @@ impl Front {
             wants.push(Want {
                 budget: b,
                 key,
-                store_key: format!("tb:{}:{key:016x}", b.name()),
+                api_key: None,
                 mode: b.on_store_error,
             });
         }
@@ -159,7 +159,7 @@ impl Front {
                 wants.push(Want {
                     budget: b,
                     key: 0,
-                    store_key: format!("ak:{}:t", k.name),
+                    api_key: Some(&k.name),
                     mode: key_mode(inc),
                 });
             }

@@ -108,6 +108,26 @@ pub fn upstream_model_in(name: &str, fakes: &[&Fake], pool_extra: &str, extra: &
     )
 }
 
+/// `POST /v1/chat/completions` with `body`, as API key `key`.
+pub fn post_as(uf: &Ultrafast, key: &str, body: &str, extra: &[(&str, &str)]) -> Resp {
+    let auth = format!("Bearer {key}");
+    let mut h = vec![
+        ("Authorization", auth.as_str()),
+        ("Content-Type", "application/json"),
+    ];
+    h.extend_from_slice(extra);
+    Client::connect(uf.addr)
+        .unwrap()
+        .request("POST", "/v1/chat/completions", &h, body.as_bytes())
+        .unwrap()
+}
+
+/// `GET path` as API key `key`.
+pub fn get_as(uf: &Ultrafast, key: &str, path: &str) -> Resp {
+    let auth = format!("Bearer {key}");
+    get(uf.addr, path, &[("Authorization", &auth)])
+}
+
 pub const INFERENCE_ROUTE: &str =
     "[[routes]]\nname = \"openai\"\npath = \"/v1/\"\ninference = true\n\n";
 
