@@ -16,13 +16,7 @@ fn main() {
     let t0 = std::time::Instant::now();
     let l = generate::load(&path).unwrap();
     println!("loaded {} in {:?}", path.display(), t0.elapsed());
-    let prompt = l
-        .codec
-        .render_chat(&[ChatMessage {
-            role: "user".into(),
-            content: q,
-        }])
-        .unwrap();
+    let prompt = l.codec.render_chat(&[ChatMessage::new("user", q)]).unwrap();
     let ids = l.codec.encode(&prompt).unwrap();
     println!("{} prompt tokens", ids.len());
     let mut cache = l.model.new_cache();

@@ -19,6 +19,50 @@ pub struct GenerateRequest {
     pub stop: Vec<String>,
     /// Lane rank: lower runs first and may preempt higher ranks.
     pub lane_rank: u32,
+    /// The grammar its output must follow (structured outputs, tool calls).
+    pub guide: Option<crate::guide::Guide>,
+}
+
+/// What a request's output must be, as every API dialect asks for it (the
+/// front translates `response_format`, `tools` and their Anthropic and
+/// Responses spellings into this one form).
+#[derive(Debug, Clone, PartialEq)]
+pub enum Structure {
+    /// JSON that validates against this schema (`{"type": "object"}` for
+    /// OpenAI's `json_object`).
+    Json(serde_json::Value),
+    /// Calls of these tools, as `tool_choice` says.
+    Tools {
+        /// The callable functions.
+        tools: Vec<Tool>,
+        /// Whether and which to call.
+        choice: ToolChoice,
+        /// Whether more than one call may be made in one answer.
+        parallel: bool,
+    },
+}
+
+/// A function the model may call.
+#[derive(Debug, Clone, PartialEq, serde::Serialize)]
+pub struct Tool {
+    /// Its name.
+    pub name: String,
+    /// What it does (shown to the model).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub description: Option<String>,
+    /// JSON schema of its arguments (an object).
+    pub parameters: serde_json::Value,
+}
+
+/// OpenAI's `tool_choice` (`none` is no structure at all).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ToolChoice {
+    /// Text or calls, as the model chooses.
+    Auto,
+    /// At least one call.
+    Required,
+    /// Exactly one call of this function.
+    Named(String),
 }
 
 /// Why generation ended.
@@ -28,6 +72,8 @@ pub enum FinishReason {
     Stop,
     /// `max_tokens` reached.
     Length,
+    /// The answer is tool calls.
+    ToolCalls,
 }
 
 impl FinishReason {
@@ -36,6 +82,7 @@ impl FinishReason {
         match self {
             FinishReason::Stop => "stop",
             FinishReason::Length => "length",
+            FinishReason::ToolCalls => "tool_calls",
         }
     }
 }
@@ -111,6 +158,11 @@ pub struct InferenceRequest {
     pub traceparent: Option<String>,
     /// End-user id (OpenAI's `user`), passed on.
     pub user: Option<String>,
+    /// What the output must be (the engine enforces it while decoding).
+    pub structure: Option<Structure>,
+    /// The client's own fields for an upstream server (`response_format`,
+    /// `tools`, `tool_choice`, ...), sent to it unchanged.
+    pub passthrough: serde_json::Map<String, serde_json::Value>,
 }
 
 /// What a backend learned while preparing a request: its size (for
@@ -125,6 +177,8 @@ pub struct Prepared {
     pub tokens: Vec<u32>,
     /// Hash of the conversation prefix (for prefix affinity).
     pub prefix_hash: u64,
+    /// The compiled grammar of the output (engine only).
+    pub guide: Option<crate::guide::Guide>,
 }
 
 /// A request a backend cannot take, in OpenAI's error vocabulary.

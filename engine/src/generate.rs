@@ -14,6 +14,9 @@ pub struct Loaded {
     pub model: Model,
     /// Tokenizer and template.
     pub codec: TextCodec,
+    /// The grammar compiler for structured outputs (None: the vocabulary
+    /// could not be read for it; such requests are refused with the reason).
+    pub guides: std::result::Result<crate::guide::Guides, String>,
 }
 
 /// Load a GGUF model and its tokenizer on the CPU.
@@ -24,7 +27,16 @@ pub fn load(path: &Path) -> Result<Loaded> {
         .map_err(|e| EngineError::model(path, format!("not a valid GGUF file: {e}")))?;
     let codec = TextCodec::from_gguf(&ct).map_err(|e| EngineError::model(path, e.to_string()))?;
     let model = Model::load(path, &device)?;
-    Ok(Loaded { model, codec })
+    let eos = codec.eos.first().copied().unwrap_or(0);
+    let guides = crate::guide::Guides::from_gguf(&ct, eos);
+    if let Err(e) = &guides {
+        log::warn!("{}: structured outputs unavailable: {e}", path.display());
+    }
+    Ok(Loaded {
+        model,
+        codec,
+        guides,
+    })
 }
 
 /// Greedy generation: the prompt's token ids, then up to `max_tokens` new

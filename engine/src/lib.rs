@@ -11,6 +11,7 @@ pub mod api;
 pub mod error;
 pub mod fetch;
 pub mod generate;
+pub mod guide;
 pub mod kv;
 pub mod model;
 pub mod sampling;

@@ -4,12 +4,13 @@
 
 use crate::api::{
     Backend, BackendError, EventStream, GenerateRequest, InferenceRequest, Prepared, Prompt,
-    Readiness,
+    Readiness, Structure,
 };
 use crate::fetch::Source;
 use crate::generate::{load, Loaded};
 use crate::sampling::SamplingParams;
 use crate::scheduler::{Engine, EngineConfig, StepObserver};
+use crate::tokenizer::ChatMessage;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 use tokio::sync::mpsc::UnboundedReceiver;
@@ -168,6 +169,7 @@ fn warm(engine: &Engine, lens: &[usize]) -> Result<(), String> {
             },
             stop: Vec::new(),
             lane_rank: 0,
+            guide: None,
         };
         finish(engine.submit(req).map_err(|e| format!("warm-up: {e}"))?)?;
     }
@@ -186,11 +188,49 @@ fn warm(engine: &Engine, lens: &[usize]) -> Result<(), String> {
                 },
                 stop: Vec::new(),
                 lane_rank: 0,
+                guide: None,
             };
             engine.submit(req).map_err(|e| format!("warm-up: {e}"))
         })
         .collect::<Result<Vec<_>, String>>()?;
     rxs.into_iter().try_for_each(finish)
+}
+
+/// The grammar of `s` for this model; what the library cannot compile is
+/// a 400 in its words, naming the field it came from.
+fn compile(l: &Loaded, s: &Structure) -> Result<crate::guide::Guide, BackendError> {
+    let param = match s {
+        Structure::Json(_) => "response_format",
+        Structure::Tools { .. } => "tools",
+    };
+    let guides = l.guides.as_ref().map_err(|e| {
+        BackendError::invalid(
+            "structured_output_unavailable",
+            Some(param),
+            format!("this model cannot constrain its output: {e}"),
+        )
+    })?;
+    guides.compile(s).map_err(|e| {
+        BackendError::invalid(
+            "invalid_schema",
+            Some(param),
+            format!("the schema cannot be used for structured output: {e}"),
+        )
+    })
+}
+
+/// The conversation with the tools described in its system message (the
+/// first message, or a new one before it).
+fn tools_in_system(m: &[ChatMessage], tools: &[crate::api::Tool]) -> Vec<ChatMessage> {
+    let prompt = crate::guide::tools_prompt(tools);
+    let mut out = m.to_vec();
+    match out.first_mut() {
+        Some(first) if first.role == "system" => {
+            first.content = format!("{}\n\n{prompt}", first.content);
+        }
+        _ => out.insert(0, ChatMessage::new("system", prompt)),
+    }
+    out
 }
 
 /// Wait for a warm-up request to end.
@@ -236,11 +276,24 @@ impl Backend for EngineService {
             return Err(BackendError::unavailable(why));
         };
         let l: &Loaded = engine.loaded();
+        let guide = match &req.structure {
+            None => None,
+            Some(s) => Some(compile(l, s)?),
+        };
+        let with_tools;
         let (text, param) = match &req.prompt {
             Prompt::Chat(m) => (
-                l.codec.render_chat(m).map_err(|e| {
-                    BackendError::invalid("invalid_messages", Some("messages"), e.to_string())
-                })?,
+                l.codec
+                    .render_chat(match &req.structure {
+                        Some(Structure::Tools { tools, .. }) => {
+                            with_tools = tools_in_system(m, tools);
+                            &with_tools
+                        }
+                        _ => m,
+                    })
+                    .map_err(|e| {
+                        BackendError::invalid("invalid_messages", Some("messages"), e.to_string())
+                    })?,
                 "messages",
             ),
             Prompt::Text(t) => (t.clone(), "prompt"),
@@ -302,6 +355,7 @@ impl Backend for EngineService {
             max_tokens,
             tokens,
             prefix_hash: 0,
+            guide,
         })
     }
 
@@ -320,6 +374,7 @@ impl Backend for EngineService {
                 sampling: req.sampling,
                 stop: req.stop,
                 lane_rank: req.lane_rank,
+                guide: prepared.guide,
             })
             .map_err(|e| BackendError::invalid("invalid_request", None, e.to_string()))
     }

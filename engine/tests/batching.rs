@@ -31,10 +31,7 @@ fn greedy_tokens_are_the_same_alone_and_in_a_mixed_batch() {
         .map(|q| {
             let t = l
                 .codec
-                .render_chat(&[ChatMessage {
-                    role: "user".into(),
-                    content: q.to_string(),
-                }])
+                .render_chat(&[ChatMessage::new("user", q.to_string())])
                 .unwrap();
             l.codec.encode(&t).unwrap()
         })

@@ -47,10 +47,7 @@ fn greedy_tokens_and_logits_match_the_float32_reference() {
         .map(|q| {
             let text = l
                 .codec
-                .render_chat(&[ChatMessage {
-                    role: "user".into(),
-                    content: q.to_string(),
-                }])
+                .render_chat(&[ChatMessage::new("user", q.to_string())])
                 .unwrap();
             l.codec.encode(&text).unwrap()
         })

@@ -17,10 +17,7 @@ fn model() -> &'static Loaded {
 }
 
 fn msg(role: &str, content: &str) -> ChatMessage {
-    ChatMessage {
-        role: role.into(),
-        content: content.into(),
-    }
+    ChatMessage::new(role, content)
 }
 
 #[test]

@@ -27,13 +27,7 @@ fn loaded() -> Arc<Loaded> {
 
 fn prompt(q: &str) -> Vec<u32> {
     let l = loaded();
-    let t = l
-        .codec
-        .render_chat(&[ChatMessage {
-            role: "user".into(),
-            content: q.into(),
-        }])
-        .unwrap();
+    let t = l.codec.render_chat(&[ChatMessage::new("user", q)]).unwrap();
     l.codec.encode(&t).unwrap()
 }
 
@@ -47,6 +41,7 @@ fn req(p: Vec<u32>, max_tokens: usize, lane: u32) -> GenerateRequest {
         },
         stop: vec![],
         lane_rank: lane,
+        guide: None,
     }
 }
 
@@ -520,14 +515,8 @@ fn a_repeated_system_prompt_comes_from_the_prefix_cache() {
         let t = l
             .codec
             .render_chat(&[
-                ChatMessage {
-                    role: "system".into(),
-                    content: long.clone(),
-                },
-                ChatMessage {
-                    role: "user".into(),
-                    content: "Say hello.".into(),
-                },
+                ChatMessage::new("system", long.clone()),
+                ChatMessage::new("user", "Say hello."),
             ])
             .unwrap();
         l.codec.encode(&t).unwrap()

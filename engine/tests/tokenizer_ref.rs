@@ -16,14 +16,8 @@ fn token_ids_match_the_reference_tokenizer() {
     let chat = l
         .codec
         .render_chat(&[
-            ChatMessage {
-                role: "system".into(),
-                content: "Be brief.".into(),
-            },
-            ChatMessage {
-                role: "user".into(),
-                content: "Hi there!".into(),
-            },
+            ChatMessage::new("system", "Be brief."),
+            ChatMessage::new("user", "Hi there!"),
         ])
         .unwrap();
     let texts = vec![

@@ -355,6 +355,17 @@ impl Worker {
                 (p.seq, s.computed, s.tokens[s.computed..end].to_vec())
             })
             .collect();
+        // The guides of sequences that sample this step, taken out so that
+        // their masks can be computed beside the forward pass.
+        let mut guides: Vec<(usize, crate::guide::Guide)> = Vec::new();
+        for (i, start, toks) in &chunks {
+            let s = &mut self.running[*i];
+            if start + toks.len() == s.tokens.len() {
+                if let Some(g) = s.guide.take() {
+                    guides.push((*i, g));
+                }
+            }
+        }
         let steps: Vec<SeqStep> = chunks
             .iter()
             .filter_map(|(i, start, toks)| {
@@ -373,9 +384,29 @@ impl Worker {
         self.stats.last_step_tokens.store(tokens, Ordering::Relaxed);
         let stop = self.stop_rule(&chunks);
         let (model, kv) = (&self.loaded.model, &mut self.kv);
-        let result = self
-            .compute
-            .install(|| model.forward_paged_until(kv, &steps, &stop));
+        let compute = &self.compute;
+        let mut forward = || compute.install(|| model.forward_paged_until(kv, &steps, &stop));
+        // Constrained sequences that sample this step get their masks on a
+        // thread of their own while the forward pass runs: the grammar's
+        // work is off the step's critical path for the whole batch.
+        let (result, mut masks) = if guides.is_empty() {
+            (forward(), Vec::new())
+        } else {
+            std::thread::scope(|sc| {
+                let masking = sc.spawn(|| {
+                    guides
+                        .iter_mut()
+                        .map(|(i, g)| (*i, g.mask()))
+                        .collect::<Vec<_>>()
+                });
+                let r = forward();
+                (r, masking.join().unwrap_or_default())
+            })
+        };
+        drop(steps);
+        for (i, g) in guides {
+            self.running[i].guide = Some(g);
+        }
         let Some(result) = result.transpose() else {
             // A better lane arrived: plan again with it, at once.
             self.stats.interrupted.fetch_add(1, Ordering::Relaxed);
@@ -396,7 +427,7 @@ impl Worker {
                 return;
             }
         };
-        for ((i, start, toks), logits) in chunks.iter().zip(logits) {
+        for ((i, start, toks), mut logits) in chunks.iter().zip(logits) {
             let s = &mut self.running[*i];
             s.first_step.get_or_insert(started);
             s.compute += elapsed;
@@ -405,7 +436,11 @@ impl Worker {
                 self.pool.seal(b, &s.tokens[..s.computed]);
             }
             if s.computed == s.tokens.len() {
-                if let Outcome::Finished = s.advance(&logits, &self.loaded.codec) {
+                let mask = match masks.iter().position(|(j, _)| j == i) {
+                    Some(k) => masks.swap_remove(k).1.ok(),
+                    None => None,
+                };
+                if let Outcome::Finished = s.advance(&mut logits, &self.loaded.codec, mask) {
                     s.finished = true;
                 }
             }

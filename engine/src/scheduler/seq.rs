@@ -3,6 +3,7 @@
 //! next-token logits.
 
 use crate::api::{Event, FinishReason, GenerateRequest, Usage};
+use crate::guide::{Guide, Mask};
 use crate::kv::SeqBlocks;
 use crate::sampling::{Sampler, StopMatcher};
 use crate::tokenizer::{DecodeOffsets, TextCodec};
@@ -32,11 +33,15 @@ pub(super) struct Seq {
     stop: StopMatcher,
     offsets: DecodeOffsets,
     prompt_len: usize,
+    /// The output's grammar, if constrained (taken out by the scheduler
+    /// while it computes the mask beside the forward pass).
+    pub guide: Option<Guide>,
 }
 
 impl Seq {
-    pub fn new(req: GenerateRequest, tx: UnboundedSender<Event>) -> Self {
+    pub fn new(mut req: GenerateRequest, tx: UnboundedSender<Event>) -> Self {
         Seq {
+            guide: req.guide.take(),
             tokens: req.prompt.clone(),
             prompt_len: req.prompt.len(),
             computed: 0,
@@ -85,11 +90,34 @@ impl Seq {
         Outcome::Finished
     }
 
-    /// Sample the next token from `logits` and report it.
-    pub fn advance(&mut self, logits: &[f32], codec: &TextCodec) -> Outcome {
+    /// Sample the next token from `logits` and report it. A constrained
+    /// sequence samples only what its grammar allows (`mask`, computed
+    /// during the step; here if it was not).
+    pub fn advance(
+        &mut self,
+        logits: &mut [f32],
+        codec: &TextCodec,
+        mask: Option<Mask>,
+    ) -> Outcome {
+        if let Some(g) = self.guide.as_mut() {
+            let mask = match mask.map(Ok).unwrap_or_else(|| g.mask()) {
+                Ok(m) => m,
+                Err(e) => {
+                    self.fail(&e);
+                    return Outcome::Finished;
+                }
+            };
+            mask.apply(logits);
+        }
         let next = self.sampler.sample(logits);
         if codec.eos.contains(&next) {
             return self.done(FinishReason::Stop);
+        }
+        if let Some(g) = self.guide.as_mut() {
+            if let Err(e) = g.commit(next) {
+                self.fail(&e);
+                return Outcome::Finished;
+            }
         }
         self.tokens.push(next);
         let generated = &self.tokens[self.prompt_len..];
@@ -121,6 +149,10 @@ impl Seq {
         {
             self.finished = true;
             return Outcome::Finished;
+        }
+        if self.guide.as_ref().is_some_and(Guide::finished) {
+            // The grammar is complete: only end-of-sequence could follow.
+            return self.done(FinishReason::Stop);
         }
         if self.tokens.len() - self.prompt_len >= self.req.max_tokens {
             return self.done(FinishReason::Length);

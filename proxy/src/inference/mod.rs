@@ -25,6 +25,7 @@ pub mod predict;
 pub mod probe;
 pub mod registry;
 mod run;
+pub mod shape;
 pub mod sinks;
 pub mod sse;
 mod trace;

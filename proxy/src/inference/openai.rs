@@ -4,9 +4,12 @@
 //! is a 400 that names the field (as OpenAI does) and unknown fields are
 //! ignored (also as OpenAI does).
 
+use super::shape::{Collected, Piece};
 use bytes::Bytes;
 use serde_json::{json, Map, Value};
-use ultrafast_engine::api::{BackendError, FinishReason, Prompt, Usage};
+use ultrafast_engine::api::{
+    BackendError, FinishReason, Prompt, Structure, Tool, ToolChoice, Usage,
+};
 use ultrafast_engine::sampling::SamplingParams;
 use ultrafast_engine::tokenizer::ChatMessage;
 
@@ -44,7 +47,26 @@ pub struct Parsed {
     pub background: bool,
     /// Lane asked in the body.
     pub priority: Option<String>,
+    /// What the output must be (`response_format`, `tools`).
+    pub structure: Option<Structure>,
+    /// The client's structured-output fields as sent, for upstream servers.
+    pub passthrough: Map<String, Value>,
 }
+
+impl Parsed {
+    /// Whether the output is read for tool calls.
+    pub fn tools(&self) -> bool {
+        matches!(self.structure, Some(Structure::Tools { .. }))
+    }
+}
+
+/// The fields an upstream server gets exactly as the client sent them.
+const PASSTHROUGH: [&str; 4] = [
+    "response_format",
+    "tools",
+    "tool_choice",
+    "parallel_tool_calls",
+];
 
 fn bad(param: &'static str, message: String) -> BackendError {
     BackendError::invalid("invalid_request_error", Some(param), message)
@@ -179,9 +201,27 @@ fn messages(o: &Map<String, Value>) -> Result<Vec<ChatMessage>, BackendError> {
         } else {
             role
         };
+        let tool_calls = match opt(mo, "tool_calls") {
+            None => None,
+            Some(v @ Value::Array(_)) if role == "assistant" => Some(v.clone()),
+            Some(v) => {
+                return Err(wrong_type(
+                    "messages",
+                    "an array of tool calls on an assistant message",
+                    v,
+                ))
+            }
+        };
+        let tool_call_id = match opt(mo, "tool_call_id") {
+            None => None,
+            Some(Value::String(id)) => Some(id.clone()),
+            Some(v) => return Err(wrong_type("messages", "a string tool_call_id", v)),
+        };
         out.push(ChatMessage {
             role,
             content: content(mo.get("content").unwrap_or(&Value::Null))?,
+            tool_calls,
+            tool_call_id,
         });
     }
     Ok(out)
@@ -226,6 +266,178 @@ fn stop(o: &Map<String, Value>) -> Result<Vec<String>, BackendError> {
         return Err(bad("stop", "at most 4 stop sequences are allowed.".into()));
     }
     Ok(out.into_iter().filter(|s| !s.is_empty()).collect())
+}
+
+/// `response_format`: none for `text`, else the JSON its output must be.
+pub fn response_format(v: &Value, param: &'static str) -> Result<Option<Structure>, BackendError> {
+    let o = v
+        .as_object()
+        .ok_or_else(|| wrong_type(param, "an object", v))?;
+    match o.get("type").and_then(Value::as_str) {
+        Some("text") => Ok(None),
+        Some("json_object") => Ok(Some(Structure::Json(serde_json::json!({"type": "object"})))),
+        Some("json_schema") => {
+            // Chat's `json_schema.schema`; the Responses API's flat `schema`.
+            let spec = o.get("json_schema").unwrap_or(v);
+            match spec.get("schema") {
+                Some(s @ (Value::Object(_) | Value::Bool(_))) => {
+                    Ok(Some(Structure::Json(s.clone())))
+                }
+                Some(other) => Err(wrong_type(param, "a JSON schema object", other)),
+                None => Err(bad(
+                    param,
+                    format!("'{param}' of type json_schema needs a 'schema'."),
+                )),
+            }
+        }
+        Some(t) => Err(bad(
+            param,
+            format!("unknown {param} type '{t}'; expected text, json_object or json_schema."),
+        )),
+        None => Err(bad(param, format!("'{param}' needs a 'type'."))),
+    }
+}
+
+/// A function's name as OpenAI allows it.
+fn tool_name(n: &str) -> bool {
+    !n.is_empty()
+        && n.len() <= 64
+        && n.bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-')
+}
+
+/// One tool from its parts (`name`, `description`, `parameters`), as each
+/// dialect nests them.
+pub fn tool(
+    name: Option<&Value>,
+    description: Option<&Value>,
+    parameters: Option<&Value>,
+) -> Result<Tool, BackendError> {
+    let name = match name {
+        Some(Value::String(n)) if tool_name(n) => n.clone(),
+        Some(Value::String(n)) => {
+            return Err(bad(
+                "tools",
+                format!("tool name '{n}' must be 1-64 letters, digits, '_' or '-'."),
+            ))
+        }
+        Some(v) => return Err(wrong_type("tools", "a string function name", v)),
+        None => return Err(bad("tools", "every tool needs a function 'name'.".into())),
+    };
+    let parameters = match parameters.filter(|p| !p.is_null()) {
+        None => serde_json::json!({"type": "object", "properties": {}}),
+        Some(p @ Value::Object(_)) => p.clone(),
+        Some(v) => return Err(wrong_type("tools", "a JSON schema object of parameters", v)),
+    };
+    Ok(Tool {
+        name,
+        description: description.and_then(Value::as_str).map(str::to_string),
+        parameters,
+    })
+}
+
+/// Chat's `tools`, `tool_choice` and `parallel_tool_calls`.
+fn tools(o: &Map<String, Value>) -> Result<Option<Structure>, BackendError> {
+    let Some(list) = opt(o, "tools") else {
+        if opt(o, "tool_choice").is_some_and(|c| *c != "none" && *c != "auto") {
+            return Err(bad(
+                "tool_choice",
+                "'tool_choice' is only allowed when 'tools' are given.".into(),
+            ));
+        }
+        return Ok(None);
+    };
+    let list = list
+        .as_array()
+        .ok_or_else(|| wrong_type("tools", "an array", list))?;
+    let mut out = Vec::with_capacity(list.len());
+    for t in list {
+        match t.get("type").and_then(Value::as_str) {
+            Some("function") => {}
+            Some(other) => {
+                return Err(bad(
+                    "tools",
+                    format!("tool type '{other}' is not supported; only 'function'."),
+                ))
+            }
+            None => return Err(bad("tools", "every tool needs 'type': 'function'.".into())),
+        }
+        let f = t
+            .get("function")
+            .ok_or_else(|| bad("tools", "every tool needs a 'function'.".into()))?;
+        out.push(tool(
+            f.get("name"),
+            f.get("description"),
+            f.get("parameters"),
+        )?);
+    }
+    let choice = tool_choice(opt(o, "tool_choice"))?;
+    let parallel = match opt(o, "parallel_tool_calls") {
+        None => true,
+        Some(Value::Bool(b)) => *b,
+        Some(v) => return Err(wrong_type("parallel_tool_calls", "a boolean", v)),
+    };
+    structure_of_tools(out, choice, parallel)
+}
+
+/// `tool_choice`: `none` (None), `auto`, `required`, or one function
+/// (`{"type": "function", "function": {"name"}}` or the Responses API's
+/// `{"type": "function", "name"}`).
+pub fn tool_choice(v: Option<&Value>) -> Result<Option<ToolChoice>, BackendError> {
+    match v {
+        None => Ok(Some(ToolChoice::Auto)),
+        Some(Value::String(s)) => match s.as_str() {
+            "none" => Ok(None),
+            "auto" => Ok(Some(ToolChoice::Auto)),
+            "required" => Ok(Some(ToolChoice::Required)),
+            other => Err(bad(
+                "tool_choice",
+                format!(
+                    "unknown tool_choice '{other}'; expected none, auto, required or a function."
+                ),
+            )),
+        },
+        Some(c @ Value::Object(_)) => {
+            let name = c["function"]["name"]
+                .as_str()
+                .or_else(|| c["name"].as_str());
+            match name {
+                Some(n) => Ok(Some(ToolChoice::Named(n.to_string()))),
+                None => Err(bad(
+                    "tool_choice",
+                    "a function tool_choice needs the function's 'name'.".into(),
+                )),
+            }
+        }
+        Some(v) => Err(wrong_type("tool_choice", "a string or an object", v)),
+    }
+}
+
+/// The structure of a tool request, checking a named choice.
+pub fn structure_of_tools(
+    tools: Vec<Tool>,
+    choice: Option<ToolChoice>,
+    parallel: bool,
+) -> Result<Option<Structure>, BackendError> {
+    let Some(choice) = choice else {
+        return Ok(None);
+    };
+    if tools.is_empty() {
+        return Ok(None);
+    }
+    if let ToolChoice::Named(n) = &choice {
+        if !tools.iter().any(|t| &t.name == n) {
+            return Err(bad(
+                "tool_choice",
+                format!("tool_choice names '{n}', which is not among the tools."),
+            ));
+        }
+    }
+    Ok(Some(Structure::Tools {
+        tools,
+        choice,
+        parallel,
+    }))
 }
 
 /// Parse a request body for `endpoint`.
@@ -289,6 +501,20 @@ pub fn parse(endpoint: Endpoint, body: &[u8]) -> Result<Parsed, BackendError> {
         Some(Value::Object(so)) => boolean(so, "include_usage")?,
         Some(v) => return Err(wrong_type("stream_options", "an object", v)),
     };
+    // Tools first: a request with both calls tools (as vLLM does).
+    let mut structure = match endpoint {
+        Endpoint::Chat => tools(o)?,
+        Endpoint::Completions => None,
+    };
+    if structure.is_none() {
+        if let Some(rf) = opt(o, "response_format") {
+            structure = response_format(rf, "response_format")?;
+        }
+    }
+    let passthrough: Map<String, Value> = PASSTHROUGH
+        .iter()
+        .filter_map(|k| opt(o, k).map(|v| (k.to_string(), v.clone())))
+        .collect();
     let priority = match opt(o, "priority") {
         None => None,
         Some(Value::String(s)) => Some(s.clone()),
@@ -311,6 +537,8 @@ pub fn parse(endpoint: Endpoint, body: &[u8]) -> Result<Parsed, BackendError> {
         user: string(o, "user")?,
         background: boolean(o, "background")?,
         priority,
+        structure,
+        passthrough,
     })
 }
 
@@ -388,41 +616,84 @@ impl Ident {
     /// `chunk(text, first, None)` as an SSE `data:` line, written
     /// directly: a stream writes one per token, and building it through a
     /// `serde_json::Value` (a map per object, a `String` per key) was most
-    /// of the CPU a streamed token cost. Same keys, same order (serde_json
-    /// sorts them), parsed back equal (tested).
+    /// of the CPU a streamed token cost. Same keys, same order (OpenAI's,
+    /// which serde_json keeps: `preserve_order` is on for llguidance),
+    /// byte-equal (tested).
     pub fn chunk_line(&self, text: &str, first: bool) -> bytes::Bytes {
         use crate::accesslog::json_str;
         let mut s = String::with_capacity(160 + self.id.len() + self.model.len() + text.len());
-        s.push_str("data: {\"choices\":[{");
-        match self.endpoint {
-            Endpoint::Chat => {
-                s.push_str("\"delta\":{\"content\":");
-                json_str(&mut s, text);
-                if first {
-                    s.push_str(",\"role\":\"assistant\"");
-                }
-                s.push_str("},\"finish_reason\":null,\"index\":0,\"logprobs\":null}]");
-            }
-            Endpoint::Completions => {
-                s.push_str("\"finish_reason\":null,\"index\":0,\"logprobs\":null,\"text\":");
-                json_str(&mut s, text);
-                s.push_str("}]");
-            }
-        }
         let object = match self.endpoint {
             Endpoint::Chat => "chat.completion.chunk",
             Endpoint::Completions => "text_completion",
         };
-        s.push_str(",\"created\":");
-        s.push_str(&self.created.to_string());
-        s.push_str(",\"id\":");
+        s.push_str("data: {\"id\":");
         json_str(&mut s, &self.id);
-        s.push_str(",\"model\":");
-        json_str(&mut s, &self.model);
         s.push_str(",\"object\":\"");
         s.push_str(object);
-        s.push_str("\",\"system_fingerprint\":\"ultrafast\"}\n\n");
+        s.push_str("\",\"created\":");
+        s.push_str(&self.created.to_string());
+        s.push_str(",\"model\":");
+        json_str(&mut s, &self.model);
+        s.push_str(",\"system_fingerprint\":\"ultrafast\",\"choices\":[{\"index\":0,");
+        match self.endpoint {
+            Endpoint::Chat => {
+                s.push_str("\"delta\":{");
+                if first {
+                    s.push_str("\"role\":\"assistant\",");
+                }
+                s.push_str("\"content\":");
+                json_str(&mut s, text);
+                s.push_str("},\"logprobs\":null,\"finish_reason\":null}]}\n\n");
+            }
+            Endpoint::Completions => {
+                s.push_str("\"text\":");
+                json_str(&mut s, text);
+                s.push_str(",\"logprobs\":null,\"finish_reason\":null}]}\n\n");
+            }
+        }
         bytes::Bytes::from(s)
+    }
+
+    /// The chunk of a tool-call piece (chat only; a call's end has none).
+    pub fn tool_chunk(&self, p: &Piece, first: bool) -> Option<Value> {
+        let call = match p {
+            Piece::CallStart { index, id, name } => {
+                json!({"index": index, "id": id, "type": "function",
+                "function": {"name": name, "arguments": ""}})
+            }
+            Piece::CallArgs { index, delta } => {
+                json!({"index": index, "function": {"arguments": delta}})
+            }
+            Piece::Text(_) | Piece::CallEnd { .. } => return None,
+        };
+        let mut delta = json!({"tool_calls": [call]});
+        if first {
+            delta["role"] = json!("assistant");
+            delta["content"] = Value::Null;
+        }
+        Some(
+            json!({"id": self.id, "object": "chat.completion.chunk", "created": self.created,
+            "model": self.model, "system_fingerprint": "ultrafast",
+            "choices": [{"index": 0, "delta": delta, "logprobs": null, "finish_reason": null}]}),
+        )
+    }
+
+    /// A whole response with its tool calls.
+    pub fn full_calls(&self, c: &Collected, finish: FinishReason, u: &Usage) -> Value {
+        let mut v = self.full(&c.text, finish, u);
+        if self.endpoint == Endpoint::Chat && !c.calls.is_empty() {
+            let calls: Vec<Value> = c
+                .calls
+                .iter()
+                .map(|k| json!({"id": k.id, "type": "function", "function": {"name": k.name, "arguments": k.arguments}}))
+                .collect();
+            let m = &mut v["choices"][0]["message"];
+            m["tool_calls"] = Value::Array(calls);
+            if c.text.is_empty() {
+                m["content"] = Value::Null;
+            }
+        }
+        v
     }
 
     /// The usage chunk that ends a stream with `include_usage`.

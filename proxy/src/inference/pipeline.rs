@@ -137,12 +137,13 @@ impl Front {
             return self.start_job(metrics, inc, call, headers, down).await;
         }
         let ident = Ident::new(ep, &call.parsed.model, &inc.request_id);
+        let tools = call.parsed.tools();
         if call.parsed.stream {
             let usage = call.parsed.include_usage;
-            let mut sink = SseSink::new(down, ident, headers, usage);
+            let mut sink = SseSink::new(down, ident, headers, usage).with_tools(tools);
             super::run::run(metrics, inc, call, &mut sink).await
         } else {
-            let mut sink = JsonSink::new(down, ident, headers);
+            let mut sink = JsonSink::new(down, ident, headers).with_tools(tools);
             super::run::run(metrics, inc, call, &mut sink).await
         }
     }
@@ -186,6 +187,8 @@ impl Front {
             lane_rank: lanes[lane].rank,
             request_id: inc.request_id.clone(),
             user: parsed.user.clone(),
+            structure: parsed.structure.clone(),
+            passthrough: parsed.passthrough.clone(),
             // Tracing off: the caller's own, passed on as a proxy would.
             traceparent: inc
                 .header("traceparent")
@@ -320,7 +323,7 @@ impl Front {
         let work = crate::drain::Work::start(crate::drain::Kind::AsyncJob);
         tokio::spawn(async move {
             let _work = work;
-            let mut sink = JobSink::new(job, ident);
+            let mut sink = JobSink::new(job, ident).with_tools(call.parsed.tools());
             let _ = super::run::run(&metrics2, &inc2, call, &mut sink).await;
         });
         let loc = format!("/v1/requests/{id}/events");

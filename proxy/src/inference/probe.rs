@@ -67,10 +67,7 @@ async fn send(front: &Front, cfg: &crate::config::Config, p: &Probe) {
     };
     let req = InferenceRequest {
         model: p.model.clone(),
-        prompt: Prompt::Chat(vec![ChatMessage {
-            role: "user".into(),
-            content: "Reply with one word: ping".into(),
-        }]),
+        prompt: Prompt::Chat(vec![ChatMessage::new("user", "Reply with one word: ping")]),
         max_tokens: Some(p.max_tokens),
         sampling: SamplingParams {
             temperature: 0.0,
@@ -82,6 +79,8 @@ async fn send(front: &Front, cfg: &crate::config::Config, p: &Probe) {
         request_id: format!("probe-{}", super::jobs::random_id()),
         traceparent: None,
         user: None,
+        structure: None,
+        passthrough: Default::default(),
     };
     let t0 = Instant::now();
     let prepared = {

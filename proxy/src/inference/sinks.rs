@@ -6,12 +6,14 @@
 use super::drive::{Downstream, Failure, Finished, Gone, Sink, Timing};
 use super::jobs::{self, Job};
 use super::openai::{self, Ident};
+use super::shape::{Collected, Piece, Shaper};
 use super::sse;
 use async_trait::async_trait;
 use bytes::Bytes;
 use serde_json::Value;
 use std::sync::Arc;
 use tokio::sync::watch;
+use ultrafast_engine::api::FinishReason;
 
 /// Headers every admitted response carries (request id, lane, prediction).
 pub type Headers = Vec<(&'static str, String)>;
@@ -39,6 +41,15 @@ pub struct SseSink<'a, D: Downstream + ?Sized> {
     head_sent: bool,
     first_chunk: bool,
     include_usage: bool,
+    shaper: Option<Shaper>,
+}
+
+/// The finish reason a response reports: `tool_calls` when it made any.
+fn finish_of(shaper: &Option<Shaper>, f: FinishReason) -> FinishReason {
+    match shaper {
+        Some(s) if s.calls() > 0 && f == FinishReason::Stop => FinishReason::ToolCalls,
+        _ => f,
+    }
 }
 
 impl<'a, D: Downstream + ?Sized> SseSink<'a, D> {
@@ -51,7 +62,29 @@ impl<'a, D: Downstream + ?Sized> SseSink<'a, D> {
             head_sent: false,
             first_chunk: true,
             include_usage,
+            shaper: None,
         }
+    }
+
+    /// Read the output for tool calls (the request has tools).
+    pub fn with_tools(mut self, on: bool) -> Self {
+        self.shaper = on.then(Shaper::default);
+        self
+    }
+
+    async fn pieces(&mut self, pieces: Vec<Piece>) -> Result<(), Gone> {
+        for p in pieces {
+            let line = match &p {
+                Piece::Text(t) => self.ident.chunk_line(t, self.first_chunk),
+                _ => match self.ident.tool_chunk(&p, self.first_chunk) {
+                    Some(v) => sse::data(&v.to_string()),
+                    None => continue,
+                },
+            };
+            self.first_chunk = false;
+            self.down.body(line, false).await?;
+        }
+        Ok(())
     }
 
     async fn head(&mut self) -> Result<(), Gone> {
@@ -93,6 +126,10 @@ impl<D: Downstream + ?Sized> Sink for SseSink<'_, D> {
 
     async fn text(&mut self, text: &str) -> Result<(), Gone> {
         self.head().await?;
+        if let Some(sh) = self.shaper.as_mut() {
+            let pieces = sh.push(text);
+            return self.pieces(pieces).await;
+        }
         let line = self.ident.chunk_line(text, self.first_chunk);
         self.first_chunk = false;
         self.down.body(line, false).await
@@ -100,8 +137,13 @@ impl<D: Downstream + ?Sized> Sink for SseSink<'_, D> {
 
     async fn done(&mut self, end: &Finished, t: &mut Timing) -> Result<(), Gone> {
         self.head().await?;
+        if let Some(sh) = self.shaper.as_mut() {
+            let pieces = sh.finish();
+            self.pieces(pieces).await?;
+        }
         t.stamp();
-        let mut last = self.ident.chunk("", false, Some(end.finish));
+        let finish = finish_of(&self.shaper, end.finish);
+        let mut last = self.ident.chunk("", false, Some(finish));
         last["ultrafast_timing"] = t.json();
         self.down.body(sse::data(&last.to_string()), false).await?;
         if self.include_usage {
@@ -129,7 +171,8 @@ pub struct JsonSink<'a, D: Downstream + ?Sized> {
     down: &'a mut D,
     ident: Ident,
     headers: Headers,
-    text: String,
+    out: Collected,
+    shaper: Option<Shaper>,
 }
 
 impl<'a, D: Downstream + ?Sized> JsonSink<'a, D> {
@@ -139,8 +182,15 @@ impl<'a, D: Downstream + ?Sized> JsonSink<'a, D> {
             down,
             ident,
             headers,
-            text: String::new(),
+            out: Collected::default(),
+            shaper: None,
         }
+    }
+
+    /// Read the output for tool calls (the request has tools).
+    pub fn with_tools(mut self, on: bool) -> Self {
+        self.shaper = on.then(Shaper::default);
+        self
     }
 }
 
@@ -159,14 +209,21 @@ impl<D: Downstream + ?Sized> Sink for JsonSink<'_, D> {
     }
 
     async fn text(&mut self, text: &str) -> Result<(), Gone> {
-        self.text.push_str(text);
+        match self.shaper.as_mut() {
+            Some(sh) => sh.push(text).iter().for_each(|p| self.out.add(p)),
+            None => self.out.text.push_str(text),
+        }
         Ok(())
     }
 
     async fn done(&mut self, end: &Finished, t: &mut Timing) -> Result<(), Gone> {
+        if let Some(sh) = self.shaper.as_mut() {
+            sh.finish().iter().for_each(|p| self.out.add(p));
+        }
+        let finish = finish_of(&self.shaper, end.finish);
         let body = self
             .ident
-            .full(&self.text, end.finish, &end.usage)
+            .full_calls(&self.out, finish, &end.usage)
             .to_string();
         t.stamp();
         let st = t.header();
@@ -191,9 +248,10 @@ impl<D: Downstream + ?Sized> Sink for JsonSink<'_, D> {
 pub struct JobSink {
     job: Arc<Job>,
     ident: Ident,
-    text: String,
+    out: Collected,
     first: bool,
     cancelled: watch::Receiver<bool>,
+    shaper: Option<Shaper>,
 }
 
 impl JobSink {
@@ -203,10 +261,33 @@ impl JobSink {
         JobSink {
             job,
             ident,
-            text: String::new(),
+            out: Collected::default(),
             first: true,
             cancelled,
+            shaper: None,
         }
+    }
+
+    /// Read the output for tool calls (the request has tools).
+    pub fn with_tools(mut self, on: bool) -> Self {
+        self.shaper = on.then(Shaper::default);
+        self
+    }
+
+    fn pieces(&mut self, pieces: Vec<Piece>) -> Result<(), Gone> {
+        for p in pieces {
+            self.out.add(&p);
+            let chunk = match &p {
+                Piece::Text(t) => self.ident.chunk(t, self.first, None),
+                _ => match self.ident.tool_chunk(&p, self.first) {
+                    Some(v) => v,
+                    None => continue,
+                },
+            };
+            self.first = false;
+            self.push(chunk.to_string())?;
+        }
+        Ok(())
     }
 
     fn push(&self, payload: String) -> Result<(), Gone> {
@@ -239,17 +320,23 @@ impl Sink for JobSink {
     }
 
     async fn text(&mut self, text: &str) -> Result<(), Gone> {
-        self.text.push_str(text);
-        let chunk = self.ident.chunk(text, self.first, None).to_string();
-        self.first = false;
-        self.push(chunk)
+        let pieces = match self.shaper.as_mut() {
+            Some(sh) => sh.push(text),
+            None => vec![Piece::Text(text.to_string())],
+        };
+        self.pieces(pieces)
     }
 
     async fn done(&mut self, end: &Finished, t: &mut Timing) -> Result<(), Gone> {
+        if let Some(sh) = self.shaper.as_mut() {
+            let pieces = sh.finish();
+            self.pieces(pieces)?;
+        }
         t.stamp();
-        self.push(self.ident.chunk("", false, Some(end.finish)).to_string())?;
+        let finish = finish_of(&self.shaper, end.finish);
+        self.push(self.ident.chunk("", false, Some(finish)).to_string())?;
         self.push(self.ident.usage_chunk(&end.usage).to_string())?;
-        let full = self.ident.full(&self.text, end.finish, &end.usage);
+        let full = self.ident.full_calls(&self.out, finish, &end.usage);
         self.job.finish(jobs::Status::Completed, Some(full), None);
         Ok(())
     }

@@ -276,6 +276,10 @@ impl UpstreamBackend {
         if self.spec.priority == PriorityField::Vllm && caps.priority {
             o.insert("priority".into(), json!(req.lane_rank));
         }
+        // Structured outputs and tools, exactly as the client sent them.
+        for (k, v) in &req.passthrough {
+            o.insert(k.clone(), v.clone());
+        }
         o.insert("stream".into(), json!(true));
         if caps.stream_options {
             o.insert("stream_options".into(), json!({"include_usage": true}));
@@ -334,6 +338,7 @@ impl Backend for UpstreamBackend {
             max_tokens: self.fit(req, prompt_tokens)?,
             tokens: Vec::new(),
             prefix_hash: prefix,
+            guide: None,
         })
     }
 

@@ -33,7 +33,11 @@ struct Choice<'a> {
 struct Delta<'a> {
     #[serde(borrow)]
     content: Option<Cow<'a, str>>,
+    tool_calls: Option<Value>,
 }
+
+/// The end of a call's arguments object and of its block.
+const CLOSE_CALL: &str = "}</tool_call>";
 
 /// What the SSE of one upstream response has said so far.
 #[derive(Default)]
@@ -44,6 +48,8 @@ pub(super) struct StreamState {
     pub(super) chunks: usize,
     pub(super) done: bool,
     pub(super) failed: bool,
+    /// The index of the tool call being streamed, if one is open.
+    call: Option<u64>,
 }
 
 impl StreamState {
@@ -62,6 +68,7 @@ impl StreamState {
         };
         for d in datas {
             if d.trim() == "[DONE]" {
+                self.close_call(out);
                 self.done = true;
                 out.push(self.done_event());
                 return;
@@ -96,11 +103,14 @@ impl StreamState {
         let Some(choice) = c.choices.and_then(|v| v.into_iter().next()) else {
             return ControlFlow::Continue(());
         };
-        let text = choice
-            .delta
-            .and_then(|d| d.content)
-            .or(choice.text)
-            .unwrap_or_default();
+        let (content, calls) = match choice.delta {
+            Some(d) => (d.content, d.tool_calls),
+            None => (None, None),
+        };
+        let text = content.or(choice.text).unwrap_or_default();
+        if let Some(calls) = calls {
+            self.tool_calls(&calls, out);
+        }
         self.token(&text, choice.finish_reason.as_deref(), out);
         ControlFlow::Continue(())
     }
@@ -119,8 +129,50 @@ impl StreamState {
             .as_str()
             .or_else(|| c["text"].as_str())
             .unwrap_or("");
+        self.tool_calls(&c["delta"]["tool_calls"], out);
         self.token(text, c["finish_reason"].as_str(), out);
         ControlFlow::Continue(())
+    }
+
+    /// An upstream's `tool_calls` deltas as the engine writes calls
+    /// (`<tool_call>{"name": ..., "arguments": ...}</tool_call>`), so that
+    /// one reader (`shape::Shaper`) turns either into each dialect's calls.
+    fn tool_calls(&mut self, calls: &Value, out: &mut Vec<Event>) {
+        let Some(calls) = calls.as_array() else {
+            return;
+        };
+        for c in calls {
+            let index = c["index"].as_u64().unwrap_or(0);
+            let mut text = String::new();
+            if self.call != Some(index) {
+                if self.call.is_some() {
+                    text.push_str(CLOSE_CALL);
+                }
+                let name = c["function"]["name"].as_str().unwrap_or_default();
+                text.push_str(ultrafast_engine::guide::CALL_OPEN);
+                text.push_str("{\"name\": ");
+                text.push_str(&Value::from(name).to_string());
+                text.push_str(", \"arguments\": ");
+                self.call = Some(index);
+            }
+            if let Some(a) = c["function"]["arguments"].as_str() {
+                text.push_str(a);
+            }
+            if !text.is_empty() {
+                self.chunks += 1;
+                out.push(Event::Token { id: 0, text });
+            }
+        }
+    }
+
+    /// End the open tool call, if any.
+    fn close_call(&mut self, out: &mut Vec<Event>) {
+        if self.call.take().is_some() {
+            out.push(Event::Token {
+                id: 0,
+                text: CLOSE_CALL.to_string(),
+            });
+        }
     }
 
     fn error(&mut self, err: &Value, out: &mut Vec<Event>) -> ControlFlow<()> {
@@ -150,6 +202,7 @@ impl StreamState {
             });
         }
         if let Some(f) = finish {
+            self.close_call(out);
             self.finish = Some(if f == "length" {
                 FinishReason::Length
             } else {
@@ -226,6 +279,31 @@ mod tests {
         assert_eq!(texts, ["a\"b\n", "t"]);
         st.feed(b"data: {\"error\":\"overloaded\"}\n\n", &mut out);
         assert!(matches!(&out[2], Event::Error(m) if m == "upstream error: upstream error"));
+    }
+
+    #[test]
+    fn tool_call_deltas_become_call_blocks() {
+        let mut st = StreamState::default();
+        let mut out = Vec::new();
+        st.feed(b"data: {\"choices\":[{\"delta\":{\"tool_calls\":[{\"index\":0,\"id\":\"c1\",\"type\":\"function\",\"function\":{\"name\":\"f\",\"arguments\":\"\"}}]}}]}\n\n", &mut out);
+        st.feed(b"data: {\"choices\":[{\"delta\":{\"tool_calls\":[{\"index\":0,\"function\":{\"arguments\":\"{\\\"a\\\": 1}\"}}]}}]}\n\n", &mut out);
+        st.feed(b"data: {\"choices\":[{\"delta\":{\"tool_calls\":[{\"index\":1,\"id\":\"c2\",\"function\":{\"name\":\"g\",\"arguments\":\"{}\"}}]}}]}\n\n", &mut out);
+        st.feed(b"data: {\"choices\":[{\"delta\":{},\"finish_reason\":\"tool_calls\"}]}\n\ndata: [DONE]\n\n", &mut out);
+        let text: String = out
+            .iter()
+            .filter_map(|e| match e {
+                Event::Token { text, .. } => Some(text.as_str()),
+                _ => None,
+            })
+            .collect();
+        assert_eq!(
+            text,
+            r#"<tool_call>{"name": "f", "arguments": {"a": 1}}</tool_call><tool_call>{"name": "g", "arguments": {}}</tool_call>"#
+        );
+        let mut sh = crate::inference::shape::Shaper::default();
+        let mut pieces = sh.push(&text);
+        pieces.extend(sh.finish());
+        assert_eq!(sh.calls(), 2, "{pieces:?}");
     }
 
     #[test]
