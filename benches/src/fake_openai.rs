@@ -42,6 +42,12 @@
 //! `--slow-fraction F` (0 to 1) gives that share of requests a first token
 //! after `--slow-ttft-ms` (default 10 times `--ttft-ms`).
 //! Prints `listening on ADDR` once bound.
+//!
+//! A chat request with `tools` (and `tool_choice` not `none`) is answered
+//! with a call of the named tool, else the first, whose arguments fit its
+//! schema; one with `response_format` `json_object` or `json_schema` with
+//! JSON that fits it: as a server with a tool parser and guided decoding
+//! answers, streamed or whole.
 
 use serde_json::{json, Value};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -618,6 +624,20 @@ async fn complete(
         st.s.cancelled.fetch_add(1, Ordering::Relaxed);
         return None;
     }
+    if let Some(answer) = structured(&req) {
+        return structured_reply(
+            st,
+            &req,
+            &id,
+            &o.name,
+            stream,
+            usage_wanted,
+            prompt_tokens,
+            answer,
+            w,
+        )
+        .await;
+    }
     let usage = json!({"prompt_tokens": prompt_tokens, "completion_tokens": total, "total_tokens": prompt_tokens + total});
     if !stream {
         if !sleep_or_close(Duration::from_millis(o.itl_ms * total.saturating_sub(1)), r).await {
@@ -684,6 +704,162 @@ async fn complete(
     chunk(&mut buf, &mk("", false, Some(finish)));
     if usage_wanted {
         let u = json!({"id": id, "object": if chat {"chat.completion.chunk"} else {"text_completion"}, "created": 0, "model": req["model"], "choices": [], "usage": usage});
+        chunk(&mut buf, &u.to_string());
+    }
+    buf.extend_from_slice(b"e\r\ndata: [DONE]\n\n\r\n0\r\n\r\n");
+    w.write_all(&buf).await.ok()?;
+    st.s.completed.fetch_add(1, Ordering::Relaxed);
+    Some(())
+}
+
+/// A value that fits `schema` (the first enum value, the minimum, the
+/// required properties, `minItems` items): what a server that follows the
+/// schema could answer.
+fn instance(schema: &Value) -> Value {
+    if let Some(c) = schema.get("const") {
+        return c.clone();
+    }
+    if let Some(e) = schema["enum"].get(0) {
+        return e.clone();
+    }
+    if let Some(a) = schema["anyOf"].get(0).or_else(|| schema["oneOf"].get(0)) {
+        return instance(a);
+    }
+    let ty = match &schema["type"] {
+        Value::Array(t) => t.first().and_then(Value::as_str).unwrap_or("null"),
+        t => t.as_str().unwrap_or("object"),
+    };
+    match ty {
+        "string" => json!("x".repeat(schema["minLength"].as_u64().unwrap_or(1).max(1) as usize)),
+        "integer" => json!(schema["minimum"].as_i64().unwrap_or(1)),
+        "number" => json!(schema["minimum"].as_f64().unwrap_or(1.5)),
+        "boolean" => json!(true),
+        "null" => Value::Null,
+        "array" => {
+            let n = schema["minItems"].as_u64().unwrap_or(1);
+            json!((0..n)
+                .map(|_| instance(&schema["items"]))
+                .collect::<Vec<_>>())
+        }
+        _ => {
+            let mut o = serde_json::Map::new();
+            if let Some(props) = schema["properties"].as_object() {
+                for (k, v) in props {
+                    let required = schema["required"]
+                        .as_array()
+                        .is_none_or(|r| r.iter().any(|x| x == k));
+                    if required {
+                        o.insert(k.clone(), instance(v));
+                    }
+                }
+            }
+            Value::Object(o)
+        }
+    }
+}
+
+/// What a structured request is answered with: a tool call (the named
+/// tool, else the first) or JSON for `response_format`.
+enum Answer {
+    Call(String, String),
+    Json(String),
+}
+
+fn structured(req: &Value) -> Option<Answer> {
+    let choice = &req["tool_choice"];
+    if let Some(tools) = req["tools"]
+        .as_array()
+        .filter(|t| !t.is_empty() && choice != "none")
+    {
+        let named = choice["function"]["name"].as_str();
+        let t = tools
+            .iter()
+            .find(|t| named.is_none_or(|n| t["function"]["name"] == n))
+            .unwrap_or(&tools[0]);
+        let args = instance(&t["function"]["parameters"]).to_string();
+        return Some(Answer::Call(
+            t["function"]["name"].as_str().unwrap_or("f").to_string(),
+            args,
+        ));
+    }
+    match req["response_format"]["type"].as_str() {
+        Some("json_object") => Some(Answer::Json(json!({"fake": true}).to_string())),
+        Some("json_schema") => Some(Answer::Json(
+            instance(&req["response_format"]["json_schema"]["schema"]).to_string(),
+        )),
+        _ => None,
+    }
+}
+
+/// Answer a structured request as vLLM does: `tool_calls` (streamed as an
+/// opening delta with the id and name, then the arguments in pieces) with
+/// `finish_reason: "tool_calls"`, or the JSON as content.
+#[allow(clippy::too_many_arguments)]
+async fn structured_reply(
+    st: &Arc<State>,
+    req: &Value,
+    id: &str,
+    name: &str,
+    stream: bool,
+    usage_wanted: bool,
+    prompt_tokens: u64,
+    answer: Answer,
+    w: &mut tokio::net::tcp::OwnedWriteHalf,
+) -> Option<()> {
+    let usage = json!({"prompt_tokens": prompt_tokens, "completion_tokens": 8, "total_tokens": prompt_tokens + 8});
+    let head = |choices: Value| json!({"id": id, "object": "chat.completion.chunk", "created": 0, "model": req["model"], "system_fingerprint": name, "choices": choices});
+    if !stream {
+        let (message, finish) = match &answer {
+            Answer::Call(f, args) => (
+                json!({"role": "assistant", "content": null, "tool_calls": [
+                {"id": format!("call_{id}"), "type": "function", "function": {"name": f, "arguments": args}}]}),
+                "tool_calls",
+            ),
+            Answer::Json(j) => (json!({"role": "assistant", "content": j}), "stop"),
+        };
+        let b = json!({"id": id, "object": "chat.completion", "created": 0, "model": req["model"], "system_fingerprint": name,
+            "choices": [{"index": 0, "message": message, "finish_reason": finish}], "usage": usage});
+        w.write_all(&response(200, "application/json", &b.to_string()))
+            .await
+            .ok()?;
+        st.s.completed.fetch_add(1, Ordering::Relaxed);
+        return Some(());
+    }
+    let h = "HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ncache-control: no-cache\r\ntransfer-encoding: chunked\r\n\r\n";
+    w.write_all(h.as_bytes()).await.ok()?;
+    let mut buf = Vec::new();
+    let finish = match &answer {
+        Answer::Call(f, args) => {
+            chunk(&mut buf, &head(json!([{"index": 0, "delta": {"role": "assistant", "content": null, "tool_calls": [
+                {"index": 0, "id": format!("call_{id}"), "type": "function", "function": {"name": f, "arguments": ""}}]}, "finish_reason": null}])).to_string());
+            let cut: Vec<char> = args.chars().collect();
+            for piece in cut.chunks(cut.len().div_ceil(3).max(1)) {
+                let p: String = piece.iter().collect();
+                chunk(&mut buf, &head(json!([{"index": 0, "delta": {"tool_calls": [{"index": 0, "function": {"arguments": p}}]}, "finish_reason": null}])).to_string());
+            }
+            "tool_calls"
+        }
+        Answer::Json(j) => {
+            chunk(&mut buf, &head(json!([{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": null}])).to_string());
+            let cut: Vec<char> = j.chars().collect();
+            for piece in cut.chunks(cut.len().div_ceil(3).max(1)) {
+                let p: String = piece.iter().collect();
+                chunk(
+                    &mut buf,
+                    &head(json!([{"index": 0, "delta": {"content": p}, "finish_reason": null}]))
+                        .to_string(),
+                );
+            }
+            "stop"
+        }
+    };
+    chunk(
+        &mut buf,
+        &head(json!([{"index": 0, "delta": {}, "finish_reason": finish}])).to_string(),
+    );
+    if usage_wanted {
+        let mut u = head(json!([]));
+        u["usage"] = usage;
         chunk(&mut buf, &u.to_string());
     }
     buf.extend_from_slice(b"e\r\ndata: [DONE]\n\n\r\n0\r\n\r\n");
