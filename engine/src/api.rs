@@ -74,13 +74,16 @@ pub enum FinishReason {
     Length,
     /// The answer is tool calls.
     ToolCalls,
+    /// This stop sequence (its index among the request's non-empty stop
+    /// strings) ended it; OpenAI says `stop`, Anthropic names it.
+    StopSequence(usize),
 }
 
 impl FinishReason {
     /// The OpenAI spelling.
     pub fn as_str(self) -> &'static str {
         match self {
-            FinishReason::Stop => "stop",
+            FinishReason::Stop | FinishReason::StopSequence(_) => "stop",
             FinishReason::Length => "length",
             FinishReason::ToolCalls => "tool_calls",
         }

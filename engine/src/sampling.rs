@@ -141,6 +141,8 @@ pub struct StopOutcome {
     pub emit: String,
     /// A stop sequence was found: end the stream (the stop text is not sent).
     pub stopped: bool,
+    /// Which (its index among the non-empty stop strings).
+    pub which: Option<usize>,
 }
 
 impl StopMatcher {
@@ -158,13 +160,15 @@ impl StopMatcher {
             return StopOutcome {
                 emit: piece.to_string(),
                 stopped: false,
+                which: None,
             };
         }
         self.held.push_str(piece);
-        if let Some(at) = self
+        if let Some((at, which)) = self
             .stops
             .iter()
-            .filter_map(|s| self.held.find(s.as_str()))
+            .enumerate()
+            .filter_map(|(i, s)| Some((self.held.find(s.as_str())?, i)))
             .min()
         {
             let emit = self.held[..at].to_string();
@@ -172,6 +176,7 @@ impl StopMatcher {
             return StopOutcome {
                 emit,
                 stopped: true,
+                which: Some(which),
             };
         }
         // Hold back the longest suffix that is a prefix of some stop string.
@@ -190,6 +195,7 @@ impl StopMatcher {
         StopOutcome {
             emit,
             stopped: false,
+            which: None,
         }
     }
 
@@ -268,14 +274,16 @@ mod tests {
             m.push("Hel"),
             StopOutcome {
                 emit: "Hel".into(),
-                stopped: false
+                stopped: false,
+                which: None
             }
         );
         assert_eq!(
             m.push("lo"),
             StopOutcome {
                 emit: "l".into(),
-                stopped: false
+                stopped: false,
+                which: None
             },
             "holds back \"o\""
         );
@@ -283,7 +291,8 @@ mod tests {
             m.push(" wo"),
             StopOutcome {
                 emit: String::new(),
-                stopped: true
+                stopped: true,
+                which: Some(0)
             }
         );
         let mut m = StopMatcher::new(&["END".to_string()]);

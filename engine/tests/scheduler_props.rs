@@ -122,7 +122,7 @@ proptest! {
                         prop_assert_eq!(usage.completion_tokens, tokens);
                         match finish {
                             FinishReason::Length => prop_assert_eq!(tokens, r.max_tokens),
-                            FinishReason::Stop => prop_assert!(tokens <= r.max_tokens),
+                            _ => prop_assert!(tokens <= r.max_tokens),
                         }
                         break;
                     }

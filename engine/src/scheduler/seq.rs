@@ -137,7 +137,10 @@ impl Seq {
                 });
             }
             // The stop text is not part of the completion.
-            return self.done(FinishReason::Stop);
+            return self.done(
+                out.which
+                    .map_or(FinishReason::Stop, FinishReason::StopSequence),
+            );
         }
         if self
             .tx

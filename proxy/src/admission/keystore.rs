@@ -10,7 +10,7 @@
 use super::budget::{BudgetRefusal, BudgetSpec, Reservation, TokenBudget};
 use super::clock::Clock;
 use super::keyfile::{self, KeyLimits, ValidKey};
-use super::ratelimit::{bearer, cells, quota, KeySource};
+use super::ratelimit::{cells, presented_key, quota, KeySource};
 use bytes::Bytes;
 use governor::clock::{Clock as _, DefaultClock};
 use governor::{DefaultDirectRateLimiter, RateLimiter};
@@ -85,7 +85,7 @@ impl KeyEntry {
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum KeyError {
     /// No `Authorization` header.
-    #[error("no API key provided: send `Authorization: Bearer <key>`")]
+    #[error("no API key provided: send `Authorization: Bearer <key>` or `x-api-key: <key>`")]
     Missing,
     /// `Authorization` is not `Bearer <token>`.
     #[error("malformed API key: {0}")]
@@ -157,12 +157,12 @@ impl KeyStore {
         (KeyStore { by_digest }, carried)
     }
 
-    /// The key presented in `Authorization: Bearer <token>`.
+    /// The key presented in `Authorization: Bearer <token>` or, without
+    /// that header, in Anthropic's `x-api-key: <token>`.
     pub fn authenticate(&self, headers: &http::HeaderMap) -> Result<Arc<KeyEntry>, KeyError> {
-        let v = headers
-            .get(http::header::AUTHORIZATION)
+        let token = presented_key(headers)
+            .map_err(KeyError::Malformed)?
             .ok_or(KeyError::Missing)?;
-        let token = bearer(v.as_bytes()).map_err(KeyError::Malformed)?;
         self.by_digest
             .get(&keyfile::digest(token))
             .cloned()

@@ -66,8 +66,8 @@ impl KeySource {
                 Some(IpAddr::V6(a)) => hash_bytes(&a.octets()),
                 None => 0,
             },
-            KeySource::ApiKey(None) => match input.headers.get(http::header::AUTHORIZATION) {
-                Some(v) => hash_bytes(bearer(v.as_bytes())?),
+            KeySource::ApiKey(None) => match presented_key(input.headers)? {
+                Some(k) => hash_bytes(k),
                 None => 0,
             },
             KeySource::ApiKey(Some(h)) | KeySource::Header(h) => match input.headers.get(h) {
@@ -136,6 +136,22 @@ pub(crate) fn cells(share: usize, burst: u32) -> NonZeroU32 {
 }
 
 /// Parse `Authorization: Bearer <token>` strictly.
+/// The API key a request presents: `Authorization: Bearer <key>` (OpenAI)
+/// or, without it, `x-api-key: <key>` (Anthropic). None: neither header.
+pub(crate) fn presented_key(h: &http::HeaderMap) -> Result<Option<&[u8]>, &'static str> {
+    if let Some(v) = h.get(http::header::AUTHORIZATION) {
+        return bearer(v.as_bytes()).map(Some);
+    }
+    let Some(v) = h.get("x-api-key") else {
+        return Ok(None);
+    };
+    let k = v.as_bytes();
+    if k.is_empty() || k.len() > 4096 || !k.iter().all(|b| b.is_ascii_graphic()) {
+        return Err("malformed x-api-key");
+    }
+    Ok(Some(k))
+}
+
 pub(crate) fn bearer(v: &[u8]) -> Result<&[u8], &'static str> {
     let rest = v
         .strip_prefix(b"Bearer ")

@@ -35,6 +35,11 @@ pub trait Downstream: Send {
     /// Resolves when the client has gone away; pending forever when that
     /// cannot be told. Cancel-safe: polled anew on every loop turn.
     async fn gone(&mut self);
+    /// Whether error bodies go out in Anthropic's shape (the request came
+    /// to `/v1/messages`).
+    fn anthropic(&self) -> bool {
+        false
+    }
 }
 
 /// Send a whole JSON response: `headers`, then its type and length.
@@ -44,6 +49,13 @@ pub async fn respond<D: Downstream + ?Sized>(
     headers: &[(&str, &str)],
     body: Bytes,
 ) -> Result<(), Gone> {
+    // One place for every refusal and error: each dialect's clients read
+    // their own error shape.
+    let body = if status >= 400 && down.anthropic() {
+        super::dialect::anthropic::error_body(status, &body)
+    } else {
+        body
+    };
     let len = body.len().to_string();
     let mut h = headers.to_vec();
     h.extend([

@@ -54,8 +54,19 @@ fn no_job(id: &str) -> BackendError {
     )
 }
 
+fn no_response(id: &str) -> BackendError {
+    let shown: String = id.chars().take(64).collect();
+    BackendError::request(
+        404,
+        "response_not_found",
+        format!(
+            "No response `{shown}` (not stored, expired from the response store, or not yours)."
+        ),
+    )
+}
+
 /// A job found here or, with `[cluster]`, in the shared store.
-enum Found {
+pub(super) enum Found {
     Here(Arc<Job>),
     Elsewhere(Arc<Cluster>, RemoteJob),
 }
@@ -63,7 +74,7 @@ enum Found {
 impl Front {
     /// The job `id` if the caller may see it: this instance's, else the
     /// shared store's (the same tenancy rule on both).
-    async fn job(&self, inc: &Incoming, id: &str) -> Result<Found, BackendError> {
+    pub(super) async fn job(&self, inc: &Incoming, id: &str) -> Result<Found, BackendError> {
         match self.jobs.get(id) {
             Some(j) if j.owner == inc.tenant() => return Ok(Found::Here(j)),
             Some(_) => return Err(no_job(id)),
@@ -95,6 +106,30 @@ impl Front {
         match inc.cfg.models.get(id) {
             Some(_) if self.allowed(inc, id).is_ok() => Reply::ok(model_json(id)),
             _ => Reply::error(&super::pipeline::not_found_model(id)),
+        }
+    }
+
+    /// `GET /v1/responses/{id}`: a stored response, finished or not.
+    pub async fn response_status(&self, inc: &Incoming, id: &str) -> Reply {
+        match self.job(inc, &super::dialect::responses::job_id(id)).await {
+            Ok(Found::Here(j)) => Reply::ok(super::dialect::responses::view(&j.view(), "")),
+            Ok(Found::Elsewhere(_, r)) => Reply::ok(super::dialect::responses::view(&r.view, "")),
+            Err(_) => Reply::error(&no_response(id)),
+        }
+    }
+
+    /// `DELETE /v1/responses/{id}`: cancel a response still running (as
+    /// OpenAI's `cancel` does for a background response); a finished one
+    /// is shown as it is.
+    pub async fn response_cancel(&self, inc: &Incoming, id: &str) -> Reply {
+        let job_id = super::dialect::responses::job_id(id);
+        if self.job(inc, &job_id).await.is_err() {
+            return Reply::error(&no_response(id));
+        }
+        let r = self.job_cancel(inc, &job_id).await;
+        match serde_json::from_slice::<Value>(&r.body) {
+            Ok(v) if r.status == 200 => Reply::ok(super::dialect::responses::view(&v, "")),
+            _ => r,
         }
     }
 

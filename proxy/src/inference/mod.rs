@@ -13,6 +13,7 @@
 //! what they yield through a `drive::Downstream`.
 
 pub mod admit;
+pub mod dialect;
 pub mod drive;
 pub mod endpoints;
 pub mod jobs;

@@ -51,6 +51,8 @@ pub struct Parsed {
     pub structure: Option<Structure>,
     /// The client's structured-output fields as sent, for upstream servers.
     pub passthrough: Map<String, Value>,
+    /// The API it came in, which shapes the answer.
+    pub dialect: super::dialect::Dialect,
 }
 
 impl Parsed {
@@ -68,11 +70,11 @@ const PASSTHROUGH: [&str; 4] = [
     "parallel_tool_calls",
 ];
 
-fn bad(param: &'static str, message: String) -> BackendError {
+pub(super) fn bad(param: &'static str, message: String) -> BackendError {
     BackendError::invalid("invalid_request_error", Some(param), message)
 }
 
-fn wrong_type(param: &'static str, want: &str, v: &Value) -> BackendError {
+pub(super) fn wrong_type(param: &'static str, want: &str, v: &Value) -> BackendError {
     let got = match v {
         Value::Null => "null",
         Value::Bool(_) => "a boolean",
@@ -88,11 +90,11 @@ fn wrong_type(param: &'static str, want: &str, v: &Value) -> BackendError {
     )
 }
 
-fn opt<'a>(o: &'a Map<String, Value>, k: &str) -> Option<&'a Value> {
+pub(super) fn opt<'a>(o: &'a Map<String, Value>, k: &str) -> Option<&'a Value> {
     o.get(k).filter(|v| !v.is_null())
 }
 
-fn num(
+pub(super) fn num(
     o: &Map<String, Value>,
     k: &'static str,
     lo: f64,
@@ -109,7 +111,7 @@ fn num(
     Ok(Some(x))
 }
 
-fn uint(o: &Map<String, Value>, k: &'static str) -> Result<Option<u64>, BackendError> {
+pub(super) fn uint(o: &Map<String, Value>, k: &'static str) -> Result<Option<u64>, BackendError> {
     let Some(v) = opt(o, k) else { return Ok(None) };
     match v.as_u64() {
         Some(x) => Ok(Some(x)),
@@ -120,7 +122,7 @@ fn uint(o: &Map<String, Value>, k: &'static str) -> Result<Option<u64>, BackendE
     }
 }
 
-fn boolean(o: &Map<String, Value>, k: &'static str) -> Result<bool, BackendError> {
+pub(super) fn boolean(o: &Map<String, Value>, k: &'static str) -> Result<bool, BackendError> {
     match opt(o, k) {
         None => Ok(false),
         Some(Value::Bool(b)) => Ok(*b),
@@ -128,7 +130,10 @@ fn boolean(o: &Map<String, Value>, k: &'static str) -> Result<bool, BackendError
     }
 }
 
-fn string(o: &Map<String, Value>, k: &'static str) -> Result<Option<String>, BackendError> {
+pub(super) fn string(
+    o: &Map<String, Value>,
+    k: &'static str,
+) -> Result<Option<String>, BackendError> {
     match opt(o, k) {
         None => Ok(None),
         Some(Value::String(s)) => Ok(Some(s.clone())),
@@ -245,7 +250,7 @@ fn prompt_text(o: &Map<String, Value>) -> Result<String, BackendError> {
     }
 }
 
-fn stop(o: &Map<String, Value>) -> Result<Vec<String>, BackendError> {
+pub(super) fn stop(o: &Map<String, Value>) -> Result<Vec<String>, BackendError> {
     let out = match opt(o, "stop") {
         None => Vec::new(),
         Some(Value::String(s)) => vec![s.clone()],
@@ -539,6 +544,7 @@ pub fn parse(endpoint: Endpoint, body: &[u8]) -> Result<Parsed, BackendError> {
         priority,
         structure,
         passthrough,
+        dialect: super::dialect::Dialect::OpenAi,
     })
 }
 

@@ -8,6 +8,7 @@
 //! body, and hands in a `Downstream` to write to.
 
 use super::admit::{self, Passed};
+use super::dialect::{anthropic, responses, Dialect, DialectSink, To, Writer};
 use super::drive::{Downstream, Failure, Gone, Sink};
 use super::openai::{self, Endpoint, Ident, Parsed};
 use super::sinks::{backend_failure, Headers, JobSink, JsonSink, SseSink};
@@ -17,6 +18,7 @@ use crate::config::Config;
 use crate::metrics::Metrics;
 use crate::routing::Route;
 use serde_json::json;
+use ultrafast_engine::api::Prompt;
 
 /// Output a request without `max_tokens` is taken to want while its place
 /// is claimed before tokenizing (the backend sizes it for real after).
@@ -25,6 +27,23 @@ use std::net::IpAddr;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 use ultrafast_engine::api::{Backend, BackendError, InferenceRequest, Prepared};
+
+impl From<Endpoint> for Api {
+    fn from(ep: Endpoint) -> Self {
+        Api::OpenAi(ep)
+    }
+}
+
+/// Which API a completion came to.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Api {
+    /// OpenAI's chat completions or completions.
+    OpenAi(Endpoint),
+    /// Anthropic's `/v1/messages`.
+    Messages,
+    /// OpenAI's `/v1/responses`.
+    Responses,
+}
 
 /// What the pipeline needs to know of one request (no sockets).
 #[derive(Debug, Clone)]
@@ -107,14 +126,18 @@ impl Front {
         &self,
         metrics: &Arc<Metrics>,
         inc: &Incoming,
-        ep: Endpoint,
+        api: Api,
         body: &[u8],
         down: &mut dyn Downstream,
     ) -> Result<(), Gone> {
         // The request id, HSTS and route rules are the response policy's,
         // applied by the downstream: only this pipeline's own headers here.
         let base: Headers = Vec::new();
-        let call = match self.prepare(metrics, inc, ep, body).await {
+        let ep = match api {
+            Api::OpenAi(ep) => ep,
+            Api::Messages | Api::Responses => Endpoint::Chat,
+        };
+        let call = match self.prepare(metrics, inc, api, body).await {
             Ok(c) => c,
             Err(f) => {
                 if let Some(t) = &inc.trace {
@@ -136,6 +159,9 @@ impl Front {
         if inc.prefers_async() || call.parsed.background {
             return self.start_job(metrics, inc, call, headers, down).await;
         }
+        if call.parsed.dialect != Dialect::OpenAi {
+            return self.dialect(metrics, inc, call, headers, down).await;
+        }
         let ident = Ident::new(ep, &call.parsed.model, &inc.request_id);
         let tools = call.parsed.tools();
         if call.parsed.stream {
@@ -148,20 +174,126 @@ impl Front {
         }
     }
 
+    /// A completion in the Messages or Responses dialect, streamed or
+    /// whole; a stored response is kept in the async store as well.
+    async fn dialect(
+        &self,
+        metrics: &Arc<Metrics>,
+        inc: &Incoming,
+        call: Call,
+        headers: Headers,
+        down: &mut dyn Downstream,
+    ) -> Result<(), Gone> {
+        let (stream, tools) = (call.parsed.stream, call.parsed.tools());
+        let (w, stored): (Box<dyn Writer>, _) = match &call.parsed.dialect {
+            Dialect::Responses(o) => {
+                // A stored response is an entry of the async store under a
+                // random id; a full store only means it is not kept.
+                let job = o
+                    .store
+                    .then(|| {
+                        self.jobs
+                            .create_for(super::jobs::random_id(), inc.tenant())
+                            .ok()
+                    })
+                    .flatten();
+                let id = job
+                    .as_ref()
+                    .map_or_else(super::jobs::random_id, |j| j.id.clone());
+                if job.is_some() {
+                    self.export_store(metrics);
+                }
+                (
+                    Box::new(responses::ResponsesWriter::new(
+                        responses::response_id(&id),
+                        &call.parsed,
+                    )),
+                    job,
+                )
+            }
+            _ => (
+                Box::new(anthropic::MessagesWriter::new(
+                    &inc.request_id,
+                    &call.parsed,
+                    call.prepared.prompt_tokens,
+                )),
+                None,
+            ),
+        };
+        let to = if stream {
+            To::Sse(down)
+        } else {
+            To::Whole(down)
+        };
+        let mut sink = DialectSink::new(to, w, headers, tools).storing(stored);
+        super::run::run(metrics, inc, call, &mut sink).await
+    }
+
+    /// The conversation of `previous_response_id` before this request's
+    /// input: the tenant's own stored response, while the store keeps it.
+    async fn previous(&self, inc: &Incoming, parsed: &mut Parsed) -> Result<(), BackendError> {
+        let Dialect::Responses(o) = &parsed.dialect else {
+            return Ok(());
+        };
+        let Some(prev) = o.previous.clone() else {
+            return Ok(());
+        };
+        let gone = || {
+            BackendError::invalid(
+                "previous_response_not_found",
+                Some("previous_response_id"),
+                format!("Previous response with id '{}' not found: it was not stored, has expired from the response store, or belongs to another key.", prev.chars().take(64).collect::<String>()),
+            )
+        };
+        let view = match self.job(inc, &responses::job_id(&prev)).await {
+            Ok(super::endpoints::Found::Here(j)) => j.view(),
+            Ok(super::endpoints::Found::Elsewhere(_, r)) => r.view,
+            Err(_) => return Err(gone()),
+        };
+        if view["status"] != "completed" {
+            return Err(BackendError::invalid(
+                "previous_response_not_completed",
+                Some("previous_response_id"),
+                format!(
+                    "Previous response '{prev}' is {}, not completed.",
+                    view["status"].as_str().unwrap_or("unknown")
+                ),
+            ));
+        }
+        let before = view
+            .get("result")
+            .and_then(responses::conversation)
+            .ok_or_else(gone)?;
+        if let Prompt::Chat(m) = &mut parsed.prompt {
+            // New instructions first, then the earlier turns, then the input.
+            let split = m.iter().take_while(|x| x.role == "system").count();
+            let tail = m.split_off(split);
+            m.extend(before);
+            m.extend(tail);
+        }
+        Ok(())
+    }
+
     /// Parse, choose the lane, find the model, size the request, reserve
     /// its tokens and check it against the lane's target.
     async fn prepare(
         &self,
         metrics: &Metrics,
         inc: &Incoming,
-        ep: Endpoint,
+        api: Api,
         body: &[u8],
     ) -> Result<Call, Failure> {
         let reject = |e: BackendError| {
             metrics.rejected.with_label_values(&[e.code]).inc();
             error(&e)
         };
-        let parsed = openai::parse(ep, body).map_err(reject)?;
+        let mut parsed = match api {
+            Api::OpenAi(ep) => openai::parse(ep, body),
+            Api::Messages => anthropic::parse(body),
+            Api::Responses => responses::parse(body),
+        }
+        .map_err(reject)?;
+        self.previous(inc, &mut parsed).await.map_err(reject)?;
         let header = inc.headers.get(PRIORITY_HEADER).map(|v| v.as_bytes());
         let lanes = &inc.cfg.lanes;
         let lane = admit::lane(lanes, header, parsed.priority.as_deref(), inc.route.lane)
@@ -321,15 +453,48 @@ impl Front {
         let ident = Ident::new(call.parsed.endpoint, &call.parsed.model, &id);
         let (inc2, metrics2) = (inc.clone(), metrics.clone());
         let work = crate::drain::Work::start(crate::drain::Kind::AsyncJob);
+        let created = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.as_secs())
+            .unwrap_or(0);
+        let mut body =
+            json!({"id": id, "object": "request", "status": "queued", "created": created});
+        let writer: Option<Box<dyn Writer>> = match &call.parsed.dialect {
+            Dialect::OpenAi => None,
+            Dialect::Anthropic => Some(Box::new(anthropic::MessagesWriter::new(
+                &id,
+                &call.parsed,
+                call.prepared.prompt_tokens,
+            ))),
+            Dialect::Responses(_) => {
+                // The Responses API's own background answer: the response,
+                // queued, under its response id.
+                let rid = responses::response_id(&id);
+                body = responses::view(
+                    &json!({"id": id, "created": created, "status": "queued"}),
+                    &call.parsed.model,
+                );
+                body["background"] = json!(true);
+                Some(Box::new(responses::ResponsesWriter::new(rid, &call.parsed)))
+            }
+        };
         tokio::spawn(async move {
             let _work = work;
-            let mut sink = JobSink::new(job, ident).with_tools(call.parsed.tools());
-            let _ = super::run::run(&metrics2, &inc2, call, &mut sink).await;
+            let tools = call.parsed.tools();
+            match writer {
+                None => {
+                    let mut sink = JobSink::new(job, ident).with_tools(tools);
+                    let _ = super::run::run(&metrics2, &inc2, call, &mut sink).await;
+                }
+                Some(w) => {
+                    let cancelled = job.cancelled();
+                    let mut sink = DialectSink::new(To::Job(job, cancelled), w, Vec::new(), tools);
+                    let _ = super::run::run(&metrics2, &inc2, call, &mut sink).await;
+                }
+            }
         });
         let loc = format!("/v1/requests/{id}/events");
-        let body = json!({"id": id, "object": "request", "status": "queued",
-            "created": std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0)})
-        .to_string();
+        let body = body.to_string();
         let len = body.len().to_string();
         let mut h: Vec<(&str, &str)> = headers.iter().map(|(k, v)| (*k, v.as_str())).collect();
         h.extend([

@@ -45,9 +45,9 @@ pub struct SseSink<'a, D: Downstream + ?Sized> {
 }
 
 /// The finish reason a response reports: `tool_calls` when it made any.
-fn finish_of(shaper: &Option<Shaper>, f: FinishReason) -> FinishReason {
+pub(super) fn finish_of(shaper: &Option<Shaper>, f: FinishReason) -> FinishReason {
     match shaper {
-        Some(s) if s.calls() > 0 && f == FinishReason::Stop => FinishReason::ToolCalls,
+        Some(s) if s.calls() > 0 && f.as_str() == "stop" => FinishReason::ToolCalls,
         _ => f,
     }
 }

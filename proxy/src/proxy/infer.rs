@@ -7,6 +7,7 @@ use super::*;
 use crate::inference::drive::{Downstream, Failure, Gone};
 use crate::inference::endpoints::{send, Reply};
 use crate::inference::openai::Endpoint;
+use crate::inference::pipeline::Api;
 use crate::inference::pipeline::Incoming;
 use bytes::BytesMut;
 use ultrafast_engine::api::BackendError;
@@ -20,6 +21,8 @@ struct Down<'a> {
     session: &'a mut Session,
     policy: Policy<'a>,
     watching: bool,
+    /// The request came to `/v1/messages`: errors in Anthropic's shape.
+    anthropic: bool,
 }
 
 #[async_trait]
@@ -52,6 +55,10 @@ impl Downstream for Down<'_> {
             self.watching = false;
         }
         std::future::pending::<()>().await
+    }
+
+    fn anthropic(&self) -> bool {
+        self.anthropic
     }
 }
 
@@ -93,6 +100,7 @@ impl EdgeProxy {
             session,
             policy: ctx.policy(),
             watching: true,
+            anthropic: path.trim_end_matches('/') == "/v1/messages",
         };
         let front = &self.front;
         let lane = ctx.cfg.lanes.get(route.lane).map(|l| l.name.clone());
@@ -133,6 +141,16 @@ impl EdgeProxy {
             (&http::Method::POST, ["v1", "completions"]) => {
                 return self.completion(down, inc, Endpoint::Completions).await
             }
+            (&http::Method::POST, ["v1", "messages"]) => {
+                return self.completion(down, inc, Api::Messages).await
+            }
+            (&http::Method::POST, ["v1", "responses"]) => {
+                return self.completion(down, inc, Api::Responses).await
+            }
+            (&http::Method::GET, ["v1", "responses", id]) => front.response_status(inc, id).await,
+            (&http::Method::DELETE, ["v1", "responses", id]) => {
+                front.response_cancel(inc, id).await
+            }
             (&http::Method::GET, ["v1", "requests", id, "events"]) => {
                 return front.job_events(inc, id, down).await
             }
@@ -140,13 +158,18 @@ impl EdgeProxy {
             (&http::Method::GET, ["v1", "models", id]) => front.model(inc, id),
             (&http::Method::GET, ["v1", "requests", id]) => front.job_status(inc, id).await,
             (&http::Method::DELETE, ["v1", "requests", id]) => front.job_cancel(inc, id).await,
-            (_, ["v1", "chat", "completions"] | ["v1", "completions"] | ["v1", "models"]) => {
-                Reply::error(&BackendError::request(
-                    405,
-                    "method_not_allowed",
-                    format!("{method} is not allowed on {path}"),
-                ))
-            }
+            (
+                _,
+                ["v1", "chat", "completions"]
+                | ["v1", "completions"]
+                | ["v1", "models"]
+                | ["v1", "messages"]
+                | ["v1", "responses"],
+            ) => Reply::error(&BackendError::request(
+                405,
+                "method_not_allowed",
+                format!("{method} is not allowed on {path}"),
+            )),
             _ => Reply::error(&BackendError::request(
                 404,
                 "unknown_url",
@@ -169,8 +192,9 @@ impl EdgeProxy {
         &self,
         down: &mut Down<'_>,
         inc: &mut Incoming,
-        ep: Endpoint,
+        api: impl Into<Api>,
     ) -> std::result::Result<(), Gone> {
+        let api = api.into();
         let max = match inc.cfg.limits.client_max_body_bytes {
             0 => 16 << 20,
             n => n as usize,
@@ -197,7 +221,7 @@ impl EdgeProxy {
         }
         inc.network = inc.arrived.elapsed();
         self.front
-            .completion(&self.metrics, inc, ep, &body, down)
+            .completion(&self.metrics, inc, api, &body, down)
             .await
     }
 }
