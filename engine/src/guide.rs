@@ -193,7 +193,7 @@ fn grammar(s: &Structure) -> Result<TopLevelGrammar, String> {
             // A text answer may not begin with `<`, so that once a call has
             // begun it is held to the call's grammar.
             let start = match choice {
-                ToolChoice::Auto => format!("start: calls | TEXT\nTEXT: /[^<](?s:.)*/\n"),
+                ToolChoice::Auto => "start: calls | TEXT\nTEXT: /[^<](?s:.)*/\n".to_string(),
                 _ => "start: calls\n".to_string(),
             };
             let lark = format!(

@@ -177,6 +177,11 @@ impl Shaper {
         self.calls
     }
 
+    /// Whether `t` is answer text: whitespace between or after calls is not.
+    fn is_answer(&self, t: &str) -> bool {
+        !t.trim().is_empty() || (self.calls == 0 && !t.is_empty())
+    }
+
     /// Read more text; the pieces it completes.
     pub fn push(&mut self, text: &str) -> Vec<Piece> {
         self.held.push_str(text);
@@ -191,7 +196,7 @@ impl Shaper {
         let rest = std::mem::take(&mut self.held);
         match std::mem::replace(&mut self.state, State::Text) {
             State::Text => {
-                if !rest.is_empty() && !(self.calls > 0 && rest.trim().is_empty()) {
+                if self.is_answer(&rest) {
                     out.push(Piece::Text(rest));
                 }
             }
@@ -212,7 +217,7 @@ impl Shaper {
                     let before: String = self.held.drain(..at + CALL_OPEN.len()).collect();
                     let text = &before[..at];
                     // Whitespace between calls is not answer text.
-                    if !text.is_empty() && !(self.calls > 0 && text.trim().is_empty()) {
+                    if self.is_answer(text) {
                         out.push(Piece::Text(text.to_string()));
                     }
                     self.state = State::Head;
@@ -222,7 +227,7 @@ impl Shaper {
                 let emit = self.held.len() - keep;
                 if emit > 0 {
                     let text: String = self.held.drain(..emit).collect();
-                    if !(self.calls > 0 && text.trim().is_empty()) {
+                    if self.is_answer(&text) {
                         out.push(Piece::Text(text));
                     }
                 }
