@@ -11,30 +11,15 @@
 mod common;
 use common::infer::*;
 use common::*;
-use std::path::PathBuf;
-use std::process::Command;
 use std::time::Duration;
 
 const MODEL: &str = "smollm2-135m-instruct";
 
 fn check(name: &str, uf: &Ultrafast, model: &str, stats: Option<String>) {
-    let script = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/py/structured_checks.py");
-    let mut cmd = Command::new("python3");
-    cmd.arg(script)
-        .arg(name)
-        .arg(format!("http://{}/v1", uf.addr))
-        .arg(model);
-    if let Some(s) = stats {
-        cmd.arg(s);
-    }
-    let out = cmd.output().unwrap();
-    assert!(
-        out.status.success(),
-        "structured check `{name}` failed:\n{}\n{}\nserver log:\n{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr),
-        uf.stderr()
-    );
+    let base = format!("http://{}/v1", uf.addr);
+    let mut args = vec![base.as_str(), model];
+    args.extend(stats.as_deref());
+    py("structured_checks.py", name, uf, &args);
 }
 
 #[test]

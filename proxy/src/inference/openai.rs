@@ -445,8 +445,8 @@ pub fn structure_of_tools(
     }))
 }
 
-/// Parse a request body for `endpoint`.
-pub fn parse(endpoint: Endpoint, body: &[u8]) -> Result<Parsed, BackendError> {
+/// A request body as a JSON object (every dialect's first step).
+pub(super) fn body_object(body: &[u8]) -> Result<Map<String, Value>, BackendError> {
     let v: Value = serde_json::from_slice(body).map_err(|e| {
         BackendError::invalid(
             "invalid_json",
@@ -454,13 +454,28 @@ pub fn parse(endpoint: Endpoint, body: &[u8]) -> Result<Parsed, BackendError> {
             format!("We could not parse the JSON body of your request: {e}"),
         )
     })?;
-    let o = v.as_object().ok_or_else(|| {
-        BackendError::invalid(
+    match v {
+        Value::Object(o) => Ok(o),
+        _ => Err(BackendError::invalid(
             "invalid_json",
             None,
             "the request body must be a JSON object".into(),
-        )
-    })?;
+        )),
+    }
+}
+
+/// The lane asked in the body (`priority`).
+pub(super) fn priority(o: &Map<String, Value>) -> Result<Option<String>, BackendError> {
+    match opt(o, "priority") {
+        None => Ok(None),
+        Some(Value::String(s)) => Ok(Some(s.clone())),
+        Some(v) => Err(wrong_type("priority", "a lane name", v)),
+    }
+}
+
+/// Parse a request body for `endpoint`.
+pub fn parse(endpoint: Endpoint, body: &[u8]) -> Result<Parsed, BackendError> {
+    let o = &body_object(body)?;
     let model = string(o, "model")?
         .ok_or_else(|| bad("model", "Missing required parameter: 'model'.".into()))?;
     let prompt = match endpoint {
@@ -520,11 +535,7 @@ pub fn parse(endpoint: Endpoint, body: &[u8]) -> Result<Parsed, BackendError> {
         .iter()
         .filter_map(|k| opt(o, k).map(|v| (k.to_string(), v.clone())))
         .collect();
-    let priority = match opt(o, "priority") {
-        None => None,
-        Some(Value::String(s)) => Some(s.clone()),
-        Some(v) => return Err(wrong_type("priority", "a lane name", v)),
-    };
+    let priority = priority(o)?;
     Ok(Parsed {
         endpoint,
         model,

@@ -225,8 +225,15 @@ impl Front {
         } else {
             To::Whole(down)
         };
+        let kept = stored.clone();
         let mut sink = DialectSink::new(to, w, headers, tools).storing(stored);
-        super::run::run(metrics, inc, call, &mut sink).await
+        let r = super::run::run(metrics, inc, call, &mut sink).await;
+        // A client that left mid-way leaves no running entry behind (the
+        // store evicts only finished ones).
+        if let Some(j) = kept.filter(|j| !j.status().finished()) {
+            j.cancel();
+        }
+        r
     }
 
     /// The conversation of `previous_response_id` before this request's

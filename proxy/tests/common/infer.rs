@@ -133,17 +133,25 @@ pub const INFERENCE_ROUTE: &str =
 
 /// Run a check of `py/openai_checks.py`; panics with its output on failure.
 pub fn python_check(check: &str, uf: &Ultrafast, model: &str) {
-    let script = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/py/openai_checks.py");
+    let base = format!("http://{}/v1", uf.addr);
+    py("openai_checks.py", check, uf, &[&base, model]);
+}
+
+/// Run `tests/py/SCRIPT CHECK ARGS...`; a failure shows the script's output
+/// and the server's log.
+pub fn py(script: &str, check: &str, uf: &Ultrafast, args: &[&str]) {
+    let path = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/py")
+        .join(script);
     let out = Command::new("python3")
-        .arg(script)
+        .arg(path)
         .arg(check)
-        .arg(format!("http://{}/v1", uf.addr))
-        .arg(model)
+        .args(args)
         .output()
         .unwrap();
     assert!(
         out.status.success(),
-        "python check `{check}` failed:\n{}\n{}\nserver log:\n{}",
+        "{script} `{check}` failed:\n{}\n{}\nserver log:\n{}",
         String::from_utf8_lossy(&out.stdout),
         String::from_utf8_lossy(&out.stderr),
         uf.stderr()

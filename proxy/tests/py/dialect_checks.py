@@ -115,6 +115,23 @@ def messages(root, model, stats=None):
         assert body["messages"][1]["tool_calls"][0]["id"] == use[0].id, body
         assert body["messages"][2] == {"role": "tool", "content": "18 degrees and sunny", "tool_call_id": use[0].id}, body
 
+    # Async mode (Prefer: respond-async): the store's 202, then the message.
+    with httpx.Client(timeout=60) as h:
+        a = h.post(root + "/v1/messages", headers={"Prefer": "respond-async"},
+                   json={"model": model, "max_tokens": 8, "messages": q, **T0})
+        assert a.status_code == 202, a.text
+        jid = a.json()["id"]
+        for _ in range(600):
+            st = h.get(root + f"/v1/requests/{jid}").json()
+            if st["status"] == "completed":
+                break
+            time.sleep(0.05)
+        assert st["result"]["type"] == "message" and st["result"]["content"][0]["type"] == "text", st
+        with h.stream("GET", root + f"/v1/requests/{jid}/events") as es:
+            types = [json.loads(line[6:])["type"] for line in es.iter_lines()
+                     if line.startswith("data: {")]
+        assert types[0] == "message_start" and types[-1] == "message_stop", types
+
     # Errors in Anthropic's shape.
     for bad, kind in [({"model": model, "messages": q}, "invalid_request_error"),
                       ({"model": model, "max_tokens": 5, "messages": [{"role": "user", "content": [

@@ -5,7 +5,8 @@
 use super::{Ev, Writer};
 use crate::inference::drive::Finished;
 use crate::inference::openai::{
-    self, bad, boolean, num, opt, string, structure_of_tools, uint, wrong_type, Endpoint, Parsed,
+    self, bad, body_object, boolean, num, opt, priority, string, structure_of_tools, uint,
+    wrong_type, Endpoint, Parsed,
 };
 use crate::inference::shape::{Collected, Piece};
 use bytes::Bytes;
@@ -197,20 +198,7 @@ fn tools(
 
 /// Parse a Messages request.
 pub fn parse(body: &[u8]) -> Result<Parsed, BackendError> {
-    let v: Value = serde_json::from_slice(body).map_err(|e| {
-        BackendError::invalid(
-            "invalid_json",
-            None,
-            format!("We could not parse the JSON body of your request: {e}"),
-        )
-    })?;
-    let o = v.as_object().ok_or_else(|| {
-        BackendError::invalid(
-            "invalid_json",
-            None,
-            "the request body must be a JSON object".into(),
-        )
-    })?;
+    let o = &body_object(body)?;
     let model = string(o, "model")?.ok_or_else(|| bad("model", "model: Field required".into()))?;
     let max_tokens = uint(o, "max_tokens")?
         .ok_or_else(|| bad("max_tokens", "max_tokens: Field required".into()))?;
@@ -258,11 +246,7 @@ pub fn parse(body: &[u8]) -> Result<Parsed, BackendError> {
     let user = opt(o, "metadata")
         .and_then(|m| m["user_id"].as_str())
         .map(str::to_string);
-    let priority = match opt(o, "priority") {
-        None => None,
-        Some(Value::String(s)) => Some(s.clone()),
-        Some(v) => return Err(wrong_type("priority", "a lane name", v)),
-    };
+    let priority = priority(o)?;
     Ok(Parsed {
         endpoint: Endpoint::Chat,
         model,

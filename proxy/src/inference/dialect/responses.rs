@@ -12,8 +12,8 @@
 use super::{Ev, Writer};
 use crate::inference::drive::Finished;
 use crate::inference::openai::{
-    bad, boolean, num, opt, response_format, string, structure_of_tools, tool, tool_choice, uint,
-    wrong_type, Endpoint, Parsed,
+    bad, body_object, boolean, num, opt, priority, response_format, string, structure_of_tools,
+    tool, tool_choice, uint, wrong_type, Endpoint, Parsed,
 };
 use crate::inference::shape::{Collected, Piece};
 use bytes::Bytes;
@@ -159,20 +159,7 @@ fn input(v: &Value) -> Result<Vec<ChatMessage>, BackendError> {
 /// Parse a Responses request (the conversation of `previous_response_id`
 /// is added by the pipeline, which has the store).
 pub fn parse(body: &[u8]) -> Result<Parsed, BackendError> {
-    let v: Value = serde_json::from_slice(body).map_err(|e| {
-        BackendError::invalid(
-            "invalid_json",
-            None,
-            format!("We could not parse the JSON body of your request: {e}"),
-        )
-    })?;
-    let o = v.as_object().ok_or_else(|| {
-        BackendError::invalid(
-            "invalid_json",
-            None,
-            "the request body must be a JSON object".into(),
-        )
-    })?;
+    let o = &body_object(body)?;
     let model = string(o, "model")?
         .ok_or_else(|| bad("model", "Missing required parameter: 'model'.".into()))?;
     let mut msgs = Vec::new();
@@ -302,11 +289,7 @@ pub fn parse(body: &[u8]) -> Result<Parsed, BackendError> {
         include_usage: false,
         user: string(o, "user")?,
         background,
-        priority: match opt(o, "priority") {
-            None => None,
-            Some(Value::String(s)) => Some(s.clone()),
-            Some(v) => return Err(wrong_type("priority", "a lane name", v)),
-        },
+        priority: priority(o)?,
         structure,
         passthrough,
         dialect: super::Dialect::Responses(Opts {
