@@ -19,15 +19,25 @@ use std::path::Path;
 /// a framing bug could make endless.
 const MAX_BODY_READS: usize = 256;
 
-/// OpenAI request parsing: the body of `/v1/chat/completions` and of
-/// `/v1/completions`. Errors must render as a JSON error body.
+/// Request parsing of every dialect: the body of `/v1/chat/completions`,
+/// `/v1/completions`, `/v1/messages` and `/v1/responses`. Errors must
+/// render as a JSON error body (Anthropic's shape too).
 pub fn openai_request(data: &[u8]) {
-    for endpoint in [Endpoint::Chat, Endpoint::Completions] {
-        if let Err(e) = openai::parse(endpoint, data) {
+    let results = [
+        openai::parse(Endpoint::Chat, data),
+        openai::parse(Endpoint::Completions, data),
+        crate::inference::dialect::anthropic::parse(data),
+        crate::inference::dialect::responses::parse(data),
+    ];
+    for r in results {
+        if let Err(e) = r {
             let body = openai::error_json(&e);
             let parsed: Result<serde_json::Value, _> = serde_json::from_slice(&body);
             assert!(parsed.is_ok(), "error body is not JSON: {body:?}");
             assert!((400..600).contains(&e.status), "status {}", e.status);
+            let a = crate::inference::dialect::anthropic::error_body(e.status, &body);
+            let parsed: Result<serde_json::Value, _> = serde_json::from_slice(&a);
+            assert!(parsed.is_ok(), "Anthropic error body is not JSON: {a:?}");
         }
     }
 }
