@@ -76,39 +76,81 @@ impl Sampler {
         }
     }
 
-    /// Pick the next token from `logits`.
+    /// Pick the next token from `logits`. Nothing sorts the vocabulary:
+    /// temperature alone draws from the weights in index order (one pass);
+    /// top-k selects its k (`select_nth_unstable`) and sorts only those;
+    /// top-p selects a growing head (64, then 8 times more) until it holds
+    /// `top_p` of the mass, and sorts only that head.
     pub fn sample(&mut self, logits: &[f32]) -> u32 {
         let p = &self.params;
         if p.temperature <= 0.0 || p.top_k == 1 || logits.is_empty() {
             return argmax(logits);
         }
-        let t = p.temperature;
-        self.scratch.clear();
-        self.scratch
-            .extend(logits.iter().enumerate().map(|(i, l)| (*l / t, i as u32)));
-        let keep = if p.top_k > 0 {
-            p.top_k.min(self.scratch.len())
-        } else {
-            self.scratch.len()
-        };
-        if keep < self.scratch.len() {
-            self.scratch
-                .select_nth_unstable_by(keep - 1, |a, b| b.0.total_cmp(&a.0));
-            self.scratch.truncate(keep);
+        let inv_t = 1.0 / p.temperature;
+        let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+        if !max.is_finite() {
+            return argmax(logits);
         }
-        self.scratch.sort_unstable_by(|a, b| b.0.total_cmp(&a.0));
-        let max = self.scratch[0].0;
-        let mut total = 0.0f64;
-        for e in self.scratch.iter_mut() {
-            e.0 = ((e.0 - max) as f64).exp() as f32;
-            total += e.0 as f64;
+        let n = logits.len();
+        let weight = |l: f32| ((l - max) * inv_t).exp();
+        let top_k = match p.top_k {
+            0 => n,
+            k => k.min(n),
+        };
+        if top_k == n && p.top_p >= 1.0 {
+            let total: f64 = logits.iter().map(|l| weight(*l) as f64).sum();
+            let mut r = self.rng.next_f64() * total;
+            let mut last = 0;
+            for (i, l) in logits.iter().enumerate() {
+                let w = weight(*l) as f64;
+                if w > 0.0 {
+                    last = i;
+                }
+                r -= w;
+                if r <= 0.0 && w > 0.0 {
+                    return i as u32;
+                }
+            }
+            return last as u32;
+        }
+        self.scratch.clear();
+        self.scratch.extend(
+            logits
+                .iter()
+                .enumerate()
+                .map(|(i, l)| (weight(*l), i as u32)),
+        );
+        let desc = |a: &(f32, u32), b: &(f32, u32)| b.0.total_cmp(&a.0);
+        // The mass top-p is measured against: all of it, or the top k's.
+        let mut total: f64;
+        if top_k < n {
+            self.scratch.select_nth_unstable_by(top_k - 1, desc);
+            self.scratch.truncate(top_k);
+            self.scratch.sort_unstable_by(desc);
+            total = self.scratch.iter().map(|e| e.0 as f64).sum();
+        } else {
+            total = self.scratch.iter().map(|e| e.0 as f64).sum();
+            let mut head = 64.min(n);
+            loop {
+                if head < n {
+                    self.scratch.select_nth_unstable_by(head - 1, desc);
+                }
+                self.scratch[..head].sort_unstable_by(desc);
+                let mass: f64 = self.scratch[..head].iter().map(|e| e.0 as f64).sum();
+                if head == n || mass >= p.top_p as f64 * total {
+                    self.scratch.truncate(head);
+                    break;
+                }
+                head = (head * 8).min(n);
+            }
         }
         if p.top_p < 1.0 {
+            let want = p.top_p as f64 * total;
             let mut cum = 0.0f64;
             let mut cut = self.scratch.len();
             for (i, e) in self.scratch.iter().enumerate() {
-                cum += e.0 as f64 / total;
-                if cum >= p.top_p as f64 {
+                cum += e.0 as f64;
+                if cum >= want {
                     cut = i + 1;
                     break;
                 }
@@ -265,6 +307,82 @@ mod tests {
             distinct.len() >= 3,
             "temperature 1.5 should spread over the top 5"
         );
+    }
+
+    /// The softmax of `l / t`, by the definition.
+    fn softmax(l: &[f32], t: f32) -> Vec<f64> {
+        let max = l.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+        let w: Vec<f64> = l.iter().map(|x| (((x - max) / t) as f64).exp()).collect();
+        let sum: f64 = w.iter().sum();
+        w.iter().map(|x| x / sum).collect()
+    }
+
+    #[test]
+    fn sampling_follows_the_distribution_without_sorting_it() {
+        // A vocabulary-sized row, with a clear head and a long tail.
+        let l: Vec<f32> = (0..49_152u32)
+            .map(|i| ((i.wrapping_mul(2_654_435_761) >> 7) % 1000) as f32 / 90.0)
+            .collect();
+        let probs = softmax(&l, 0.8);
+        let mut order: Vec<usize> = (0..l.len()).collect();
+        order.sort_by(|a, b| probs[*b].total_cmp(&probs[*a]));
+        // Temperature alone: frequencies of the top tokens match.
+        let mut s = Sampler::new(SamplingParams {
+            temperature: 0.8,
+            seed: Some(7),
+            ..Default::default()
+        });
+        let n = 20_000;
+        let mut hits = std::collections::HashMap::new();
+        for _ in 0..n {
+            *hits.entry(s.sample(&l) as usize).or_insert(0usize) += 1;
+        }
+        for &i in &order[..3] {
+            let f = *hits.get(&i).unwrap_or(&0) as f64 / n as f64;
+            assert!(
+                (f - probs[i]).abs() < 0.01 + probs[i] * 0.15,
+                "token {i}: {f} vs {}",
+                probs[i]
+            );
+        }
+        // Top-p: only the nucleus (the smallest head holding p of the mass;
+        // tokens tied with its last one may stand in for it).
+        let mut cum = 0.0;
+        let last = order
+            .iter()
+            .find(|i| {
+                cum += probs[**i];
+                cum >= 0.95
+            })
+            .map_or(0.0, |i| probs[*i]);
+        let nucleus: std::collections::HashSet<usize> = (0..l.len())
+            .filter(|i| probs[*i] >= last * (1.0 - 1e-6))
+            .collect();
+        let mut s = Sampler::new(SamplingParams {
+            temperature: 0.8,
+            top_p: 0.95,
+            seed: Some(9),
+            ..Default::default()
+        });
+        for _ in 0..2_000 {
+            let t = s.sample(&l) as usize;
+            assert!(
+                nucleus.contains(&t),
+                "{t} outside the nucleus of {}",
+                nucleus.len()
+            );
+        }
+        // Masked logits are never drawn.
+        let mut m = l.clone();
+        for x in m.iter_mut().skip(10) {
+            *x = f32::NEG_INFINITY;
+        }
+        let mut s = Sampler::new(SamplingParams {
+            temperature: 1.0,
+            seed: Some(3),
+            ..Default::default()
+        });
+        assert!((0..500).all(|_| s.sample(&m) < 10));
     }
 
     #[test]
