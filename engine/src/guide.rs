@@ -43,8 +43,9 @@ fn byte_level_map() -> std::collections::HashMap<char, u8> {
 }
 
 /// The token vocabulary as bytes, for the grammar's token trie: byte-level
-/// pieces decoded, special (control) tokens marked as llguidance expects so
-/// that a grammar never produces them as text.
+/// pieces decoded, control tokens marked as llguidance expects so that a
+/// grammar never produces them as text. User-defined tokens (Qwen2.5's
+/// `<tool_call>`) are text, as llama.cpp and Hugging Face treat them.
 pub fn token_bytes(tokens: &[String], special: &[bool]) -> Vec<Vec<u8>> {
     let map = byte_level_map();
     tokens
@@ -98,7 +99,7 @@ impl Guides {
     }
 
     /// A compiler for a GGUF model's vocabulary (`tokenizer.ggml.tokens`,
-    /// control and user-defined tokens marked special).
+    /// control tokens marked special).
     pub fn from_gguf(
         ct: &candle_core::quantized::gguf_file::Content,
         eos: u32,
@@ -190,10 +191,14 @@ fn grammar(s: &Structure) -> Result<TopLevelGrammar, String> {
             let schema = serde_json::to_string(&schema).map_err(|e| e.to_string())?;
             let many = *parallel && !matches!(choice, ToolChoice::Named(_));
             let calls = if many { "call (\"\\n\" call)*" } else { "call" };
-            // A text answer may not begin with `<`, so that once a call has
-            // begun it is held to the call's grammar.
+            // A text answer neither begins with `<` nor holds a call
+            // anywhere, so that every call there is, is held to the
+            // call's grammar.
             let start = match choice {
-                ToolChoice::Auto => "start: calls | TEXT\nTEXT: /[^<](?s:.)*/\n".to_string(),
+                ToolChoice::Auto => format!(
+                    "start: calls | TEXT\nTEXT: /[^<](?s:.)*/ & ~/(?s:.*){}(?s:.*)/\n",
+                    CALL_OPEN
+                ),
                 _ => "start: calls\n".to_string(),
             };
             let lark = format!(
@@ -247,8 +252,10 @@ pub struct Mask(llguidance::toktrie::SimpleVob);
 impl Mask {
     /// Set every disallowed logit to minus infinity.
     pub fn apply(&self, logits: &mut [f32]) {
+        // A head padded past the vocabulary: those rows are never allowed.
+        let n = self.0.len();
         for (i, l) in logits.iter_mut().enumerate() {
-            if !self.0.is_allowed(i as u32) {
+            if i >= n || !self.0.is_allowed(i as u32) {
                 *l = f32::NEG_INFINITY;
             }
         }
@@ -256,7 +263,7 @@ impl Mask {
 
     /// Whether `token` is allowed.
     pub fn allows(&self, token: u32) -> bool {
-        self.0.is_allowed(token)
+        (token as usize) < self.0.len() && self.0.is_allowed(token)
     }
 }
 

@@ -88,7 +88,8 @@ impl Sampler {
         }
         let inv_t = 1.0 / p.temperature;
         let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-        if !max.is_finite() {
+        // A temperature so small that 1/t overflows is greedy.
+        if !max.is_finite() || !inv_t.is_finite() || inv_t > 1e6 {
             return argmax(logits);
         }
         let n = logits.len();
@@ -159,13 +160,19 @@ impl Sampler {
             total = self.scratch.iter().map(|e| e.0 as f64).sum();
         }
         let mut r = self.rng.next_f64() * total;
+        let mut last = self.scratch[0].1;
         for e in &self.scratch {
+            if e.0 > 0.0 {
+                last = e.1;
+            }
             r -= e.0 as f64;
-            if r <= 0.0 {
+            if r <= 0.0 && e.0 > 0.0 {
                 return e.1;
             }
         }
-        self.scratch[self.scratch.len() - 1].1
+        // Rounding left some of `r`: the last token of any weight (never
+        // a masked one).
+        last
     }
 }
 

@@ -280,20 +280,22 @@ impl Backend for EngineService {
             None => None,
             Some(s) => Some(compile(l, s)?),
         };
-        let with_tools;
         let (text, param) = match &req.prompt {
             Prompt::Chat(m) => (
-                l.codec
-                    .render_chat(match &req.structure {
-                        Some(Structure::Tools { tools, .. }) => {
-                            with_tools = tools_in_system(m, tools);
-                            &with_tools
-                        }
-                        _ => m,
-                    })
-                    .map_err(|e| {
-                        BackendError::invalid("invalid_messages", Some("messages"), e.to_string())
-                    })?,
+                match &req.structure {
+                    // A template that describes tools itself (Qwen2.5's) is
+                    // given them; for others they go in the system message.
+                    Some(Structure::Tools { tools, .. }) if l.codec.template_takes_tools() => {
+                        l.codec.render_chat_tools(m, Some(tools))
+                    }
+                    Some(Structure::Tools { tools, .. }) => {
+                        l.codec.render_chat(&tools_in_system(m, tools))
+                    }
+                    _ => l.codec.render_chat(m),
+                }
+                .map_err(|e| {
+                    BackendError::invalid("invalid_messages", Some("messages"), e.to_string())
+                })?,
                 "messages",
             ),
             Prompt::Text(t) => (t.clone(), "prompt"),

@@ -166,14 +166,20 @@ impl TextCodec {
             .get("tokenizer.ggml.token_type")
             .and_then(|v| v.to_vec().ok())
         {
-            let special: Vec<AddedToken> = types
-                .iter()
-                .enumerate()
-                .filter(|(_, t)| matches!(t.to_i32(), Ok(3) | Ok(4)))
-                .filter_map(|(i, _)| tokens.get(i))
-                .map(|t| AddedToken::from(t.clone(), true))
-                .collect();
-            tok.add_special_tokens(&special);
+            // Control tokens are special (skipped in decoded text);
+            // user-defined ones (Qwen2.5's `<tool_call>`) are one token each
+            // but text, as in Hugging Face's tokenizer.json and llama.cpp.
+            let added = |ty: i32, special: bool| -> Vec<AddedToken> {
+                types
+                    .iter()
+                    .enumerate()
+                    .filter(|(_, t)| t.to_i32().ok() == Some(ty))
+                    .filter_map(|(i, _)| tokens.get(i))
+                    .map(|t| AddedToken::from(t.clone(), special))
+                    .collect()
+            };
+            tok.add_special_tokens(&added(3, true));
+            tok.add_tokens(&added(4, false));
         }
         let id = |k: &str| ct.metadata.get(k).and_then(|v| v.to_u32().ok());
         let mut eos: Vec<u32> = id("tokenizer.ggml.eos_token_id").into_iter().collect();
@@ -227,6 +233,25 @@ impl TextCodec {
 
     /// Render the chat template for `messages`, ready for generation.
     pub fn render_chat(&self, messages: &[ChatMessage]) -> Result<String> {
+        self.render_chat_tools(messages, None)
+    }
+
+    /// Whether the chat template describes tools itself in the call format
+    /// the grammar writes (a `tools` variable and `<tool_call>`, as
+    /// Qwen2.5's); other tool templates (Llama 3.1's) use other formats.
+    pub fn template_takes_tools(&self) -> bool {
+        self.template
+            .as_ref()
+            .is_some_and(|t| t.contains("tools") && t.contains(crate::guide::CALL_OPEN))
+    }
+
+    /// `render_chat` with `tools` given to the template (as OpenAI-style
+    /// function entries) for a template that takes them.
+    pub fn render_chat_tools(
+        &self,
+        messages: &[ChatMessage],
+        tools: Option<&[crate::api::Tool]>,
+    ) -> Result<String> {
         let Some(t) = &self.template else {
             // No template: plain concatenation, one message per line.
             return Ok(messages
@@ -257,6 +282,13 @@ impl TextCodec {
                 })
                 .collect::<Vec<_>>(),
             add_generation_prompt => true,
+            tools => tools.map(|t| {
+                let t: Vec<serde_json::Value> = t
+                    .iter()
+                    .map(|f| serde_json::json!({"type": "function", "function": f}))
+                    .collect();
+                jinja(&serde_json::Value::Array(t))
+            }),
             bos_token => self.bos_text.clone(),
             eos_token => self.eos_text.clone(),
         })
@@ -288,6 +320,26 @@ impl TextCodec {
     }
 }
 
+/// JSON as a template value (minijinja is built without serde here).
+fn jinja(v: &serde_json::Value) -> minijinja::Value {
+    use serde_json::Value as J;
+    match v {
+        J::Null => minijinja::Value::from(()),
+        J::Bool(b) => minijinja::Value::from(*b),
+        J::Number(n) => match n.as_i64() {
+            Some(i) => minijinja::Value::from(i),
+            None => minijinja::Value::from(n.as_f64().unwrap_or(0.0)),
+        },
+        J::String(s) => minijinja::Value::from(s.clone()),
+        J::Array(a) => minijinja::Value::from(a.iter().map(jinja).collect::<Vec<_>>()),
+        J::Object(o) => minijinja::Value::from(
+            o.iter()
+                .map(|(k, v)| (k.clone(), jinja(v)))
+                .collect::<std::collections::BTreeMap<_, _>>(),
+        ),
+    }
+}
+
 /// Where a stream's decoding stands.
 #[derive(Debug, Clone, Copy, Default)]
 pub struct DecodeOffsets {
@@ -308,5 +360,23 @@ impl StreamDecoder<'_> {
     pub fn push(&mut self, id: u32) -> Result<String> {
         self.ids.push(id);
         self.codec.decode_step(&self.ids, &mut self.offsets)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn json_reaches_a_template_as_it_is() {
+        let v = serde_json::json!([{"type": "function", "function": {"name": "f", "n": 2, "x": 1.5, "ok": true, "none": null, "list": ["a"]}}]);
+        let mut env = minijinja::Environment::new();
+        env.add_template("t", "{% for t in tools %}{{ t.function.name }} {{ t.function.n + 1 }} {{ t.function.x }} {{ t.function.ok }} {{ t.function.none is none }} {{ t.function.list[0] }}{% endfor %}")
+            .unwrap();
+        let out = env
+            .get_template("t")
+            .unwrap()
+            .render(minijinja::context! { tools => super::jinja(&v) })
+            .unwrap();
+        // Booleans render as Jinja (and Hugging Face templates) render them.
+        assert_eq!(out, "f 3 1.5 True True a");
     }
 }

@@ -159,3 +159,37 @@ fn constrained_and_free_sequences_batched_get_what_they_get_alone() {
         }
     }
 }
+
+#[test]
+fn auto_tools_allow_text_or_calls_but_no_call_after_text() {
+    let l = loaded();
+    let g = l.guides.as_ref().unwrap();
+    let s = Structure::Tools {
+        tools: vec![Tool {
+            name: "f".into(),
+            description: None,
+            parameters: json!({"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}),
+        }],
+        choice: ToolChoice::Auto,
+        parallel: true,
+    };
+    // Every token of `text` taken in turn: whether the grammar allows it all.
+    let fits = |text: &str| {
+        let mut guide = g.compile(&s).unwrap();
+        l.codec
+            .encode(text)
+            .unwrap()
+            .iter()
+            .all(|t| guide.commit(*t).is_ok())
+    };
+    assert!(fits("Hello there, no call needed."));
+    assert!(fits(
+        r#"<tool_call>{"name": "f", "arguments": {"a": 1}}</tool_call>"#
+    ));
+    assert!(!fits(
+        r#"Sure. <tool_call>{"name": "nope", "arguments": 7}</tool_call>"#
+    ));
+    assert!(!fits(
+        r#"<tool_call>{"name": "f", "arguments": {"a": "x"}}</tool_call>"#
+    ));
+}

@@ -133,13 +133,18 @@ impl Front {
         }
     }
 
-    /// `GET /v1/requests/{id}`.
+    /// `GET /v1/requests/{id}` (a stored response's conversation is the
+    /// store's own, not shown).
     pub async fn job_status(&self, inc: &Incoming, id: &str) -> Reply {
-        match self.job(inc, id).await {
-            Ok(Found::Here(j)) => Reply::ok(j.view()),
-            Ok(Found::Elsewhere(_, r)) => Reply::ok(r.view),
-            Err(e) => Reply::error(&e),
+        let mut v = match self.job(inc, id).await {
+            Ok(Found::Here(j)) => j.view(),
+            Ok(Found::Elsewhere(_, r)) => r.view,
+            Err(e) => return Reply::error(&e),
+        };
+        if let Some(Value::Object(r)) = v.get_mut("result") {
+            r.remove(super::dialect::responses::CONVERSATION);
         }
+        Reply::ok(v)
     }
 
     /// `DELETE /v1/requests/{id}`: cancel it (a finished one stays as is).

@@ -200,8 +200,9 @@ impl Front {
                 let id = job
                     .as_ref()
                     .map_or_else(super::jobs::random_id, |j| j.id.clone());
-                if job.is_some() {
+                if let Some(j) = &job {
                     self.export_store(metrics);
+                    mirror_created(self, j).await;
                 }
                 (
                     Box::new(responses::ResponsesWriter::new(
@@ -450,13 +451,7 @@ impl Front {
             }
         };
         self.export_store(metrics);
-        if let Some(c) = crate::cluster::get() {
-            let ttl = self.jobs.ttl();
-            let taken = c
-                .job_created(&id, job.owner.as_deref(), job.created, ttl)
-                .await;
-            job.set_mirrored(taken);
-        }
+        mirror_created(self, &job).await;
         let ident = Ident::new(call.parsed.endpoint, &call.parsed.model, &id);
         let (inc2, metrics2) = (inc.clone(), metrics.clone());
         let work = crate::drain::Work::start(crate::drain::Kind::AsyncJob);
@@ -511,5 +506,17 @@ impl Front {
         ]);
         down.head(202, &h).await?;
         down.body(bytes::Bytes::from(body), true).await
+    }
+}
+
+/// With `[cluster]`, write a new job's creation to the shared store (so any
+/// instance finds it); one the store did not take stays this instance's.
+async fn mirror_created(front: &Front, job: &Arc<super::jobs::Job>) {
+    if let Some(c) = crate::cluster::get() {
+        let ttl = front.jobs.ttl();
+        let taken = c
+            .job_created(&job.id, job.owner.as_deref(), job.created, ttl)
+            .await;
+        job.set_mirrored(taken);
     }
 }

@@ -148,7 +148,8 @@ impl EdgeProxy {
                 return self.completion(down, inc, Api::Responses).await
             }
             (&http::Method::GET, ["v1", "responses", id]) => front.response_status(inc, id).await,
-            (&http::Method::DELETE, ["v1", "responses", id]) => {
+            (&http::Method::DELETE, ["v1", "responses", id])
+            | (&http::Method::POST, ["v1", "responses", id, "cancel"]) => {
                 front.response_cancel(inc, id).await
             }
             (&http::Method::GET, ["v1", "requests", id, "events"]) => {

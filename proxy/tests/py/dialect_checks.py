@@ -158,10 +158,11 @@ def responses(root, model, stats=None):
     text = r.output_text
 
     # Streamed, with the response.* events in order.
-    kinds, streamed, done = [], "", None
+    kinds, streamed, done, seqs = [], "", None, []
     with c.responses.stream(model=model, input=Q, max_output_tokens=64, temperature=0) as s:
         for ev in s:
             kinds.append(ev.type)
+            seqs.append(ev.sequence_number)
             if ev.type == "response.output_text.delta":
                 streamed += ev.delta
         assert kinds[-1] == "response.completed", (kinds, streamed)
@@ -172,6 +173,10 @@ def responses(root, model, stats=None):
         assert k in kinds, (k, kinds)
     assert kinds[-1] in ("response.completed", "response.incomplete"), kinds
     assert streamed == text == done.output_text, (streamed, text)
+    assert seqs == list(range(len(seqs))), seqs
+    # The conversation a stored response keeps is never shown.
+    raw = httpx.post(root + "/v1/responses", json={"model": model, "input": "hi", "max_output_tokens": 4}, timeout=60)
+    assert raw.status_code == 200 and "ultrafast_conversation" not in raw.text, raw.text
 
     # instructions become the system message.
     ri = c.responses.create(model=model, input="Hi", instructions="Answer briefly.", max_output_tokens=8, temperature=0)
@@ -247,6 +252,12 @@ def responses(root, model, stats=None):
     d = httpx.delete(root + f"/v1/responses/{b.id}", timeout=30).json()
     assert d["status"] == "cancelled", d
     assert c.responses.retrieve(b.id).status == "cancelled"
+    # The SDK's cancel (POST /v1/responses/{id}/cancel) does the same.
+    b = c.responses.create(model=model, input="Write a very long story.", background=True, max_output_tokens=4000)
+    time.sleep(0.3)
+    assert c.responses.cancel(b.id).status == "cancelled"
+    st = httpx.get(root + "/v1/requests/req_" + b.id[len("resp_"):], timeout=30).json()
+    assert st["status"] == "cancelled", st
     print("responses ok")
 
 

@@ -56,8 +56,13 @@ pub trait Writer: Send {
     fn piece(&mut self, p: &Piece) -> Vec<Ev>;
     /// The events that end a stream.
     fn close(&mut self, out: &Collected, end: &Finished) -> Vec<Ev>;
-    /// The whole response.
+    /// The whole response, as the client gets it.
     fn whole(&self, out: &Collected, end: &Finished) -> Value;
+    /// The whole response as the store keeps it (with what a later
+    /// request needs of it, never shown).
+    fn stored(&self, out: &Collected, end: &Finished) -> Value {
+        self.whole(out, end)
+    }
     /// An error after the stream began, from an OpenAI-style error body.
     fn error(&mut self, body: &Value) -> Ev;
     /// The keep-alive while nothing is ready.
@@ -85,6 +90,8 @@ pub struct DialectSink<'a> {
     w: Box<dyn Writer>,
     headers: Headers,
     head_sent: bool,
+    /// The opening events were made (numbered before any other).
+    opened: bool,
     out: Collected,
     shaper: Option<Shaper>,
     /// Also record the finished response here (a stored response).
@@ -99,6 +106,7 @@ impl<'a> DialectSink<'a> {
             w,
             headers,
             head_sent: false,
+            opened: false,
             out: Collected::default(),
             shaper: tools.then(Shaper::default),
             store: None,
@@ -109,6 +117,14 @@ impl<'a> DialectSink<'a> {
     pub fn storing(mut self, job: Option<Arc<Job>>) -> Self {
         self.store = job;
         self
+    }
+
+    /// The opening events, once, before the first others are made.
+    fn opening(&mut self) -> Vec<Ev> {
+        if std::mem::replace(&mut self.opened, true) {
+            return Vec::new();
+        }
+        self.w.open()
     }
 
     async fn send(&mut self, evs: Vec<Ev>) -> Result<(), Gone> {
@@ -124,10 +140,6 @@ impl<'a> DialectSink<'a> {
                     ]);
                     down.head(200, &h).await?;
                     self.head_sent = true;
-                    let open = self.w.open();
-                    for e in open {
-                        down.body(e.sse(), false).await?;
-                    }
                 }
                 for e in evs {
                     down.body(e.sse(), false).await?;
@@ -136,14 +148,7 @@ impl<'a> DialectSink<'a> {
             }
             To::Whole(_) => Ok(()),
             To::Job(job, _) => {
-                if !self.head_sent {
-                    self.head_sent = true;
-                    for e in self.w.open() {
-                        if !job.push(e.data.to_string()) {
-                            return Err(Gone);
-                        }
-                    }
-                }
+                self.head_sent = true;
                 for e in evs {
                     if !job.push(e.data.to_string()) {
                         return Err(Gone);
@@ -155,7 +160,7 @@ impl<'a> DialectSink<'a> {
     }
 
     async fn pieces(&mut self, pieces: Vec<Piece>) -> Result<(), Gone> {
-        let mut evs = Vec::new();
+        let mut evs = self.opening();
         for p in &pieces {
             self.out.add(p);
             evs.extend(self.w.piece(p));
@@ -192,7 +197,8 @@ impl Sink for DialectSink<'_> {
 
     async fn heartbeat(&mut self) -> Result<(), Gone> {
         if let To::Sse(_) = self.to {
-            self.send(Vec::new()).await?;
+            let open = self.opening();
+            self.send(open).await?;
             let ping = self.w.ping();
             if let To::Sse(down) = &mut self.to {
                 down.body(ping, false).await?;
@@ -221,9 +227,14 @@ impl Sink for DialectSink<'_> {
         t.stamp();
         let whole = self.w.whole(&self.out, &end);
         if let Some(j) = &self.store {
-            j.finish(jobs::Status::Completed, Some(whole.clone()), None);
+            j.finish(
+                jobs::Status::Completed,
+                Some(self.w.stored(&self.out, &end)),
+                None,
+            );
         }
-        let close = self.w.close(&self.out, &end);
+        let mut close = self.opening();
+        close.extend(self.w.close(&self.out, &end));
         match &mut self.to {
             To::Sse(_) => {
                 self.send(close).await?;
@@ -251,7 +262,11 @@ impl Sink for DialectSink<'_> {
             To::Job(..) => {
                 self.send(close).await?;
                 if let To::Job(job, _) = &self.to {
-                    job.finish(jobs::Status::Completed, Some(whole), None);
+                    job.finish(
+                        jobs::Status::Completed,
+                        Some(self.w.stored(&self.out, &end)),
+                        None,
+                    );
                 }
                 Ok(())
             }
@@ -271,8 +286,9 @@ impl Sink for DialectSink<'_> {
             To::Sse(down) if !self.head_sent => send_failure(*down, &self.headers, f).await,
             To::Whole(down) => send_failure(*down, &self.headers, f).await,
             To::Sse(_) => {
-                let e = self.w.error(&err);
-                self.send(vec![e]).await?;
+                let mut evs = self.opening();
+                evs.push(self.w.error(&err));
+                self.send(evs).await?;
                 if let To::Sse(down) = &mut self.to {
                     down.body(Bytes::new(), true).await?;
                 }

@@ -486,10 +486,7 @@ impl Writer for ResponsesWriter {
     fn close(&mut self, out: &Collected, end: &Finished) -> Vec<Ev> {
         let mut evs = Vec::new();
         self.close_item(&mut evs);
-        let mut r = self.whole(out, end);
-        if let Value::Object(o) = &mut r {
-            o.remove(CONVERSATION);
-        }
+        let r = self.whole(out, end);
         let name = if end.finish == FinishReason::Length {
             "response.incomplete"
         } else {
@@ -513,6 +510,11 @@ impl Writer for ResponsesWriter {
         if end.finish == FinishReason::Length {
             r["incomplete_details"] = json!({"reason": "max_output_tokens"});
         }
+        r
+    }
+
+    fn stored(&self, out: &Collected, end: &Finished) -> Value {
+        let mut r = self.whole(out, end);
         // The conversation so far, for `previous_response_id`.
         let mut conv = self.conversation.clone();
         let calls: Vec<Value> = out

@@ -48,8 +48,9 @@ pub(super) struct StreamState {
     pub(super) chunks: usize,
     pub(super) done: bool,
     pub(super) failed: bool,
-    /// The index of the tool call being streamed, if one is open.
-    call: Option<u64>,
+    /// The index of the tool call being streamed, if one is open, and
+    /// whether any of its arguments came.
+    call: Option<(u64, bool)>,
 }
 
 impl StreamState {
@@ -144,19 +145,27 @@ impl StreamState {
         for c in calls {
             let index = c["index"].as_u64().unwrap_or(0);
             let mut text = String::new();
-            if self.call != Some(index) {
-                if self.call.is_some() {
-                    text.push_str(CLOSE_CALL);
-                }
+            if self.call.map(|c| c.0) != Some(index) {
+                self.close_into(&mut text);
                 let name = c["function"]["name"].as_str().unwrap_or_default();
                 text.push_str(ultrafast_engine::guide::CALL_OPEN);
                 text.push_str("{\"name\": ");
                 text.push_str(&Value::from(name).to_string());
                 text.push_str(", \"arguments\": ");
-                self.call = Some(index);
+                self.call = Some((index, false));
             }
-            if let Some(a) = c["function"]["arguments"].as_str() {
-                text.push_str(a);
+            // Arguments are a JSON string by the protocol; a server that
+            // sends the object itself is read as its text.
+            let args = match &c["function"]["arguments"] {
+                Value::String(a) => a.clone(),
+                Value::Null => String::new(),
+                other => other.to_string(),
+            };
+            if !args.trim().is_empty() {
+                text.push_str(&args);
+                if let Some(c) = self.call.as_mut() {
+                    c.1 = true;
+                }
             }
             if !text.is_empty() {
                 self.chunks += 1;
@@ -167,11 +176,21 @@ impl StreamState {
 
     /// End the open tool call, if any.
     fn close_call(&mut self, out: &mut Vec<Event>) {
-        if self.call.take().is_some() {
-            out.push(Event::Token {
-                id: 0,
-                text: CLOSE_CALL.to_string(),
-            });
+        let mut text = String::new();
+        self.close_into(&mut text);
+        if !text.is_empty() {
+            out.push(Event::Token { id: 0, text });
+        }
+    }
+
+    /// The end of the open call, if any (`{}` for a call that sent no
+    /// arguments, so its block stays well formed).
+    fn close_into(&mut self, text: &mut String) {
+        if let Some((_, sent)) = self.call.take() {
+            if !sent {
+                text.push_str("{}");
+            }
+            text.push_str(CLOSE_CALL);
         }
     }
 
@@ -304,6 +323,29 @@ mod tests {
         let mut pieces = sh.push(&text);
         pieces.extend(sh.finish());
         assert_eq!(sh.calls(), 2, "{pieces:?}");
+    }
+
+    #[test]
+    fn a_call_without_arguments_is_still_a_well_formed_block() {
+        let mut st = StreamState::default();
+        let mut out = Vec::new();
+        st.feed(b"data: {\"choices\":[{\"delta\":{\"tool_calls\":[{\"index\":0,\"id\":\"a\",\"function\":{\"name\":\"f\",\"arguments\":\"\"}}]}}]}\n\n", &mut out);
+        st.feed(b"data: {\"choices\":[{\"delta\":{\"tool_calls\":[{\"index\":1,\"id\":\"b\",\"function\":{\"name\":\"g\",\"arguments\":{\"x\":1}}}]}}]}\n\ndata: [DONE]\n\n", &mut out);
+        let text: String = out
+            .iter()
+            .filter_map(|e| match e {
+                Event::Token { text, .. } => Some(text.as_str()),
+                _ => None,
+            })
+            .collect();
+        let mut sh = crate::inference::shape::Shaper::default();
+        let mut col = crate::inference::shape::Collected::default();
+        for p in sh.push(&text).iter().chain(sh.finish().iter()) {
+            col.add(p);
+        }
+        assert_eq!(col.calls.len(), 2, "{text}");
+        assert_eq!(col.calls[0].arguments, "{}");
+        assert_eq!(col.calls[1].arguments, r#"{"x":1}"#);
     }
 
     #[test]
