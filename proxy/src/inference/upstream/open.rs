@@ -25,6 +25,8 @@ pub(super) struct Ids<'a> {
     pub request_id: &'a str,
     /// Sent as `traceparent`.
     pub traceparent: Option<&'a str>,
+    /// The request's stop sequences (to name the one that ended it).
+    pub stops: &'a [String],
 }
 
 impl<'a> Ids<'a> {
@@ -33,6 +35,7 @@ impl<'a> Ids<'a> {
         Ids {
             request_id: &req.request_id,
             traceparent: req.traceparent.as_deref(),
+            stops: &req.stop,
         }
     }
 }
@@ -308,7 +311,7 @@ impl UpstreamBackend {
         if status != 200 {
             return Err(refused(&mut s, m, status).await);
         }
-        let mut st = StreamState::default();
+        let mut st = StreamState::with_stops(ids.stops);
         let mut first = Vec::new();
         loop {
             let chunk = s

@@ -27,6 +27,8 @@ struct Choice<'a> {
     text: Option<Cow<'a, str>>,
     #[serde(borrow)]
     finish_reason: Option<Cow<'a, str>>,
+    /// vLLM's: the stop string (or token id) that ended the choice.
+    stop_reason: Option<Value>,
 }
 
 #[derive(Deserialize)]
@@ -51,9 +53,20 @@ pub(super) struct StreamState {
     /// The index of the tool call being streamed, if one is open, and
     /// whether any of its arguments came.
     call: Option<(u64, bool)>,
+    /// The request's stop sequences.
+    stops: Vec<String>,
 }
 
 impl StreamState {
+    /// A stream of a request with these stop sequences (so that vLLM's
+    /// `stop_reason` names which one ended it).
+    pub(super) fn with_stops(stops: &[String]) -> Self {
+        StreamState {
+            stops: stops.to_vec(),
+            ..StreamState::default()
+        }
+    }
+
     /// Turn bytes into events (tokens, then at most one `Done` or `Error`).
     pub(super) fn feed(&mut self, bytes: &[u8], out: &mut Vec<Event>) {
         if self.done || self.failed {
@@ -113,6 +126,7 @@ impl StreamState {
             self.tool_calls(&calls, out);
         }
         self.token(&text, choice.finish_reason.as_deref(), out);
+        self.stop_reason(choice.stop_reason.as_ref());
         ControlFlow::Continue(())
     }
 
@@ -132,6 +146,7 @@ impl StreamState {
             .unwrap_or("");
         self.tool_calls(&c["delta"]["tool_calls"], out);
         self.token(text, c["finish_reason"].as_str(), out);
+        self.stop_reason(c.get("stop_reason"));
         ControlFlow::Continue(())
     }
 
@@ -227,6 +242,18 @@ impl StreamState {
             } else {
                 FinishReason::Stop
             });
+        }
+    }
+
+    /// A `stop` finish that vLLM says was one of the request's stop
+    /// strings becomes that stop sequence's finish.
+    fn stop_reason(&mut self, r: Option<&Value>) {
+        let Some(Value::String(s)) = r else { return };
+        if self.finish == Some(FinishReason::Stop) {
+            let nonempty = self.stops.iter().filter(|x| !x.is_empty());
+            if let Some(i) = nonempty.clone().position(|x| x == s) {
+                self.finish = Some(FinishReason::StopSequence(i));
+            }
         }
     }
 
@@ -346,6 +373,37 @@ mod tests {
         assert_eq!(col.calls.len(), 2, "{text}");
         assert_eq!(col.calls[0].arguments, "{}");
         assert_eq!(col.calls[1].arguments, r#"{"x":1}"#);
+    }
+
+    #[test]
+    fn vllms_stop_reason_names_the_stop_sequence() {
+        let mut st = StreamState::with_stops(&["".into(), "END".into(), "\n\n".into()]);
+        let mut out = Vec::new();
+        st.feed(b"data: {\"choices\":[{\"delta\":{\"content\":\"a\"}}]}\n\ndata: {\"choices\":[{\"delta\":{},\"finish_reason\":\"stop\",\"stop_reason\":\"\\n\\n\"}]}\n\ndata: [DONE]\n\n", &mut out);
+        assert!(
+            matches!(
+                out.last(),
+                Some(Event::Done {
+                    finish: FinishReason::StopSequence(1),
+                    ..
+                })
+            ),
+            "{out:?}"
+        );
+        // A stop token id, or no stop_reason, is the end of the text.
+        let mut st = StreamState::with_stops(&["END".into()]);
+        let mut out = Vec::new();
+        st.feed(b"data: {\"choices\":[{\"delta\":{},\"finish_reason\":\"stop\",\"stop_reason\":2}]}\n\ndata: [DONE]\n\n", &mut out);
+        assert!(
+            matches!(
+                out.last(),
+                Some(Event::Done {
+                    finish: FinishReason::Stop,
+                    ..
+                })
+            ),
+            "{out:?}"
+        );
     }
 
     #[test]
