@@ -5,6 +5,8 @@
 //! temperature 0.8 / top-p 0.95, alternating. Prints one JSON object.
 //! `cargo run --release -p ultrafast-engine --example sampling_bench [-- ROUNDS]`
 #![allow(clippy::unwrap_used)]
+mod common;
+use common::median;
 use serde_json::json;
 use std::sync::Arc;
 use std::time::Instant;
@@ -15,11 +17,6 @@ use ultrafast_engine::tokenizer::ChatMessage;
 use ultrafast_engine::{fetch, generate};
 
 const TOKENS: usize = 128;
-
-fn median(mut v: Vec<f64>) -> f64 {
-    v.sort_by(|a, b| a.total_cmp(b));
-    v[v.len() / 2]
-}
 
 /// Microseconds per call of `f` over `n` calls.
 fn per_call(n: usize, mut f: impl FnMut() -> u32) -> f64 {
@@ -131,14 +128,7 @@ fn main() {
         gs.push(decode_tok_s(&e, &l, greedy.clone()));
         ss.push(decode_tok_s(&e, &l, sampled.clone()));
     }
-    let cpu = std::fs::read_to_string("/proc/cpuinfo")
-        .ok()
-        .and_then(|c| {
-            c.lines()
-                .find(|l| l.starts_with("model name"))
-                .map(|l| l.split(':').nth(1).unwrap_or("").trim().to_string())
-        })
-        .unwrap_or_default();
+    let cpu = common::cpu_model();
     let (gm, sm) = (median(gs.clone()), median(ss.clone()));
     println!(
         "{}",

@@ -7,6 +7,8 @@
 //! Prints one JSON object with the medians and their ratio.
 //! `cargo run --release -p ultrafast-engine --example structured_bench [-- ROUNDS]`
 #![allow(clippy::unwrap_used)]
+mod common;
+use common::median;
 use serde_json::json;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -81,11 +83,6 @@ fn half_rate(arrivals: &[Vec<Instant>]) -> f64 {
     n as f64 / end.duration_since(start).as_secs_f64()
 }
 
-fn median(mut v: Vec<f64>) -> f64 {
-    v.sort_by(|a, b| a.total_cmp(b));
-    v[v.len() / 2]
-}
-
 fn main() {
     let rounds: usize = std::env::args()
         .nth(1)
@@ -119,14 +116,7 @@ fn main() {
             break;
         }
     }
-    let cpu = std::fs::read_to_string("/proc/cpuinfo")
-        .ok()
-        .and_then(|c| {
-            c.lines()
-                .find(|l| l.starts_with("model name"))
-                .map(|l| l.split(':').nth(1).unwrap_or("").trim().to_string())
-        })
-        .unwrap_or_default();
+    let cpu = common::cpu_model();
     let (n, h) = (median(none.clone()), median(half.clone()));
     println!(
         "{}",

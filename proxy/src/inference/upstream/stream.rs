@@ -327,6 +327,16 @@ mod tests {
         assert!(matches!(&out[2], Event::Error(m) if m == "upstream error: upstream error"));
     }
 
+    /// The text of the token events.
+    fn token_text(out: &[Event]) -> String {
+        out.iter()
+            .filter_map(|e| match e {
+                Event::Token { text, .. } => Some(text.as_str()),
+                _ => None,
+            })
+            .collect()
+    }
+
     #[test]
     fn tool_call_deltas_become_call_blocks() {
         let mut st = StreamState::default();
@@ -335,13 +345,7 @@ mod tests {
         st.feed(b"data: {\"choices\":[{\"delta\":{\"tool_calls\":[{\"index\":0,\"function\":{\"arguments\":\"{\\\"a\\\": 1}\"}}]}}]}\n\n", &mut out);
         st.feed(b"data: {\"choices\":[{\"delta\":{\"tool_calls\":[{\"index\":1,\"id\":\"c2\",\"function\":{\"name\":\"g\",\"arguments\":\"{}\"}}]}}]}\n\n", &mut out);
         st.feed(b"data: {\"choices\":[{\"delta\":{},\"finish_reason\":\"tool_calls\"}]}\n\ndata: [DONE]\n\n", &mut out);
-        let text: String = out
-            .iter()
-            .filter_map(|e| match e {
-                Event::Token { text, .. } => Some(text.as_str()),
-                _ => None,
-            })
-            .collect();
+        let text = token_text(&out);
         assert_eq!(
             text,
             r#"<tool_call>{"name": "f", "arguments": {"a": 1}}</tool_call><tool_call>{"name": "g", "arguments": {}}</tool_call>"#
@@ -358,13 +362,7 @@ mod tests {
         let mut out = Vec::new();
         st.feed(b"data: {\"choices\":[{\"delta\":{\"tool_calls\":[{\"index\":0,\"id\":\"a\",\"function\":{\"name\":\"f\",\"arguments\":\"\"}}]}}]}\n\n", &mut out);
         st.feed(b"data: {\"choices\":[{\"delta\":{\"tool_calls\":[{\"index\":1,\"id\":\"b\",\"function\":{\"name\":\"g\",\"arguments\":{\"x\":1}}}]}}]}\n\ndata: [DONE]\n\n", &mut out);
-        let text: String = out
-            .iter()
-            .filter_map(|e| match e {
-                Event::Token { text, .. } => Some(text.as_str()),
-                _ => None,
-            })
-            .collect();
+        let text = token_text(&out);
         let mut sh = crate::inference::shape::Shaper::default();
         let mut col = crate::inference::shape::Collected::default();
         for p in sh.push(&text).iter().chain(sh.finish().iter()) {
