@@ -47,7 +47,11 @@ pub struct SseSink<'a, D: Downstream + ?Sized> {
 /// The finish reason a response reports: `tool_calls` when it made any.
 pub(super) fn finish_of(shaper: &Option<Shaper>, f: FinishReason) -> FinishReason {
     match shaper {
-        Some(s) if s.calls() > 0 && f.as_str() == "stop" => FinishReason::ToolCalls,
+        Some(s)
+            if s.calls() > 0 && matches!(f, FinishReason::Stop | FinishReason::StopSequence(_)) =>
+        {
+            FinishReason::ToolCalls
+        }
         _ => f,
     }
 }

@@ -307,13 +307,32 @@ pub struct ResponsesWriter {
     model: String,
     echo: Map<String, Value>,
     seq: u64,
-    /// Output items so far, as streamed (index, id, text or arguments).
-    open: Option<(usize, String, bool, String)>,
+    /// The output item being streamed.
+    open: Option<Item>,
     items: usize,
     /// The conversation before this answer (stored with it).
     conversation: Vec<ChatMessage>,
-    /// The call id and name of the open call.
-    echo_call: Option<(String, String)>,
+}
+
+/// An output item while it streams.
+struct Item {
+    index: usize,
+    /// Its item id (`msg_...` or `fc_...`).
+    id: String,
+    /// Its text, or its call's arguments, so far.
+    acc: String,
+    /// The call's id and function name; None for a message.
+    call: Option<(String, String)>,
+}
+
+/// The id of the message item of response `resp_id`.
+fn message_id(resp_id: &str) -> String {
+    format!("msg_{}", resp_id.trim_start_matches("resp_"))
+}
+
+/// The id of the function-call item of call `call_id`.
+fn call_item_id(call_id: &str) -> String {
+    format!("fc_{}", call_id.trim_start_matches("call_"))
 }
 
 impl ResponsesWriter {
@@ -335,7 +354,6 @@ impl ResponsesWriter {
             open: None,
             items: 0,
             conversation,
-            echo_call: None,
         }
     }
 
@@ -360,40 +378,46 @@ impl ResponsesWriter {
     }
 
     fn close_item(&mut self, evs: &mut Vec<Ev>) {
-        let Some((index, id, text, acc)) = self.open.take() else {
+        let Some(Item {
+            index,
+            id,
+            acc,
+            call: None,
+        }) = self.open.take()
+        else {
             return;
         };
-        if text {
-            let part = json!({"type": "output_text", "text": acc, "annotations": []});
-            let e = self.ev(
-                "response.output_text.done",
-                json!({"item_id": id, "output_index": index, "content_index": 0, "text": acc}),
-            );
-            evs.push(e);
-            let e = self.ev(
-                "response.content_part.done",
-                json!({"item_id": id, "output_index": index, "content_index": 0, "part": part}),
-            );
-            evs.push(e);
-            let item = json!({"type": "message", "id": id, "status": "completed", "role": "assistant", "content": [part]});
-            let e = self.ev(
-                "response.output_item.done",
-                json!({"output_index": index, "item": item}),
-            );
-            evs.push(e);
-        }
+        let part = json!({"type": "output_text", "text": acc, "annotations": []});
+        let e = self.ev(
+            "response.output_text.done",
+            json!({"item_id": id, "output_index": index, "content_index": 0, "text": acc}),
+        );
+        evs.push(e);
+        let e = self.ev(
+            "response.content_part.done",
+            json!({"item_id": id, "output_index": index, "content_index": 0, "part": part}),
+        );
+        evs.push(e);
+        let item = json!({"type": "message", "id": id, "status": "completed", "role": "assistant", "content": [part]});
+        let e = self.ev(
+            "response.output_item.done",
+            json!({"output_index": index, "item": item}),
+        );
+        evs.push(e);
     }
 }
 
 fn items(id: &str, out: &Collected) -> Vec<Value> {
     let mut v = Vec::new();
     if !out.text.is_empty() {
-        v.push(json!({"type": "message", "id": format!("msg_{}", id.trim_start_matches("resp_")), "status": "completed", "role": "assistant",
+        v.push(json!({"type": "message", "id": message_id(id), "status": "completed", "role": "assistant",
             "content": [{"type": "output_text", "text": out.text, "annotations": []}]}));
     }
     for c in &out.calls {
-        v.push(json!({"type": "function_call", "id": format!("fc_{}", c.id.trim_start_matches("call_")), "call_id": c.id,
-            "name": c.name, "arguments": c.arguments, "status": "completed"}));
+        v.push(
+            json!({"type": "function_call", "id": call_item_id(&c.id), "call_id": c.id,
+            "name": c.name, "arguments": c.arguments, "status": "completed"}),
+        );
     }
     v
 }
@@ -411,11 +435,11 @@ impl Writer for ResponsesWriter {
         let mut evs = Vec::new();
         match p {
             Piece::Text(t) => {
-                if !matches!(self.open, Some((_, _, true, _))) {
+                if !matches!(self.open, Some(Item { call: None, .. })) {
                     self.close_item(&mut evs);
                     let index = self.items;
                     self.items += 1;
-                    let id = format!("msg_{}", self.id.trim_start_matches("resp_"));
+                    let id = message_id(&self.id);
                     let item = json!({"type": "message", "id": id, "status": "in_progress", "role": "assistant", "content": []});
                     let e = self.ev(
                         "response.output_item.added",
@@ -428,11 +452,16 @@ impl Writer for ResponsesWriter {
                         "part": {"type": "output_text", "text": "", "annotations": []}}),
                     );
                     evs.push(e);
-                    self.open = Some((index, id, true, String::new()));
+                    self.open = Some(Item {
+                        index,
+                        id,
+                        acc: String::new(),
+                        call: None,
+                    });
                 }
-                if let Some((index, id, _, acc)) = self.open.as_mut() {
-                    acc.push_str(t);
-                    let (index, id) = (*index, id.clone());
+                if let Some(it) = self.open.as_mut() {
+                    it.acc.push_str(t);
+                    let (index, id) = (it.index, it.id.clone());
                     let e = self.ev("response.output_text.delta", json!({"item_id": id, "output_index": index, "content_index": 0, "delta": t}));
                     evs.push(e);
                 }
@@ -441,21 +470,24 @@ impl Writer for ResponsesWriter {
                 self.close_item(&mut evs);
                 let index = self.items;
                 self.items += 1;
-                let item_id = format!("fc_{}", id.trim_start_matches("call_"));
+                let item_id = call_item_id(id);
                 let item = json!({"type": "function_call", "id": item_id, "call_id": id, "name": name, "arguments": "", "status": "in_progress"});
                 let e = self.ev(
                     "response.output_item.added",
                     json!({"output_index": index, "item": item}),
                 );
                 evs.push(e);
-                self.open = Some((index, item_id, false, String::new()));
-                // Name and call id kept for the item's end.
-                self.echo_call = Some((id.clone(), name.clone()));
+                self.open = Some(Item {
+                    index,
+                    id: item_id,
+                    acc: String::new(),
+                    call: Some((id.clone(), name.clone())),
+                });
             }
             Piece::CallArgs { delta, .. } => {
-                if let Some((index, id, false, acc)) = self.open.as_mut() {
-                    acc.push_str(delta);
-                    let (index, id) = (*index, id.clone());
+                if let Some(it) = self.open.as_mut().filter(|it| it.call.is_some()) {
+                    it.acc.push_str(delta);
+                    let (index, id) = (it.index, it.id.clone());
                     let e = self.ev(
                         "response.function_call_arguments.delta",
                         json!({"item_id": id, "output_index": index, "delta": delta}),
@@ -464,8 +496,13 @@ impl Writer for ResponsesWriter {
                 }
             }
             Piece::CallEnd { .. } => {
-                if let Some((index, id, false, acc)) = self.open.take() {
-                    let (call_id, name) = self.echo_call.take().unwrap_or_default();
+                if let Some(Item {
+                    index,
+                    id,
+                    acc,
+                    call: Some((call_id, name)),
+                }) = self.open.take()
+                {
                     let e = self.ev(
                         "response.function_call_arguments.done",
                         json!({"item_id": id, "output_index": index, "arguments": acc}),

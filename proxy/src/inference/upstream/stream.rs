@@ -250,8 +250,9 @@ impl StreamState {
     fn stop_reason(&mut self, r: Option<&Value>) {
         let Some(Value::String(s)) = r else { return };
         if self.finish == Some(FinishReason::Stop) {
-            let nonempty = self.stops.iter().filter(|x| !x.is_empty());
-            if let Some(i) = nonempty.clone().position(|x| x == s) {
+            // Indexed as the engine's: among the non-empty stop strings.
+            let mut nonempty = self.stops.iter().filter(|x| !x.is_empty());
+            if let Some(i) = nonempty.position(|x| x == s) {
                 self.finish = Some(FinishReason::StopSequence(i));
             }
         }
