@@ -2,8 +2,9 @@
 //! shows what ultrafast's own per-request work costs on top of Pingora.
 //!
 //! Usage: `bare-pingora LISTEN UPSTREAM THREADS`. It uses the same allocator
-//! (mimalloc) and the same keepalive defaults as ultrafast, so the difference
-//! is routing, metrics, logging and header work.
+//! as ultrafast's default build (jemalloc, see `proxy/src/alloc.rs`) and the
+//! same keepalive defaults, so the difference is routing, metrics, logging
+//! and header work.
 
 use async_trait::async_trait;
 use pingora::prelude::*;
@@ -11,7 +12,7 @@ use pingora::server::configuration::{Opt, ServerConf};
 use std::net::SocketAddr;
 
 #[global_allocator]
-static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
+static GLOBAL: tikv_jemallocator::Jemalloc = tikv_jemallocator::Jemalloc;
 
 struct Bare {
     upstream: SocketAddr,

@@ -72,6 +72,7 @@ fn run(
                         }
                         Event::Done { .. } => break,
                         Event::Error(e) => panic!("{e}"),
+                        Event::Raw { .. } => panic!("the engine sent a raw event"),
                     }
                 }
                 (first.unwrap_or_default(), tokens)

@@ -60,6 +60,7 @@ fn run(e: &Engine, l: &generate::Loaded, constrained: bool) -> Vec<Vec<Instant>>
                         Event::Token { .. } => at.push(Instant::now()),
                         Event::Done { .. } => break,
                         Event::Error(e) => panic!("{e}"),
+                        Event::Raw { .. } => panic!("the engine sent a raw event"),
                     }
                 }
                 at

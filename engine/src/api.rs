@@ -127,6 +127,27 @@ pub enum Event {
     },
     /// The request failed (it can never fit, or the model failed).
     Error(String),
+    /// An upstream's SSE events, to go to the client as they are (the
+    /// pass-through of `InferenceRequest::raw_sse`): whole `data:` events,
+    /// ending in a blank line. The engine never sends these.
+    Raw {
+        /// The events' bytes.
+        sse: String,
+        /// Tokens they carry.
+        tokens: usize,
+        /// These are the stream's last events, from its finish chunk on:
+        /// the consumer writes them at the end, the finish chunk with its
+        /// own timing added.
+        end: bool,
+    },
+}
+
+/// What a client of the SSE pass-through takes as it is from an upstream
+/// server: its events, and (when it asked for it) its usage chunk.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RawSse {
+    /// The client asked for the usage chunk (`stream_options`).
+    pub usage: bool,
 }
 
 /// A prompt before tokenization.
@@ -166,6 +187,10 @@ pub struct InferenceRequest {
     /// The client's own fields for an upstream server (`response_format`,
     /// `tools`, `tool_choice`, ...), sent to it unchanged.
     pub passthrough: serde_json::Map<String, serde_json::Value>,
+    /// Set when the client takes an upstream server's SSE events as they
+    /// are (nothing to pace or rewrite): an upstream backend then sends
+    /// `Event::Raw`; the engine ignores it.
+    pub raw_sse: Option<RawSse>,
 }
 
 /// What a backend learned while preparing a request: its size (for

@@ -75,6 +75,7 @@ fn drain(
                 return (ids, finish, usage.cached_tokens, text);
             }
             Event::Error(e) => panic!("engine error: {e}"),
+            Event::Raw { .. } => panic!("the engine sent a raw event"),
         }
     }
     panic!("stream ended without Done")

@@ -127,6 +127,7 @@ proptest! {
                         break;
                     }
                     Some(Event::Error(m)) => prop_assert!(false, "request failed: {}", m),
+                    Some(Event::Raw { .. }) => prop_assert!(false, "the engine sent a raw event"),
                     None => prop_assert!(false, "stream ended without Done"),
                 }
             }

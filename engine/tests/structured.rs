@@ -46,6 +46,7 @@ fn text(mut rx: tokio::sync::mpsc::UnboundedReceiver<Event>) -> String {
     let mut out = String::new();
     while let Some(ev) = rx.blocking_recv() {
         match ev {
+            Event::Raw { .. } => panic!("the engine sent a raw event"),
             Event::Token { text, .. } => out.push_str(&text),
             Event::Done { text, .. } => {
                 out.push_str(&text);

@@ -8,28 +8,30 @@ use crate::config::{LogFormat, LogTarget};
 use crate::routing::Route;
 use prometheus::IntCounter;
 use std::io::Write;
-use std::net::IpAddr;
+use std::net::{IpAddr, SocketAddr};
 use std::sync::mpsc::{sync_channel, Receiver, RecvTimeoutError, SyncSender, TrySendError};
 use std::sync::Arc;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-/// One finished request.
+/// One finished request. Its fields are what the request already holds
+/// (shared header values, addresses, durations): the line is formatted on
+/// the writer thread, so a request pays only for these clones.
 #[derive(Debug)]
 pub struct Entry {
     /// When the request started.
     pub time: SystemTime,
     /// Request id.
-    pub request_id: String,
+    pub request_id: http::HeaderValue,
     /// Client address.
     pub client: Option<IpAddr>,
     /// Method.
     pub method: http::Method,
     /// Path and query.
-    pub uri: String,
+    pub uri: Option<http::uri::PathAndQuery>,
     /// Route, if one matched.
     pub route: Option<Arc<Route>>,
     /// Upstream member address, if proxied.
-    pub upstream: Option<String>,
+    pub upstream: Option<SocketAddr>,
     /// Status sent (0 if none).
     pub status: u16,
     /// Response body bytes sent.
@@ -41,11 +43,37 @@ pub struct Entry {
     /// Upstream tries.
     pub tries: u32,
     /// User agent.
-    pub user_agent: String,
-    /// Lane.
-    pub lane: String,
+    pub user_agent: Option<http::HeaderValue>,
+    /// The config the request ran under, for its lane's name.
+    pub config: Arc<crate::config::Config>,
+    /// Lane (an index into the config's lanes).
+    pub lane: usize,
     /// Time waited for an admission slot.
-    pub queue_ms: Option<f64>,
+    pub queue: Option<Duration>,
+}
+
+impl Entry {
+    fn lane(&self) -> &str {
+        self.config
+            .lanes
+            .get(self.lane)
+            .map_or("", |l| l.name.as_str())
+    }
+
+    fn uri(&self) -> &str {
+        self.uri.as_ref().map_or("", |p| p.as_str())
+    }
+
+    fn user_agent(&self) -> &str {
+        self.user_agent
+            .as_ref()
+            .and_then(|v| v.to_str().ok())
+            .unwrap_or("")
+    }
+
+    fn request_id(&self) -> &str {
+        self.request_id.to_str().unwrap_or("")
+    }
 }
 
 enum Msg {
@@ -115,6 +143,7 @@ impl AccessLog {
 fn writer(rx: Receiver<Msg>, out: Box<dyn Write + Send>, format: LogFormat) {
     let mut out = std::io::BufWriter::with_capacity(64 * 1024, out);
     let mut line = String::with_capacity(512);
+    let mut clock = Clock::default();
     loop {
         let msg = match rx.recv_timeout(Duration::from_millis(200)) {
             Ok(m) => m,
@@ -127,7 +156,7 @@ fn writer(rx: Receiver<Msg>, out: Box<dyn Write + Send>, format: LogFormat) {
                 Msg::Line(e) => {
                     line.clear();
                     match format {
-                        LogFormat::Json => json_line(&e, &mut line),
+                        LogFormat::Json => json_line(&e, &mut line, &mut clock),
                         LogFormat::Combined => combined_line(&e, &mut line),
                     }
                     let _ = out.write_all(line.as_bytes());
@@ -146,85 +175,148 @@ fn writer(rx: Receiver<Msg>, out: Box<dyn Write + Send>, format: LogFormat) {
 
 /// One JSON line, written field by field: building a `serde_json::Value`
 /// first (a map, a string per field) cost about 20,000 instructions per
-/// request (benches/RESULTS.md section 13). Keys in the sorted order that
-/// map wrote them in, so lines read as before.
-fn json_line(e: &Entry, out: &mut String) {
-    use std::fmt::Write as _;
-    let _ = write!(out, "{{\"bytes\":{},\"client\":", e.bytes);
+/// request, and `core::fmt` for its numbers, addresses and time several
+/// thousand more (benches/RESULTS.md section 13). Keys in the sorted order
+/// that map wrote them in, so lines read as before.
+fn json_line(e: &Entry, out: &mut String, clock: &mut Clock) {
+    out.push_str("{\"bytes\":");
+    push_u64(out, e.bytes as u64);
+    out.push_str(",\"client\":");
     match e.client {
         Some(c) => {
-            let _ = write!(out, "\"{c}\"");
+            out.push('"');
+            push_ip(out, c);
+            out.push('"');
         }
         None => out.push_str("null"),
     }
     out.push_str(",\"lane\":");
-    json_str(out, &e.lane);
+    json_str(out, e.lane());
     out.push_str(",\"method\":");
     json_str(out, e.method.as_str());
     out.push_str(",\"queue_ms\":");
-    json_num(out, e.queue_ms);
+    push_ms(out, e.queue);
     out.push_str(",\"request_id\":");
-    json_str(out, &e.request_id);
+    json_str(out, e.request_id());
     out.push_str(",\"route\":");
     match &e.route {
         Some(r) => json_str(out, &r.name),
         None => out.push_str("null"),
     }
-    let _ = write!(out, ",\"status\":{},\"time\":\"", e.status);
-    rfc3339_into(out, e.time);
+    out.push_str(",\"status\":");
+    push_u64(out, u64::from(e.status));
+    out.push_str(",\"time\":\"");
+    clock.rfc3339_into(out, e.time);
     out.push_str("\",\"total_ms\":");
-    json_num(out, Some(e.total.as_secs_f64() * 1000.0));
-    let _ = write!(out, ",\"tries\":{},\"upstream\":", e.tries);
-    match &e.upstream {
-        Some(u) => json_str(out, u),
+    push_ms(out, Some(e.total));
+    out.push_str(",\"tries\":");
+    push_u64(out, u64::from(e.tries));
+    out.push_str(",\"upstream\":");
+    match e.upstream {
+        Some(u) => {
+            out.push('"');
+            push_ip(out, u.ip());
+            out.push(':');
+            push_u64(out, u64::from(u.port()));
+            out.push('"');
+        }
         None => out.push_str("null"),
     }
     out.push_str(",\"upstream_ms\":");
-    json_num(out, e.upstream_time.map(|d| d.as_secs_f64() * 1000.0));
+    push_ms(out, e.upstream_time);
     out.push_str(",\"uri\":");
-    json_str(out, &e.uri);
+    json_str(out, e.uri());
     out.push_str(",\"user_agent\":");
-    json_str(out, &e.user_agent);
+    json_str(out, e.user_agent());
     out.push_str("}\n");
 }
 
+fn push_u64(out: &mut String, n: u64) {
+    out.push_str(itoa::Buffer::new().format(n));
+}
+
+/// A duration in milliseconds with microsecond digits (`1.500`), or
+/// `null`: integer arithmetic, no float formatting.
+fn push_ms(out: &mut String, d: Option<Duration>) {
+    let Some(d) = d else {
+        out.push_str("null");
+        return;
+    };
+    let us = d.as_micros();
+    push_u64(out, (us / 1000) as u64);
+    push_frac3(out, (us % 1000) as u32);
+}
+
+/// `.` and three digits.
+fn push_frac3(out: &mut String, n: u32) {
+    out.push('.');
+    push_digits(out, n, 3);
+}
+
+/// `n` in exactly `width` digits (zero-padded; `n` fits).
+fn push_digits(out: &mut String, n: u32, width: u32) {
+    let mut div = 10u32.pow(width - 1);
+    while div > 0 {
+        out.push(char::from(b'0' + (n / div % 10) as u8));
+        div /= 10;
+    }
+}
+
+/// An address as `Display` writes it; IPv4 (the common case) without
+/// `core::fmt`.
+pub(crate) fn push_ip(out: &mut String, ip: IpAddr) {
+    match ip {
+        IpAddr::V4(v4) => {
+            for (i, o) in v4.octets().iter().enumerate() {
+                if i > 0 {
+                    out.push('.');
+                }
+                push_u64(out, u64::from(*o));
+            }
+        }
+        IpAddr::V6(v6) => {
+            use std::fmt::Write as _;
+            let _ = write!(out, "{v6}");
+        }
+    }
+}
+
 /// `s` as a JSON string (RFC 8259: quote, backslash and controls escaped).
+/// The escaped characters are all ASCII, so the scan is over bytes and a
+/// string without any (the usual case) is copied whole.
 pub(crate) fn json_str(out: &mut String, s: &str) {
     use std::fmt::Write as _;
     out.push('"');
+    // One branch-free pass (vectorized) answers for the whole string.
+    let special = s.bytes().fold(false, |acc, b| {
+        acc | (b < 0x20) | (b == b'"') | (b == b'\\')
+    });
+    if !special {
+        out.push_str(s);
+        out.push('"');
+        return;
+    }
     let mut plain = 0;
-    for (i, c) in s.char_indices() {
-        let esc = match c {
-            '"' => "\\\"",
-            '\\' => "\\\\",
-            '\n' => "\\n",
-            '\r' => "\\r",
-            '\t' => "\\t",
-            c if (c as u32) < 0x20 => "",
+    for (i, &b) in s.as_bytes().iter().enumerate() {
+        let esc = match b {
+            b'"' => "\\\"",
+            b'\\' => "\\\\",
+            b'\n' => "\\n",
+            b'\r' => "\\r",
+            b'\t' => "\\t",
+            b if b < 0x20 => "",
             _ => continue,
         };
         out.push_str(&s[plain..i]);
         if esc.is_empty() {
-            let _ = write!(out, "\\u{:04x}", c as u32);
+            let _ = write!(out, "\\u{:04x}", b);
         } else {
             out.push_str(esc);
         }
-        plain = i + c.len_utf8();
+        plain = i + 1;
     }
     out.push_str(&s[plain..]);
     out.push('"');
-}
-
-/// A finite number, or `null` (Rust's shortest round-trip form is valid
-/// JSON: no exponent, no NaN for a duration).
-fn json_num(out: &mut String, v: Option<f64>) {
-    use std::fmt::Write as _;
-    match v.filter(|v| v.is_finite()) {
-        Some(v) => {
-            let _ = write!(out, "{v}");
-        }
-        None => out.push_str("null"),
-    }
 }
 
 fn combined_line(e: &Entry, out: &mut String) {
@@ -237,33 +329,55 @@ fn combined_line(e: &Entry, out: &mut String) {
             .unwrap_or_else(|| "-".into()),
         rfc3339(e.time),
         e.method,
-        e.uri,
+        e.uri(),
         e.status,
         e.bytes,
-        e.user_agent.replace('"', "'"),
-        e.request_id,
+        e.user_agent().replace('"', "'"),
+        e.request_id(),
         e.total.as_secs_f64(),
         e.upstream_time
             .map(|d| format!("{:.3}", d.as_secs_f64()))
             .unwrap_or_else(|| "-".into()),
-        e.upstream.as_deref().unwrap_or("-"),
+        e.upstream
+            .map(|u| u.to_string())
+            .unwrap_or_else(|| "-".into()),
     );
 }
 
 /// UTC RFC 3339 with milliseconds, without a date library.
 pub fn rfc3339(t: SystemTime) -> String {
     let mut s = String::with_capacity(24);
-    rfc3339_into(&mut s, t);
+    Clock::default().rfc3339_into(&mut s, t);
     s
 }
 
-/// [`rfc3339`], appended to `out`.
-fn rfc3339_into(out: &mut String, t: SystemTime) {
-    use std::fmt::Write as _;
-    let d = t.duration_since(UNIX_EPOCH).unwrap_or_default();
-    let secs = d.as_secs() as i64;
+/// The writer's clock: the date and time of the current second, formatted
+/// once per second (as nginx caches its time strings).
+#[derive(Default)]
+struct Clock {
+    second: Option<u64>,
+    text: String,
+}
+
+impl Clock {
+    /// `t` in RFC 3339 with milliseconds, appended to `out`.
+    fn rfc3339_into(&mut self, out: &mut String, t: SystemTime) {
+        let d = t.duration_since(UNIX_EPOCH).unwrap_or_default();
+        if self.second != Some(d.as_secs()) {
+            self.second = Some(d.as_secs());
+            self.text.clear();
+            civil(&mut self.text, d.as_secs() as i64);
+        }
+        out.push_str(&self.text);
+        push_frac3(out, d.subsec_millis());
+        out.push('Z');
+    }
+}
+
+/// `YYYY-MM-DDTHH:MM:SS` of a second since the epoch (Howard Hinnant's
+/// civil_from_days).
+fn civil(out: &mut String, secs: i64) {
     let (days, rem) = (secs.div_euclid(86_400), secs.rem_euclid(86_400));
-    // Howard Hinnant's civil_from_days.
     let z = days + 719_468;
     let era = z.div_euclid(146_097);
     let doe = z - era * 146_097;
@@ -273,14 +387,17 @@ fn rfc3339_into(out: &mut String, t: SystemTime) {
     let day = doy - (153 * mp + 2) / 5 + 1;
     let month = if mp < 10 { mp + 3 } else { mp - 9 };
     let year = yoe + era * 400 + (month <= 2) as i64;
-    let _ = write!(
-        out,
-        "{year:04}-{month:02}-{day:02}T{:02}:{:02}:{:02}.{:03}Z",
-        rem / 3600,
-        rem / 60 % 60,
-        rem % 60,
-        d.subsec_millis()
-    );
+    let two = |out: &mut String, n: i64, sep: char| {
+        push_digits(out, n as u32, 2);
+        out.push(sep);
+    };
+    push_digits(out, year.clamp(0, 9999) as u32, 4);
+    out.push('-');
+    two(out, month, '-');
+    two(out, day, 'T');
+    two(out, rem / 3600, ':');
+    two(out, rem / 60 % 60, ':');
+    push_digits(out, (rem % 60) as u32, 2);
 }
 
 #[cfg(test)]
@@ -291,28 +408,29 @@ mod tests {
     fn a_json_line_parses_with_every_field_and_escape() {
         let e = Entry {
             time: UNIX_EPOCH + Duration::from_millis(1_709_210_096_123),
-            request_id: "rid-\"1\"".into(),
+            request_id: http::HeaderValue::from_static("rid-\"1\""),
             client: Some("127.0.0.1".parse().unwrap()),
             method: http::Method::POST,
-            uri: "/a?b=\\c".into(),
+            uri: Some(http::uri::PathAndQuery::from_static("/a?b=\\c")),
             route: None,
-            upstream: Some("10.0.0.1:80".into()),
+            upstream: Some("10.0.0.1:80".parse().unwrap()),
             status: 201,
             bytes: 42,
             total: Duration::from_micros(1500),
             upstream_time: None,
             tries: 2,
-            user_agent: "ua\u{1}\n\té\u{1F600}".into(),
-            lane: "ultra".into(),
-            queue_ms: Some(0.25),
+            user_agent: None,
+            config: Arc::new(lane_config("ultra")),
+            lane: 0,
+            queue: Some(Duration::from_micros(250)),
         };
         let mut line = String::new();
-        json_line(&e, &mut line);
+        json_line(&e, &mut line, &mut Clock::default());
         assert!(line.ends_with("}\n"));
         let v: serde_json::Value = serde_json::from_str(&line).unwrap();
         assert_eq!(v["request_id"], "rid-\"1\"");
         assert_eq!(v["uri"], "/a?b=\\c");
-        assert_eq!(v["user_agent"], "ua\u{1}\n\té\u{1F600}");
+        assert_eq!(v["user_agent"], "");
         assert_eq!(v["client"], "127.0.0.1");
         assert_eq!(v["method"], "POST");
         assert_eq!(v["route"], serde_json::Value::Null);
@@ -328,6 +446,47 @@ mod tests {
         assert_eq!(v["lane"], "ultra");
         assert_eq!(v["time"], "2024-02-29T12:34:56.123Z");
         assert_eq!(v.as_object().unwrap().len(), 15);
+    }
+
+    fn lane_config(lane: &str) -> crate::config::Config {
+        let text = format!("[[listeners]]\naddress = \"127.0.0.1:0\"\n[lanes.{lane}]\nrank = 0\n");
+        let m = crate::metrics::Metrics::new();
+        crate::config::parse(std::path::Path::new("t.toml"), &text, &m).unwrap()
+    }
+
+    #[test]
+    fn strings_are_escaped_as_json() {
+        for s in ["ua\u{1}\n\té\u{1F600}", "plain", "q\"b\\", "", "\u{1f}\r"] {
+            let mut out = String::new();
+            json_str(&mut out, s);
+            let back: String = serde_json::from_str(&out).unwrap();
+            assert_eq!(back, s, "{out}");
+        }
+    }
+
+    #[test]
+    fn durations_and_addresses_read_as_before() {
+        let mut out = String::new();
+        push_ms(&mut out, Some(Duration::from_nanos(12_345_678)));
+        out.push(' ');
+        push_ms(&mut out, Some(Duration::ZERO));
+        out.push(' ');
+        push_ms(&mut out, None);
+        out.push(' ');
+        push_ip(&mut out, "10.200.3.0".parse().unwrap());
+        out.push(' ');
+        push_ip(&mut out, "::1".parse().unwrap());
+        assert_eq!(out, "12.345 0.000 null 10.200.3.0 ::1");
+        let mut c = Clock::default();
+        let t = UNIX_EPOCH + Duration::from_millis(1_709_210_096_123);
+        let mut a = String::new();
+        c.rfc3339_into(&mut a, t);
+        c.rfc3339_into(&mut a, t + Duration::from_millis(5));
+        c.rfc3339_into(&mut a, t + Duration::from_secs(86_400));
+        assert_eq!(
+            a,
+            "2024-02-29T12:34:56.123Z2024-02-29T12:34:56.128Z2024-03-01T12:34:56.123Z"
+        );
     }
 
     #[test]

@@ -106,31 +106,42 @@ fn bytes(ms: u64) -> [u8; 16] {
     b
 }
 
-fn format(b: &[u8; 16]) -> String {
+/// The canonical text of a UUID's bytes (8-4-4-4-12 lowercase hex).
+fn text(b: &[u8; 16]) -> [u8; 36] {
     const HEX: &[u8; 16] = b"0123456789abcdef";
-    let mut s = String::with_capacity(36);
+    let mut out = [b'-'; 36];
+    let mut at = 0;
     for (i, x) in b.iter().enumerate() {
         if matches!(i, 4 | 6 | 8 | 10) {
-            s.push('-');
+            at += 1;
         }
-        s.push(HEX[(x >> 4) as usize] as char);
-        s.push(HEX[(x & 15) as usize] as char);
+        out[at] = HEX[(x >> 4) as usize];
+        out[at + 1] = HEX[(x & 15) as usize];
+        at += 2;
     }
-    s
+    out
+}
+
+fn format(b: &[u8; 16]) -> String {
+    // Hex digits and dashes: always ASCII.
+    String::from_utf8_lossy(&text(b)).into_owned()
+}
+
+fn now_ms() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap_or_default()
+        .as_millis() as u64
 }
 
 /// A new UUIDv7, as text.
 pub fn new() -> String {
-    let ms = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .unwrap_or_default()
-        .as_millis() as u64;
-    format(&bytes(ms))
+    format(&bytes(now_ms()))
 }
 
 /// A new UUIDv7 as a header value.
 pub fn header_value() -> http::HeaderValue {
-    http::HeaderValue::from_maybe_shared(Bytes::from(new()))
+    http::HeaderValue::from_maybe_shared(Bytes::copy_from_slice(&text(&bytes(now_ms()))))
         .unwrap_or(http::HeaderValue::from_static("0"))
 }
 

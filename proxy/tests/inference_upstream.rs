@@ -442,3 +442,101 @@ fn sse_is_not_buffered_over_http2() {
         "events arrived together: {arrivals:?}"
     );
 }
+
+/// The data of a stream's events, parsed (`[DONE]` left out).
+fn chunks(evs: &[Arrival]) -> Vec<serde_json::Value> {
+    evs.iter()
+        .filter(|e| e.data != "[DONE]")
+        .map(|e| serde_json::from_str(&e.data).unwrap())
+        .collect()
+}
+
+#[test]
+fn a_stream_with_nothing_to_rewrite_passes_the_upstreams_events_through() {
+    let fake = Fake::start(&["--tokens", "8", "--itl-ms", "1", "--name", "fp-up"]);
+    let cfg = |lanes: &str| {
+        format!(
+            "{INFERENCE_ROUTE}{lanes}{}",
+            upstream_model("m", &[&fake], "")
+        )
+    };
+    let uf = Ultrafast::start(&cfg(""));
+    let expected = "The quick brown fox jumps over the lazy";
+    let usage_body = r#"{"model":"m","messages":[{"role":"user","content":"hi"}],"max_tokens":8,"stream":true,"stream_options":{"include_usage":true}}"#;
+    for (body, usage) in [(chat_body(8, true), false), (usage_body.to_string(), true)] {
+        let s = post_stream(uf.addr, "/v1/chat/completions", &body, &[]);
+        let (evs, comments) = read_sse(s, Duration::from_secs(10));
+        assert_eq!(evs.last().unwrap().data, "[DONE]");
+        assert_eq!(evs.iter().filter(|e| e.data == "[DONE]").count(), 1);
+        let cs = chunks(&evs);
+        // Every chunk is the upstream's own (its id and fingerprint), none
+        // the edge's.
+        for c in &cs {
+            assert!(c["id"].as_str().unwrap().starts_with("fake-"), "{c}");
+            if c["usage"].is_null() {
+                assert_eq!(c["system_fingerprint"], "fp-up", "{c}");
+            }
+        }
+        let text: String = contents(&evs).into_iter().map(|(_, t)| t).collect();
+        assert_eq!(text, expected);
+        let finish: Vec<_> = cs
+            .iter()
+            .filter_map(|c| c["choices"][0]["finish_reason"].as_str())
+            .collect();
+        assert_eq!(finish, ["length"]);
+        // The finish chunk, held to the end, carries the edge's timing.
+        let last = cs
+            .iter()
+            .find(|c| c["choices"][0]["finish_reason"].is_string())
+            .unwrap();
+        assert!(
+            last["ultrafast_timing"]["total_ms"].as_f64().unwrap() > 0.0,
+            "{last}"
+        );
+        // The usage chunk only for a client that asked for it.
+        let usages: Vec<_> = cs.iter().filter(|c| c["usage"].is_object()).collect();
+        if usage {
+            assert_eq!(usages.len(), 1);
+            assert_eq!(usages[0]["usage"]["completion_tokens"], 8);
+        } else {
+            assert!(usages.is_empty(), "{cs:?}");
+            assert!(cs
+                .iter()
+                .all(|c| !c["choices"].as_array().unwrap().is_empty()));
+        }
+        // The edge's latency breakdown still ends the stream, as a comment.
+        assert!(
+            comments
+                .iter()
+                .any(|c| c.starts_with("server-timing network;dur=")),
+            "{comments:?}"
+        );
+    }
+    // Tokens were counted without parsing the chunks, and the time to
+    // first token observed.
+    assert_eq!(
+        uf.metric("ultrafast_inference_tokens_total", &["kind=\"completion\""]),
+        16.0
+    );
+    assert_eq!(
+        uf.metric(
+            "ultrafast_inference_ttft_seconds_count",
+            &["backend=\"upstream\""]
+        ),
+        2.0
+    );
+    // On a paced lane the chunks are the edge's own, with the same text.
+    uf.write_config(&cfg(
+        "[lanes.standard]\nrank = 1\npace = \"fixed\"\npace_interval_ms = 1\n\n",
+    ));
+    assert_eq!(uf.reload().status, 200);
+    let s = post_stream(uf.addr, "/v1/chat/completions", &chat_body(8, true), &[]);
+    let (evs, _) = read_sse(s, Duration::from_secs(10));
+    let cs = chunks(&evs);
+    assert!(
+        cs.iter().all(|c| c["system_fingerprint"] == "ultrafast"),
+        "{cs:?}"
+    );
+    let text: String = contents(&evs).into_iter().map(|(_, t)| t).collect();
+    assert_eq!(text, expected);
+}

@@ -104,6 +104,18 @@ pub trait Sink: Send {
     async fn heartbeat(&mut self) -> Result<(), Gone>;
     /// A piece of text, as the pacer releases it.
     async fn text(&mut self, text: &str) -> Result<(), Gone>;
+    /// An upstream's SSE events, to write as they are. Only a sink that
+    /// asked for the pass-through (`InferenceRequest::raw_sse`: the SSE
+    /// sink) receives them; any other drops them, saying so in the log.
+    /// `end`: the stream's last events, to write at `done`.
+    async fn raw(&mut self, sse: String, end: bool) -> Result<(), Gone> {
+        let _ = end;
+        log::error!(
+            "pass-through events reached a sink that did not ask for them: {} bytes dropped",
+            sse.len()
+        );
+        Ok(())
+    }
     /// The end of a generation; `timing` is the latency breakdown so far.
     async fn done(&mut self, end: &Finished, timing: &mut Timing) -> Result<(), Gone>;
     /// A refusal or an error, before or during generation.
@@ -215,6 +227,36 @@ pub struct Delivery {
 pub trait OnText: FnMut(Instant, Option<Instant>) + Send {}
 impl<F: FnMut(Instant, Option<Instant>) + Send> OnText for F {}
 
+/// A token the backend produced: the ledger's ticket and `on_token`.
+fn produced(
+    ticket: Option<&Ticket>,
+    dispatched: Instant,
+    last_token: &mut Option<Instant>,
+    on_token: &mut impl OnText,
+    now: Instant,
+) {
+    if let Some(t) = ticket {
+        let alone = last_token
+            .is_none()
+            .then(|| now.saturating_duration_since(dispatched));
+        t.token(last_token.map(|l| now.saturating_duration_since(l)), alone);
+    }
+    on_token(now, *last_token);
+    *last_token = Some(now);
+}
+
+/// Text reached the sink: the first one is the time to first token.
+fn delivered(delivery: &mut Delivery, timing: &mut Timing, on_text: &mut impl OnText) -> Instant {
+    let at = Instant::now();
+    if delivery.first_text.is_none() {
+        delivery.first_text = Some(at);
+        timing.ttft = Some(at.saturating_duration_since(timing.arrived));
+    }
+    on_text(at, delivery.last_text);
+    delivery.last_text = Some(at);
+    at
+}
+
 enum Wake {
     Event(Option<Event>),
     PaceDue,
@@ -255,14 +297,7 @@ pub async fn drive<S: Sink + ?Sized>(
         };
         for text in due {
             sink.text(&text).await?;
-            let at = Instant::now();
-            if delivery.first_text.is_none() {
-                delivery.first_text = Some(at);
-                timing.ttft = Some(at.saturating_duration_since(timing.arrived));
-            }
-            on_text(at, delivery.last_text);
-            delivery.last_text = Some(at);
-            last_write = at;
+            last_write = delivered(delivery, timing, &mut on_text);
         }
         if let Some(end) = end {
             return match end {
@@ -300,17 +335,25 @@ pub async fn drive<S: Sink + ?Sized>(
             Wake::Event(Some(Event::Token { text, .. })) => {
                 let now = Instant::now();
                 delivery.tokens += 1;
-                if let Some(t) = ticket {
-                    let alone = last_token
-                        .is_none()
-                        .then(|| now.saturating_duration_since(dispatched));
-                    t.token(last_token.map(|l| now.saturating_duration_since(l)), alone);
-                }
-                on_token(now, last_token);
-                last_token = Some(now);
+                produced(ticket, dispatched, &mut last_token, &mut on_token, now);
                 if !text.is_empty() {
                     pacer.push(text, now);
                 }
+            }
+            Wake::Event(Some(Event::Raw { sse, tokens, end })) => {
+                // The pass-through: no pacing (it is chosen only for lanes
+                // without), the events written as they came.
+                let now = Instant::now();
+                delivery.tokens += tokens;
+                for _ in 0..tokens {
+                    produced(ticket, dispatched, &mut last_token, &mut on_token, now);
+                }
+                sink.raw(sse, end).await?;
+                last_write = if tokens > 0 {
+                    delivered(delivery, timing, &mut on_text)
+                } else {
+                    Instant::now()
+                };
             }
             Wake::Event(Some(Event::Done {
                 text,

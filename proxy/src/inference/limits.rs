@@ -167,7 +167,11 @@ impl Front {
         if wants.is_empty() {
             return Ok(Held::default());
         }
-        shared::reserve(&wants, tokens).await.map(Held).map_err(|r| {
+        // Boxed: the shared store's state is large and rarely needed.
+        Box::pin(shared::reserve(&wants, tokens))
+            .await
+            .map(Held)
+            .map_err(|r| {
             metrics.shed(lane, "token_budget");
             match r {
                 BudgetRefusal::Wait { retry_after } => {

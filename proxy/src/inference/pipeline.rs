@@ -26,7 +26,7 @@ const CLAIM_MAX_TOKENS: usize = 256;
 use std::net::IpAddr;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
-use ultrafast_engine::api::{Backend, BackendError, InferenceRequest, Prepared};
+use ultrafast_engine::api::{Backend, BackendError, InferenceRequest, Prepared, RawSse};
 
 impl From<Endpoint> for Api {
     fn from(ep: Endpoint) -> Self {
@@ -156,16 +156,22 @@ impl Front {
         if let Some(f) = &call.fallback {
             headers.push(("x-ultrafast-fallback", f.clone()));
         }
+        // Boxed: the async and dialect paths' states would otherwise size
+        // (and be copied with) every completion's future.
         if inc.prefers_async() || call.parsed.background {
-            return self.start_job(metrics, inc, call, headers, down).await;
+            return Box::pin(self.start_job(metrics, inc, call, headers, down)).await;
         }
         if call.parsed.dialect != Dialect::OpenAi {
-            return self.dialect(metrics, inc, call, headers, down).await;
+            return Box::pin(self.dialect(metrics, inc, call, headers, down)).await;
         }
         let ident = Ident::new(ep, &call.parsed.model, &inc.request_id);
         let tools = call.parsed.tools();
         if call.parsed.stream {
             let usage = call.parsed.include_usage;
+            let mut call = call;
+            if passes_through(inc, &call) {
+                call.req.raw_sse = Some(RawSse { usage });
+            }
             let mut sink = SseSink::new(down, ident, headers, usage).with_tools(tools);
             super::run::run(metrics, inc, call, &mut sink).await
         } else {
@@ -301,7 +307,11 @@ impl Front {
             Api::Responses => responses::parse(body),
         }
         .map_err(reject)?;
-        self.previous(inc, &mut parsed).await.map_err(reject)?;
+        if matches!(parsed.dialect, Dialect::Responses(_)) {
+            Box::pin(self.previous(inc, &mut parsed))
+                .await
+                .map_err(reject)?;
+        }
         let header = inc.headers.get(PRIORITY_HEADER).map(|v| v.as_bytes());
         let lanes = &inc.cfg.lanes;
         let lane = admit::lane(lanes, header, parsed.priority.as_deref(), inc.route.lane)
@@ -329,6 +339,7 @@ impl Front {
             user: parsed.user.clone(),
             structure: parsed.structure.clone(),
             passthrough: parsed.passthrough.clone(),
+            raw_sse: None,
             // Tracing off: the caller's own, passed on as a proxy would.
             traceparent: inc
                 .header("traceparent")
@@ -507,6 +518,21 @@ impl Front {
         down.head(202, &h).await?;
         down.body(bytes::Bytes::from(body), true).await
     }
+}
+
+/// Whether an OpenAI stream takes its upstream server's events as they are
+/// (the SSE pass-through): nothing to rewrite (the pool serves the model
+/// under the name the client asked for, and there are no tool calls to
+/// read: each dialect's calls come from one reader) and nothing to pace on
+/// its lane.
+fn passes_through(inc: &Incoming, call: &Call) -> bool {
+    let super::ModelBackend::Upstream(up) = &call.model.backend else {
+        return false;
+    };
+    let pace = inc.cfg.pacing.get(call.lane).copied();
+    up.spec().upstream_model == call.parsed.model
+        && !call.parsed.tools()
+        && pace.is_none_or(|p| p.mode == super::pacer::PaceMode::Off)
 }
 
 /// With `[cluster]`, write a new job's creation to the shared store (so any

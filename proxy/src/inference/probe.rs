@@ -81,6 +81,7 @@ async fn send(front: &Front, cfg: &crate::config::Config, p: &Probe) {
         user: None,
         structure: None,
         passthrough: Default::default(),
+        raw_sse: None,
     };
     let t0 = Instant::now();
     let prepared = {
@@ -96,7 +97,7 @@ async fn send(front: &Front, cfg: &crate::config::Config, p: &Probe) {
         loop {
             match rx.recv().await? {
                 Event::Token { text, .. } if !text.is_empty() => return Some(rx),
-                Event::Token { .. } => continue,
+                Event::Token { .. } | Event::Raw { .. } => continue,
                 Event::Done { .. } | Event::Error(_) => return None,
             }
         }
@@ -115,7 +116,7 @@ async fn send(front: &Front, cfg: &crate::config::Config, p: &Probe) {
                 p.watch.lock().itl(prev.elapsed());
                 prev = Instant::now();
             }
-            Event::Token { .. } => {}
+            Event::Token { .. } | Event::Raw { .. } => {}
             Event::Done { .. } | Event::Error(_) => break,
         }
     }

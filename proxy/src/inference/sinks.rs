@@ -42,6 +42,9 @@ pub struct SseSink<'a, D: Downstream + ?Sized> {
     first_chunk: bool,
     include_usage: bool,
     shaper: Option<Shaper>,
+    /// The pass-through's last events (from the upstream's finish chunk
+    /// on), written at the end with the edge's timing in the finish chunk.
+    raw_tail: Option<String>,
 }
 
 /// The finish reason a response reports: `tool_calls` when it made any.
@@ -67,6 +70,7 @@ impl<'a, D: Downstream + ?Sized> SseSink<'a, D> {
             first_chunk: true,
             include_usage,
             shaper: None,
+            raw_tail: None,
         }
     }
 
@@ -139,6 +143,16 @@ impl<D: Downstream + ?Sized> Sink for SseSink<'_, D> {
         self.down.body(line, false).await
     }
 
+    async fn raw(&mut self, sse: String, end: bool) -> Result<(), Gone> {
+        self.head().await?;
+        self.first_chunk = false;
+        if end {
+            self.raw_tail = Some(sse);
+            return Ok(());
+        }
+        self.down.body(Bytes::from(sse), false).await
+    }
+
     async fn done(&mut self, end: &Finished, t: &mut Timing) -> Result<(), Gone> {
         self.head().await?;
         if let Some(sh) = self.shaper.as_mut() {
@@ -146,15 +160,25 @@ impl<D: Downstream + ?Sized> Sink for SseSink<'_, D> {
             self.pieces(pieces).await?;
         }
         t.stamp();
-        let finish = finish_of(&self.shaper, end.finish);
-        let mut last = self.ident.chunk("", false, Some(finish));
-        last["ultrafast_timing"] = t.json();
-        self.down.body(sse::data(&last.to_string()), false).await?;
-        if self.include_usage {
-            let u = self.ident.usage_chunk(&end.usage);
-            self.down.body(sse::data(&u.to_string()), false).await?;
+        match self.raw_tail.take() {
+            // The pass-through's finish and usage chunks are the upstream's;
+            // its finish chunk gets the edge's timing, as ours does.
+            Some(tail) => {
+                let tail = with_timing(&tail, &t.json());
+                self.down.body(Bytes::from(tail), false).await?;
+            }
+            None => {
+                let finish = finish_of(&self.shaper, end.finish);
+                let mut last = self.ident.chunk("", false, Some(finish));
+                last["ultrafast_timing"] = t.json();
+                self.down.body(sse::data(&last.to_string()), false).await?;
+                if self.include_usage {
+                    let u = self.ident.usage_chunk(&end.usage);
+                    self.down.body(sse::data(&u.to_string()), false).await?;
+                }
+                t.stamp();
+            }
         }
-        t.stamp();
         let st = sse::comment(&format!("server-timing {}", t.header()));
         self.down.body(st, false).await?;
         self.down.body(Bytes::from_static(sse::DONE), true).await
@@ -168,6 +192,36 @@ impl<D: Downstream + ?Sized> Sink for SseSink<'_, D> {
         self.down.body(sse::data(&text), false).await?;
         self.down.body(Bytes::from_static(sse::DONE), true).await
     }
+}
+
+/// The pass-through's last events with `timing` added to the first (the
+/// finish chunk) as `ultrafast_timing`, inserted before the object's
+/// closing brace (the pass-through reads it as an object), so nothing is
+/// parsed again; one that is not a non-empty object stays as it came.
+fn with_timing(tail: &str, timing: &Value) -> String {
+    let (first, rest) = match tail.find("\n\n") {
+        Some(i) => tail.split_at(i + 2),
+        None => (tail, ""),
+    };
+    let body = first.trim_end();
+    let Some(open) = body.strip_prefix("data: ").map(str::trim_start) else {
+        return tail.to_string();
+    };
+    let inner = open
+        .strip_prefix('{')
+        .and_then(|o| o.strip_suffix('}'))
+        .filter(|i| !i.trim().is_empty() && !i.contains('\n'));
+    let Some(inner) = inner else {
+        return tail.to_string();
+    };
+    let mut out = String::with_capacity(tail.len() + 160);
+    out.push_str("data: {");
+    out.push_str(inner);
+    out.push_str(",\"ultrafast_timing\":");
+    out.push_str(&timing.to_string());
+    out.push_str("}\n\n");
+    out.push_str(rest);
+    out
 }
 
 /// A whole JSON response, written at the end.
@@ -373,6 +427,22 @@ mod tests {
     use std::time::{Duration, Instant};
     use tokio::sync::mpsc::unbounded_channel;
     use ultrafast_engine::api::{Event, EventStream, FinishReason, Usage};
+
+    #[test]
+    fn the_pass_throughs_finish_chunk_gets_the_timing_and_the_rest_stays() {
+        let t = serde_json::json!({"total_ms": 1.5});
+        let tail = "data: {\"choices\":[{\"finish_reason\":\"stop\"}]}\n\ndata: {\"usage\":{}}\n\n";
+        let out = with_timing(tail, &t);
+        let (first, rest) = out.split_once("\n\n").unwrap();
+        let v: Value = serde_json::from_str(first.strip_prefix("data: ").unwrap()).unwrap();
+        assert_eq!(v["ultrafast_timing"]["total_ms"], 1.5);
+        assert_eq!(v["choices"][0]["finish_reason"], "stop");
+        assert_eq!(rest, "data: {\"usage\":{}}\n\n");
+        // What is not a non-empty object is left as it came.
+        for odd in ["data: {}\n\n", "data: [1]\n\n", "event: x\n\n"] {
+            assert_eq!(with_timing(odd, &t), odd);
+        }
+    }
 
     #[derive(Default)]
     struct Mem {

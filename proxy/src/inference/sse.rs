@@ -42,7 +42,7 @@ impl Parser {
     pub fn feed(&mut self, bytes: &[u8]) -> Result<Vec<String>, String> {
         self.buf.extend_from_slice(bytes);
         let mut out = Vec::new();
-        while let Some(nl) = self.buf.iter().position(|&b| b == b'\n') {
+        while let Some(nl) = memchr::memchr(b'\n', &self.buf) {
             let line = self.buf.split_to(nl + 1);
             let mut line = &line[..nl];
             if line.last() == Some(&b'\r') {

@@ -119,3 +119,31 @@ impl Ctx {
         }
     }
 }
+
+#[cfg(test)]
+mod size_probe {
+    #[test]
+    fn print_sizes() {
+        eprintln!("Ctx {}", std::mem::size_of::<super::Ctx>());
+        eprintln!(
+            "Encoder {}",
+            std::mem::size_of::<Option<crate::compress::Encoder>>()
+        );
+        eprintln!(
+            "CacheCtx {}",
+            std::mem::size_of::<super::super::cache::CacheCtx>()
+        );
+        eprintln!(
+            "ReqTrace {}",
+            std::mem::size_of::<Option<crate::otel::ReqTrace>>()
+        );
+        eprintln!(
+            "Deadlines {}",
+            std::mem::size_of::<crate::config::Deadlines>()
+        );
+        eprintln!(
+            "Permit {}",
+            std::mem::size_of::<Option<crate::admission::gate::Permit>>()
+        );
+    }
+}

@@ -133,6 +133,8 @@ impl EdgeProxy {
         path: &str,
     ) -> std::result::Result<(), Gone> {
         let front = &self.front;
+        // The endpoints other than completions are boxed: their states would
+        // otherwise size every request's future (and its copies).
         let segs: Vec<&str> = path.trim_matches('/').split('/').collect();
         let reply = match (method, segs.as_slice()) {
             (&http::Method::POST, ["v1", "chat", "completions"]) => {
@@ -147,18 +149,24 @@ impl EdgeProxy {
             (&http::Method::POST, ["v1", "responses"]) => {
                 return self.completion(down, inc, Api::Responses).await
             }
-            (&http::Method::GET, ["v1", "responses", id]) => front.response_status(inc, id).await,
+            (&http::Method::GET, ["v1", "responses", id]) => {
+                Box::pin(front.response_status(inc, id)).await
+            }
             (&http::Method::DELETE, ["v1", "responses", id])
             | (&http::Method::POST, ["v1", "responses", id, "cancel"]) => {
-                front.response_cancel(inc, id).await
+                Box::pin(front.response_cancel(inc, id)).await
             }
             (&http::Method::GET, ["v1", "requests", id, "events"]) => {
-                return front.job_events(inc, id, down).await
+                return Box::pin(front.job_events(inc, id, down)).await
             }
             (&http::Method::GET, ["v1", "models"]) => front.models(inc),
             (&http::Method::GET, ["v1", "models", id]) => front.model(inc, id),
-            (&http::Method::GET, ["v1", "requests", id]) => front.job_status(inc, id).await,
-            (&http::Method::DELETE, ["v1", "requests", id]) => front.job_cancel(inc, id).await,
+            (&http::Method::GET, ["v1", "requests", id]) => {
+                Box::pin(front.job_status(inc, id)).await
+            }
+            (&http::Method::DELETE, ["v1", "requests", id]) => {
+                Box::pin(front.job_cancel(inc, id)).await
+            }
             (
                 _,
                 ["v1", "chat", "completions"]

@@ -226,7 +226,10 @@ impl ProxyHttp for EdgeProxy {
             return Ok(true);
         };
         if matches!(route.action, Action::Inference) {
-            return self.inference(session, ctx, &route).await;
+            // Boxed: inline, the inference pipeline's state would make
+            // every request's `request_filter` future (which async_trait
+            // boxes, copying all of it) some 18 KB, proxied ones included.
+            return Box::pin(self.inference(session, ctx, &route)).await;
         }
         if matches!(route.action, Action::Proxy(_)) && crate::otel::enabled() {
             let req = session.req_header();
@@ -402,14 +405,16 @@ impl ProxyHttp for EdgeProxy {
             .and_then(|a| a.as_inet())
             .map(|a| a.ip())
         {
-            let xff = match req
+            let mut xff = String::with_capacity(48);
+            if let Some(prev) = req
                 .headers
                 .get("x-forwarded-for")
                 .and_then(|v| v.to_str().ok())
             {
-                Some(prev) => format!("{prev}, {ip}"),
-                None => ip.to_string(),
-            };
+                xff.push_str(prev);
+                xff.push_str(", ");
+            }
+            crate::accesslog::push_ip(&mut xff, ip);
             req.insert_header("x-forwarded-for", xff)?;
         }
         req.insert_header("x-forwarded-proto", if ctx.tls { "https" } else { "http" })?;
@@ -594,40 +599,26 @@ impl ProxyHttp for EdgeProxy {
             return;
         }
         let req = session.req_header();
-        let upstream = ctx.member().map(|m| m.addr.to_string());
         self.log.log(Entry {
             time: ctx.started_wall,
-            request_id: ctx.request_id.to_str().unwrap_or("").to_string(),
-            lane: ctx
-                .cfg
-                .lanes
-                .get(ctx.lane)
-                .map(|l| l.name.clone())
-                .unwrap_or_default(),
-            queue_ms: ctx.queue_wait.map(|d| d.as_secs_f64() * 1000.0),
+            request_id: ctx.request_id.clone(),
+            config: ctx.cfg.clone(),
+            lane: ctx.lane,
+            queue: ctx.queue_wait,
             client: session
                 .client_addr()
                 .and_then(|a| a.as_inet())
                 .map(|a| a.ip()),
             method: req.method.clone(),
-            uri: req
-                .uri
-                .path_and_query()
-                .map(|p| p.as_str().to_string())
-                .unwrap_or_default(),
+            uri: req.uri.path_and_query().cloned(),
             route: ctx.route.clone(),
-            upstream,
+            upstream: ctx.member().map(|m| m.addr),
             status,
             bytes: session.body_bytes_sent(),
             total: ctx.started.elapsed(),
             upstream_time: ctx.upstream_time,
             tries: ctx.tried.len() as u32,
-            user_agent: req
-                .headers
-                .get(http::header::USER_AGENT)
-                .and_then(|v| v.to_str().ok())
-                .unwrap_or("")
-                .to_string(),
+            user_agent: req.headers.get(http::header::USER_AGENT).cloned(),
         });
     }
 }

@@ -363,7 +363,8 @@ impl Backend for UpstreamBackend {
         let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
         let work = crate::drain::Work::start(crate::drain::Kind::UpstreamStream);
         let mut opened = opened;
-        let sent = relay::send_leading(&mut opened, &tx);
+        let keep_raw = req.raw_sse.is_some() && self.spec.attempts > 0 && self.resumable(&req);
+        let sent = relay::send_leading(&mut opened, &tx, keep_raw);
         let relay = self.clone().relay(opened, req, prepared, tx, sent);
         tokio::spawn(async move {
             let _work = work;

@@ -27,6 +27,8 @@ pub(super) struct Ids<'a> {
     pub traceparent: Option<&'a str>,
     /// The request's stop sequences (to name the one that ended it).
     pub stops: &'a [String],
+    /// The pass-through, when the client takes the events as they are.
+    pub raw: Option<ultrafast_engine::api::RawSse>,
 }
 
 impl<'a> Ids<'a> {
@@ -36,6 +38,7 @@ impl<'a> Ids<'a> {
             request_id: &req.request_id,
             traceparent: req.traceparent.as_deref(),
             stops: &req.stop,
+            raw: req.raw_sse,
         }
     }
 }
@@ -311,7 +314,7 @@ impl UpstreamBackend {
         if status != 200 {
             return Err(refused(&mut s, m, status).await);
         }
-        let mut st = StreamState::with_stops(ids.stops);
+        let mut st = StreamState::with_stops(ids.stops).forwarding(ids.raw);
         let mut first = Vec::new();
         loop {
             let chunk = s
@@ -328,7 +331,12 @@ impl UpstreamBackend {
             if let Some(Event::Error(e)) = first.last() {
                 return Err(TryError::Retry(format!("{}: {e}", m.label)));
             }
-            if !first.is_empty() {
+            // Forwarded events without text (a role chunk) wait with the
+            // opening: the first token is what a hedge races for.
+            if first
+                .iter()
+                .any(|e| !matches!(e, Event::Raw { tokens: 0, .. }))
+            {
                 return Ok((s, st, first));
             }
         }

@@ -28,12 +28,50 @@ enum End {
 pub(super) struct Sent {
     text: String,
     tokens: usize,
+    /// Forwarded events, kept (when the stream may be continued) to be
+    /// read only if it breaks.
+    raw: Option<String>,
 }
 
 impl Sent {
+    /// Nothing yet; `keep_raw` keeps forwarded events for a continuation.
+    fn new(keep_raw: bool) -> Self {
+        Sent {
+            raw: keep_raw.then(String::new),
+            ..Sent::default()
+        }
+    }
+
     fn add(&mut self, text: &str) {
         self.text.push_str(text);
         self.tokens += 1;
+    }
+
+    fn add_event(&mut self, e: &Event) {
+        match e {
+            Event::Token { text, .. } => self.add(text),
+            Event::Raw { sse, tokens, .. } => {
+                self.tokens += tokens;
+                if let Some(r) = self.raw.as_mut() {
+                    r.push_str(sse);
+                }
+            }
+            Event::Done { .. } | Event::Error(_) => {}
+        }
+    }
+
+    /// The text of the forwarded events, read now that the stream broke
+    /// and is to be continued.
+    fn read_raw(&mut self) {
+        let Some(raw) = self.raw.take() else { return };
+        let mut st = super::stream::StreamState::default();
+        let mut evs = Vec::new();
+        st.feed(raw.as_bytes(), &mut evs);
+        for e in evs {
+            if let Event::Token { text, .. } = e {
+                self.text.push_str(&text);
+            }
+        }
     }
 }
 
@@ -41,17 +79,15 @@ impl Sent {
 /// client's first chunk then does not wait for the relay task to be
 /// scheduled (a hand-over measured at about 45 us of time to first token).
 /// What follows them (more tokens, the end) is the relay's.
-pub(super) fn send_leading(o: &mut Opened, tx: &UnboundedSender<Event>) -> Sent {
-    let mut sent = Sent::default();
+pub(super) fn send_leading(o: &mut Opened, tx: &UnboundedSender<Event>, keep_raw: bool) -> Sent {
+    let mut sent = Sent::new(keep_raw);
     let n = o
         .first
         .iter()
-        .take_while(|e| matches!(e, Event::Token { .. }))
+        .take_while(|e| matches!(e, Event::Token { .. } | Event::Raw { .. }))
         .count();
     for e in o.first.drain(..n) {
-        if let Event::Token { text, .. } = &e {
-            sent.add(text);
-        }
+        sent.add_event(&e);
         // The receiver is not handed out yet: this cannot fail.
         let _ = tx.send(e);
     }
@@ -97,6 +133,7 @@ impl UpstreamBackend {
             }
             let broken = o.member.addr;
             drop(o);
+            sent.read_raw();
             failovers += 1;
             log::warn!(
                 "inference pool {}: {why}; continuing on another member after {} token(s)",
@@ -104,16 +141,23 @@ impl UpstreamBackend {
                 sent.tokens
             );
             let (path, body) = self.body(&req, &prepared, Some((&sent.text, sent.tokens)));
-            let next = self
-                .first_token(
-                    &path,
-                    &body,
-                    super::open::Ids::of(&req),
-                    prepared.prefix_hash,
-                    &[broken],
-                    false,
-                )
-                .await;
+            // The continuation is read, not forwarded: its chunks are the
+            // edge's own, numbered on from what the client received.
+            let ids = super::open::Ids {
+                raw: None,
+                ..super::open::Ids::of(&req)
+            };
+            // Boxed: inline, the opening's state would be part of every
+            // relay task, copied whole when the task is spawned.
+            let next = Box::pin(self.first_token(
+                &path,
+                &body,
+                ids,
+                prepared.prefix_hash,
+                &[broken],
+                false,
+            ))
+            .await;
             match next {
                 Ok(n) => {
                     self.spec.counters.failovers.inc();
@@ -138,8 +182,8 @@ impl UpstreamBackend {
                 match e {
                     Event::Error(why) => return End::Broken(why),
                     Event::Done { .. } => return End::Done(e),
-                    Event::Token { ref text, .. } => {
-                        sent.add(text);
+                    Event::Token { .. } | Event::Raw { .. } => {
+                        sent.add_event(&e);
                         if tx.send(e).is_err() {
                             return End::Gone;
                         }

@@ -1,6 +1,12 @@
 //! The SSE of one upstream response, turned into the backend's events:
 //! tokens as they come, then one `Done` (with the upstream's usage when it
 //! sent one) or one `Error` (malformed SSE, an error object).
+//!
+//! In the pass-through (`RawSse`), events are forwarded as they are
+//! (`Event::Raw`, all the events of one read together) and only scanned:
+//! for their boundaries, for whether they carry text (counted as a token),
+//! and for the few that need a parse (a finish, usage, an error), which
+//! then go through the same reading as above.
 
 use super::super::sse::Parser;
 use serde::Deserialize;
@@ -8,7 +14,7 @@ use serde_json::Value;
 use std::borrow::Cow;
 use std::ops::ControlFlow;
 use std::time::Duration;
-use ultrafast_engine::api::{Event, FinishReason, Usage};
+use ultrafast_engine::api::{Event, FinishReason, RawSse, Usage};
 
 /// The fields of an OpenAI stream chunk the relay reads.
 #[derive(Deserialize)]
@@ -55,6 +61,11 @@ pub(super) struct StreamState {
     call: Option<(u64, bool)>,
     /// The request's stop sequences.
     stops: Vec<String>,
+    /// Set for the pass-through: events go out as `Event::Raw`.
+    raw: Option<RawSse>,
+    /// The pass-through's events from the finish chunk on, held for the
+    /// end (the finish chunk gets the edge's timing there).
+    tail: Forwarded,
 }
 
 impl StreamState {
@@ -65,6 +76,12 @@ impl StreamState {
             stops: stops.to_vec(),
             ..StreamState::default()
         }
+    }
+
+    /// Forward the events as they are (the pass-through).
+    pub(super) fn forwarding(mut self, raw: Option<RawSse>) -> Self {
+        self.raw = raw;
+        self
     }
 
     /// Turn bytes into events (tokens, then at most one `Done` or `Error`).
@@ -80,31 +97,102 @@ impl StreamState {
                 return;
             }
         };
+        // Sized once for what came in (what goes out is about that, plus
+        // framing): a growing string reallocates, which costs more than
+        // the copy.
+        let mut raw = Forwarded {
+            sse: String::with_capacity(if self.raw.is_some() { bytes.len() + 16 } else { 0 }),
+            tokens: 0,
+        };
         for d in datas {
             if d.trim() == "[DONE]" {
+                raw.flush(out);
+                self.tail.flush_end(out);
                 self.close_call(out);
                 self.done = true;
                 out.push(self.done_event());
                 return;
             }
-            // The typed, borrowing parse first (a token's text is usually
-            // borrowed straight from the bytes); anything it cannot read
-            // goes through the lenient `Value` path, as before.
-            let step = match serde_json::from_str::<Chunk<'_>>(&d) {
-                Ok(c) => self.typed(c, out),
-                Err(_) => match serde_json::from_str::<Value>(&d) {
-                    Ok(v) => self.value(&v, out),
-                    Err(e) => {
-                        self.failed = true;
-                        out.push(Event::Error(format!("upstream sent malformed SSE: {e}")));
-                        return;
-                    }
-                },
+            let step = match self.raw {
+                Some(mode) => self.forward(&d, mode, &mut raw, out),
+                None => self.read(&d, out),
             };
             if step.is_break() {
                 return;
             }
         }
+        raw.flush(out);
+    }
+
+    /// Read one event's data into events.
+    fn read(&mut self, d: &str, out: &mut Vec<Event>) -> ControlFlow<()> {
+        // The typed, borrowing parse first (a token's text is usually
+        // borrowed straight from the bytes); anything it cannot read goes
+        // through the lenient `Value` path, as before.
+        match serde_json::from_str::<Chunk<'_>>(d) {
+            Ok(c) => self.typed(c, out),
+            Err(_) => match serde_json::from_str::<Value>(d) {
+                Ok(v) => self.value(&v, out),
+                Err(e) => {
+                    self.failed = true;
+                    out.push(Event::Error(format!("upstream sent malformed SSE: {e}")));
+                    ControlFlow::Break(())
+                }
+            },
+        }
+    }
+
+    /// The pass-through of one event: scanned, and read only when it
+    /// finishes, counts or fails; forwarded unless it is an error or the
+    /// usage chunk of a client that did not ask for one.
+    fn forward(
+        &mut self,
+        d: &str,
+        mode: RawSse,
+        raw: &mut Forwarded,
+        out: &mut Vec<Event>,
+    ) -> ControlFlow<()> {
+        let b = d.as_bytes();
+        // Something that cannot be a JSON object (a cut or garbled event)
+        // is read too, so that it fails as malformed, as it would parsed.
+        let object = {
+            let t = b.trim_ascii();
+            t.first() == Some(&b'{') && t.last() == Some(&b'}')
+        };
+        let read = !object
+            || [&b"\"finish_reason\""[..], b"\"usage\"", b"\"error\""]
+                .iter()
+                .any(|k| value_at(b, k).is_some_and(|v| !v.starts_with(b"null")));
+        let finished = self.finish.is_some();
+        if !read {
+            let tokens = usize::from(carries_text(b));
+            self.chunks += tokens;
+            let to = if finished { &mut self.tail } else { raw };
+            to.push(d, tokens);
+            return ControlFlow::Continue(());
+        }
+        let had_usage = self.usage.is_some();
+        let mut seen = Vec::new();
+        if self.read(d, &mut seen).is_break() {
+            raw.flush(out);
+            out.append(&mut seen);
+            return ControlFlow::Break(());
+        }
+        let tokens = seen.len();
+        let usage_only = tokens == 0
+            && !had_usage
+            && self.usage.is_some()
+            && value_at(b, b"\"finish_reason\"").is_none_or(|v| v.starts_with(b"null"));
+        if !usage_only || mode.usage {
+            // From the finish chunk on, events wait for the end.
+            let to = if finished || self.finish.is_some() {
+                &mut self.tail
+            } else {
+                raw
+            };
+            to.push(d, tokens);
+        }
+        ControlFlow::Continue(())
     }
 
     fn typed(&mut self, c: Chunk<'_>, out: &mut Vec<Event>) -> ControlFlow<()> {
@@ -274,6 +362,85 @@ impl StreamState {
     }
 }
 
+/// The events of one read that go out as they are.
+#[derive(Default)]
+struct Forwarded {
+    sse: String,
+    tokens: usize,
+}
+
+impl Forwarded {
+    /// One event's data, framed again as the upstream framed it (a
+    /// multi-line data keeps one `data:` line per line).
+    fn push(&mut self, data: &str, tokens: usize) {
+        self.sse.push_str("data: ");
+        if data.contains('\n') {
+            self.sse.push_str(&data.replace('\n', "\ndata: "));
+        } else {
+            self.sse.push_str(data);
+        }
+        self.sse.push_str("\n\n");
+        self.tokens += tokens;
+    }
+
+    /// What was gathered, as one event for the consumer.
+    fn flush(&mut self, out: &mut Vec<Event>) {
+        self.emit(out, false);
+    }
+
+    /// What was gathered, as the stream's last events.
+    fn flush_end(&mut self, out: &mut Vec<Event>) {
+        self.emit(out, true);
+    }
+
+    fn emit(&mut self, out: &mut Vec<Event>, end: bool) {
+        if !self.sse.is_empty() {
+            out.push(Event::Raw {
+                sse: std::mem::take(&mut self.sse),
+                tokens: std::mem::take(&mut self.tokens),
+                end,
+            });
+        }
+    }
+}
+
+/// The keys the pass-through looks for.
+const KEYS: [&[u8]; 6] = [
+    b"\"finish_reason\"",
+    b"\"usage\"",
+    b"\"error\"",
+    b"\"content\"",
+    b"\"text\"",
+    b"\"tool_calls\"",
+];
+
+/// The bytes after the first `key` (a quoted JSON key) and its colon,
+/// whitespace skipped; None when the key is absent. A key's quotes cannot
+/// occur unescaped inside a JSON string, so a match is a key (or a string
+/// value of that spelling, which only costs a parse).
+fn value_at<'a>(b: &'a [u8], key: &[u8]) -> Option<&'a [u8]> {
+    // Building a searcher costs more than searching one short event: the
+    // keys' searchers are built once.
+    static FINDERS: std::sync::LazyLock<Vec<memchr::memmem::Finder<'static>>> =
+        std::sync::LazyLock::new(|| KEYS.iter().map(memchr::memmem::Finder::new).collect());
+    let at = match KEYS.iter().position(|k| *k == key) {
+        Some(i) => FINDERS[i].find(b)?,
+        None => memchr::memmem::find(b, key)?,
+    };
+    let rest = b[at + key.len()..].trim_ascii_start();
+    let rest = rest.strip_prefix(b":")?;
+    Some(rest.trim_ascii_start())
+}
+
+/// Whether a chunk carries output: non-empty `content` or `text`, or tool
+/// calls.
+fn carries_text(b: &[u8]) -> bool {
+    let nonempty = |v: &[u8]| v.starts_with(b"\"") && v.get(1).is_some_and(|&c| c != b'"');
+    value_at(b, b"\"content\"").is_some_and(nonempty)
+        || value_at(b, b"\"text\"").is_some_and(nonempty)
+        || value_at(b, b"\"tool_calls\"").is_some_and(|v| v.starts_with(b"["))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -403,6 +570,52 @@ mod tests {
             ),
             "{out:?}"
         );
+    }
+
+    #[test]
+    fn the_pass_through_forwards_events_and_holds_the_finish_for_the_end() {
+        let role = b"data: {\"choices\":[{\"delta\":{\"role\":\"assistant\",\"content\":\"\"},\"finish_reason\":null}]}\n\n";
+        let text = b"data: {\"choices\": [{\"delta\": {\"content\": \"Hi\"}, \"finish_reason\": null}]}\n\n";
+        let tail = b"data: {\"choices\":[{\"delta\":{},\"finish_reason\":\"length\"}]}\n\ndata: {\"choices\":[],\"usage\":{\"prompt_tokens\":5,\"completion_tokens\":1}}\n\ndata: [DONE]\n\n";
+        for usage in [false, true] {
+            let mut st = StreamState::default().forwarding(Some(RawSse { usage }));
+            let mut out = Vec::new();
+            st.feed(role, &mut out);
+            st.feed(text, &mut out);
+            st.feed(tail, &mut out);
+            let raws: Vec<(&str, usize, bool)> = out
+                .iter()
+                .filter_map(|e| match e {
+                    Event::Raw { sse, tokens, end } => Some((sse.as_str(), *tokens, *end)),
+                    _ => None,
+                })
+                .collect();
+            // Forwarded as they came: the role chunk counts no token.
+            assert_eq!(raws[0], (std::str::from_utf8(role).unwrap(), 0, false));
+            assert_eq!(raws[1], (std::str::from_utf8(text).unwrap(), 1, false));
+            // The finish chunk (and the usage chunk, if asked for) last.
+            assert!(raws[2].2 && raws[2].0.contains("\"length\""));
+            assert_eq!(raws[2].0.contains("usage"), usage, "{}", raws[2].0);
+            assert_eq!(raws.len(), 3);
+            match out.last().unwrap() {
+                Event::Done { finish, usage, .. } => {
+                    assert_eq!(*finish, FinishReason::Length);
+                    assert_eq!(usage.completion_tokens, 1);
+                }
+                e => panic!("{e:?}"),
+            }
+        }
+        // A garbled event or an error object fails as it does parsed.
+        for bad in [
+            &b"data: {not json\n\n"[..],
+            b"data: {\"error\":{\"message\":\"boom\"}}\n\n",
+        ] {
+            let mut st = StreamState::default().forwarding(Some(RawSse { usage: false }));
+            let mut out = Vec::new();
+            st.feed(text, &mut out);
+            st.feed(bad, &mut out);
+            assert!(matches!(out.last(), Some(Event::Error(_))), "{out:?}");
+        }
     }
 
     #[test]
