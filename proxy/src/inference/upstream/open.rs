@@ -278,8 +278,10 @@ impl UpstreamBackend {
         let retry = |what: &str, e: &dyn std::fmt::Display| {
             TryError::Retry(format!("{} ({}): {what}: {e}", m.label, m.addr))
         };
-        let (mut s, _reused) = connector()
-            .get_http_session(peer)
+        // Boxed: a new connection's state (TCP and TLS handshakes) is some
+        // kilobytes, and inline it would size every opening, and the relay
+        // task spawned with it, for the usual pooled connection too.
+        let (mut s, _reused) = Box::pin(connector().get_http_session(peer))
             .await
             .map_err(|e| retry("connect", &e))?;
         s.set_read_timeout(Some(self.spec.stall));

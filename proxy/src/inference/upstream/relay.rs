@@ -115,7 +115,8 @@ impl UpstreamBackend {
                 End::Gone => return,
                 End::Done(ev) => {
                     let _ = tx.send(resumed_usage(ev, before));
-                    self.release(o).await;
+                    // Boxed: the pool's state would size the relay task.
+                    Box::pin(self.release(o)).await;
                     return;
                 }
                 End::Broken(why) => why,

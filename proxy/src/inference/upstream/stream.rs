@@ -101,7 +101,11 @@ impl StreamState {
         // framing): a growing string reallocates, which costs more than
         // the copy.
         let mut raw = Forwarded {
-            sse: String::with_capacity(if self.raw.is_some() { bytes.len() + 16 } else { 0 }),
+            sse: String::with_capacity(if self.raw.is_some() {
+                bytes.len() + 16
+            } else {
+                0
+            }),
             tokens: 0,
         };
         for d in datas {
