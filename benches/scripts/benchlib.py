@@ -1,6 +1,6 @@
 """Shared helpers of the benchmark scripts: ports, child processes that are
 always stopped with their whole tree, readiness waits, percentiles."""
-import os, signal, socket, subprocess, time
+import os, signal, socket, subprocess, sys, time
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 
@@ -62,3 +62,25 @@ def pct_ms(values, q):
         return float("nan")
     v = sorted(values)
     return v[min(len(v) - 1, int(q * len(v)))] * 1000
+
+
+def callgrind(cmd, out, log):
+    """Start `cmd` under callgrind, writing its counts to `out` at exit
+    (per-line counts off: per-function counts are what the scripts read)."""
+    return spawn(["valgrind", "--tool=callgrind", f"--callgrind-out-file={out}", "--dump-line=no", *cmd],
+                 stdout=subprocess.DEVNULL, stderr=open(log, "w"), env={**os.environ, "RUST_LOG": "warn"})
+
+
+def callgrind_stop(p, out):
+    """SIGINT (Pingora's fast shutdown; callgrind writes its file at exit),
+    then the run's total instructions."""
+    try:
+        os.kill(p.pid, signal.SIGINT)
+        p.wait(timeout=120)
+    finally:
+        stop_tree(p)
+    with open(out) as f:
+        for line in f:
+            if line.startswith(("summary:", "totals:")):
+                return int(line.split()[1])
+    sys.exit(f"no totals in {out}")

@@ -19,7 +19,7 @@ Build first: cargo build --release -p ultrafast -p ultrafast-benches;
 needs valgrind and nginx. Loopback only; every process is stopped by PID.
 """
 import argparse, os, re, shutil, signal, socket, subprocess, sys, tempfile, time
-from benchlib import ROOT, free_port, spawn, stop_tree, wait_port
+from benchlib import ROOT, callgrind, callgrind_stop, free_port, spawn, stop_tree, wait_port
 
 
 def origin(tmp):
@@ -72,23 +72,13 @@ def drive(port, n):
 def one(kind, a, tmp, oport, n):
     port = free_port()
     out = os.path.join(tmp, f"cg-{kind}-{n}.out")
-    cmd = ["valgrind", "--tool=callgrind", f"--callgrind-out-file={out}", "--dump-line=no"]
-    p = spawn(cmd + proxy_cmd(kind, a, tmp, port, oport), stdout=subprocess.DEVNULL,
-              stderr=open(os.path.join(tmp, f"vg-{kind}-{n}.log"), "w"),
-              env={**os.environ, "RUST_LOG": "warn"})
+    p = callgrind(proxy_cmd(kind, a, tmp, port, oport), out, os.path.join(tmp, f"vg-{kind}-{n}.log"))
     try:
         wait_port(port, limit=120)
         drive(port, n)
-        # SIGINT: Pingora's fast shutdown; callgrind writes its file at exit.
-        os.kill(p.pid, signal.SIGINT)
-        p.wait(timeout=120)
     finally:
-        stop_tree(p)
-    with open(out) as f:
-        for line in f:
-            if line.startswith(("summary:", "totals:")):
-                return int(line.split()[1]), out
-    sys.exit(f"no totals in {out}")
+        total = callgrind_stop(p, out)
+    return total, out
 
 
 def functions(out):

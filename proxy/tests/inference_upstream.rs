@@ -525,6 +525,20 @@ fn a_stream_with_nothing_to_rewrite_passes_the_upstreams_events_through() {
         ),
         2.0
     );
+    // A server that takes no `stream_options` sends no usage chunk: a
+    // client that asks for one gets the edge's.
+    uf.write_config(&format!(
+        "{INFERENCE_ROUTE}{}",
+        upstream_model_in("m", &[&fake], "dialect = \"llamacpp\"", "")
+    ));
+    assert_eq!(uf.reload().status, 200);
+    let s = post_stream(uf.addr, "/v1/chat/completions", usage_body, &[]);
+    let (evs, _) = read_sse(s, Duration::from_secs(10));
+    let cs = chunks(&evs);
+    let usages: Vec<_> = cs.iter().filter(|c| c["usage"].is_object()).collect();
+    assert_eq!(usages.len(), 1, "{cs:?}");
+    assert_eq!(usages[0]["system_fingerprint"], "ultrafast");
+    assert_eq!(usages[0]["usage"]["completion_tokens"], 8);
     // On a paced lane the chunks are the edge's own, with the same text.
     uf.write_config(&cfg(
         "[lanes.standard]\nrank = 1\npace = \"fixed\"\npace_interval_ms = 1\n\n",

@@ -522,15 +522,19 @@ impl Front {
 
 /// Whether an OpenAI stream takes its upstream server's events as they are
 /// (the SSE pass-through): nothing to rewrite (the pool serves the model
-/// under the name the client asked for, and there are no tool calls to
-/// read: each dialect's calls come from one reader) and nothing to pace on
-/// its lane.
+/// under the name the client asked for, there are no tool calls to read:
+/// each dialect's calls come from one reader, and a usage chunk asked for
+/// comes from the server) and nothing to pace on its lane.
 fn passes_through(inc: &Incoming, call: &Call) -> bool {
     let super::ModelBackend::Upstream(up) = &call.model.backend else {
         return false;
     };
     let pace = inc.cfg.pacing.get(call.lane).copied();
-    up.spec().upstream_model == call.parsed.model
+    // A server that takes no `stream_options` sends no usage chunk: a
+    // client that asked for one gets the edge's, from the parsing path.
+    let usage = !call.parsed.include_usage || up.spec().pool.settings.dialect.caps().stream_options;
+    usage
+        && up.spec().upstream_model == call.parsed.model
         && !call.parsed.tools()
         && pace.is_none_or(|p| p.mode == super::pacer::PaceMode::Off)
 }

@@ -1,0 +1,98 @@
+#!/usr/bin/env python3
+"""Instructions per streamed completion through ultrafast's upstream path,
+under callgrind: ultrafast in front of `fake-openai --tokens 16 --itl-ms 1
+--ttft-ms 5` (the pass-through case of inference_bench.py, lane `standard`
+with pacing off), serving N1 and then N2 streamed chat completions one
+after another, each on its own connection; per request = (I(N2) - I(N1)) /
+(N2 - N1), which cancels start-up and shutdown. With --top, the functions
+with the largest inclusive cost per request are listed.
+
+usage: benches/scripts/sse_instructions.py [--n1 50] [--n2 250] [--top 0]
+Build first: cargo build --release -p ultrafast -p ultrafast-benches; needs
+valgrind. Loopback only; every process is stopped by PID.
+"""
+import argparse, json, os, re, socket, subprocess, sys, tempfile, shutil
+from benchlib import ROOT, callgrind, callgrind_stop, free_port, spawn, stop_tree, wait_port
+
+REL = os.path.join(ROOT, "target/release")
+
+
+def run(n, tmp, fport):
+    port, admin = free_port(), free_port()
+    conf = os.path.join(tmp, f"uf-{n}.toml")
+    with open(conf, "w") as f:
+        f.write(f'[server]\nthreads = 1\npid_file = "{tmp}/uf-{n}.pid"\nupgrade_sock = "{tmp}/uf-{n}.sock"\n'
+                f'[admin]\nlisten = "127.0.0.1:{admin}"\n[log]\naccess_log = "off"\n'
+                f'[[listeners]]\nname = "http"\naddress = "127.0.0.1:{port}"\n'
+                '[[routes]]\nname = "openai"\npath = "/v1/"\ninference = true\n'
+                f'[pools.f]\nmembers = [{{ addr = "127.0.0.1:{fport}" }}]\nkeepalive_idle_s = 60\n'
+                '[models.m]\nbackend = "upstream"\npool = "f"\nmax_concurrency = 0\n'
+                '[lanes.standard]\nrank = 1\npace = "off"\n')
+    out = os.path.join(tmp, f"cg-{n}.out")
+    p = callgrind([os.path.join(REL, "ultrafast"), "serve", "-c", conf], out, os.path.join(tmp, f"vg-{n}.log"))
+    try:
+        wait_port(port, limit=120)
+        body = json.dumps({"model": "m", "messages": [{"role": "user", "content": "hi"}],
+                           "max_tokens": 16, "stream": True}).encode()
+        head = (b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                b"Content-Length: %d\r\nConnection: close\r\n\r\n" % len(body))
+        for _ in range(n):
+            s = socket.create_connection(("127.0.0.1", port), 30)
+            s.settimeout(30)
+            s.sendall(head + body)
+            buf = b""
+            while b"data: [DONE]" not in buf:
+                c = s.recv(65536)
+                if not c:
+                    sys.exit("the stream ended before [DONE]")
+                buf += c
+            s.close()
+    finally:
+        total = callgrind_stop(p, out)
+    return total, out
+
+
+def inclusive(out):
+    txt = subprocess.run(["callgrind_annotate", "--inclusive=yes", "--threshold=100", out],
+                         capture_output=True, text=True).stdout
+    res = {}
+    for line in txt.splitlines():
+        m = re.match(r"\s*([\d,]+)\s+\([\s\d.]+%\)\s+(\S.*)", line)
+        if not m or m.group(2).startswith(("PROGRAM TOTALS", "events annotated", "<")):
+            continue
+        name = re.sub(r"\s+\[.*\]$", "", m.group(2).lstrip("=> "))
+        name = re.sub(r"\s+\([\d,]+x\)$", "", name).split(":", 1)[-1].strip()[:120]
+        res[name] = max(res.get(name, 0), int(m.group(1).replace(",", "")))
+    return res
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--n1", type=int, default=50)
+    ap.add_argument("--n2", type=int, default=250)
+    ap.add_argument("--top", type=int, default=0)
+    a = ap.parse_args()
+    for need in ("valgrind", "callgrind_annotate"):
+        if not shutil.which(need):
+            sys.exit(f"needs {need}")
+    tmp = tempfile.mkdtemp(prefix="uf-sse-cg-")
+    fake = spawn([os.path.join(REL, "fake-openai"), "--tokens", "16", "--itl-ms", "1", "--ttft-ms", "5",
+                  "--capacity", "1000"], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    try:
+        fport = int(fake.stdout.readline().strip().rsplit(":", 1)[1])
+        i1, f1 = run(a.n1, tmp, fport)
+        i2, f2 = run(a.n2, tmp, fport)
+        dn = a.n2 - a.n1
+        print(f"I({a.n1}) = {i1:,}  I({a.n2}) = {i2:,}  -> {(i2 - i1) / dn:,.0f} instructions per streamed request")
+        if a.top:
+            x, y = inclusive(f1), inclusive(f2)
+            rows = sorted(((y.get(k, 0) - x.get(k, 0)) / dn, k) for k in y)
+            for d, k in reversed(rows[-a.top:]):
+                print(f"{d:10,.0f}  {k}")
+    finally:
+        stop_tree(fake)
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
