@@ -213,12 +213,17 @@ fn json_line(e: &Entry, out: &mut String, clock: &mut Clock) {
     push_u64(out, u64::from(e.tries));
     out.push_str(",\"upstream\":");
     match e.upstream {
-        Some(u) => {
+        Some(SocketAddr::V4(u)) => {
             out.push('"');
-            push_ip(out, u.ip());
+            push_ip(out, IpAddr::V4(*u.ip()));
             out.push(':');
             push_u64(out, u64::from(u.port()));
             out.push('"');
+        }
+        Some(u) => {
+            // `[addr%scope]:port`, as `Display` writes it.
+            use std::fmt::Write as _;
+            let _ = write!(out, "\"{u}\"");
         }
         None => out.push_str("null"),
     }
@@ -235,8 +240,9 @@ fn push_u64(out: &mut String, n: u64) {
     out.push_str(itoa::Buffer::new().format(n));
 }
 
-/// A duration in milliseconds with microsecond digits (`1.500`), or
-/// `null`: integer arithmetic, no float formatting.
+/// A duration in milliseconds to the microsecond, written as the shortest
+/// form of that value would be (`1.5`, `0`, `12.345`), or `null`: integer
+/// arithmetic, no float formatting.
 fn push_ms(out: &mut String, d: Option<Duration>) {
     let Some(d) = d else {
         out.push_str("null");
@@ -244,7 +250,17 @@ fn push_ms(out: &mut String, d: Option<Duration>) {
     };
     let us = d.as_micros();
     push_u64(out, (us / 1000) as u64);
-    push_frac3(out, (us % 1000) as u32);
+    let mut frac = (us % 1000) as u32;
+    if frac == 0 {
+        return;
+    }
+    let mut width = 3;
+    while frac.is_multiple_of(10) {
+        frac /= 10;
+        width -= 1;
+    }
+    out.push('.');
+    push_digits(out, frac, width);
 }
 
 /// `.` and three digits.
@@ -446,6 +462,15 @@ mod tests {
         assert_eq!(v["lane"], "ultra");
         assert_eq!(v["time"], "2024-02-29T12:34:56.123Z");
         assert_eq!(v.as_object().unwrap().len(), 15);
+        // An IPv6 member as `SocketAddr` writes it (brackets, scope).
+        let e = Entry {
+            upstream: Some("[fe80::1%3]:8000".parse().unwrap()),
+            ..e
+        };
+        line.clear();
+        json_line(&e, &mut line, &mut Clock::default());
+        let v: serde_json::Value = serde_json::from_str(&line).unwrap();
+        assert_eq!(v["upstream"], "[fe80::1%3]:8000");
     }
 
     fn lane_config(lane: &str) -> crate::config::Config {
@@ -476,7 +501,13 @@ mod tests {
         push_ip(&mut out, "10.200.3.0".parse().unwrap());
         out.push(' ');
         push_ip(&mut out, "::1".parse().unwrap());
-        assert_eq!(out, "12.345 0.000 null 10.200.3.0 ::1");
+        out.push(' ');
+        push_ms(&mut out, Some(Duration::from_micros(1_500)));
+        out.push(' ');
+        push_ms(&mut out, Some(Duration::from_micros(250)));
+        out.push(' ');
+        push_ms(&mut out, Some(Duration::from_micros(1_005)));
+        assert_eq!(out, "12.345 0 null 10.200.3.0 ::1 1.5 0.25 1.005");
         let mut c = Clock::default();
         let t = UNIX_EPOCH + Duration::from_millis(1_709_210_096_123);
         let mut a = String::new();

@@ -38,7 +38,7 @@ use std::future::Future;
 use std::pin::Pin;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
-use std::task::{Context, Poll};
+use std::task::{ready, Context, Poll};
 use std::time::Duration;
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 
@@ -265,6 +265,8 @@ pub struct HeadDeadline {
     body: std::sync::Mutex<Body>,
     /// On an h2c listener, the time to tell the preface from HTTP/1.
     preface_timeout: Option<Duration>,
+    /// Written bytes not yet sent: a head waits for its first body bytes.
+    wbuf: super::wbuf::WriteBuf,
     /// Closed at the preface deadline.
     preface_closed: Option<prometheus::IntCounter>,
 }
@@ -377,6 +379,7 @@ impl HeadDeadline {
             body: std::sync::Mutex::new(Body::default()),
             preface_timeout: None,
             preface_closed: None,
+            wbuf: Default::default(),
         };
         // The first head is timed from the accept, as nginx times it.
         if s.phase != Phase::Off {
@@ -621,22 +624,34 @@ impl AsyncWrite for HeadDeadline {
         cx: &mut Context<'_>,
         buf: &[u8],
     ) -> Poll<std::io::Result<usize>> {
-        if self.replaces(buf) {
-            return self.poll_replace(cx, buf.len());
+        let this = &mut *self;
+        if this.replaces(buf) {
+            ready!(this.wbuf.poll_send(&mut this.inner, cx))?;
+            return this.poll_replace(cx, buf.len());
         }
-        let r = Pin::new(&mut self.inner).poll_write(cx, buf);
+        if this.wbuf.takes(buf.len()) {
+            this.wbuf.hold(buf);
+            this.wrote(buf);
+            return Poll::Ready(Ok(buf.len()));
+        }
+        ready!(this.wbuf.poll_send(&mut this.inner, cx))?;
+        let r = Pin::new(&mut this.inner).poll_write(cx, buf);
         if let Poll::Ready(Ok(n)) = r {
-            self.wrote(&buf[..n]);
+            this.wrote(&buf[..n]);
         }
         r
     }
 
     fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
-        Pin::new(&mut self.inner).poll_flush(cx)
+        let this = &mut *self;
+        ready!(this.wbuf.poll_send(&mut this.inner, cx))?;
+        Pin::new(&mut this.inner).poll_flush(cx)
     }
 
     fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
-        Pin::new(&mut self.inner).poll_shutdown(cx)
+        let this = &mut *self;
+        ready!(this.wbuf.poll_send(&mut this.inner, cx))?;
+        Pin::new(&mut this.inner).poll_shutdown(cx)
     }
 
     fn poll_write_vectored(
@@ -652,14 +667,26 @@ impl AsyncWrite for HeadDeadline {
             head[..n].copy_from_slice(&b[..n]);
             n
         });
-        if self.replaces(&head[..len]) {
-            let total = bufs.iter().map(|b| b.len()).sum();
-            return self.poll_replace(cx, total);
+        let this = &mut *self;
+        let total: usize = bufs.iter().map(|b| b.len()).sum();
+        if this.replaces(&head[..len]) {
+            ready!(this.wbuf.poll_send(&mut this.inner, cx))?;
+            return this.poll_replace(cx, total);
         }
-        let r = Pin::new(&mut self.inner).poll_write_vectored(cx, bufs);
+        if this.wbuf.takes(total) {
+            for b in bufs {
+                this.wbuf.hold(b);
+            }
+            if total > 0 {
+                this.wrote(&head[..len]);
+            }
+            return Poll::Ready(Ok(total));
+        }
+        ready!(this.wbuf.poll_send(&mut this.inner, cx))?;
+        let r = Pin::new(&mut this.inner).poll_write_vectored(cx, bufs);
         if let Poll::Ready(Ok(n)) = &r {
             if *n > 0 {
-                self.wrote(&head[..len.min(*n)]);
+                this.wrote(&head[..len.min(*n)]);
             }
         }
         r
@@ -673,6 +700,8 @@ impl AsyncWrite for HeadDeadline {
 #[async_trait]
 impl Shutdown for HeadDeadline {
     async fn shutdown(&mut self) {
+        // What is held goes out before the close.
+        let _ = std::future::poll_fn(|cx| self.wbuf.poll_send(&mut self.inner, cx)).await;
         self.inner.shutdown().await
     }
 }

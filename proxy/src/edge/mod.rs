@@ -15,3 +15,4 @@ pub mod listener;
 mod preface;
 pub mod ticket;
 pub mod tls;
+mod wbuf;

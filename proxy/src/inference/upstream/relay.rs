@@ -61,15 +61,18 @@ impl Sent {
     }
 
     /// The text of the forwarded events, read now that the stream broke
-    /// and is to be continued.
+    /// and is to be continued: each event on its own, so one the upstream
+    /// garbled loses only itself.
     fn read_raw(&mut self) {
         let Some(raw) = self.raw.take() else { return };
-        let mut st = super::stream::StreamState::default();
-        let mut evs = Vec::new();
-        st.feed(raw.as_bytes(), &mut evs);
-        for e in evs {
-            if let Event::Token { text, .. } = e {
-                self.text.push_str(&text);
+        for ev in raw.split_inclusive("\n\n") {
+            let mut st = super::stream::StreamState::default();
+            let mut evs = Vec::new();
+            st.feed(ev.as_bytes(), &mut evs);
+            for e in evs {
+                if let Event::Token { text, .. } = e {
+                    self.text.push_str(&text);
+                }
             }
         }
     }

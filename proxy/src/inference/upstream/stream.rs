@@ -66,6 +66,8 @@ pub(super) struct StreamState {
     /// The pass-through's events from the finish chunk on, held for the
     /// end (the finish chunk gets the edge's timing there).
     tail: Forwarded,
+    /// The pass-through is holding events for the end.
+    holding: bool,
 }
 
 impl StreamState {
@@ -157,21 +159,24 @@ impl StreamState {
         out: &mut Vec<Event>,
     ) -> ControlFlow<()> {
         let b = d.as_bytes();
-        // Something that cannot be a JSON object (a cut or garbled event)
+        // Something that cannot be one JSON object (a cut or garbled event,
+        // or two events run together without the blank line between them)
         // is read too, so that it fails as malformed, as it would parsed.
         let object = {
             let t = b.trim_ascii();
-            t.first() == Some(&b'{') && t.last() == Some(&b'}')
+            t.first() == Some(&b'{')
+                && t.last() == Some(&b'}')
+                && memchr::memchr(b'\n', t).is_none()
         };
+        let set = |v: &[u8]| !v.starts_with(b"null") && !v.starts_with(b"\"\"");
         let read = !object
             || [&b"\"finish_reason\""[..], b"\"usage\"", b"\"error\""]
                 .iter()
-                .any(|k| value_at(b, k).is_some_and(|v| !v.starts_with(b"null")));
-        let finished = self.finish.is_some();
+                .any(|k| value_at(b, k).is_some_and(set));
         if !read {
             let tokens = usize::from(carries_text(b));
             self.chunks += tokens;
-            let to = if finished { &mut self.tail } else { raw };
+            let to = if self.holding { &mut self.tail } else { raw };
             to.push(d, tokens);
             return ControlFlow::Continue(());
         }
@@ -186,14 +191,13 @@ impl StreamState {
         let usage_only = tokens == 0
             && !had_usage
             && self.usage.is_some()
-            && value_at(b, b"\"finish_reason\"").is_none_or(|v| v.starts_with(b"null"));
+            && value_at(b, b"\"finish_reason\"").is_none_or(|v| !set(v));
+        // From the finish chunk (or the usage chunk, when the server sent
+        // no finish) on, events wait for the end: the edge adds its timing
+        // there and writes no finish or usage of its own.
+        self.holding |= self.finish.is_some() || usage_only;
         if !usage_only || mode.usage {
-            // From the finish chunk on, events wait for the end.
-            let to = if finished || self.finish.is_some() {
-                &mut self.tail
-            } else {
-                raw
-            };
+            let to = if self.holding { &mut self.tail } else { raw };
             to.push(d, tokens);
         }
         ControlFlow::Continue(())
@@ -327,7 +331,8 @@ impl StreamState {
                 text: text.to_string(),
             });
         }
-        if let Some(f) = finish {
+        // Some servers send `""` for "not yet": only a reason ends it.
+        if let Some(f) = finish.filter(|f| !f.is_empty()) {
             self.close_call(out);
             self.finish = Some(if f == "length" {
                 FinishReason::Length
@@ -609,10 +614,34 @@ mod tests {
                 e => panic!("{e:?}"),
             }
         }
-        // A garbled event or an error object fails as it does parsed.
+        // A `""` finish is no finish: nothing is held back for it.
+        let mut st = StreamState::default().forwarding(Some(RawSse { usage: true }));
+        let mut out = Vec::new();
+        st.feed(
+            b"data: {\"choices\":[{\"delta\":{\"content\":\"a\"},\"finish_reason\":\"\"}]}\n\n",
+            &mut out,
+        );
+        assert!(
+            matches!(
+                &out[..],
+                [Event::Raw {
+                    tokens: 1,
+                    end: false,
+                    ..
+                }]
+            ),
+            "{out:?}"
+        );
+        // A usage chunk without a finish before it starts the held tail (the
+        // sink then writes no usage of its own).
+        st.feed(b"data: {\"choices\":[],\"usage\":{\"prompt_tokens\":1,\"completion_tokens\":1}}\n\ndata: [DONE]\n\n", &mut out);
+        assert!(matches!(&out[1], Event::Raw { end: true, .. }), "{out:?}");
+        // A garbled event, an error object, or two events run together
+        // without the blank line between them fail as they do parsed.
         for bad in [
             &b"data: {not json\n\n"[..],
             b"data: {\"error\":{\"message\":\"boom\"}}\n\n",
+            b"data: {\"choices\":[]}\ndata: {\"choices\":[]}\n\n",
         ] {
             let mut st = StreamState::default().forwarding(Some(RawSse { usage: false }));
             let mut out = Vec::new();
