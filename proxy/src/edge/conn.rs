@@ -185,6 +185,19 @@ pub fn mark_seen(stream: Option<&Stream>) {
     }
 }
 
+/// The next flush of a response head on `stream` waits for the body bytes
+/// that follow it at once, so that both leave in one write: for the
+/// edge's own streamed responses, whose head is written only when their
+/// first bytes are ready (Pingora flushes a head without `Content-Length`
+/// at once, right for a proxied stream whose body may be slow to come).
+/// Set around the head's write only (`on`, then off), so that no later
+/// flush is ever held.
+pub fn join_head_to_body(stream: Option<&Stream>, on: bool) {
+    if let Some(g) = guard(stream) {
+        g.join_head.store(on, Ordering::Relaxed);
+    }
+}
+
 /// The guard under `stream`, if it wraps it.
 fn guard(stream: Option<&Stream>) -> Option<&HeadDeadline> {
     stream.and_then(|s| s.as_any().downcast_ref::<HeadDeadline>())
@@ -267,6 +280,9 @@ pub struct HeadDeadline {
     preface_timeout: Option<Duration>,
     /// Written bytes not yet sent: a head waits for its first body bytes.
     wbuf: super::wbuf::WriteBuf,
+    /// The next flush leaves what is held for the body write that follows
+    /// ([`join_head_to_body`]).
+    join_head: AtomicBool,
     /// Closed at the preface deadline.
     preface_closed: Option<prometheus::IntCounter>,
 }
@@ -380,6 +396,7 @@ impl HeadDeadline {
             preface_timeout: None,
             preface_closed: None,
             wbuf: Default::default(),
+            join_head: AtomicBool::new(false),
         };
         // The first head is timed from the accept, as nginx times it.
         if s.phase != Phase::Off {
@@ -644,6 +661,10 @@ impl AsyncWrite for HeadDeadline {
 
     fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
         let this = &mut *self;
+        if this.join_head.swap(false, Ordering::Relaxed) && !this.wbuf.is_empty() {
+            // The head's own flush: its body follows at once.
+            return Poll::Ready(Ok(()));
+        }
         ready!(this.wbuf.poll_send(&mut this.inner, cx))?;
         Pin::new(&mut this.inner).poll_flush(cx)
     }

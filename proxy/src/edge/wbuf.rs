@@ -30,6 +30,11 @@ impl WriteBuf {
         len < CAPACITY && self.held.len() + len <= CAPACITY
     }
 
+    /// Whether nothing is held.
+    pub fn is_empty(&self) -> bool {
+        self.held.is_empty()
+    }
+
     /// Hold `bytes` (after [`takes`](Self::takes) said so).
     pub fn hold(&mut self, bytes: &[u8]) {
         if self.held.capacity() == 0 {

@@ -30,6 +30,9 @@ pub struct Gone;
 pub trait Downstream: Send {
     /// Send the response head.
     async fn head(&mut self, status: u16, headers: &[(&str, &str)]) -> Result<(), Gone>;
+    /// The next head is followed at once by body bytes (a stream's first
+    /// event): it may wait for them, to leave in one write.
+    fn body_follows(&mut self) {}
     /// Send body bytes; `end` finishes the response.
     async fn body(&mut self, bytes: Bytes, end: bool) -> Result<(), Gone>;
     /// Resolves when the client has gone away; pending forever when that

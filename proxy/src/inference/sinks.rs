@@ -105,6 +105,8 @@ impl<'a, D: Downstream + ?Sized> SseSink<'a, D> {
             ("cache-control", "no-cache"),
             ("x-accel-buffering", "no"),
         ]);
+        // Only called with the stream's first bytes ready.
+        self.down.body_follows();
         self.down.head(200, &h).await?;
         self.head_sent = true;
         Ok(())

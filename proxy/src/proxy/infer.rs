@@ -23,6 +23,8 @@ struct Down<'a> {
     watching: bool,
     /// The request came to `/v1/messages`: errors in Anthropic's shape.
     anthropic: bool,
+    /// The next head's body bytes follow at once (`Downstream::body_follows`).
+    body_follows: bool,
 }
 
 #[async_trait]
@@ -32,9 +34,23 @@ impl Downstream for Down<'_> {
         for (k, v) in headers {
             resp.insert_header(k.to_string(), *v).map_err(|_| Gone)?;
         }
-        policy::write_head(self.session, &self.policy, resp, false)
-            .await
-            .map_err(|_| Gone)
+        // A stream's head whose first bytes are ready waits for them over
+        // HTTP/1 (Pingora flushes a head without `Content-Length` at once):
+        // only the flush inside this write is held, never a later one.
+        let join =
+            std::mem::take(&mut self.body_follows) && !self.session.as_downstream().is_http2();
+        if join {
+            crate::edge::conn::join_head_to_body(self.session.as_downstream().stream(), true);
+        }
+        let r = policy::write_head(self.session, &self.policy, resp, false).await;
+        if join {
+            crate::edge::conn::join_head_to_body(self.session.as_downstream().stream(), false);
+        }
+        r.map_err(|_| Gone)
+    }
+
+    fn body_follows(&mut self) {
+        self.body_follows = true;
     }
 
     async fn body(&mut self, bytes: Bytes, end: bool) -> Result<(), Gone> {
@@ -101,6 +117,7 @@ impl EdgeProxy {
             policy: ctx.policy(),
             watching: true,
             anthropic: path.trim_end_matches('/') == "/v1/messages",
+            body_follows: false,
         };
         let front = &self.front;
         let lane = ctx.cfg.lanes.get(route.lane).map(|l| l.name.clone());

@@ -138,6 +138,7 @@ impl<'a> DialectSink<'a> {
                         ("cache-control", "no-cache"),
                         ("x-accel-buffering", "no"),
                     ]);
+                    down.body_follows();
                     down.head(200, &h).await?;
                     self.head_sent = true;
                 }
