@@ -84,3 +84,28 @@ def callgrind_stop(p, out):
             if line.startswith(("summary:", "totals:")):
                 return int(line.split()[1])
     sys.exit(f"no totals in {out}")
+
+
+def callgrind_costs(out, inclusive=False):
+    """Instructions per function of a callgrind file, from
+    callgrind_annotate: exclusive (a function's own count; with LTO it
+    includes what was inlined into it), or inclusive (with its callees)."""
+    import re
+    txt = subprocess.run(["callgrind_annotate", f"--inclusive={'yes' if inclusive else 'no'}",
+                          "--threshold=100", out], capture_output=True, text=True).stdout
+    res = {}
+    for line in txt.splitlines():
+        m = re.match(r"\s*([\d,]+)\s+\([\s\d.]+%\)\s+(\S.*)", line)
+        # "=>" and "<" lines are call-tree lines (inclusive costs of calls).
+        if not m or m.group(2).startswith(("PROGRAM TOTALS", "events annotated", "=>", "<")):
+            continue
+        name = m.group(2)
+        if name.startswith(("???:", "/")) and ":" in name:
+            name = name.split(":", 1)[1]
+        name = re.sub(r"\s+\[.*\]$", "", name)
+        name = re.sub(r"\s+\([\d,]+x\)$", "", name).strip()[:110]
+        n = int(m.group(1).replace(",", ""))
+        # Inlined pieces of one function are listed apart: their own
+        # counts add up; inclusive counts of the same function do not.
+        res[name] = max(res.get(name, 0), n) if inclusive else res.get(name, 0) + n
+    return res

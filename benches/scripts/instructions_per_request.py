@@ -19,7 +19,7 @@ Build first: cargo build --release -p ultrafast -p ultrafast-benches;
 needs valgrind and nginx. Loopback only; every process is stopped by PID.
 """
 import argparse, os, re, shutil, signal, socket, subprocess, sys, tempfile, time
-from benchlib import ROOT, callgrind, callgrind_stop, free_port, spawn, stop_tree, wait_port
+from benchlib import ROOT, callgrind, callgrind_costs, callgrind_stop, free_port, spawn, stop_tree, wait_port
 
 
 def origin(tmp):
@@ -81,29 +81,9 @@ def one(kind, a, tmp, oport, n):
     return total, out
 
 
-def functions(out):
-    """Exclusive instructions per function of a callgrind file (with LTO,
-    a function's own count includes what was inlined into it)."""
-    txt = subprocess.run(["callgrind_annotate", "--inclusive=no", "--threshold=100", out],
-                         capture_output=True, text=True).stdout
-    res = {}
-    for line in txt.splitlines():
-        m = re.match(r"\s*([\d,]+)\s+\([\s\d.]+%\)\s+(\S.*)", line)
-        # "=>" and "<" lines are call-tree lines (inclusive costs of calls).
-        if not m or m.group(2).startswith(("PROGRAM TOTALS", "events annotated", "=>", "<")):
-            continue
-        name = m.group(2)
-        if name.startswith(("???:", "/")) and ":" in name:
-            name = name.split(":", 1)[1]
-        name = re.sub(r"\s+\[.*\]$", "", name)
-        name = re.sub(r"\s+\([\d,]+x\)$", "", name).strip()[:110]
-        res[name] = res.get(name, 0) + int(m.group(1).replace(",", ""))
-    return res
-
-
 def per_request(f1, f2, dn):
     """Per-function instructions per request: the N2 run less the N1 run."""
-    a, b = functions(f1), functions(f2)
+    a, b = callgrind_costs(f1), callgrind_costs(f2)
     return {k: (b.get(k, 0) - a.get(k, 0)) / dn for k in set(a) | set(b)}
 
 

@@ -11,8 +11,8 @@ usage: benches/scripts/sse_instructions.py [--n1 50] [--n2 250] [--top 0]
 Build first: cargo build --release -p ultrafast -p ultrafast-benches; needs
 valgrind. Loopback only; every process is stopped by PID.
 """
-import argparse, json, os, re, socket, subprocess, sys, tempfile, shutil
-from benchlib import ROOT, callgrind, callgrind_stop, free_port, spawn, stop_tree, wait_port
+import argparse, json, os, socket, subprocess, sys, tempfile, shutil
+from benchlib import ROOT, callgrind, callgrind_costs, callgrind_stop, free_port, spawn, stop_tree, wait_port
 
 REL = os.path.join(ROOT, "target/release")
 
@@ -52,20 +52,6 @@ def run(n, tmp, fport):
     return total, out
 
 
-def inclusive(out):
-    txt = subprocess.run(["callgrind_annotate", "--inclusive=yes", "--threshold=100", out],
-                         capture_output=True, text=True).stdout
-    res = {}
-    for line in txt.splitlines():
-        m = re.match(r"\s*([\d,]+)\s+\([\s\d.]+%\)\s+(\S.*)", line)
-        if not m or m.group(2).startswith(("PROGRAM TOTALS", "events annotated", "<")):
-            continue
-        name = re.sub(r"\s+\[.*\]$", "", m.group(2).lstrip("=> "))
-        name = re.sub(r"\s+\([\d,]+x\)$", "", name).split(":", 1)[-1].strip()[:120]
-        res[name] = max(res.get(name, 0), int(m.group(1).replace(",", "")))
-    return res
-
-
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--n1", type=int, default=50)
@@ -85,7 +71,7 @@ def main():
         dn = a.n2 - a.n1
         print(f"I({a.n1}) = {i1:,}  I({a.n2}) = {i2:,}  -> {(i2 - i1) / dn:,.0f} instructions per streamed request")
         if a.top:
-            x, y = inclusive(f1), inclusive(f2)
+            x, y = callgrind_costs(f1, True), callgrind_costs(f2, True)
             rows = sorted(((y.get(k, 0) - x.get(k, 0)) / dn, k) for k in y)
             for d, k in reversed(rows[-a.top:]):
                 print(f"{d:10,.0f}  {k}")
