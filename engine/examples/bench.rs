@@ -194,7 +194,37 @@ fn steps_mode(l: Arc<Loaded>, ctx: usize) {
     );
 }
 
+/// Wall time per phase of the CPU runner: a 512-token prefill step and
+/// decode steps of one stream (ms per step).
+fn phases_mode(l: Arc<Loaded>) {
+    use ultrafast_engine::backend::cpu::profile;
+    profile::enable(true);
+    let e = Engine::start(l, EngineConfig::default()).unwrap();
+    run(&e, 1, 64, 4, 999);
+    profile::take();
+    let n_pre = 3;
+    for r in 0..n_pre {
+        run(&e, 1, 512, 1, 800 + r);
+    }
+    let pre = profile::take();
+    let n_dec = 128;
+    run(&e, 1, 32, n_dec + 1, 900);
+    let dec = profile::take();
+    let ms = |ns: u64, n: u32| ns as f64 / 1e6 / n as f64;
+    println!("| phase | prefill 512 (ms/step) | decode (ms/token, ~100 ctx) |");
+    println!("|---|---|---|");
+    for (i, name) in profile::NAMES.iter().enumerate() {
+        println!("| {name} | {:.2} | {:.3} |", ms(pre[i], n_pre), ms(dec[i], n_dec as u32));
+    }
+    let total = |a: &[u64; 12], n: u32| ms(a.iter().sum(), n);
+    println!("| total | {:.2} | {:.3} |", total(&pre, n_pre), total(&dec, n_dec as u32));
+}
+
 fn main() {
+    if std::env::args().nth(1).as_deref() == Some("phases") {
+        let l = Arc::new(generate::load(&fetch::pull(&fetch::SMOLLM2).unwrap()).unwrap());
+        return phases_mode(l);
+    }
     if std::env::args().nth(1).as_deref() == Some("steps") {
         let ctx = std::env::args()
             .nth(2)

@@ -17,6 +17,9 @@ pub struct Loaded {
     /// The grammar compiler for structured outputs (None: the vocabulary
     /// could not be read for it; such requests are refused with the reason).
     pub guides: std::result::Result<crate::guide::Guides, String>,
+    /// The weights in the CPU kernels' layout (Err: what they do not
+    /// cover; the scheduler then runs candle's forward pass).
+    pub fast: std::result::Result<std::sync::Arc<crate::backend::cpu::weights::Weights>, String>,
 }
 
 /// Load a GGUF model and its tokenizer on the CPU.
@@ -27,6 +30,11 @@ pub fn load(path: &Path) -> Result<Loaded> {
         .map_err(|e| EngineError::model(path, format!("not a valid GGUF file: {e}")))?;
     let codec = TextCodec::from_gguf(&ct).map_err(|e| EngineError::model(path, e.to_string()))?;
     let model = Model::load(path, &device)?;
+    let fast = crate::backend::cpu::weights::Weights::load(&ct, &mut f, &model.cfg)
+        .map(std::sync::Arc::new);
+    if let Err(e) = &fast {
+        log::info!("{}: the CPU kernels do not cover this model: {e}", path.display());
+    }
     let eos = codec.eos.first().copied().unwrap_or(0);
     let guides = crate::guide::Guides::from_gguf(&ct, eos);
     if let Err(e) = &guides {
@@ -36,6 +44,7 @@ pub fn load(path: &Path) -> Result<Loaded> {
         model,
         codec,
         guides,
+        fast,
     })
 }
 

@@ -8,6 +8,7 @@
 //! scheduler with lanes and the backend seam for the proxy build on these.
 
 pub mod api;
+pub mod backend;
 pub mod error;
 pub mod fetch;
 pub mod generate;

@@ -4,18 +4,46 @@
 //! contiguous-cache path; every block returns to the pool at the end.
 
 #![allow(clippy::unwrap_used)]
+use std::sync::Arc;
 use ultrafast_engine::fetch::{self, SMOLLM2};
 use ultrafast_engine::generate;
 use ultrafast_engine::kv::BlockPool;
-use ultrafast_engine::model::paged::{PagedKv, SeqStep};
+use ultrafast_engine::backend::cpu::CpuRunner;
+use ultrafast_engine::backend::{CandleRunner, ModelRunner};
+use ultrafast_engine::generate::Loaded;
+use ultrafast_engine::model::paged::SeqStep;
 use ultrafast_engine::sampling::argmax;
 use ultrafast_engine::tokenizer::ChatMessage;
 
 const NEW: usize = 12;
 
+fn run(r: &mut dyn ModelRunner, seqs: &[SeqStep]) -> Vec<Vec<f32>> {
+    let mut logits = Vec::new();
+    assert!(r.step(seqs, &|_| false, &mut logits).unwrap());
+    let vocab = logits.len() / seqs.len();
+    logits.chunks(vocab).map(|c| c.to_vec()).collect()
+}
+
+/// The engine's own kernels: the same tokens, and bit-for-bit the same
+/// logits, alone and in any batch.
 #[test]
 fn greedy_tokens_are_the_same_alone_and_in_a_mixed_batch() {
-    let l = generate::load(&fetch::pull(&SMOLLM2).unwrap()).unwrap();
+    let l = Arc::new(generate::load(&fetch::pull(&SMOLLM2).unwrap()).unwrap());
+    let w = l.fast.as_ref().unwrap().clone();
+    let mut r = CpuRunner::new(w, 128, 16, 2, || {}).unwrap();
+    check(&l, &mut r, false);
+}
+
+/// The candle forward pass, which the contiguous-cache path must agree with.
+#[test]
+fn the_candle_runner_batches_the_same_and_agrees_with_the_contiguous_path() {
+    let l = Arc::new(generate::load(&fetch::pull(&SMOLLM2).unwrap()).unwrap());
+    let pool = rayon::ThreadPoolBuilder::new().num_threads(2).build().unwrap();
+    let mut r = CandleRunner::new(l.clone(), 128, 16, pool);
+    check(&l, &mut r, true);
+}
+
+fn check(l: &Loaded, runner: &mut dyn ModelRunner, contiguous: bool) {
     let qs = [
         "What is the capital of France? Answer in one sentence.",
         "Name a prime number larger than ten.",
@@ -37,48 +65,41 @@ fn greedy_tokens_are_the_same_alone_and_in_a_mixed_batch() {
         })
         .collect();
     let pool = BlockPool::new(128, 16);
-    let mut kv = PagedKv::new(&l.model, 128, 16);
 
     // Alone, through the paged path.
-    let alone = |i: usize, kv: &mut PagedKv| -> Vec<u32> {
+    let alone = |i: usize, kv: &mut dyn ModelRunner| -> Vec<u32> {
         let p = &prompts[i];
         let mut seq = pool.allocate(p).unwrap();
-        let mut logits = l
-            .model
-            .forward_paged(
-                kv,
-                &[SeqStep {
-                    tokens: p,
-                    start: 0,
-                    blocks: seq.blocks(),
-                }],
-            )
-            .unwrap();
+        let mut logits = run(
+            kv,
+            &[SeqStep {
+                tokens: p,
+                start: 0,
+                blocks: seq.blocks(),
+            }],
+        );
         let mut out = Vec::new();
         for _ in 0..NEW {
             let t = argmax(&logits[0]);
             out.push(t);
             let pos = p.len() + out.len() - 1;
             assert!(pool.grow(&mut seq, pos + 1));
-            logits = l
-                .model
-                .forward_paged(
-                    kv,
-                    &[SeqStep {
-                        tokens: &[t],
-                        start: pos,
-                        blocks: seq.blocks(),
-                    }],
-                )
-                .unwrap();
+            logits = run(
+                kv,
+                &[SeqStep {
+                    tokens: &[t],
+                    start: pos,
+                    blocks: seq.blocks(),
+                }],
+            );
         }
         out
     };
-    let solo: Vec<Vec<u32>> = (0..prompts.len()).map(|i| alone(i, &mut kv)).collect();
+    let solo: Vec<Vec<u32>> = (0..prompts.len()).map(|i| alone(i, runner)).collect();
     assert_eq!(pool.stats().used, 0);
 
     // The contiguous single-sequence path agrees.
-    for (i, p) in prompts.iter().enumerate().take(2) {
+    for (i, p) in prompts.iter().enumerate().take(if contiguous { 2 } else { 0 }) {
         let mut cache = l.model.new_cache();
         let mut logits = l
             .model
@@ -116,7 +137,7 @@ fn greedy_tokens_are_the_same_alone_and_in_a_mixed_batch() {
             blocks: seqs[i].blocks(),
         })
         .collect();
-    let logits = l.model.forward_paged(&mut kv, &first).unwrap();
+    let logits = run(runner, &first);
     for i in 0..half {
         pending[i] = Some(argmax(&logits[i]));
     }
@@ -152,7 +173,7 @@ fn greedy_tokens_are_the_same_alone_and_in_a_mixed_batch() {
                 blocks: seqs[*i].blocks(),
             })
             .collect();
-        let logits = l.model.forward_paged(&mut kv, &steps).unwrap();
+        let logits = run(runner, &steps);
         for (k, (i, _, _)) in plan.iter().enumerate() {
             pending[*i] = Some(argmax(&logits[k]));
         }
@@ -165,6 +186,37 @@ fn greedy_tokens_are_the_same_alone_and_in_a_mixed_batch() {
         );
     }
     drop(seqs);
+    if !contiguous {
+        // Bit for bit: prompt 0's logits alone and beside prompt 1.
+        let a = pool.allocate(&prompts[0]).unwrap();
+        let one = run(
+            runner,
+            &[SeqStep {
+                tokens: &prompts[0],
+                start: 0,
+                blocks: a.blocks(),
+            }],
+        );
+        drop(a);
+        let a = pool.allocate(&prompts[0]).unwrap();
+        let b = pool.allocate(&prompts[1]).unwrap();
+        let two = run(
+            runner,
+            &[
+                SeqStep {
+                    tokens: &prompts[1],
+                    start: 0,
+                    blocks: b.blocks(),
+                },
+                SeqStep {
+                    tokens: &prompts[0],
+                    start: 0,
+                    blocks: a.blocks(),
+                },
+            ],
+        );
+        assert!(one[0] == two[1], "logits depend on the batch");
+    }
     let s = pool.stats();
     assert_eq!((s.used, s.free + s.cached), (0, 128), "blocks leaked");
 }

@@ -12,7 +12,11 @@ use candle_core::D;
 use std::io::Write;
 use std::process::{Command, Stdio};
 use ultrafast_engine::fetch::{self, SMOLLM2};
+use ultrafast_engine::backend::cpu::CpuRunner;
 use ultrafast_engine::generate;
+use ultrafast_engine::kv::BlockPool;
+use ultrafast_engine::model::paged::SeqStep;
+use ultrafast_engine::sampling::argmax;
 use ultrafast_engine::tokenizer::ChatMessage;
 
 const STEPS: usize = 32;
@@ -69,64 +73,99 @@ fn greedy_tokens_and_logits_match_the_float32_reference() {
     let out = child.wait_with_output().unwrap();
     assert!(out.status.success(), "reference failed");
     let refs: Vec<serde_json::Value> = serde_json::from_slice(&out.stdout).unwrap();
-    let mut compared = 0;
-    for (i, (ids, r)) in prompts.iter().zip(&refs).enumerate() {
+    // Both forward passes: candle's (contiguous cache) and the engine's
+    // own kernels (the runner the scheduler uses), each teacher-forced on
+    // the reference's tokens; returns first-step logits and each step's
+    // argmax.
+    let candle = |ids: &[u32], forced: &[u32]| -> (Vec<f32>, Vec<u32>) {
         let mut cache = l.model.new_cache();
         let mut logits = l.model.forward(ids, &mut cache).unwrap();
         let first: Vec<f32> = logits.to_vec1().unwrap();
-        let ref_first: Vec<f32> = r["first_logits"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .map(|v| v.as_f64().unwrap() as f32)
-            .collect();
-        let max_diff = first
-            .iter()
-            .zip(&ref_first)
-            .map(|(a, b)| (a - b).abs())
-            .fold(0.0f32, f32::max);
-        assert!(
-            max_diff < LOGIT_TOL,
-            "prompt {i}: first-step logits differ by up to {max_diff}"
-        );
-        let ref_tokens: Vec<u32> = r["tokens"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .map(|v| v.as_u64().unwrap() as u32)
-            .collect();
-        let margins: Vec<f64> = r["margins"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .map(|v| v.as_f64().unwrap())
-            .collect();
-        let mut skipped = 0;
-        for step in 0..STEPS {
-            let ours = logits
-                .argmax(D::Minus1)
-                .unwrap()
-                .to_scalar::<u32>()
-                .unwrap();
-            if margins[step] >= NEAR_TIE {
-                assert_eq!(
-                    ours, ref_tokens[step],
-                    "prompt {i} ({:?}) step {step}",
-                    questions[i]
-                );
-                compared += 1;
-            } else {
-                skipped += 1;
-            }
-            logits = l.model.forward(&[ref_tokens[step]], &mut cache).unwrap();
+        let mut picks = Vec::new();
+        for t in forced {
+            picks.push(logits.argmax(D::Minus1).unwrap().to_scalar::<u32>().unwrap());
+            logits = l.model.forward(&[*t], &mut cache).unwrap();
         }
-        eprintln!("prompt {i}: max first-step logit diff {max_diff:.3}, {skipped} near-tie step(s) skipped");
-    }
+        (first, picks)
+    };
+    let pool = BlockPool::new(64, 16);
+    let runner = std::cell::RefCell::new(
+        CpuRunner::new(l.fast.as_ref().unwrap().clone(), 64, 16, 2, || {}).unwrap(),
+    );
+    let kernels = |ids: &[u32], forced: &[u32]| -> (Vec<f32>, Vec<u32>) {
+        let mut r = runner.borrow_mut();
+        let mut seq = pool.allocate(ids).unwrap();
+        let mut step = |toks: &[u32], start: usize, blocks: &[u32]| {
+            let s = SeqStep { tokens: toks, start, blocks };
+            let mut logits = Vec::new();
+            assert!(r.step(&[s], &|_| false, &mut logits).unwrap());
+            logits
+        };
+        let mut logits = step(ids, 0, seq.blocks());
+        let first = logits.clone();
+        let mut picks = Vec::new();
+        for (k, t) in forced.iter().enumerate() {
+            picks.push(argmax(&logits));
+            let pos = ids.len() + k;
+            assert!(pool.grow(&mut seq, pos + 1));
+            logits = step(&[*t], pos, seq.blocks());
+        }
+        (first, picks)
+    };
+    let paths: [(&str, &dyn Fn(&[u32], &[u32]) -> (Vec<f32>, Vec<u32>)); 2] =
+        [("candle", &candle), ("kernels", &kernels)];
+    for (name, run) in paths {
+        let mut compared = 0;
+        for (i, (ids, r)) in prompts.iter().zip(&refs).enumerate() {
+            let ref_first: Vec<f32> = r["first_logits"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|v| v.as_f64().unwrap() as f32)
+                .collect();
+            let ref_tokens: Vec<u32> = r["tokens"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|v| v.as_u64().unwrap() as u32)
+                .collect();
+            let margins: Vec<f64> = r["margins"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|v| v.as_f64().unwrap())
+                .collect();
+            let (first, picks) = run(ids, &ref_tokens[..STEPS]);
+            let max_diff = first
+                .iter()
+                .zip(&ref_first)
+                .map(|(a, b)| (a - b).abs())
+                .fold(0.0f32, f32::max);
+            assert!(
+                max_diff < LOGIT_TOL,
+                "{name}, prompt {i}: first-step logits differ by up to {max_diff}"
+            );
+            let mut skipped = 0;
+            for step in 0..STEPS {
+                if margins[step] >= NEAR_TIE {
+                    assert_eq!(
+                        picks[step], ref_tokens[step],
+                        "{name}, prompt {i} ({:?}) step {step}",
+                        questions[i]
+                    );
+                    compared += 1;
+                } else {
+                    skipped += 1;
+                }
+            }
+            eprintln!("{name}, prompt {i}: max first-step logit diff {max_diff:.3}, {skipped} near-tie step(s) skipped");
+        }
     // Free text has many near-ties (after punctuation, past the end of an
     // answer); 115 of 160 steps are comparable here, all equal.
-    assert!(
-        compared >= 100,
-        "only {compared} of {} steps were comparable",
-        5 * STEPS
-    );
+        assert!(
+            compared >= 100,
+            "{name}: only {compared} of {} steps were comparable",
+            5 * STEPS
+        );
+    }
 }

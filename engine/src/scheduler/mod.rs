@@ -12,8 +12,8 @@
 //! blocks are freed and it re-enters the queue). A closed event channel
 //! cancels the sequence at the next step and frees its blocks.
 //!
-//! Steps run on the engine's own rayon pool at a lower OS priority than the
-//! proxy (`threads`), and every step feeds the online step-cost model
+//! Steps run on the model runner (`backend`) whose threads sit at a lower
+//! OS priority than the proxy (`threads`), and every step feeds the online step-cost model
 //! (`cost`) that the proxy reads to predict time to first token.
 
 mod cost;
@@ -25,7 +25,8 @@ use crate::api::{Event, GenerateRequest};
 use crate::error::{EngineError, Result};
 use crate::generate::Loaded;
 use crate::kv::{BlockPool, PoolStats};
-use crate::model::paged::{PagedKv, SeqStep};
+use crate::backend::{self, ModelRunner};
+use crate::model::paged::SeqStep;
 use plan::Planned;
 use seq::{Outcome, Seq};
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
@@ -157,14 +158,20 @@ impl Engine {
         let shared_cost = Arc::new(cost::SharedCost::default());
         // Built here, so its threads take this thread's priority before
         // lowering their own.
-        let compute = threads::compute_pool()?;
+        let runner = backend::cpu_runner(
+            &loaded,
+            cfg.num_blocks,
+            cfg.block_size,
+            threads::lower_this_thread,
+        )?;
         let arrivals: Arc<Arrivals> = Arc::new(Default::default());
         let worker = Worker {
             arrivals: arrivals.clone(),
             guard_step: false,
             gave_way: 0,
             rx,
-            kv: PagedKv::new(&loaded.model, cfg.num_blocks, cfg.block_size),
+            runner,
+            logits: Vec::new(),
             loaded: loaded.clone(),
             pool: pool.clone(),
             cfg: cfg.clone(),
@@ -172,7 +179,6 @@ impl Engine {
             waiting: Vec::new(),
             running: Vec::new(),
             observer,
-            compute,
             held_steps: 0,
             fit: cost::CostFit::default(),
             shared_cost: shared_cost.clone(),
@@ -267,7 +273,10 @@ impl Engine {
 
 struct Worker {
     rx: Receiver<Cmd>,
-    kv: PagedKv,
+    /// The model on its device, with the KV storage.
+    runner: Box<dyn ModelRunner>,
+    /// The last step's logits (reused).
+    logits: Vec<f32>,
     loaded: Arc<Loaded>,
     pool: BlockPool,
     cfg: EngineConfig,
@@ -275,8 +284,6 @@ struct Worker {
     waiting: Vec<Seq>,
     running: Vec<Seq>,
     observer: Option<Arc<dyn StepObserver>>,
-    /// The pool the model kernels run on (lowered priority).
-    compute: rayon::ThreadPool,
     /// Steps in a row in which a better lane's prefill held worse ones back.
     held_steps: u32,
     fit: cost::CostFit,
@@ -383,9 +390,8 @@ impl Worker {
             .store(steps.len(), Ordering::Relaxed);
         self.stats.last_step_tokens.store(tokens, Ordering::Relaxed);
         let stop = self.stop_rule(&chunks);
-        let (model, kv) = (&self.loaded.model, &mut self.kv);
-        let compute = &self.compute;
-        let mut forward = || compute.install(|| model.forward_paged_until(kv, &steps, &stop));
+        let (runner, logits) = (&mut self.runner, &mut self.logits);
+        let mut forward = || runner.step(&steps, &stop, logits);
         // Constrained sequences that sample this step get their masks on a
         // thread of their own while the forward pass runs: the grammar's
         // work is off the step's critical path for the whole batch.
@@ -407,27 +413,25 @@ impl Worker {
         for (i, g) in guides {
             self.running[i].guide = Some(g);
         }
-        let Some(result) = result.transpose() else {
+        if let Ok(false) = result {
             // A better lane arrived: plan again with it, at once.
             self.stats.interrupted.fetch_add(1, Ordering::Relaxed);
             self.gave_way += 1;
             return;
-        };
+        }
         self.stats.steps.fetch_add(1, Ordering::Relaxed);
         self.gave_way = 0;
         let elapsed = started.elapsed();
         self.record(elapsed, &chunks, result.is_ok());
-        let logits = match result {
-            Ok(l) => l,
-            Err(e) => {
-                for (i, _, _) in &chunks {
-                    self.running[*i].fail(&e.to_string());
-                }
-                self.running.retain(|s| !s.finished);
-                return;
+        if let Err(e) = result {
+            for (i, _, _) in &chunks {
+                self.running[*i].fail(&e.to_string());
             }
-        };
-        for ((i, start, toks), mut logits) in chunks.iter().zip(logits) {
+            self.running.retain(|s| !s.finished);
+            return;
+        }
+        let vocab = self.loaded.model.cfg.vocab.max(1);
+        for ((i, start, toks), logits) in chunks.iter().zip(self.logits.chunks_exact_mut(vocab)) {
             let s = &mut self.running[*i];
             s.first_step.get_or_insert(started);
             s.compute += elapsed;
@@ -440,7 +444,7 @@ impl Worker {
                     Some(k) => masks.swap_remove(k).1.ok(),
                     None => None,
                 };
-                if let Outcome::Finished = s.advance(&mut logits, &self.loaded.codec, mask) {
+                if let Outcome::Finished = s.advance(logits, &self.loaded.codec, mask) {
                     s.finished = true;
                 }
             }
@@ -455,7 +459,7 @@ impl Worker {
     /// most one partial step per better-lane arrival. A guard step, or one of the best lane alone, never
     /// gives way, nor one after [`MAX_HELD_STEPS`] given up in a row: the
     /// worse lanes' progress depends on them.
-    fn stop_rule(&self, chunks: &[(usize, usize, Vec<u32>)]) -> impl Fn(usize) -> bool {
+    fn stop_rule(&self, chunks: &[(usize, usize, Vec<u32>)]) -> impl Fn(usize) -> bool + Sync {
         let worst = chunks
             .iter()
             .map(|(i, _, _)| (self.running[*i].req.lane_rank as usize).min(RANKS - 1))

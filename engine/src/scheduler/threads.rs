@@ -20,7 +20,6 @@
 //! values) is logged once and otherwise ignored: priorities are a
 //! preference, not a requirement.
 
-use crate::error::{EngineError, Result};
 use std::sync::atomic::{AtomicBool, Ordering};
 
 /// How much nicer than the thread that starts it the engine's threads run.
@@ -28,12 +27,13 @@ pub const NICE_INCREMENT: i32 = 5;
 
 /// A thread pool for the model kernels whose threads run at the lowered
 /// priority.
-pub(super) fn compute_pool() -> Result<rayon::ThreadPool> {
+#[cfg(test)]
+pub(super) fn compute_pool() -> crate::error::Result<rayon::ThreadPool> {
     rayon::ThreadPoolBuilder::new()
         .thread_name(|i| format!("engine-compute-{i}"))
         .start_handler(|_| lower_this_thread())
         .build()
-        .map_err(|e| EngineError::Invalid(format!("cannot start the engine's threads: {e}")))
+        .map_err(|e| crate::error::EngineError::Invalid(format!("cannot start the engine's threads: {e}")))
 }
 
 /// Move the calling thread to `SCHED_IDLE` and lower its priority by

@@ -1,0 +1,553 @@
+//! The CPU runner: one step of the whole model as one job of a thread team,
+//! with no tensor library inside it.
+//!
+//! Per layer the team goes through ten phases separated by barriers; work
+//! inside a phase is claimed in chunks (tokens, 4-row weight groups, or
+//! attention tasks), so a thread that lost its core does not hold the
+//! others back. Buffers are preallocated and grow only with the step's
+//! size. Activations are token-major: row `t` of a buffer is token `t` of
+//! the step.
+//!
+//! 1. RMSNorm fused with the 8-bit quantization of the activations
+//! 2. Q|K|V as one matrix product
+//! 3. biases, RoPE and the K/V write into the paged cache
+//! 4. attention, by (sequence, KV head, query tokens)
+//! 5. quantization of the attention output
+//! 6. the output projection, added into the residual in its epilogue
+//! 7. RMSNorm and quantization again
+//! 8. gate|up as one matrix product
+//! 9. SiLU-and-multiply fused with quantization
+//! 10. the down projection, added into the residual
+//!
+//! and at the end the final norm and the output head for each sequence's
+//! last token. `unsafe` here is confined to reading and writing the shared
+//! buffers ([`team::Shared`]): which thread writes what is decided by the
+//! claims, and phases are separated by barriers.
+
+#![allow(unsafe_code)]
+
+pub mod attn;
+pub mod ops;
+pub mod profile;
+pub mod simd;
+pub mod team;
+pub mod weights;
+
+use crate::error::{EngineError, Result};
+use crate::model::paged::SeqStep;
+use crate::model::Arch;
+use ops::{AttnSeq, AttnShape};
+use simd::{Isa, Q8Block, MAX_T};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use team::{Ctx, Shared, Team};
+use weights::{QMat, Weights};
+
+/// Phases per layer (for the claim counters).
+const PHASES: usize = 10;
+
+#[derive(Default)]
+struct Scratch {
+    row: Vec<f32>,
+    attn: attn::AttnScratch,
+}
+
+/// Buffers of one step, grown to the largest step seen.
+#[derive(Default)]
+struct Bufs {
+    x: Vec<f32>,
+    qkv: Vec<f32>,
+    attn: Vec<f32>,
+    gu: Vec<f32>,
+    xq: Vec<Q8Block>,
+    xqf: Vec<Q8Block>,
+}
+
+fn grow<T: Clone + Default>(v: &mut Vec<T>, n: usize) {
+    if v.len() < n {
+        v.resize(n, T::default());
+    }
+}
+
+/// The model on the CPU kernels with its paged KV cache.
+pub struct CpuRunner {
+    w: Arc<Weights>,
+    isa: Isa,
+    team: Team,
+    block_size: usize,
+    slots: usize,
+    k: Vec<Vec<f32>>,
+    v: Vec<Vec<f32>>,
+    bufs: Bufs,
+    counters: Vec<AtomicUsize>,
+    scratch: Vec<Mutex<Scratch>>,
+}
+
+/// What a step's job reads, resolved before the team starts.
+struct Plan {
+    total: usize,
+    ids: Vec<u32>,
+    pos: Vec<usize>,
+    /// Slot each token's K/V goes to.
+    write: Vec<usize>,
+    /// Per sequence: first row in the step, tokens, start position, and
+    /// the slots of positions 0..start+tokens.
+    seqs: Vec<(usize, usize, usize, Vec<usize>)>,
+    /// Attention tasks: (sequence, KV head, first token, end token).
+    tasks: Vec<(usize, usize, usize, usize)>,
+}
+
+impl CpuRunner {
+    /// A runner over `w` with `num_blocks` KV blocks of `block_size` slots,
+    /// on a team of `threads`; `init` runs first on each team thread.
+    pub fn new(
+        w: Arc<Weights>,
+        num_blocks: usize,
+        block_size: usize,
+        threads: usize,
+        init: fn(),
+    ) -> Result<CpuRunner> {
+        let c = &w.cfg;
+        let kv_dim = c.n_kv_head * c.head_dim;
+        let slots = num_blocks * block_size;
+        let team = Team::new(threads, init)
+            .map_err(|e| EngineError::Invalid(format!("cannot start the engine's threads: {e}")))?;
+        let n = team.threads();
+        if std::env::var_os("ULTRAFAST_PHASE_TIMES").is_some() {
+            profile::enable(true);
+        }
+        Ok(CpuRunner {
+            isa: Isa::detect(),
+            team,
+            block_size,
+            slots,
+            k: vec![vec![0.0; slots * kv_dim]; c.n_layer],
+            v: vec![vec![0.0; slots * kv_dim]; c.n_layer],
+            bufs: Bufs::default(),
+            counters: (0..(c.n_layer + 1) * PHASES + 2)
+                .map(|_| AtomicUsize::new(0))
+                .collect(),
+            scratch: (0..n).map(|_| Mutex::new(Scratch::default())).collect(),
+            w,
+        })
+    }
+
+    /// The kernel set in use.
+    pub fn isa(&self) -> Isa {
+        self.isa
+    }
+
+    /// Threads in the team.
+    pub fn threads(&self) -> usize {
+        self.team.threads()
+    }
+
+    /// Bytes of KV cache held.
+    pub fn kv_bytes(&self) -> usize {
+        2 * self.k.len() * self.slots * self.w.cfg.n_kv_head * self.w.cfg.head_dim * 4
+    }
+
+    fn slot(&self, blocks: &[u32], pos: usize) -> Result<usize> {
+        let b = *blocks
+            .get(pos / self.block_size)
+            .ok_or_else(|| EngineError::Invalid(format!("no block for position {pos}")))?;
+        let s = b as usize * self.block_size + pos % self.block_size;
+        if s >= self.slots {
+            return Err(EngineError::Invalid(format!("block {b} outside the pool")));
+        }
+        Ok(s)
+    }
+
+    fn plan(&self, seqs: &[SeqStep]) -> Result<Plan> {
+        let c = &self.w.cfg;
+        let mut p = Plan {
+            total: 0,
+            ids: Vec::new(),
+            pos: Vec::new(),
+            write: Vec::new(),
+            seqs: Vec::with_capacity(seqs.len()),
+            tasks: Vec::new(),
+        };
+        for (si, s) in seqs.iter().enumerate() {
+            let n = s.tokens.len();
+            if n == 0 {
+                return Err(EngineError::Invalid("empty sequence in step".into()));
+            }
+            if s.start + n > self.w.max_positions {
+                return Err(EngineError::Invalid("position beyond the context".into()));
+            }
+            if let Some(bad) = s.tokens.iter().find(|t| **t as usize >= c.vocab) {
+                return Err(EngineError::Invalid(format!("token id {bad} beyond the vocabulary")));
+            }
+            let slots = (0..s.start + n)
+                .map(|q| self.slot(s.blocks, q))
+                .collect::<Result<Vec<_>>>()?;
+            p.ids.extend_from_slice(s.tokens);
+            p.pos.extend(s.start..s.start + n);
+            p.write.extend_from_slice(&slots[s.start..]);
+            let chunk = attn::tokens_per_task(c.n_head / c.n_kv_head);
+            for g in 0..c.n_kv_head {
+                let mut t = 0;
+                while t < n {
+                    let e = (t + chunk).min(n);
+                    p.tasks.push((si, g, t, e));
+                    t = e;
+                }
+            }
+            p.seqs.push((p.total, n, s.start, slots));
+            p.total += n;
+        }
+        // Two tokens writing one slot would race (and be a scheduler bug).
+        let mut w = p.write.clone();
+        w.sort_unstable();
+        if w.windows(2).any(|x| x[0] == x[1]) {
+            return Err(EngineError::Invalid("two tokens of a step share a KV slot".into()));
+        }
+        // Longest contexts first, so the last tasks claimed are short.
+        p.tasks
+            .sort_by_key(|&(s, _, _, e)| std::cmp::Reverse(p.seqs[s].2 + e));
+        Ok(p)
+    }
+
+    /// Run one step: `logits` gets each sequence's last-token logits, one
+    /// after another; `Ok(false)` when `stop(layer)` said to give up
+    /// before a layer.
+    pub fn step(
+        &mut self,
+        seqs: &[SeqStep],
+        stop: &(dyn Fn(usize) -> bool + Sync),
+        logits: &mut Vec<f32>,
+    ) -> Result<bool> {
+        if seqs.is_empty() {
+            logits.clear();
+            return Ok(true);
+        }
+        let plan = self.plan(seqs)?;
+        let c = self.w.cfg.clone();
+        let (t, ns) = (plan.total, plan.seqs.len());
+        let kv_dim = c.n_kv_head * c.head_dim;
+        let qkv_dim = c.dim + 2 * kv_dim;
+        let b = &mut self.bufs;
+        grow(&mut b.x, t * c.dim);
+        grow(&mut b.qkv, t * qkv_dim);
+        grow(&mut b.attn, t * c.dim);
+        grow(&mut b.gu, t * 2 * c.ffn_dim);
+        grow(&mut b.xq, t * c.dim / 32);
+        grow(&mut b.xqf, t * c.ffn_dim / 32);
+        logits.resize(ns * c.vocab, 0.0);
+        for s in &self.scratch {
+            let mut s = s.lock().unwrap_or_else(|e| e.into_inner());
+            grow(&mut s.row, c.dim.max(c.ffn_dim));
+        }
+        for a in &self.counters {
+            a.store(0, Ordering::Relaxed);
+        }
+        let job = Job {
+            w: &self.w,
+            isa: self.isa,
+            plan: &plan,
+            x: Shared::new(&mut b.x),
+            qkv: Shared::new(&mut b.qkv),
+            attn: Shared::new(&mut b.attn),
+            gu: Shared::new(&mut b.gu),
+            xq: Shared::new(&mut b.xq),
+            xqf: Shared::new(&mut b.xqf),
+            logits: Shared::new(&mut logits[..]),
+            k: self.k.iter_mut().map(|v| Shared::new(v)).collect(),
+            v: self.v.iter_mut().map(|v| Shared::new(v)).collect(),
+            counters: &self.counters,
+            scratch: &self.scratch,
+            stop,
+            stopped: AtomicBool::new(false),
+        };
+        self.team
+            .run(&|ctx: &Ctx| job.run(ctx))
+            .map_err(EngineError::Invalid)?;
+        Ok(!job.stopped.load(Ordering::Relaxed))
+    }
+}
+
+/// One step's job, shared by the team.
+struct Job<'a> {
+    w: &'a Weights,
+    isa: Isa,
+    plan: &'a Plan,
+    x: Shared<'a, f32>,
+    qkv: Shared<'a, f32>,
+    attn: Shared<'a, f32>,
+    gu: Shared<'a, f32>,
+    xq: Shared<'a, Q8Block>,
+    xqf: Shared<'a, Q8Block>,
+    logits: Shared<'a, f32>,
+    k: Vec<Shared<'a, f32>>,
+    v: Vec<Shared<'a, f32>>,
+    counters: &'a [AtomicUsize],
+    scratch: &'a [Mutex<Scratch>],
+    stop: &'a (dyn Fn(usize) -> bool + Sync),
+    stopped: AtomicBool,
+}
+
+/// How a matrix product's results land in its output buffer.
+#[derive(Clone, Copy)]
+enum Epilogue {
+    /// `out[t * ld + col0 + row] = y`
+    Store,
+    /// `out[t * ld + col0 + row] += y` (the residual add)
+    Add,
+}
+
+impl Job<'_> {
+    fn counter(&self, layer: usize, phase: usize) -> &AtomicUsize {
+        &self.counters[layer * PHASES + phase]
+    }
+
+    fn scratch(&self, tid: usize) -> std::sync::MutexGuard<'_, Scratch> {
+        self.scratch[tid]
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// For each token claimed from `counter`, `f(token)`.
+    fn per_token(&self, ctx: &Ctx, counter: &AtomicUsize, n: usize, f: &mut dyn FnMut(usize)) {
+        while let Some(r) = ctx.claim(counter, n, 1) {
+            for t in r {
+                f(t);
+            }
+        }
+    }
+
+    /// `out` = `m` x the `rows` tokens of `x` (blocks `stride` apart),
+    /// claimed by 4-row groups.
+    #[allow(clippy::too_many_arguments)]
+    fn gemm(
+        &self,
+        ctx: &Ctx,
+        counter: &AtomicUsize,
+        m: &QMat,
+        x: &Shared<Q8Block>,
+        stride: usize,
+        rows: usize,
+        out: &Shared<f32>,
+        ld: usize,
+        epi: Epilogue,
+    ) {
+        let groups = m.rows / 4;
+        let nb = m.nb();
+        let chunk = (groups / (ctx.n * 16)).max(1);
+        // SAFETY: `x` was written in an earlier phase (a barrier ago) and
+        // nothing writes it in this one.
+        let xs = unsafe { x.slice(0, rows * stride) };
+        let mut o = [[0f32; 4]; MAX_T];
+        while let Some(r) = ctx.claim(counter, groups, chunk) {
+            for g in r {
+                let wg = m.group(g);
+                let mut t = 0;
+                while t < rows {
+                    let n = (rows - t).min(MAX_T);
+                    simd::tile(self.isa, m.fmt, wg, nb, &xs[t * stride..], stride, n, &mut o);
+                    for (i, row) in o.iter().enumerate().take(n) {
+                        // SAFETY: rows 4g..4g+4 of every token are this
+                        // thread's (its claim) for this phase.
+                        let dst = unsafe { out.slice_mut((t + i) * ld + 4 * g, 4) };
+                        match epi {
+                            Epilogue::Store => dst.copy_from_slice(row),
+                            Epilogue::Add => {
+                                for (d, y) in dst.iter_mut().zip(row) {
+                                    *d += y;
+                                }
+                            }
+                        }
+                    }
+                    t += n;
+                }
+            }
+        }
+    }
+
+    fn run(&self, ctx: &Ctx) {
+        let w = self.w;
+        let c = &w.cfg;
+        let p = self.plan;
+        let (t_all, hd) = (p.total, c.head_dim);
+        let kv_dim = c.n_kv_head * hd;
+        let qkv_dim = c.dim + 2 * kv_dim;
+        let (nbd, nbf) = (c.dim / 32, c.ffn_dim / 32);
+        let eps = c.rms_eps as f32;
+        let half = hd / 2;
+        let neox = c.arch == Arch::Qwen2;
+        let last = c.n_layer * PHASES;
+        let mut clock = profile::Clock::start(ctx);
+        // Embedding rows.
+        self.per_token(ctx, &self.counters[last + PHASES], t_all, &mut |t| {
+            // SAFETY: token t's row is this thread's (claimed).
+            let row = unsafe { self.x.slice_mut(t * c.dim, c.dim) };
+            w.embed.row(p.ids[t] as usize, row);
+        });
+        ctx.barrier();
+        clock.tick(ctx, profile::EMBED);
+        for (l, lw) in w.layers.iter().enumerate() {
+            if ctx.tid == 0 && (self.stop)(l) {
+                self.stopped.store(true, Ordering::Relaxed);
+            }
+            // 1. Norm and quantize.
+            let mut s = self.scratch(ctx.tid);
+            self.per_token(ctx, self.counter(l, 0), t_all, &mut |t| {
+                // SAFETY: x is read-only in this phase; xq's row t is ours.
+                let (x, q) = unsafe {
+                    (
+                        self.x.slice(t * c.dim, c.dim),
+                        self.xq.slice_mut(t * nbd, nbd),
+                    )
+                };
+                ops::rmsnorm_quant(self.isa, x, &lw.attn_norm, eps, &mut s.row[..c.dim], q);
+            });
+            drop(s);
+            ctx.barrier();
+            clock.tick(ctx, profile::NORM);
+            if self.stopped.load(Ordering::Relaxed) {
+                return;
+            }
+            // 2. Q|K|V.
+            let qkv = &self.qkv;
+            self.gemm(ctx, self.counter(l, 1), &lw.qkv, &self.xq, nbd, t_all, qkv, qkv_dim, Epilogue::Store);
+            ctx.barrier();
+            clock.tick(ctx, profile::QKV);
+            // 3. Biases, RoPE, K/V into the cache.
+            self.per_token(ctx, self.counter(l, 2), t_all, &mut |t| {
+                // SAFETY: token t's QKV row and its own KV slot (slots of a
+                // step are distinct, checked in `plan`) are ours.
+                let row = unsafe { qkv.slice_mut(t * qkv_dim, qkv_dim) };
+                if let Some(bias) = &lw.qkv_bias {
+                    for (v, b) in row.iter_mut().zip(bias) {
+                        *v += b;
+                    }
+                }
+                let at = p.pos[t] * half;
+                let (cos, sin) = (&w.cos[at..at + half], &w.sin[at..at + half]);
+                let (q, kv) = row.split_at_mut(c.dim);
+                ops::rope(q, hd, cos, sin, neox);
+                let (k, v) = kv.split_at_mut(kv_dim);
+                ops::rope(k, hd, cos, sin, neox);
+                let slot = p.write[t];
+                // SAFETY: see above.
+                unsafe {
+                    self.k[l].slice_mut(slot * kv_dim, kv_dim).copy_from_slice(k);
+                    self.v[l].slice_mut(slot * kv_dim, kv_dim).copy_from_slice(v);
+                }
+            });
+            ctx.barrier();
+            clock.tick(ctx, profile::ROPE_KV);
+            // 4. Attention.
+            let sh = AttnShape {
+                hd,
+                rep: c.n_head / c.n_kv_head,
+                kv_dim,
+                q_stride: qkv_dim,
+            };
+            {
+                let mut s = self.scratch(ctx.tid);
+                let s = &mut *s;
+                // SAFETY: the QKV rows and the cache are read-only now.
+                let (q_all, k, v) = unsafe {
+                    (
+                        qkv.slice(0, t_all * qkv_dim),
+                        self.k[l].slice(0, self.k[l].len()),
+                        self.v[l].slice(0, self.v[l].len()),
+                    )
+                };
+                while let Some(r) = ctx.claim(self.counter(l, 3), p.tasks.len(), 1) {
+                    for &(si, g, t0, t1) in &p.tasks[r] {
+                        let (row0, _, start, slots) = &p.seqs[si];
+                        let seq = AttnSeq { slots, start: *start };
+                        let q = &q_all[row0 * qkv_dim..];
+                        attn::attend(&sh, &seq, g, t0..t1, q, k, v, &mut s.attn, &mut |i, h, o| {
+                            // SAFETY: head h of token row0+i belongs to
+                            // this task (its KV group, its tokens).
+                            let dst = unsafe { self.attn.slice_mut((row0 + i) * c.dim + h * hd, hd) };
+                            dst.copy_from_slice(o);
+                        });
+                    }
+                }
+            }
+            ctx.barrier();
+            clock.tick(ctx, profile::ATTENTION);
+            // 5. Quantize the attention output.
+            self.per_token(ctx, self.counter(l, 4), t_all, &mut |t| {
+                // SAFETY: read-only attn row; xq row t is ours.
+                let (a, q) = unsafe {
+                    (
+                        self.attn.slice(t * c.dim, c.dim),
+                        self.xq.slice_mut(t * nbd, nbd),
+                    )
+                };
+                ops::quantize(self.isa, a, q);
+            });
+            ctx.barrier();
+            clock.tick(ctx, profile::QUANT);
+            // 6. Output projection into the residual.
+            self.gemm(ctx, self.counter(l, 5), &lw.wo, &self.xq, nbd, t_all, &self.x, c.dim, Epilogue::Add);
+            ctx.barrier();
+            clock.tick(ctx, profile::WO);
+            // 7. Norm and quantize.
+            let mut s = self.scratch(ctx.tid);
+            self.per_token(ctx, self.counter(l, 6), t_all, &mut |t| {
+                // SAFETY: as in phase 1.
+                let (x, q) = unsafe {
+                    (
+                        self.x.slice(t * c.dim, c.dim),
+                        self.xq.slice_mut(t * nbd, nbd),
+                    )
+                };
+                ops::rmsnorm_quant(self.isa, x, &lw.ffn_norm, eps, &mut s.row[..c.dim], q);
+            });
+            drop(s);
+            ctx.barrier();
+            clock.tick(ctx, profile::NORM);
+            // 8. Gate|up.
+            let gw = 2 * c.ffn_dim;
+            self.gemm(ctx, self.counter(l, 7), &lw.gate_up, &self.xq, nbd, t_all, &self.gu, gw, Epilogue::Store);
+            ctx.barrier();
+            clock.tick(ctx, profile::GATE_UP);
+            // 9. SiLU and multiply, quantized.
+            let mut s = self.scratch(ctx.tid);
+            self.per_token(ctx, self.counter(l, 8), t_all, &mut |t| {
+                // SAFETY: read-only gu row; xqf row t is ours.
+                let (g, q) = unsafe {
+                    (
+                        self.gu.slice(t * gw, gw),
+                        self.xqf.slice_mut(t * nbf, nbf),
+                    )
+                };
+                let (gate, up) = g.split_at(c.ffn_dim);
+                ops::silu_mul_quant(self.isa, gate, up, &mut s.row[..c.ffn_dim], q);
+            });
+            drop(s);
+            ctx.barrier();
+            clock.tick(ctx, profile::SILU);
+            // 10. Down projection into the residual.
+            self.gemm(ctx, self.counter(l, 9), &lw.down, &self.xqf, nbf, t_all, &self.x, c.dim, Epilogue::Add);
+            ctx.barrier();
+            clock.tick(ctx, profile::DOWN);
+        }
+        // The head, for each sequence's last token (quantized rows packed
+        // at the front of xq).
+        let ns = p.seqs.len();
+        let mut s = self.scratch(ctx.tid);
+        self.per_token(ctx, &self.counters[last], ns, &mut |i| {
+            let (row0, n, _, _) = p.seqs[i];
+            // SAFETY: x is read-only now; xq row i is ours.
+            let (x, q) = unsafe {
+                (
+                    self.x.slice((row0 + n - 1) * c.dim, c.dim),
+                    self.xq.slice_mut(i * nbd, nbd),
+                )
+            };
+            ops::rmsnorm_quant(self.isa, x, &w.norm, eps, &mut s.row[..c.dim], q);
+        });
+        drop(s);
+        ctx.barrier();
+        clock.tick(ctx, profile::HEAD_NORM);
+        self.gemm(ctx, &self.counters[last + 1], &w.head, &self.xq, nbd, ns, &self.logits, c.vocab, Epilogue::Store);
+        clock.tick(ctx, profile::HEAD);
+    }
+}

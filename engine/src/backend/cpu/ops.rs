@@ -1,0 +1,155 @@
+//! The per-token work between the matrix products, in plain loops over
+//! slices (no tensors, no allocation): RMSNorm fused with the activation
+//! quantization, RoPE, SiLU-and-multiply fused with quantization, and a
+//! vectorizable `exp`.
+
+// Index loops over fixed-width chunks are how these get vectorized.
+#![allow(clippy::needless_range_loop)]
+
+use super::simd::{quantize_block, Isa, Q8Block};
+
+/// `out` = quantized `x * w / rms(x)`; `tmp` holds the normed row.
+pub fn rmsnorm_quant(
+    isa: Isa,
+    x: &[f32],
+    w: &[f32],
+    eps: f32,
+    tmp: &mut [f32],
+    out: &mut [Q8Block],
+) {
+    let ss = dot(x, x);
+    let scale = 1.0 / (ss / x.len() as f32 + eps).sqrt();
+    for ((t, v), g) in tmp.iter_mut().zip(x).zip(w) {
+        *t = v * scale * g;
+    }
+    quantize(isa, tmp, out);
+}
+
+/// `x * w / rms(x)` in place.
+pub fn rmsnorm(x: &mut [f32], w: &[f32], eps: f32) {
+    let ss = dot(x, x);
+    let scale = 1.0 / (ss / x.len() as f32 + eps).sqrt();
+    for (v, g) in x.iter_mut().zip(w) {
+        *v *= scale * g;
+    }
+}
+
+/// Quantize a row (a multiple of 32 long) block by block.
+pub fn quantize(isa: Isa, x: &[f32], out: &mut [Q8Block]) {
+    for (b, o) in x.chunks_exact(32).zip(out.iter_mut()) {
+        quantize_block(isa, b, o);
+    }
+}
+
+/// `silu(g) * u` quantized; `tmp` holds the products.
+pub fn silu_mul_quant(isa: Isa, g: &[f32], u: &[f32], tmp: &mut [f32], out: &mut [Q8Block]) {
+    for (t, a) in tmp.iter_mut().zip(g) {
+        *t = -a;
+    }
+    exp(tmp);
+    for ((t, a), b) in tmp.iter_mut().zip(g).zip(u) {
+        *t = a / (1.0 + *t) * b;
+    }
+    quantize(isa, tmp, out);
+}
+
+/// Rotate each `hd`-wide head of `x` by the position's `cos`/`sin` rows
+/// (`hd / 2` each): adjacent pairs (llama's GGUF layout) or halves (NEOX).
+pub fn rope(x: &mut [f32], hd: usize, cos: &[f32], sin: &[f32], neox: bool) {
+    let half = hd / 2;
+    for h in x.chunks_exact_mut(hd) {
+        for i in 0..half {
+            let (a, b) = if neox { (i, i + half) } else { (2 * i, 2 * i + 1) };
+            let (x0, x1) = (h[a], h[b]);
+            h[a] = x0 * cos[i] - x1 * sin[i];
+            h[b] = x0 * sin[i] + x1 * cos[i];
+        }
+    }
+}
+
+/// Dot product in eight lanes (vectorizes; a single sum does not).
+pub fn dot(a: &[f32], b: &[f32]) -> f32 {
+    let mut acc = [0f32; 8];
+    let (ca, cb) = (a.chunks_exact(8), b.chunks_exact(8));
+    let tail: f32 = ca
+        .remainder()
+        .iter()
+        .zip(cb.remainder())
+        .map(|(x, y)| x * y)
+        .sum();
+    for (x, y) in ca.zip(cb) {
+        for l in 0..8 {
+            acc[l] += x[l] * y[l];
+        }
+    }
+    acc.iter().sum::<f32>() + tail
+}
+
+/// `e^x` in place, in a form the compiler vectorizes (libm's is one call
+/// per value): x = n ln2 + r, a degree-6 polynomial for e^r, 2^n through
+/// the exponent bits. Relative error about 2e-7; inputs below -87 give 0,
+/// above 88 the value at 88.
+pub fn exp(xs: &mut [f32]) {
+    const LN2_HI: f32 = 0.693_359_4;
+    const LN2_LO: f32 = -2.121_944_4e-4;
+    for v in xs.iter_mut() {
+        let x = v.clamp(-87.0, 88.0);
+        let n = (x * std::f32::consts::LOG2_E).round();
+        let r = x - n * LN2_HI - n * LN2_LO;
+        let p = 1.0
+            + r * (1.0
+                + r * (0.5
+                    + r * (0.166_666_67
+                        + r * (0.041_666_5 + r * (0.008_333_5 + r * 0.001_388_9)))));
+        let scale = f32::from_bits(((n as i32 + 127) as u32) << 23);
+        *v = if *v < -87.0 { 0.0 } else { p * scale };
+    }
+}
+
+/// Where one sequence's attention reads: its KV slots in position order.
+pub struct AttnSeq<'a> {
+    /// Slot of every position up to the step's last token.
+    pub slots: &'a [usize],
+    /// Position of the sequence's first token in the step.
+    pub start: usize,
+}
+
+/// Shapes of one attention call.
+pub struct AttnShape {
+    /// Per-head size.
+    pub hd: usize,
+    /// Query heads per KV head.
+    pub rep: usize,
+    /// Floats per KV slot (kv heads x hd).
+    pub kv_dim: usize,
+    /// Floats per row of `q` (the fused QKV row).
+    pub q_stride: usize,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn exp_matches_std() {
+        let mut xs: Vec<f32> = (0..3500).map(|i| 87.5 - (i as f32) * 0.05).collect();
+        xs.push(-100.0);
+        let want: Vec<f32> = xs.iter().map(|x| x.exp()).collect();
+        exp(&mut xs);
+        for (g, w) in xs.iter().zip(&want) {
+            assert!((g - w).abs() <= 1e-6 * w + 1e-37, "{g} vs {w}");
+        }
+    }
+
+    #[test]
+    fn rope_rotates_pairs_or_halves() {
+        let mut x = vec![1.0, 0.0, 0.0, 1.0];
+        let (c, s) = ([0.0f32, 1.0], [1.0f32, 0.0]);
+        rope(&mut x, 4, &c, &s, false);
+        assert_eq!(x, vec![0.0, 1.0, 0.0, 1.0]);
+        let mut y = vec![1.0, 0.0, 0.0, 1.0];
+        rope(&mut y, 4, &c, &s, true);
+        // Pair (0, 2) by 90 degrees, pair (1, 3) by 0.
+        assert_eq!(y, vec![0.0, 0.0, 1.0, 1.0]);
+    }
+}

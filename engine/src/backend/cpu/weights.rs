@@ -1,0 +1,297 @@
+//! The model's weights in the CPU kernels' layout, read from the GGUF file.
+//!
+//! Quantized matrices keep the file's bytes per weight, regrouped by four
+//! rows (`simd`); Q, K and V become one matrix, as do gate and up, so each
+//! is one pass over the step's activations. Norm weights and biases are
+//! f32. The embedding stays in its file format and rows are dequantized as
+//! tokens need them (a dequantized SmolLM2 embedding would be 113 MB).
+
+use super::simd::Format;
+use crate::model::{Arch, ModelConfig};
+use candle_core::quantized::gguf_file::Content;
+use candle_core::quantized::{GgmlDType, QTensor};
+use candle_core::Device;
+use std::io::{Read, Seek};
+
+/// A quantized matrix in 4-row groups.
+pub struct QMat {
+    /// Block format.
+    pub fmt: Format,
+    /// Output rows (a multiple of 4).
+    pub rows: usize,
+    /// Input columns (a multiple of 32).
+    pub cols: usize,
+    /// Groups of 4 rows, each `cols / 32` group blocks.
+    pub data: Vec<u8>,
+}
+
+impl QMat {
+    /// 32-column blocks per row.
+    pub fn nb(&self) -> usize {
+        self.cols / 32
+    }
+
+    /// The bytes of 4-row group `g`.
+    pub fn group(&self, g: usize) -> &[u8] {
+        let n = self.nb() * self.fmt.group_bytes();
+        &self.data[g * n..(g + 1) * n]
+    }
+
+    /// Stack `parts` (same format and columns) into one matrix, rows in
+    /// order, regrouped by four rows.
+    fn stack(parts: &[(Format, usize, usize, Vec<u8>)]) -> Result<QMat, String> {
+        let (fmt, _, cols, _) = parts[0];
+        let mut rows = 0;
+        for (f, r, c, _) in parts {
+            if *f != fmt || *c != cols {
+                return Err("fused matrices of different types or widths".into());
+            }
+            if r % 4 != 0 || c % 32 != 0 {
+                return Err(format!("a {r} x {c} matrix (rows % 4, columns % 32)"));
+            }
+            rows += r;
+        }
+        let nb = cols / 32;
+        let fb = match fmt {
+            Format::Q4_1 => 20,
+            Format::Q8_0 => 34,
+        };
+        let gb = fmt.group_bytes();
+        let mut data = vec![0u8; rows / 4 * nb * gb];
+        let mut row = 0;
+        for (_, r, _, raw) in parts {
+            for i in 0..*r {
+                let (g, k) = ((row + i) / 4, (row + i) % 4);
+                for b in 0..nb {
+                    let src = &raw[(i * nb + b) * fb..(i * nb + b + 1) * fb];
+                    let dst = &mut data[(g * nb + b) * gb..(g * nb + b + 1) * gb];
+                    dst[2 * k..2 * k + 2].copy_from_slice(&src[0..2]);
+                    match fmt {
+                        Format::Q4_1 => {
+                            dst[8 + 2 * k..10 + 2 * k].copy_from_slice(&src[2..4]);
+                            dst[16 + 16 * k..32 + 16 * k].copy_from_slice(&src[4..20]);
+                        }
+                        Format::Q8_0 => {
+                            dst[8 + 32 * k..40 + 32 * k].copy_from_slice(&src[2..34]);
+                        }
+                    }
+                }
+            }
+            row += r;
+        }
+        Ok(QMat {
+            fmt,
+            rows,
+            cols,
+            data,
+        })
+    }
+}
+
+/// One transformer block's weights.
+pub struct LayerW {
+    /// Pre-attention RMSNorm.
+    pub attn_norm: Vec<f32>,
+    /// Q, K, V stacked (rows: dim + 2 * kv_dim).
+    pub qkv: QMat,
+    /// Q|K|V biases (qwen2), same layout.
+    pub qkv_bias: Option<Vec<f32>>,
+    /// Attention output.
+    pub wo: QMat,
+    /// Pre-MLP RMSNorm.
+    pub ffn_norm: Vec<f32>,
+    /// Gate and up stacked (rows: 2 * ffn_dim).
+    pub gate_up: QMat,
+    /// Down projection.
+    pub down: QMat,
+}
+
+/// The embedding table as stored.
+pub struct Embedding {
+    dtype: GgmlDType,
+    row_bytes: usize,
+    data: Vec<u8>,
+    dim: usize,
+}
+
+impl Embedding {
+    /// Dequantize row `id` into `out` (`dim` floats); false when the id
+    /// is out of range.
+    pub fn row(&self, id: usize, out: &mut [f32]) -> bool {
+        let Some(raw) = self.data.get(id * self.row_bytes..(id + 1) * self.row_bytes) else {
+            return false;
+        };
+        let f16 = |b: &[u8]| half::f16::from_le_bytes([b[0], b[1]]).to_f32();
+        match self.dtype {
+            GgmlDType::Q8_0 => {
+                for (blk, o) in raw.chunks_exact(34).zip(out.chunks_exact_mut(32)) {
+                    let d = f16(blk);
+                    for (v, q) in o.iter_mut().zip(&blk[2..]) {
+                        *v = d * (*q as i8) as f32;
+                    }
+                }
+            }
+            GgmlDType::Q4_1 => {
+                for (blk, o) in raw.chunks_exact(20).zip(out.chunks_exact_mut(32)) {
+                    let (d, m) = (f16(blk), f16(&blk[2..]));
+                    for j in 0..16 {
+                        o[j] = d * (blk[4 + j] & 15) as f32 + m;
+                        o[j + 16] = d * (blk[4 + j] >> 4) as f32 + m;
+                    }
+                }
+            }
+            GgmlDType::F16 => {
+                for (v, b) in out.iter_mut().zip(raw.chunks_exact(2)) {
+                    *v = f16(b);
+                }
+            }
+            _ => {
+                for (v, b) in out.iter_mut().zip(raw.chunks_exact(4)) {
+                    *v = f32::from_le_bytes([b[0], b[1], b[2], b[3]]);
+                }
+            }
+        }
+        out.len() == self.dim
+    }
+}
+
+/// Everything the CPU runner reads.
+pub struct Weights {
+    /// The model's shape.
+    pub cfg: ModelConfig,
+    /// Token embedding.
+    pub embed: Embedding,
+    /// Blocks.
+    pub layers: Vec<LayerW>,
+    /// Final RMSNorm.
+    pub norm: Vec<f32>,
+    /// Output head (the embedding when tied).
+    pub head: QMat,
+    /// Rotary tables, `positions x head_dim / 2` each.
+    pub cos: Vec<f32>,
+    /// See `cos`.
+    pub sin: Vec<f32>,
+    /// Positions the tables cover.
+    pub max_positions: usize,
+}
+
+fn format_of(t: &QTensor) -> Result<Format, String> {
+    match t.dtype() {
+        GgmlDType::Q4_1 => Ok(Format::Q4_1),
+        GgmlDType::Q8_0 => Ok(Format::Q8_0),
+        other => Err(format!("{other:?} weights (the CPU kernels take Q4_1 and Q8_0)")),
+    }
+}
+
+impl Weights {
+    /// Read from an open GGUF file whose metadata is `ct`; `Err` names what
+    /// the kernels do not cover (the caller falls back to candle).
+    pub fn load<R: Read + Seek>(
+        ct: &Content,
+        f: &mut R,
+        cfg: &ModelConfig,
+    ) -> Result<Weights, String> {
+        let dev = Device::Cpu;
+        let mut qt = |name: &str| -> Result<QTensor, String> {
+            ct.tensor(f, name, &dev)
+                .map_err(|e| format!("tensor `{name}`: {e}"))
+        };
+        let raw = |t: &QTensor| -> Result<(Format, usize, usize, Vec<u8>), String> {
+            let (r, c) = t.shape().dims2().map_err(|e| e.to_string())?;
+            Ok((format_of(t)?, r, c, t.data().map_err(|e| e.to_string())?.to_vec()))
+        };
+        let vec = |t: QTensor| -> Result<Vec<f32>, String> {
+            t.dequantize(&dev)
+                .and_then(|x| x.flatten_all()?.to_vec1::<f32>())
+                .map_err(|e| e.to_string())
+        };
+        let embed_t = qt("token_embd.weight")?;
+        let (vocab, dim) = embed_t.shape().dims2().map_err(|e| e.to_string())?;
+        if dim != cfg.dim || dim % 32 != 0 {
+            return Err(format!("embedding width {dim}"));
+        }
+        let dtype = embed_t.dtype();
+        let data = embed_t.data().map_err(|e| e.to_string())?.to_vec();
+        let row_bytes = match dtype {
+            GgmlDType::Q8_0 => dim / 32 * 34,
+            GgmlDType::Q4_1 => dim / 32 * 20,
+            GgmlDType::F16 => dim * 2,
+            GgmlDType::F32 => dim * 4,
+            other => return Err(format!("{other:?} embedding")),
+        };
+        if data.len() != vocab * row_bytes {
+            return Err("embedding size".into());
+        }
+        let head = match qt("output.weight") {
+            Ok(o) => QMat::stack(&[raw(&o)?])?,
+            Err(_) => QMat::stack(&[raw(&embed_t)?])?,
+        };
+        let embed = Embedding {
+            dtype,
+            row_bytes,
+            data,
+            dim,
+        };
+        let norm = vec(qt("output_norm.weight")?)?;
+        let mut layers = Vec::with_capacity(cfg.n_layer);
+        for i in 0..cfg.n_layer {
+            let mut t = |n: &str| qt(&format!("blk.{i}.{n}"));
+            let q = raw(&t("attn_q.weight")?)?;
+            let k = raw(&t("attn_k.weight")?)?;
+            let v = raw(&t("attn_v.weight")?)?;
+            let qkv_bias = if cfg.arch == Arch::Qwen2 {
+                let mut b = vec(t("attn_q.bias")?)?;
+                b.extend(vec(t("attn_k.bias")?)?);
+                b.extend(vec(t("attn_v.bias")?)?);
+                Some(b)
+            } else {
+                None
+            };
+            let gate = raw(&t("ffn_gate.weight")?)?;
+            let up = raw(&t("ffn_up.weight")?)?;
+            layers.push(LayerW {
+                attn_norm: vec(t("attn_norm.weight")?)?,
+                qkv: QMat::stack(&[q, k, v])?,
+                qkv_bias,
+                wo: QMat::stack(&[raw(&t("attn_output.weight")?)?])?,
+                ffn_norm: vec(t("ffn_norm.weight")?)?,
+                gate_up: QMat::stack(&[gate, up])?,
+                down: QMat::stack(&[raw(&t("ffn_down.weight")?)?])?,
+            });
+        }
+        let kv_dim = cfg.n_kv_head * cfg.head_dim;
+        let l0 = &layers[0];
+        if l0.qkv.rows != cfg.dim + 2 * kv_dim
+            || l0.gate_up.rows != 2 * cfg.ffn_dim
+            || l0.down.cols != cfg.ffn_dim
+            || cfg.ffn_dim % 32 != 0
+            || cfg.head_dim % 2 != 0
+        {
+            return Err("tensor shapes disagree with the metadata".into());
+        }
+        let half = cfg.head_dim / 2;
+        let max_positions = cfg.context_len.min(32_768);
+        let inv: Vec<f32> = (0..half)
+            .map(|i| 1.0 / cfg.rope_theta.powf(2.0 * i as f32 / cfg.head_dim as f32))
+            .collect();
+        let mut cos = Vec::with_capacity(max_positions * half);
+        let mut sin = Vec::with_capacity(max_positions * half);
+        for p in 0..max_positions {
+            for f in &inv {
+                let a = p as f32 * f;
+                cos.push(a.cos());
+                sin.push(a.sin());
+            }
+        }
+        Ok(Weights {
+            cfg: cfg.clone(),
+            embed,
+            layers,
+            norm,
+            head,
+            cos,
+            sin,
+            max_positions,
+        })
+    }
+}
