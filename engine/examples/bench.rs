@@ -210,14 +210,26 @@ fn phases_mode(l: Arc<Loaded>) {
     let n_dec = 128;
     run(&e, 1, 32, n_dec + 1, 900);
     let dec = profile::take();
+    run(&e, 16, 32, 65, 950);
+    let dec16 = profile::take();
     let ms = |ns: u64, n: u32| ns as f64 / 1e6 / n as f64;
-    println!("| phase | prefill 512 (ms/step) | decode (ms/token, ~100 ctx) |");
-    println!("|---|---|---|");
+    println!("| phase | prefill 512 (ms/step) | decode 1 stream (ms/step) | decode 16 streams (ms/step) |");
+    println!("|---|---|---|---|");
     for (i, name) in profile::NAMES.iter().enumerate() {
-        println!("| {name} | {:.2} | {:.3} |", ms(pre[i], n_pre), ms(dec[i], n_dec as u32));
+        println!(
+            "| {name} | {:.2} | {:.3} | {:.3} |",
+            ms(pre[i], n_pre),
+            ms(dec[i], n_dec as u32),
+            ms(dec16[i], 65)
+        );
     }
     let total = |a: &[u64; 12], n: u32| ms(a.iter().sum(), n);
-    println!("| total | {:.2} | {:.3} |", total(&pre, n_pre), total(&dec, n_dec as u32));
+    println!(
+        "| total | {:.2} | {:.3} | {:.3} |",
+        total(&pre, n_pre),
+        total(&dec, n_dec as u32),
+        total(&dec16, 65)
+    );
 }
 
 fn main() {

@@ -33,7 +33,10 @@ pub fn load(path: &Path) -> Result<Loaded> {
     let fast = crate::backend::cpu::weights::Weights::load(&ct, &mut f, &model.cfg)
         .map(std::sync::Arc::new);
     if let Err(e) = &fast {
-        log::info!("{}: the CPU kernels do not cover this model: {e}", path.display());
+        log::info!(
+            "{}: the CPU kernels do not cover this model: {e}",
+            path.display()
+        );
     }
     let eos = codec.eos.first().copied().unwrap_or(0);
     let guides = crate::guide::Guides::from_gguf(&ct, eos);

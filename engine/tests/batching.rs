@@ -5,12 +5,12 @@
 
 #![allow(clippy::unwrap_used)]
 use std::sync::Arc;
-use ultrafast_engine::fetch::{self, SMOLLM2};
-use ultrafast_engine::generate;
-use ultrafast_engine::kv::BlockPool;
 use ultrafast_engine::backend::cpu::CpuRunner;
 use ultrafast_engine::backend::{CandleRunner, ModelRunner};
+use ultrafast_engine::fetch::{self, SMOLLM2};
+use ultrafast_engine::generate;
 use ultrafast_engine::generate::Loaded;
+use ultrafast_engine::kv::BlockPool;
 use ultrafast_engine::model::paged::SeqStep;
 use ultrafast_engine::sampling::argmax;
 use ultrafast_engine::tokenizer::ChatMessage;
@@ -38,7 +38,10 @@ fn greedy_tokens_are_the_same_alone_and_in_a_mixed_batch() {
 #[test]
 fn the_candle_runner_batches_the_same_and_agrees_with_the_contiguous_path() {
     let l = Arc::new(generate::load(&fetch::pull(&SMOLLM2).unwrap()).unwrap());
-    let pool = rayon::ThreadPoolBuilder::new().num_threads(2).build().unwrap();
+    let pool = rayon::ThreadPoolBuilder::new()
+        .num_threads(2)
+        .build()
+        .unwrap();
     let mut r = CandleRunner::new(l.clone(), 128, 16, pool);
     check(&l, &mut r, true);
 }
@@ -99,7 +102,11 @@ fn check(l: &Loaded, runner: &mut dyn ModelRunner, contiguous: bool) {
     assert_eq!(pool.stats().used, 0);
 
     // The contiguous single-sequence path agrees.
-    for (i, p) in prompts.iter().enumerate().take(if contiguous { 2 } else { 0 }) {
+    for (i, p) in prompts
+        .iter()
+        .enumerate()
+        .take(if contiguous { 2 } else { 0 })
+    {
         let mut cache = l.model.new_cache();
         let mut logits = l
             .model

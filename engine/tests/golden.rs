@@ -11,8 +11,8 @@
 use candle_core::D;
 use std::io::Write;
 use std::process::{Command, Stdio};
-use ultrafast_engine::fetch::{self, SMOLLM2};
 use ultrafast_engine::backend::cpu::CpuRunner;
+use ultrafast_engine::fetch::{self, SMOLLM2};
 use ultrafast_engine::generate;
 use ultrafast_engine::kv::BlockPool;
 use ultrafast_engine::model::paged::SeqStep;
@@ -83,7 +83,13 @@ fn greedy_tokens_and_logits_match_the_float32_reference() {
         let first: Vec<f32> = logits.to_vec1().unwrap();
         let mut picks = Vec::new();
         for t in forced {
-            picks.push(logits.argmax(D::Minus1).unwrap().to_scalar::<u32>().unwrap());
+            picks.push(
+                logits
+                    .argmax(D::Minus1)
+                    .unwrap()
+                    .to_scalar::<u32>()
+                    .unwrap(),
+            );
             logits = l.model.forward(&[*t], &mut cache).unwrap();
         }
         (first, picks)
@@ -96,7 +102,11 @@ fn greedy_tokens_and_logits_match_the_float32_reference() {
         let mut r = runner.borrow_mut();
         let mut seq = pool.allocate(ids).unwrap();
         let mut step = |toks: &[u32], start: usize, blocks: &[u32]| {
-            let s = SeqStep { tokens: toks, start, blocks };
+            let s = SeqStep {
+                tokens: toks,
+                start,
+                blocks,
+            };
             let mut logits = Vec::new();
             assert!(r.step(&[s], &|_| false, &mut logits).unwrap());
             logits
@@ -160,8 +170,8 @@ fn greedy_tokens_and_logits_match_the_float32_reference() {
             }
             eprintln!("{name}, prompt {i}: max first-step logit diff {max_diff:.3}, {skipped} near-tie step(s) skipped");
         }
-    // Free text has many near-ties (after punctuation, past the end of an
-    // answer); 115 of 160 steps are comparable here, all equal.
+        // Free text has many near-ties (after punctuation, past the end of an
+        // answer); 115 of 160 steps are comparable here, all equal.
         assert!(
             compared >= 100,
             "{name}: only {compared} of {} steps were comparable",

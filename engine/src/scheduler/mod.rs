@@ -22,10 +22,10 @@ mod seq;
 mod threads;
 
 use crate::api::{Event, GenerateRequest};
+use crate::backend::{self, ModelRunner};
 use crate::error::{EngineError, Result};
 use crate::generate::Loaded;
 use crate::kv::{BlockPool, PoolStats};
-use crate::backend::{self, ModelRunner};
 use crate::model::paged::SeqStep;
 use plan::Planned;
 use seq::{Outcome, Seq};

@@ -33,7 +33,9 @@ pub(super) fn compute_pool() -> crate::error::Result<rayon::ThreadPool> {
         .thread_name(|i| format!("engine-compute-{i}"))
         .start_handler(|_| lower_this_thread())
         .build()
-        .map_err(|e| crate::error::EngineError::Invalid(format!("cannot start the engine's threads: {e}")))
+        .map_err(|e| {
+            crate::error::EngineError::Invalid(format!("cannot start the engine's threads: {e}"))
+        })
 }
 
 /// Move the calling thread to `SCHED_IDLE` and lower its priority by

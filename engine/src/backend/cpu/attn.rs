@@ -1,28 +1,88 @@
-//! Attention of a group of query vectors over a sequence's KV slots, in
-//! blocks of positions with an online softmax (flash-style): a task's
-//! query vectors are the `rep` heads of one KV head for up to a few
-//! tokens, transposed so that each K row is read once and multiplied into
-//! all of them in one vectorized loop (no horizontal sums per dot), then
-//! each V row is added into every vector's accumulator while a block of
-//! scores is still in L1. Scores never exist for more than one block.
+//! Attention over the paged KV cache, one KV block of positions at a time
+//! with an online softmax (flash-style): scores for a block never leave
+//! L1, and no score row for a whole context is ever built.
+//!
+//! Keys are stored transposed within each KV block (`KvLayout`): for one
+//! block and KV head, `head_dim` rows of `block_size` positions. A query
+//! vector's scores for a block are then `head_dim` multiply-adds of whole
+//! vectors (a broadcast query value times a row of 16 keys), with no
+//! horizontal sum per dot product, which is what made decode attention
+//! slow; prefill and decode use the same loop. Values stay one row per
+//! position, added into each query vector's accumulator.
+//!
+//! A task is the `rep` query heads of one KV head for a few tokens of one
+//! sequence; each K/V block is read once for all of them. With 16-slot
+//! blocks and 64-wide heads on AVX-512 the block loop is written in
+//! intrinsics (`x86`); elsewhere in plain loops the compiler vectorizes.
+//! Results do not depend on which tokens share a task: blocks past a
+//! token's position are masked to exactly nothing.
 
-// Index loops over fixed-width arrays are how this gets vectorized (with
-// separate multiplies and adds: `mul_add` here stopped the vectorizer).
+#![allow(unsafe_code)]
+// Index loops over fixed-width arrays are how the portable path gets
+// vectorized.
 #![allow(clippy::needless_range_loop)]
 
-use super::ops::{exp, AttnSeq, AttnShape};
+use super::ops::exp;
+use super::simd::Isa;
 
-/// Positions per block.
-const JB: usize = 64;
-/// Query vectors per task at most (a multiple of 8).
+/// Query vectors per task at most.
 pub const MAX_VECS: usize = 48;
+
+/// Where keys and values of a slot live in one layer's buffers.
+#[derive(Clone, Copy, Debug)]
+pub struct KvLayout {
+    /// Slots per KV block.
+    pub bs: usize,
+    /// KV heads.
+    pub n_kv: usize,
+    /// Per-head size.
+    pub hd: usize,
+}
+
+impl KvLayout {
+    /// Index of key element `d` of KV head `g` at `slot`.
+    pub fn k_index(&self, slot: usize, g: usize, d: usize) -> usize {
+        let (b, p) = (slot / self.bs, slot % self.bs);
+        ((b * self.n_kv + g) * self.hd + d) * self.bs + p
+    }
+
+    /// Start of KV head `g`'s transposed key tile in block `b`.
+    pub fn k_tile(&self, b: usize, g: usize) -> usize {
+        (b * self.n_kv + g) * self.hd * self.bs
+    }
+
+    /// Start of KV head `g`'s value row at `slot`.
+    pub fn v_index(&self, slot: usize, g: usize) -> usize {
+        (slot * self.n_kv + g) * self.hd
+    }
+}
+
+/// Where one sequence's attention reads: its KV slots in position order.
+pub struct AttnSeq<'a> {
+    /// Slot of every position up to the step's last token.
+    pub slots: &'a [usize],
+    /// Position of the sequence's first token in the step.
+    pub start: usize,
+}
+
+/// Shapes of one attention call.
+pub struct AttnShape {
+    /// The cache's layout.
+    pub lay: KvLayout,
+    /// Query heads per KV head.
+    pub rep: usize,
+    /// Floats per row of `q` (the fused QKV row).
+    pub q_stride: usize,
+}
 
 /// Per-thread buffers of [`attend`].
 #[derive(Default)]
 pub struct AttnScratch {
-    qt: Vec<f32>,
+    q: Vec<f32>,
     s: Vec<f32>,
     acc: Vec<f32>,
+    m: Vec<f32>,
+    l: Vec<f32>,
 }
 
 /// Tokens per task for `rep` query heads per KV head.
@@ -35,6 +95,7 @@ pub fn tokens_per_task(rep: usize) -> usize {
 /// `out(i, h, o)` gets head `h`'s output of token `i`.
 #[allow(clippy::too_many_arguments)]
 pub fn attend(
+    isa: Isa,
     sh: &AttnShape,
     seq: &AttnSeq,
     g: usize,
@@ -45,150 +106,57 @@ pub fn attend(
     sc: &mut AttnScratch,
     out: &mut dyn FnMut(usize, usize, &[f32]),
 ) {
-    let nv = tokens.len() * sh.rep;
-    let nvp = nv.div_ceil(8) * 8;
-    match nvp {
-        8 => run::<8>(sh, seq, g, tokens, q, k, v, sc, out),
-        16 => run::<16>(sh, seq, g, tokens, q, k, v, sc, out),
-        24 => run::<24>(sh, seq, g, tokens, q, k, v, sc, out),
-        32 => run::<32>(sh, seq, g, tokens, q, k, v, sc, out),
-        40 => run::<40>(sh, seq, g, tokens, q, k, v, sc, out),
-        48 => run::<48>(sh, seq, g, tokens, q, k, v, sc, out),
-        // More vectors than a task takes: split by token.
-        _ => {
-            let per = tokens_per_task(sh.rep);
-            let mut t = tokens.start;
-            while t < tokens.end {
-                let e = (t + per).min(tokens.end);
-                attend(sh, seq, g, t..e, q, k, v, sc, out);
-                t = e;
-            }
-        }
-    }
-}
-
-#[allow(clippy::too_many_arguments)]
-fn run<const NV: usize>(
-    sh: &AttnShape,
-    seq: &AttnSeq,
-    g: usize,
-    tokens: std::ops::Range<usize>,
-    q: &[f32],
-    k: &[f32],
-    v: &[f32],
-    sc: &mut AttnScratch,
-    out: &mut dyn FnMut(usize, usize, &[f32]),
-) {
-    let (hd, rep) = (sh.hd, sh.rep);
+    let lay = sh.lay;
+    let (hd, bs, rep) = (lay.hd, lay.bs, sh.rep);
     let nv = tokens.len() * rep;
     let scale = 1.0 / (hd as f32).sqrt();
-    // Query vector `u` = token tokens.start + u / rep, head u % rep;
-    // transposed: qt[d * NV + u]. Padding vectors are zero and see every
-    // position (their results are dropped).
-    sc.qt.clear();
-    sc.qt.resize(hd * NV, 0.0);
-    let mut limit = [usize::MAX; NV];
+    // Query vector u: token tokens.start + u / rep, head g * rep + u % rep.
+    sc.q.clear();
     for u in 0..nv {
         let i = tokens.start + u / rep;
         let h = g * rep + u % rep;
-        let qh = &q[i * sh.q_stride + h * hd..][..hd];
-        for d in 0..hd {
-            sc.qt[d * NV + u] = qh[d] * scale;
-        }
-        limit[u] = seq.start + i;
+        sc.q.extend(
+            q[i * sh.q_stride + h * hd..][..hd]
+                .iter()
+                .map(|x| x * scale),
+        );
     }
-    let ctx = seq.start + tokens.end;
-    sc.s.resize(JB * NV, 0.0);
+    sc.s.clear();
+    sc.s.resize(nv * bs, 0.0);
     sc.acc.clear();
-    sc.acc.resize(NV * hd, 0.0);
-    let mut m = [f32::NEG_INFINITY; NV];
-    let mut l = [0f32; NV];
+    sc.acc.resize(nv * hd, 0.0);
+    sc.m.clear();
+    sc.m.resize(nv, f32::NEG_INFINITY);
+    sc.l.clear();
+    sc.l.resize(nv, 0.0);
+    let ctx = seq.start + tokens.end;
     let mut j0 = 0;
     while j0 < ctx {
-        let j1 = (j0 + JB).min(ctx);
-        let nb = j1 - j0;
-        // Scores: each K row times every query vector.
-        for jj in 0..nb {
-            let j = j0 + jj;
-            let krow = &k[seq.slots[j] * sh.kv_dim + g * hd..][..hd];
-            let mut s = [0f32; NV];
-            for d in 0..hd {
-                let kd = krow[d];
-                let qd = &sc.qt[d * NV..(d + 1) * NV];
-                for u in 0..NV {
-                    s[u] += kd * qd[u];
-                }
-            }
-            for u in 0..NV {
-                if j > limit[u] {
-                    s[u] = f32::NEG_INFINITY;
-                }
-            }
-            sc.s[jj * NV..(jj + 1) * NV].copy_from_slice(&s);
+        let n = bs.min(ctx - j0);
+        let b = seq.slots[j0] / bs;
+        let kt = &k[lay.k_tile(b, g)..][..hd * bs];
+        let vb = &v[lay.v_index(b * bs, 0)..][..bs * lay.n_kv * hd];
+        // Positions of this block token u may see.
+        let visible = |u: usize| -> usize {
+            let last = seq.start + tokens.start + u / rep;
+            (last + 1).saturating_sub(j0).min(n)
+        };
+        #[cfg(target_arch = "x86_64")]
+        if isa == Isa::Avx512Vnni && hd == 64 && bs == 16 {
+            // SAFETY: the CPU has AVX-512F (`Isa::detect`); the block
+            // slices hold 64 x 16 keys and 16 value rows (checked above by
+            // the slicing), the scratch holds nv vectors.
+            unsafe { x86::block(sc, nv, kt, vb, lay.n_kv * hd, g * hd, n, &visible) };
+            j0 += n;
+            continue;
         }
-        // Online softmax: the new running maximum, the old sums rescaled.
-        let mut bm = [f32::NEG_INFINITY; NV];
-        for jj in 0..nb {
-            let row = &sc.s[jj * NV..(jj + 1) * NV];
-            for u in 0..NV {
-                bm[u] = bm[u].max(row[u]);
-            }
-        }
-        let mut alpha = [0f32; NV];
-        for u in 0..NV {
-            let mn = m[u].max(bm[u]);
-            // The first block always holds position 0, so `mn` is finite
-            // from then on; before it, exp(-inf) is 0.
-            alpha[u] = if m[u] == f32::NEG_INFINITY { f32::NEG_INFINITY } else { m[u] - mn };
-            m[u] = mn;
-        }
-        exp(&mut alpha);
-        for jj in 0..nb {
-            let row = &mut sc.s[jj * NV..(jj + 1) * NV];
-            for u in 0..NV {
-                row[u] -= m[u];
-            }
-        }
-        exp(&mut sc.s[..nb * NV]);
-        for u in 0..NV {
-            l[u] *= alpha[u];
-        }
-        for jj in 0..nb {
-            let row = &sc.s[jj * NV..(jj + 1) * NV];
-            for u in 0..NV {
-                l[u] += row[u];
-            }
-        }
-        // Values: each vector's accumulator stays in registers over the
-        // block's V rows.
-        for u in 0..nv {
-            let a = &mut sc.acc[u * hd..(u + 1) * hd];
-            for x in a.iter_mut() {
-                *x *= alpha[u];
-            }
-            if hd == 64 {
-                let a: &mut [f32; 64] = match a.try_into() {
-                    Ok(a) => a,
-                    Err(_) => continue,
-                };
-                add_rows::<64>(a, &sc.s, u, NV, nb, |jj| {
-                    &v[seq.slots[j0 + jj] * sh.kv_dim + g * hd..][..64]
-                });
-            } else {
-                for jj in 0..nb {
-                    let p = sc.s[jj * NV + u];
-                    let vrow = &v[seq.slots[j0 + jj] * sh.kv_dim + g * hd..][..hd];
-                    for (o, x) in a.iter_mut().zip(vrow) {
-                        *o += p * x;
-                    }
-                }
-            }
-        }
-        j0 = j1;
+        let _ = isa;
+        block_portable(sc, nv, hd, bs, kt, vb, lay.n_kv * hd, g * hd, n, &visible);
+        j0 += n;
     }
     let mut o = vec![0f32; hd];
     for u in 0..nv {
-        let inv = 1.0 / l[u];
+        let inv = 1.0 / sc.l[u];
         for (d, x) in o.iter_mut().enumerate() {
             *x = sc.acc[u * hd + d] * inv;
         }
@@ -196,28 +164,199 @@ fn run<const NV: usize>(
     }
 }
 
-/// `a += sum_jj p[jj][u] * row(jj)` with `a` in registers.
-#[inline(always)]
-fn add_rows<'a, const HD: usize>(
-    a: &mut [f32; HD],
-    p: &[f32],
-    u: usize,
-    stride: usize,
+/// One KV block for every query vector: scores, the online softmax update,
+/// the values.
+#[allow(clippy::too_many_arguments)]
+fn block_portable(
+    sc: &mut AttnScratch,
+    nv: usize,
+    hd: usize,
+    bs: usize,
+    kt: &[f32],
+    vb: &[f32],
+    v_stride: usize,
+    v_off: usize,
     n: usize,
-    row: impl Fn(usize) -> &'a [f32],
+    visible: &dyn Fn(usize) -> usize,
 ) {
-    let mut acc = *a;
-    for jj in 0..n {
-        let w = p[jj * stride + u];
-        let r: &[f32; HD] = match row(jj).try_into() {
-            Ok(r) => r,
-            Err(_) => return,
+    for u in 0..nv {
+        let s = &mut sc.s[u * bs..(u + 1) * bs];
+        s.fill(0.0);
+        let qu = &sc.q[u * hd..(u + 1) * hd];
+        for d in 0..hd {
+            let qd = qu[d];
+            for (x, kk) in s.iter_mut().zip(&kt[d * bs..(d + 1) * bs]) {
+                *x += qd * kk;
+            }
+        }
+        let vis = visible(u);
+        if vis == 0 {
+            continue;
+        }
+        let s = &mut s[..vis];
+        let bm = s.iter().fold(f32::NEG_INFINITY, |a, b| a.max(*b));
+        let m = sc.m[u];
+        let mn = m.max(bm);
+        let alpha = if m == f32::NEG_INFINITY {
+            0.0
+        } else {
+            (m - mn).exp()
         };
-        for d in 0..HD {
-            acc[d] += w * r[d];
+        sc.m[u] = mn;
+        for x in s.iter_mut() {
+            *x -= mn;
+        }
+        exp(s);
+        sc.l[u] = sc.l[u] * alpha + s.iter().sum::<f32>();
+        let a = &mut sc.acc[u * hd..(u + 1) * hd];
+        for x in a.iter_mut() {
+            *x *= alpha;
+        }
+        for (p, w) in s.iter().enumerate() {
+            let vr = &vb[p * v_stride + v_off..][..hd];
+            for (x, y) in a.iter_mut().zip(vr) {
+                *x += w * y;
+            }
         }
     }
-    *a = acc;
+    let _ = n;
+}
+
+#[cfg(target_arch = "x86_64")]
+mod x86 {
+    use super::AttnScratch;
+    use std::arch::x86_64::*;
+
+    /// `e^x` on 16 lanes (x <= 88; below -87 gives 0): x = n ln2 + r, a
+    /// degree-6 polynomial, `vscalefps` for 2^n.
+    #[inline]
+    #[target_feature(enable = "avx512f,avx2,fma")]
+    fn exp16(x: __m512) -> __m512 {
+        let tiny = _mm512_cmp_ps_mask::<_CMP_LT_OQ>(x, _mm512_set1_ps(-87.0));
+        let x = _mm512_max_ps(x, _mm512_set1_ps(-87.0));
+        let n =
+            _mm512_roundscale_ps::<0>(_mm512_mul_ps(x, _mm512_set1_ps(std::f32::consts::LOG2_E)));
+        let r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693_359_4), x);
+        let r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.121_944_4e-4), r);
+        let mut p = _mm512_set1_ps(0.001_388_9);
+        for c in [0.008_333_5, 0.041_666_5, 0.166_666_67, 0.5, 1.0, 1.0] {
+            p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(c));
+        }
+        _mm512_maskz_mov_ps(!tiny, _mm512_scalef_ps(p, n))
+    }
+
+    /// The block loop for 16 slots per block and 64-wide heads.
+    #[target_feature(enable = "avx512f,avx2,fma")]
+    #[allow(clippy::too_many_arguments)]
+    pub(super) unsafe fn block(
+        sc: &mut AttnScratch,
+        nv: usize,
+        kt: &[f32],
+        vb: &[f32],
+        v_stride: usize,
+        v_off: usize,
+        n: usize,
+        visible: &dyn Fn(usize) -> usize,
+    ) {
+        const HD: usize = 64;
+        assert!(kt.len() >= HD * 16 && sc.q.len() >= nv * HD && sc.s.len() >= nv * 16);
+        assert!(vb.len() >= (n.max(1) - 1) * v_stride + v_off + HD && sc.acc.len() >= nv * HD);
+        // Scores, eight query vectors at a time: one row of 16 keys per d.
+        let mut u0 = 0;
+        while u0 < nv {
+            let ut = (nv - u0).min(8);
+            let mut s = [_mm512_setzero_ps(); 8];
+            for d in 0..HD {
+                // SAFETY: row d of the 64 x 16 tile (length checked).
+                let kr = unsafe { _mm512_loadu_ps(kt.as_ptr().add(d * 16)) };
+                for t in 0..ut {
+                    let qd = sc.q[(u0 + t) * HD + d];
+                    s[t] = _mm512_fmadd_ps(_mm512_set1_ps(qd), kr, s[t]);
+                }
+            }
+            for t in 0..ut {
+                // SAFETY: 16 floats of row u0 + t (length checked).
+                unsafe { _mm512_storeu_ps(sc.s.as_mut_ptr().add((u0 + t) * 16), s[t]) };
+            }
+            u0 += ut;
+        }
+        // Softmax update per vector.
+        for u in 0..nv {
+            let vis = visible(u);
+            let keep: __mmask16 = ((1u32 << vis) - 1) as __mmask16;
+            // SAFETY: row u of the scores (length checked).
+            let row = unsafe { _mm512_loadu_ps(sc.s.as_ptr().add(u * 16)) };
+            let row = _mm512_mask_mov_ps(_mm512_set1_ps(f32::NEG_INFINITY), keep, row);
+            let bm = _mm512_reduce_max_ps(row);
+            let m = sc.m[u];
+            let mn = m.max(bm);
+            if vis == 0 {
+                // Nothing visible: weights 0, state unchanged.
+                // SAFETY: as above.
+                unsafe { _mm512_storeu_ps(sc.s.as_mut_ptr().add(u * 16), _mm512_setzero_ps()) };
+                continue;
+            }
+            let alpha = if m == f32::NEG_INFINITY {
+                0.0
+            } else {
+                (m - mn).exp()
+            };
+            sc.m[u] = mn;
+            let p = _mm512_maskz_mov_ps(keep, exp16(_mm512_sub_ps(row, _mm512_set1_ps(mn))));
+            sc.l[u] = sc.l[u] * alpha + _mm512_reduce_add_ps(p);
+            // SAFETY: as above.
+            unsafe { _mm512_storeu_ps(sc.s.as_mut_ptr().add(u * 16), p) };
+            let a = sc.acc[u * HD..(u + 1) * HD].as_mut_ptr();
+            let al = _mm512_set1_ps(alpha);
+            for c in 0..4 {
+                // SAFETY: 64 floats of vector u's accumulator.
+                unsafe {
+                    let x = _mm512_loadu_ps(a.add(16 * c));
+                    _mm512_storeu_ps(a.add(16 * c), _mm512_mul_ps(x, al));
+                }
+            }
+        }
+        // Values, six vectors' accumulators in registers at a time.
+        let mut u0 = 0;
+        while u0 < nv {
+            let ut = (nv - u0).min(6);
+            let mut a = [[_mm512_setzero_ps(); 4]; 6];
+            for t in 0..ut {
+                for c in 0..4 {
+                    // SAFETY: vector u0 + t's accumulator (length checked).
+                    a[t][c] =
+                        unsafe { _mm512_loadu_ps(sc.acc.as_ptr().add((u0 + t) * HD + 16 * c)) };
+                }
+            }
+            for p in 0..n {
+                // SAFETY: value row p of the block (length checked).
+                let vr = unsafe {
+                    let r = vb.as_ptr().add(p * v_stride + v_off);
+                    [
+                        _mm512_loadu_ps(r),
+                        _mm512_loadu_ps(r.add(16)),
+                        _mm512_loadu_ps(r.add(32)),
+                        _mm512_loadu_ps(r.add(48)),
+                    ]
+                };
+                for t in 0..ut {
+                    let w = _mm512_set1_ps(sc.s[(u0 + t) * 16 + p]);
+                    for c in 0..4 {
+                        a[t][c] = _mm512_fmadd_ps(w, vr[c], a[t][c]);
+                    }
+                }
+            }
+            for t in 0..ut {
+                for c in 0..4 {
+                    // SAFETY: as above.
+                    unsafe {
+                        _mm512_storeu_ps(sc.acc.as_mut_ptr().add((u0 + t) * HD + 16 * c), a[t][c])
+                    };
+                }
+            }
+            u0 += ut;
+        }
+    }
 }
 
 #[cfg(test)]
@@ -225,49 +364,96 @@ mod tests {
     use super::*;
 
     /// Against a direct softmax, for head sizes with and without the
-    /// specialized path, contexts across several blocks, and tasks that
-    /// start mid-sequence.
+    /// specialized path, contexts across several blocks, tasks that start
+    /// mid-sequence, and every kernel set of this CPU.
     #[test]
     fn blocked_attention_matches_a_direct_softmax() {
-        for (hd, rep, ntok, start) in [(64, 3, 16, 0), (64, 3, 1, 150), (32, 2, 5, 70), (64, 1, 3, 0)] {
-            let kv_heads = 2;
-            let kv_dim = kv_heads * hd;
-            let q_stride = kv_heads * rep * hd + 7;
-            let ctx = start + ntok;
-            let slots: Vec<usize> = (0..ctx).map(|j| (j * 7) % ctx).collect();
-            let k: Vec<f32> = (0..ctx * kv_dim).map(|i| ((i * 7) % 23) as f32 / 9.0 - 1.0).collect();
-            let v: Vec<f32> = (0..ctx * kv_dim).map(|i| ((i * 5) % 13) as f32 / 3.0).collect();
-            let q: Vec<f32> = (0..ntok * q_stride).map(|i| ((i * 3) % 17) as f32 / 6.0 - 1.2).collect();
-            let sh = AttnShape { hd, rep, kv_dim, q_stride };
-            let seq = AttnSeq { slots: &slots, start };
-            let mut got = vec![vec![0f32; hd]; ntok * kv_heads * rep];
-            let mut sc = AttnScratch::default();
-            for g in 0..kv_heads {
-                attend(&sh, &seq, g, 0..ntok, &q, &k, &v, &mut sc, &mut |i, h, o| {
-                    got[i * kv_heads * rep + h].copy_from_slice(o)
-                });
+        for isa in Isa::available() {
+            for (hd, bs, rep, ntok, start) in [
+                (64, 16, 3, 16, 0),
+                (64, 16, 3, 1, 150),
+                (32, 16, 2, 5, 70),
+                (64, 8, 1, 3, 0),
+                (64, 16, 9, 5, 33),
+            ] {
+                check(isa, hd, bs, rep, ntok, start);
             }
-            for i in 0..ntok {
-                for h in 0..kv_heads * rep {
-                    let g = h / rep;
-                    let qh = &q[i * q_stride + h * hd..][..hd];
-                    let n = start + i + 1;
-                    let s: Vec<f32> = slots[..n]
-                        .iter()
-                        .map(|&s| {
-                            let kr = &k[s * kv_dim + g * hd..][..hd];
-                            qh.iter().zip(kr).map(|(a, b)| a * b).sum::<f32>() / (hd as f32).sqrt()
-                        })
-                        .collect();
-                    let mx = s.iter().cloned().fold(f32::MIN, f32::max);
-                    let e: Vec<f32> = s.iter().map(|x| (x - mx).exp()).collect();
-                    let z: f32 = e.iter().sum();
-                    for d in 0..hd {
-                        let want: f32 =
-                            (0..n).map(|j| e[j] / z * v[slots[j] * kv_dim + g * hd + d]).sum();
-                        let g = got[i * kv_heads * rep + h][d];
-                        assert!((g - want).abs() < 1e-4, "hd {hd} token {i} head {h}: {g} vs {want}");
-                    }
+        }
+    }
+
+    fn check(isa: Isa, hd: usize, bs: usize, rep: usize, ntok: usize, start: usize) {
+        let n_kv = 2;
+        let lay = KvLayout { bs, n_kv, hd };
+        let q_stride = n_kv * rep * hd + 7;
+        let ctx = start + ntok;
+        let nblocks = ctx.div_ceil(bs) + 3;
+        // Logical block i lives in physical block (i * 5 + 2) % nblocks.
+        let slots: Vec<usize> = (0..ctx)
+            .map(|j| ((j / bs * 5 + 2) % nblocks) * bs + j % bs)
+            .collect();
+        let key = |s: usize, g: usize, d: usize| ((s * 7 + g * 3 + d * 11) % 23) as f32 / 9.0 - 1.0;
+        let val = |s: usize, g: usize, d: usize| ((s * 5 + g + d * 3) % 13) as f32 / 3.0;
+        let mut k = vec![0f32; nblocks * bs * n_kv * hd];
+        let mut v = vec![0f32; nblocks * bs * n_kv * hd];
+        for &s in &slots {
+            for g in 0..n_kv {
+                for d in 0..hd {
+                    k[lay.k_index(s, g, d)] = key(s, g, d);
+                    v[lay.v_index(s, g) + d] = val(s, g, d);
+                }
+            }
+        }
+        let q: Vec<f32> = (0..ntok * q_stride)
+            .map(|i| ((i * 3) % 17) as f32 / 6.0 - 1.2)
+            .collect();
+        let sh = AttnShape { lay, rep, q_stride };
+        let seq = AttnSeq {
+            slots: &slots,
+            start,
+        };
+        let mut got = vec![vec![0f32; hd]; ntok * n_kv * rep];
+        let mut sc = AttnScratch::default();
+        for g in 0..n_kv {
+            let per = tokens_per_task(rep);
+            let mut t = 0;
+            while t < ntok {
+                let e = (t + per).min(ntok);
+                attend(
+                    isa,
+                    &sh,
+                    &seq,
+                    g,
+                    t..e,
+                    &q,
+                    &k,
+                    &v,
+                    &mut sc,
+                    &mut |i, h, o| got[i * n_kv * rep + h].copy_from_slice(o),
+                );
+                t = e;
+            }
+        }
+        for i in 0..ntok {
+            for h in 0..n_kv * rep {
+                let g = h / rep;
+                let qh = &q[i * q_stride + h * hd..][..hd];
+                let n = start + i + 1;
+                let s: Vec<f32> = slots[..n]
+                    .iter()
+                    .map(|&s| {
+                        (0..hd).map(|d| qh[d] * key(s, g, d)).sum::<f32>() / (hd as f32).sqrt()
+                    })
+                    .collect();
+                let mx = s.iter().cloned().fold(f32::MIN, f32::max);
+                let e: Vec<f32> = s.iter().map(|x| (x - mx).exp()).collect();
+                let z: f32 = e.iter().sum();
+                for d in 0..hd {
+                    let want: f32 = (0..n).map(|j| e[j] / z * val(slots[j], g, d)).sum();
+                    let g = got[i * n_kv * rep + h][d];
+                    assert!(
+                        (g - want).abs() < 1e-4,
+                        "{isa:?} hd {hd} bs {bs} token {i} head {h}: {g} vs {want}"
+                    );
                 }
             }
         }

@@ -36,7 +36,7 @@ pub mod weights;
 use crate::error::{EngineError, Result};
 use crate::model::paged::SeqStep;
 use crate::model::Arch;
-use ops::{AttnSeq, AttnShape};
+use attn::{AttnSeq, AttnShape, KvLayout};
 use simd::{Isa, Q8Block, MAX_T};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
@@ -177,7 +177,9 @@ impl CpuRunner {
                 return Err(EngineError::Invalid("position beyond the context".into()));
             }
             if let Some(bad) = s.tokens.iter().find(|t| **t as usize >= c.vocab) {
-                return Err(EngineError::Invalid(format!("token id {bad} beyond the vocabulary")));
+                return Err(EngineError::Invalid(format!(
+                    "token id {bad} beyond the vocabulary"
+                )));
             }
             let slots = (0..s.start + n)
                 .map(|q| self.slot(s.blocks, q))
@@ -201,7 +203,9 @@ impl CpuRunner {
         let mut w = p.write.clone();
         w.sort_unstable();
         if w.windows(2).any(|x| x[0] == x[1]) {
-            return Err(EngineError::Invalid("two tokens of a step share a KV slot".into()));
+            return Err(EngineError::Invalid(
+                "two tokens of a step share a KV slot".into(),
+            ));
         }
         // Longest contexts first, so the last tasks claimed are short.
         p.tasks
@@ -246,6 +250,7 @@ impl CpuRunner {
             w: &self.w,
             isa: self.isa,
             plan: &plan,
+            block_size: self.block_size,
             x: Shared::new(&mut b.x),
             qkv: Shared::new(&mut b.qkv),
             attn: Shared::new(&mut b.attn),
@@ -272,6 +277,7 @@ struct Job<'a> {
     w: &'a Weights,
     isa: Isa,
     plan: &'a Plan,
+    block_size: usize,
     x: Shared<'a, f32>,
     qkv: Shared<'a, f32>,
     attn: Shared<'a, f32>,
@@ -302,14 +308,20 @@ impl Job<'_> {
     }
 
     fn scratch(&self, tid: usize) -> std::sync::MutexGuard<'_, Scratch> {
-        self.scratch[tid]
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
+        self.scratch[tid].lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// For each token claimed from `counter`, `f(token)`.
-    fn per_token(&self, ctx: &Ctx, counter: &AtomicUsize, n: usize, f: &mut dyn FnMut(usize)) {
-        while let Some(r) = ctx.claim(counter, n, 1) {
+    /// For each token claimed from `counter` (`chunk` at a time),
+    /// `f(token)`.
+    fn per_token(
+        &self,
+        ctx: &Ctx,
+        counter: &AtomicUsize,
+        n: usize,
+        chunk: usize,
+        f: &mut dyn FnMut(usize),
+    ) {
+        while let Some(r) = ctx.claim(counter, n, chunk) {
             for t in r {
                 f(t);
             }
@@ -344,7 +356,16 @@ impl Job<'_> {
                 let mut t = 0;
                 while t < rows {
                     let n = (rows - t).min(MAX_T);
-                    simd::tile(self.isa, m.fmt, wg, nb, &xs[t * stride..], stride, n, &mut o);
+                    simd::tile(
+                        self.isa,
+                        m.fmt,
+                        wg,
+                        nb,
+                        &xs[t * stride..],
+                        stride,
+                        n,
+                        &mut o,
+                    );
                     for (i, row) in o.iter().enumerate().take(n) {
                         // SAFETY: rows 4g..4g+4 of every token are this
                         // thread's (its claim) for this phase.
@@ -376,9 +397,14 @@ impl Job<'_> {
         let half = hd / 2;
         let neox = c.arch == Arch::Qwen2;
         let last = c.n_layer * PHASES;
+        let lay = KvLayout {
+            bs: self.block_size,
+            n_kv: c.n_kv_head,
+            hd,
+        };
         let mut clock = profile::Clock::start(ctx);
         // Embedding rows.
-        self.per_token(ctx, &self.counters[last + PHASES], t_all, &mut |t| {
+        self.per_token(ctx, &self.counters[last + PHASES], t_all, 1, &mut |t| {
             // SAFETY: token t's row is this thread's (claimed).
             let row = unsafe { self.x.slice_mut(t * c.dim, c.dim) };
             w.embed.row(p.ids[t] as usize, row);
@@ -391,7 +417,7 @@ impl Job<'_> {
             }
             // 1. Norm and quantize.
             let mut s = self.scratch(ctx.tid);
-            self.per_token(ctx, self.counter(l, 0), t_all, &mut |t| {
+            self.per_token(ctx, self.counter(l, 0), t_all, 1, &mut |t| {
                 // SAFETY: x is read-only in this phase; xq's row t is ours.
                 let (x, q) = unsafe {
                     (
@@ -409,11 +435,30 @@ impl Job<'_> {
             }
             // 2. Q|K|V.
             let qkv = &self.qkv;
-            self.gemm(ctx, self.counter(l, 1), &lw.qkv, &self.xq, nbd, t_all, qkv, qkv_dim, Epilogue::Store);
+            self.gemm(
+                ctx,
+                self.counter(l, 1),
+                &lw.qkv,
+                &self.xq,
+                nbd,
+                t_all,
+                qkv,
+                qkv_dim,
+                Epilogue::Store,
+            );
             ctx.barrier();
             clock.tick(ctx, profile::QKV);
             // 3. Biases, RoPE, K/V into the cache.
-            self.per_token(ctx, self.counter(l, 2), t_all, &mut |t| {
+            // Whole KV blocks per claim when a sequence brings several tokens: a
+            // block's transposed keys share cache lines across its positions,
+            // and two threads writing one line took twice as long. Decode
+            // tokens each have a block of their own.
+            let chunk = if t_all > p.seqs.len() {
+                self.block_size
+            } else {
+                1
+            };
+            self.per_token(ctx, self.counter(l, 2), t_all, chunk, &mut |t| {
                 // SAFETY: token t's QKV row and its own KV slot (slots of a
                 // step are distinct, checked in `plan`) are ours.
                 let row = unsafe { qkv.slice_mut(t * qkv_dim, qkv_dim) };
@@ -431,17 +476,23 @@ impl Job<'_> {
                 let slot = p.write[t];
                 // SAFETY: see above.
                 unsafe {
-                    self.k[l].slice_mut(slot * kv_dim, kv_dim).copy_from_slice(k);
-                    self.v[l].slice_mut(slot * kv_dim, kv_dim).copy_from_slice(v);
+                    for g in 0..c.n_kv_head {
+                        let base = lay.k_index(slot, g, 0);
+                        for d in 0..hd {
+                            self.k[l].set(base + d * lay.bs, k[g * hd + d]);
+                        }
+                    }
+                    self.v[l]
+                        .slice_mut(lay.v_index(slot, 0), kv_dim)
+                        .copy_from_slice(v);
                 }
             });
             ctx.barrier();
             clock.tick(ctx, profile::ROPE_KV);
             // 4. Attention.
             let sh = AttnShape {
-                hd,
+                lay,
                 rep: c.n_head / c.n_kv_head,
-                kv_dim,
                 q_stride: qkv_dim,
             };
             {
@@ -458,21 +509,36 @@ impl Job<'_> {
                 while let Some(r) = ctx.claim(self.counter(l, 3), p.tasks.len(), 1) {
                     for &(si, g, t0, t1) in &p.tasks[r] {
                         let (row0, _, start, slots) = &p.seqs[si];
-                        let seq = AttnSeq { slots, start: *start };
+                        let seq = AttnSeq {
+                            slots,
+                            start: *start,
+                        };
                         let q = &q_all[row0 * qkv_dim..];
-                        attn::attend(&sh, &seq, g, t0..t1, q, k, v, &mut s.attn, &mut |i, h, o| {
-                            // SAFETY: head h of token row0+i belongs to
-                            // this task (its KV group, its tokens).
-                            let dst = unsafe { self.attn.slice_mut((row0 + i) * c.dim + h * hd, hd) };
-                            dst.copy_from_slice(o);
-                        });
+                        attn::attend(
+                            self.isa,
+                            &sh,
+                            &seq,
+                            g,
+                            t0..t1,
+                            q,
+                            k,
+                            v,
+                            &mut s.attn,
+                            &mut |i, h, o| {
+                                // SAFETY: head h of token row0+i belongs to
+                                // this task (its KV group, its tokens).
+                                let dst =
+                                    unsafe { self.attn.slice_mut((row0 + i) * c.dim + h * hd, hd) };
+                                dst.copy_from_slice(o);
+                            },
+                        );
                     }
                 }
             }
             ctx.barrier();
             clock.tick(ctx, profile::ATTENTION);
             // 5. Quantize the attention output.
-            self.per_token(ctx, self.counter(l, 4), t_all, &mut |t| {
+            self.per_token(ctx, self.counter(l, 4), t_all, 1, &mut |t| {
                 // SAFETY: read-only attn row; xq row t is ours.
                 let (a, q) = unsafe {
                     (
@@ -485,12 +551,22 @@ impl Job<'_> {
             ctx.barrier();
             clock.tick(ctx, profile::QUANT);
             // 6. Output projection into the residual.
-            self.gemm(ctx, self.counter(l, 5), &lw.wo, &self.xq, nbd, t_all, &self.x, c.dim, Epilogue::Add);
+            self.gemm(
+                ctx,
+                self.counter(l, 5),
+                &lw.wo,
+                &self.xq,
+                nbd,
+                t_all,
+                &self.x,
+                c.dim,
+                Epilogue::Add,
+            );
             ctx.barrier();
             clock.tick(ctx, profile::WO);
             // 7. Norm and quantize.
             let mut s = self.scratch(ctx.tid);
-            self.per_token(ctx, self.counter(l, 6), t_all, &mut |t| {
+            self.per_token(ctx, self.counter(l, 6), t_all, 1, &mut |t| {
                 // SAFETY: as in phase 1.
                 let (x, q) = unsafe {
                     (
@@ -505,19 +581,25 @@ impl Job<'_> {
             clock.tick(ctx, profile::NORM);
             // 8. Gate|up.
             let gw = 2 * c.ffn_dim;
-            self.gemm(ctx, self.counter(l, 7), &lw.gate_up, &self.xq, nbd, t_all, &self.gu, gw, Epilogue::Store);
+            self.gemm(
+                ctx,
+                self.counter(l, 7),
+                &lw.gate_up,
+                &self.xq,
+                nbd,
+                t_all,
+                &self.gu,
+                gw,
+                Epilogue::Store,
+            );
             ctx.barrier();
             clock.tick(ctx, profile::GATE_UP);
             // 9. SiLU and multiply, quantized.
             let mut s = self.scratch(ctx.tid);
-            self.per_token(ctx, self.counter(l, 8), t_all, &mut |t| {
+            self.per_token(ctx, self.counter(l, 8), t_all, 1, &mut |t| {
                 // SAFETY: read-only gu row; xqf row t is ours.
-                let (g, q) = unsafe {
-                    (
-                        self.gu.slice(t * gw, gw),
-                        self.xqf.slice_mut(t * nbf, nbf),
-                    )
-                };
+                let (g, q) =
+                    unsafe { (self.gu.slice(t * gw, gw), self.xqf.slice_mut(t * nbf, nbf)) };
                 let (gate, up) = g.split_at(c.ffn_dim);
                 ops::silu_mul_quant(self.isa, gate, up, &mut s.row[..c.ffn_dim], q);
             });
@@ -525,7 +607,17 @@ impl Job<'_> {
             ctx.barrier();
             clock.tick(ctx, profile::SILU);
             // 10. Down projection into the residual.
-            self.gemm(ctx, self.counter(l, 9), &lw.down, &self.xqf, nbf, t_all, &self.x, c.dim, Epilogue::Add);
+            self.gemm(
+                ctx,
+                self.counter(l, 9),
+                &lw.down,
+                &self.xqf,
+                nbf,
+                t_all,
+                &self.x,
+                c.dim,
+                Epilogue::Add,
+            );
             ctx.barrier();
             clock.tick(ctx, profile::DOWN);
         }
@@ -533,7 +625,7 @@ impl Job<'_> {
         // at the front of xq).
         let ns = p.seqs.len();
         let mut s = self.scratch(ctx.tid);
-        self.per_token(ctx, &self.counters[last], ns, &mut |i| {
+        self.per_token(ctx, &self.counters[last], ns, 1, &mut |i| {
             let (row0, n, _, _) = p.seqs[i];
             // SAFETY: x is read-only now; xq row i is ours.
             let (x, q) = unsafe {
@@ -547,7 +639,17 @@ impl Job<'_> {
         drop(s);
         ctx.barrier();
         clock.tick(ctx, profile::HEAD_NORM);
-        self.gemm(ctx, &self.counters[last + 1], &w.head, &self.xq, nbd, ns, &self.logits, c.vocab, Epilogue::Store);
+        self.gemm(
+            ctx,
+            &self.counters[last + 1],
+            &w.head,
+            &self.xq,
+            nbd,
+            ns,
+            &self.logits,
+            c.vocab,
+            Epilogue::Store,
+        );
         clock.tick(ctx, profile::HEAD);
     }
 }

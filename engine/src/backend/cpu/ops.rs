@@ -59,7 +59,11 @@ pub fn rope(x: &mut [f32], hd: usize, cos: &[f32], sin: &[f32], neox: bool) {
     let half = hd / 2;
     for h in x.chunks_exact_mut(hd) {
         for i in 0..half {
-            let (a, b) = if neox { (i, i + half) } else { (2 * i, 2 * i + 1) };
+            let (a, b) = if neox {
+                (i, i + half)
+            } else {
+                (2 * i, 2 * i + 1)
+            };
             let (x0, x1) = (h[a], h[b]);
             h[a] = x0 * cos[i] - x1 * sin[i];
             h[b] = x0 * sin[i] + x1 * cos[i];
@@ -104,26 +108,6 @@ pub fn exp(xs: &mut [f32]) {
         let scale = f32::from_bits(((n as i32 + 127) as u32) << 23);
         *v = if *v < -87.0 { 0.0 } else { p * scale };
     }
-}
-
-/// Where one sequence's attention reads: its KV slots in position order.
-pub struct AttnSeq<'a> {
-    /// Slot of every position up to the step's last token.
-    pub slots: &'a [usize],
-    /// Position of the sequence's first token in the step.
-    pub start: usize,
-}
-
-/// Shapes of one attention call.
-pub struct AttnShape {
-    /// Per-head size.
-    pub hd: usize,
-    /// Query heads per KV head.
-    pub rep: usize,
-    /// Floats per KV slot (kv heads x hd).
-    pub kv_dim: usize,
-    /// Floats per row of `q` (the fused QKV row).
-    pub q_stride: usize,
 }
 
 #[cfg(test)]

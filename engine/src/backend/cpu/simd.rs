@@ -288,12 +288,18 @@ mod x86 {
         // Round to nearest even (the default rounding mode).
         let q = x.map(|v| _mm256_cvtps_epi32(_mm256_mul_ps(v, id)));
         let sum = _mm256_add_epi32(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3]));
-        let s4 = _mm_add_epi32(_mm256_castsi256_si128(sum), _mm256_extracti128_si256::<1>(sum));
+        let s4 = _mm_add_epi32(
+            _mm256_castsi256_si128(sum),
+            _mm256_extracti128_si256::<1>(sum),
+        );
         let s4 = _mm_add_epi32(s4, _mm_unpackhi_epi64(s4, s4));
         let s4 = _mm_add_epi32(s4, _mm_shuffle_epi32::<1>(s4));
         let total = _mm_cvtsi128_si32(s4);
         // Packing interleaves 128-bit lanes; the permutation undoes it.
-        let p = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
+        let p = _mm256_packs_epi16(
+            _mm256_packs_epi32(q[0], q[1]),
+            _mm256_packs_epi32(q[2], q[3]),
+        );
         let p = _mm256_permutevar8x32_epi32(p, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
         // SAFETY: 32 bytes into the block's 32 values.
         unsafe { _mm256_storeu_si256(out.q.as_mut_ptr() as *mut __m256i, p) };
@@ -454,7 +460,9 @@ mod x86 {
                 // SAFETY: 32 bytes of values in the block.
                 let (xa, xh) = unsafe {
                     (
-                        _mm256_broadcastsi128_si256(_mm_loadu_si128(xb.q.as_ptr() as *const __m128i)),
+                        _mm256_broadcastsi128_si256(_mm_loadu_si128(
+                            xb.q.as_ptr() as *const __m128i
+                        )),
                         _mm256_broadcastsi128_si256(_mm_loadu_si128(
                             xb.q.as_ptr().add(16) as *const __m128i
                         )),
@@ -682,7 +690,11 @@ mod tests {
                 .map(|i| (((i * 31 + t * 17) % 61) as f32 - 30.0) / 11.0)
                 .collect();
             for b in 0..nb {
-                quantize_block(Isa::Scalar, &v[b * 32..(b + 1) * 32], &mut blocks[t * nb + b]);
+                quantize_block(
+                    Isa::Scalar,
+                    &v[b * 32..(b + 1) * 32],
+                    &mut blocks[t * nb + b],
+                );
             }
             // What the kernel sees: the quantized values.
             let deq: Vec<f32> = (0..nb * 32)
@@ -738,7 +750,9 @@ mod tests {
             let mut o = Q8Block::default();
             quantize_block(isa, &v, &mut o);
             assert_eq!(o, b, "{isa:?}");
-            let w: Vec<f32> = (0..32).map(|i| ((i * 37) % 19) as f32 * 0.37 - 3.3).collect();
+            let w: Vec<f32> = (0..32)
+                .map(|i| ((i * 37) % 19) as f32 * 0.37 - 3.3)
+                .collect();
             let (mut p, mut q) = (Q8Block::default(), Q8Block::default());
             quantize_block(Isa::Scalar, &w, &mut p);
             quantize_block(isa, &w, &mut q);

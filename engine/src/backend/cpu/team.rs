@@ -227,7 +227,11 @@ fn worker(s: &State, tid: usize) {
         // above); `run` keeps the pointee alive until `pending` reaches 0.
         let job = unsafe { *s.job.get() };
         if let Some(JobPtr(p)) = job {
-            let ctx = Ctx { tid, n: s.n, state: s };
+            let ctx = Ctx {
+                tid,
+                n: s.n,
+                state: s,
+            };
             // SAFETY: see above; the closure is `Sync`.
             let f = unsafe { &*p };
             if catch_unwind(AssertUnwindSafe(|| f(&ctx))).is_err() {
@@ -294,7 +298,10 @@ impl<'a, T> Shared<'a, T> {
     /// and none may hold a slice over them from an earlier phase.
     #[allow(clippy::mut_from_ref)]
     pub unsafe fn slice_mut(&self, start: usize, n: usize) -> &mut [T] {
-        assert!(start <= self.len && n <= self.len - start, "Shared out of bounds");
+        assert!(
+            start <= self.len && n <= self.len - start,
+            "Shared out of bounds"
+        );
         // SAFETY: in bounds (checked); exclusive per the caller's promise.
         unsafe { std::slice::from_raw_parts_mut(self.ptr.add(start), n) }
     }
@@ -314,7 +321,10 @@ impl<'a, T> Shared<'a, T> {
     /// # Safety
     /// No thread may write these elements until the next barrier.
     pub unsafe fn slice(&self, start: usize, n: usize) -> &[T] {
-        assert!(start <= self.len && n <= self.len - start, "Shared out of bounds");
+        assert!(
+            start <= self.len && n <= self.len - start,
+            "Shared out of bounds"
+        );
         // SAFETY: in bounds (checked); not written per the caller's promise.
         unsafe { std::slice::from_raw_parts(self.ptr.add(start), n) }
     }

@@ -118,7 +118,10 @@ impl Embedding {
     /// Dequantize row `id` into `out` (`dim` floats); false when the id
     /// is out of range.
     pub fn row(&self, id: usize, out: &mut [f32]) -> bool {
-        let Some(raw) = self.data.get(id * self.row_bytes..(id + 1) * self.row_bytes) else {
+        let Some(raw) = self
+            .data
+            .get(id * self.row_bytes..(id + 1) * self.row_bytes)
+        else {
             return false;
         };
         let f16 = |b: &[u8]| half::f16::from_le_bytes([b[0], b[1]]).to_f32();
@@ -179,7 +182,9 @@ fn format_of(t: &QTensor) -> Result<Format, String> {
     match t.dtype() {
         GgmlDType::Q4_1 => Ok(Format::Q4_1),
         GgmlDType::Q8_0 => Ok(Format::Q8_0),
-        other => Err(format!("{other:?} weights (the CPU kernels take Q4_1 and Q8_0)")),
+        other => Err(format!(
+            "{other:?} weights (the CPU kernels take Q4_1 and Q8_0)"
+        )),
     }
 }
 
@@ -198,7 +203,12 @@ impl Weights {
         };
         let raw = |t: &QTensor| -> Result<(Format, usize, usize, Vec<u8>), String> {
             let (r, c) = t.shape().dims2().map_err(|e| e.to_string())?;
-            Ok((format_of(t)?, r, c, t.data().map_err(|e| e.to_string())?.to_vec()))
+            Ok((
+                format_of(t)?,
+                r,
+                c,
+                t.data().map_err(|e| e.to_string())?.to_vec(),
+            ))
         };
         let vec = |t: QTensor| -> Result<Vec<f32>, String> {
             t.dequantize(&dev)
