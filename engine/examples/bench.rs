@@ -27,12 +27,19 @@ fn prompt(n: usize, salt: u32) -> Vec<u32> {
         .collect()
 }
 
+/// Requests sample at temperature 0.8 / top-p 0.95 (seeded) instead of
+/// greedily while this is set.
+static SAMPLED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
 fn req(p: Vec<u32>, max_tokens: usize) -> GenerateRequest {
+    let sampled = SAMPLED.load(std::sync::atomic::Ordering::Relaxed);
     GenerateRequest {
         prompt: p,
         max_tokens,
         sampling: SamplingParams {
-            temperature: 0.0,
+            temperature: if sampled { 0.8 } else { 0.0 },
+            top_p: if sampled { 0.95 } else { 1.0 },
+            seed: sampled.then_some(42),
             ..SamplingParams::default()
         },
         stop: Vec::new(),
@@ -285,6 +292,7 @@ fn main() {
     let mut single = Vec::new();
     let mut agg4 = Vec::new();
     let mut agg16 = Vec::new();
+    let mut sampled = Vec::new();
     for r in 0..repeats as u32 {
         let (t, _, _, _) = run(&e, 1, 512, 1, r * 10 + 1);
         prefill.push(512.0 / t[0].as_secs_f64());
@@ -297,14 +305,19 @@ fn main() {
             let decode_tokens = tokens - n;
             out.push(decode_tokens as f64 / (total - first).as_secs_f64());
         }
+        SAMPLED.store(true, std::sync::atomic::Ordering::Relaxed);
+        let (_, tokens, first, total) = run(&e, 1, 32, 128, r * 10 + 3);
+        SAMPLED.store(false, std::sync::atomic::Ordering::Relaxed);
+        sampled.push((tokens - 1) as f64 / (total - first).as_secs_f64());
     }
     println!(
-        "{{\"threads\": {}, \"prefill_512_tok_s\": {:.1}, \"ttft_128_ms\": {:.1}, \"decode_1_tok_s\": {:.1}, \"decode_4_tok_s\": {:.1}, \"decode_16_tok_s\": {:.1}}}",
+        "{{\"threads\": {}, \"prefill_512_tok_s\": {:.1}, \"ttft_128_ms\": {:.1}, \"decode_1_tok_s\": {:.1}, \"decode_4_tok_s\": {:.1}, \"decode_16_tok_s\": {:.1}, \"decode_1_sampled_tok_s\": {:.1}}}",
         std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1),
         median(prefill),
         median(ttft128),
         median(single),
         median(agg4),
-        median(agg16)
+        median(agg16),
+        median(sampled)
     );
 }

@@ -6,6 +6,7 @@
 #![allow(clippy::unwrap_used)]
 use std::sync::Arc;
 use ultrafast_engine::backend::cpu::CpuRunner;
+use ultrafast_engine::backend::KvDtype;
 use ultrafast_engine::backend::{CandleRunner, ModelRunner};
 use ultrafast_engine::fetch::{self, SMOLLM2};
 use ultrafast_engine::generate;
@@ -30,7 +31,7 @@ fn run(r: &mut dyn ModelRunner, seqs: &[SeqStep]) -> Vec<Vec<f32>> {
 fn greedy_tokens_are_the_same_alone_and_in_a_mixed_batch() {
     let l = Arc::new(generate::load(&fetch::pull(&SMOLLM2).unwrap()).unwrap());
     let w = l.fast.as_ref().unwrap().clone();
-    let mut r = CpuRunner::new(w, 128, 16, 2, || {}).unwrap();
+    let mut r = CpuRunner::new(w, 128, 16, KvDtype::F16, 2, || {}).unwrap();
     check(&l, &mut r, false);
 }
 

@@ -12,6 +12,7 @@ use candle_core::D;
 use std::io::Write;
 use std::process::{Command, Stdio};
 use ultrafast_engine::backend::cpu::CpuRunner;
+use ultrafast_engine::backend::KvDtype;
 use ultrafast_engine::fetch::{self, SMOLLM2};
 use ultrafast_engine::generate;
 use ultrafast_engine::kv::BlockPool;
@@ -21,12 +22,14 @@ use ultrafast_engine::tokenizer::ChatMessage;
 
 const STEPS: usize = 32;
 const NEAR_TIE: f64 = 0.5;
-/// Largest allowed first-step logit difference. Q4_1 layers run on f32
-/// activations, but the Q8_0 output head (candle) quantizes them to 8 bits
-/// while the reference runs pure float32 on the dequantized weights;
-/// measured max differences on these prompts are 0.30-0.40 (0.4-0.7 when
-/// every matmul quantized its activations).
-const LOGIT_TOL: f32 = 1.0;
+/// Largest allowed first-step logit difference (over all 49,152 logits),
+/// by path. Candle: Q4_1 layers on f32 activations, only the Q8_0 output
+/// head quantizes them to 8 bits; measured 0.30-0.40 on these prompts.
+/// The engine's kernels quantize the activations of every product to 8
+/// bits per 32 values (as llama.cpp does for these types) and keep K/V in
+/// f16: measured 0.54-0.99 (0.68-1.09 with an f32 cache, so the cache is
+/// not the cause). The token rule below is the same for both.
+const LOGIT_TOL: [f32; 2] = [1.0, 1.5];
 
 /// The model checked: SmolLM2 (fetched), or any GGUF named by
 /// `ULTRAFAST_GOLDEN_MODEL` (the optional Qwen2 compatibility check:
@@ -96,7 +99,7 @@ fn greedy_tokens_and_logits_match_the_float32_reference() {
     };
     let pool = BlockPool::new(64, 16);
     let runner = std::cell::RefCell::new(
-        CpuRunner::new(l.fast.as_ref().unwrap().clone(), 64, 16, 2, || {}).unwrap(),
+        CpuRunner::new(l.fast.as_ref().unwrap().clone(), 64, 16, KvDtype::F16, 2, || {}).unwrap(),
     );
     let kernels = |ids: &[u32], forced: &[u32]| -> (Vec<f32>, Vec<u32>) {
         let mut r = runner.borrow_mut();
@@ -124,7 +127,7 @@ fn greedy_tokens_and_logits_match_the_float32_reference() {
     };
     let paths: [(&str, &dyn Fn(&[u32], &[u32]) -> (Vec<f32>, Vec<u32>)); 2] =
         [("candle", &candle), ("kernels", &kernels)];
-    for (name, run) in paths {
+    for ((name, run), tol) in paths.into_iter().zip(LOGIT_TOL) {
         let mut compared = 0;
         for (i, (ids, r)) in prompts.iter().zip(&refs).enumerate() {
             let ref_first: Vec<f32> = r["first_logits"]
@@ -152,7 +155,7 @@ fn greedy_tokens_and_logits_match_the_float32_reference() {
                 .map(|(a, b)| (a - b).abs())
                 .fold(0.0f32, f32::max);
             assert!(
-                max_diff < LOGIT_TOL,
+                max_diff < tol,
                 "{name}, prompt {i}: first-step logits differ by up to {max_diff}"
             );
             let mut skipped = 0;

@@ -91,6 +91,7 @@ proptest! {
             max_num_seqs: seqs,
             max_batched_tokens: batched,
             aging_ms_per_token: 10,
+            ..EngineConfig::default()
         };
         let e = Engine::start_observed(loaded(), cfg, Some(budget.clone() as Arc<dyn StepObserver>)).unwrap();
         let mut rxs = Vec::new();

@@ -19,6 +19,27 @@ use crate::generate::Loaded;
 use crate::model::paged::{PagedKv, SeqStep};
 use std::sync::Arc;
 
+/// Precision of the KV cache.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum KvDtype {
+    /// Half the memory and attention's bandwidth (the default).
+    #[default]
+    F16,
+    /// Exact (the candle runner always uses f32).
+    F32,
+}
+
+impl KvDtype {
+    /// `"f16"` or `"f32"`.
+    pub fn parse(s: &str) -> Option<KvDtype> {
+        match s {
+            "f16" => Some(KvDtype::F16),
+            "f32" => Some(KvDtype::F32),
+            _ => None,
+        }
+    }
+}
+
 /// Runs scheduler steps on one device.
 pub trait ModelRunner: Send {
     /// Which device and kernels, for logs and metrics (`cpu/avx2`, ...).
@@ -43,7 +64,12 @@ pub trait ModelRunner: Send {
 
 impl ModelRunner for cpu::CpuRunner {
     fn describe(&self) -> String {
-        format!("cpu/{} x{}", self.isa().name(), self.threads())
+        format!(
+            "cpu/{} x{} kv {:?}",
+            self.isa().name(),
+            self.threads(),
+            self.kv_dtype()
+        )
     }
 
     fn step(
@@ -129,6 +155,7 @@ pub fn cpu_runner(
     loaded: &Arc<Loaded>,
     num_blocks: usize,
     block_size: usize,
+    kv_dtype: KvDtype,
     init: fn(),
 ) -> Result<Box<dyn ModelRunner>> {
     let threads = compute_threads();
@@ -138,6 +165,7 @@ pub fn cpu_runner(
             w.clone(),
             num_blocks,
             block_size,
+            kv_dtype,
             threads,
             init,
         )?),

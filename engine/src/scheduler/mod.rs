@@ -55,6 +55,8 @@ pub struct EngineConfig {
     /// Queue aging: a waiting request's effective length shrinks by one
     /// token per this many ms, so long prompts are not starved.
     pub aging_ms_per_token: u64,
+    /// Precision of the KV cache.
+    pub kv_dtype: backend::KvDtype,
 }
 
 impl Default for EngineConfig {
@@ -65,6 +67,7 @@ impl Default for EngineConfig {
             max_num_seqs: 32,
             max_batched_tokens: 512,
             aging_ms_per_token: 10,
+            kv_dtype: backend::KvDtype::default(),
         }
     }
 }
@@ -162,6 +165,7 @@ impl Engine {
             &loaded,
             cfg.num_blocks,
             cfg.block_size,
+            cfg.kv_dtype,
             threads::lower_this_thread,
         )?;
         let arrivals: Arc<Arrivals> = Arc::new(Default::default());

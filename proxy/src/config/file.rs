@@ -118,6 +118,8 @@ pub struct ModelSection {
     pub kv_blocks: usize,
     /// Engine: tokens per KV block.
     pub block_size: usize,
+    /// Engine: KV cache precision, `f16` (default) or `f32`.
+    pub kv_cache: String,
     /// Engine: sequences per step at most.
     pub max_num_seqs: usize,
     /// Engine: tokens per step at most (decodes plus prefill chunks).
@@ -234,6 +236,7 @@ impl Default for ModelSection {
             sha256: String::new(),
             kv_blocks: 512,
             block_size: 16,
+            kv_cache: "f16".into(),
             max_num_seqs: 16,
             max_batched_tokens: 24,
             warmup_prompt_lens: vec![16, 128],

@@ -28,6 +28,37 @@ use super::simd::Isa;
 /// Query vectors per task at most.
 pub const MAX_VECS: usize = 48;
 
+/// What the KV cache stores: f16 (half the memory and the bandwidth of
+/// attention) or f32 (exact).
+pub trait KvElem: Copy + Default + Send + Sync + 'static {
+    /// Stored as f16.
+    const HALF: bool;
+    /// Convert for storing.
+    fn from_f32(x: f32) -> Self;
+    /// Convert for reading.
+    fn to_f32(self) -> f32;
+}
+
+impl KvElem for f32 {
+    const HALF: bool = false;
+    fn from_f32(x: f32) -> Self {
+        x
+    }
+    fn to_f32(self) -> f32 {
+        self
+    }
+}
+
+impl KvElem for half::f16 {
+    const HALF: bool = true;
+    fn from_f32(x: f32) -> Self {
+        half::f16::from_f32(x)
+    }
+    fn to_f32(self) -> f32 {
+        half::f16::to_f32(self)
+    }
+}
+
 /// Where keys and values of a slot live in one layer's buffers.
 #[derive(Clone, Copy, Debug)]
 pub struct KvLayout {
@@ -94,15 +125,15 @@ pub fn tokens_per_task(rep: usize) -> usize {
 /// `seq.start + i`, its query row at `q[i * q_stride..]`) for KV head `g`;
 /// `out(i, h, o)` gets head `h`'s output of token `i`.
 #[allow(clippy::too_many_arguments)]
-pub fn attend(
+pub fn attend<E: KvElem>(
     isa: Isa,
     sh: &AttnShape,
     seq: &AttnSeq,
     g: usize,
     tokens: std::ops::Range<usize>,
     q: &[f32],
-    k: &[f32],
-    v: &[f32],
+    k: &[E],
+    v: &[E],
     sc: &mut AttnScratch,
     out: &mut dyn FnMut(usize, usize, &[f32]),
 ) {
@@ -167,13 +198,13 @@ pub fn attend(
 /// One KV block for every query vector: scores, the online softmax update,
 /// the values.
 #[allow(clippy::too_many_arguments)]
-fn block_portable(
+fn block_portable<E: KvElem>(
     sc: &mut AttnScratch,
     nv: usize,
     hd: usize,
     bs: usize,
-    kt: &[f32],
-    vb: &[f32],
+    kt: &[E],
+    vb: &[E],
     v_stride: usize,
     v_off: usize,
     n: usize,
@@ -186,7 +217,7 @@ fn block_portable(
         for d in 0..hd {
             let qd = qu[d];
             for (x, kk) in s.iter_mut().zip(&kt[d * bs..(d + 1) * bs]) {
-                *x += qd * kk;
+                *x += qd * kk.to_f32();
             }
         }
         let vis = visible(u);
@@ -215,7 +246,7 @@ fn block_portable(
         for (p, w) in s.iter().enumerate() {
             let vr = &vb[p * v_stride + v_off..][..hd];
             for (x, y) in a.iter_mut().zip(vr) {
-                *x += w * y;
+                *x += w * y.to_f32();
             }
         }
     }
@@ -224,8 +255,22 @@ fn block_portable(
 
 #[cfg(target_arch = "x86_64")]
 mod x86 {
-    use super::AttnScratch;
+    use super::{AttnScratch, KvElem};
     use std::arch::x86_64::*;
+
+    /// 16 stored values at `p` as f32.
+    #[inline(always)]
+    unsafe fn load16<E: KvElem>(p: *const E) -> __m512 {
+        // SAFETY: the caller's slice has 16 elements at `p`; the features
+        // are those of the caller (always inlined into it).
+        unsafe {
+            if E::HALF {
+                _mm512_cvtph_ps(_mm256_loadu_si256(p as *const __m256i))
+            } else {
+                _mm512_loadu_ps(p as *const f32)
+            }
+        }
+    }
 
     /// `e^x` on 16 lanes (x <= 88; below -87 gives 0): x = n ln2 + r, a
     /// degree-6 polynomial, `vscalefps` for 2^n.
@@ -246,13 +291,13 @@ mod x86 {
     }
 
     /// The block loop for 16 slots per block and 64-wide heads.
-    #[target_feature(enable = "avx512f,avx2,fma")]
+    #[target_feature(enable = "avx512f,avx2,fma,f16c")]
     #[allow(clippy::too_many_arguments)]
-    pub(super) unsafe fn block(
+    pub(super) unsafe fn block<E: KvElem>(
         sc: &mut AttnScratch,
         nv: usize,
-        kt: &[f32],
-        vb: &[f32],
+        kt: &[E],
+        vb: &[E],
         v_stride: usize,
         v_off: usize,
         n: usize,
@@ -268,7 +313,7 @@ mod x86 {
             let mut s = [_mm512_setzero_ps(); 8];
             for d in 0..HD {
                 // SAFETY: row d of the 64 x 16 tile (length checked).
-                let kr = unsafe { _mm512_loadu_ps(kt.as_ptr().add(d * 16)) };
+                let kr = unsafe { load16(kt.as_ptr().add(d * 16)) };
                 for t in 0..ut {
                     let qd = sc.q[(u0 + t) * HD + d];
                     s[t] = _mm512_fmadd_ps(_mm512_set1_ps(qd), kr, s[t]);
@@ -332,12 +377,7 @@ mod x86 {
                 // SAFETY: value row p of the block (length checked).
                 let vr = unsafe {
                     let r = vb.as_ptr().add(p * v_stride + v_off);
-                    [
-                        _mm512_loadu_ps(r),
-                        _mm512_loadu_ps(r.add(16)),
-                        _mm512_loadu_ps(r.add(32)),
-                        _mm512_loadu_ps(r.add(48)),
-                    ]
+                    [load16(r), load16(r.add(16)), load16(r.add(32)), load16(r.add(48))]
                 };
                 for t in 0..ut {
                     let w = _mm512_set1_ps(sc.s[(u0 + t) * 16 + p]);
@@ -376,12 +416,15 @@ mod tests {
                 (64, 8, 1, 3, 0),
                 (64, 16, 9, 5, 33),
             ] {
-                check(isa, hd, bs, rep, ntok, start);
+                check::<f32>(isa, hd, bs, rep, ntok, start, 1e-4);
+                // f16 keys and values: the reference reads the same
+                // rounded values, so only the arithmetic differs.
+                check::<half::f16>(isa, hd, bs, rep, ntok, start, 1e-3);
             }
         }
     }
 
-    fn check(isa: Isa, hd: usize, bs: usize, rep: usize, ntok: usize, start: usize) {
+    fn check<E: KvElem>(isa: Isa, hd: usize, bs: usize, rep: usize, ntok: usize, start: usize, tol: f32) {
         let n_kv = 2;
         let lay = KvLayout { bs, n_kv, hd };
         let q_stride = n_kv * rep * hd + 7;
@@ -391,15 +434,19 @@ mod tests {
         let slots: Vec<usize> = (0..ctx)
             .map(|j| ((j / bs * 5 + 2) % nblocks) * bs + j % bs)
             .collect();
-        let key = |s: usize, g: usize, d: usize| ((s * 7 + g * 3 + d * 11) % 23) as f32 / 9.0 - 1.0;
-        let val = |s: usize, g: usize, d: usize| ((s * 5 + g + d * 3) % 13) as f32 / 3.0;
-        let mut k = vec![0f32; nblocks * bs * n_kv * hd];
-        let mut v = vec![0f32; nblocks * bs * n_kv * hd];
+        let key = |s: usize, g: usize, d: usize| {
+            E::from_f32(((s * 7 + g * 3 + d * 11) % 23) as f32 / 9.0 - 1.0).to_f32()
+        };
+        let val = |s: usize, g: usize, d: usize| {
+            E::from_f32(((s * 5 + g + d * 3) % 13) as f32 / 3.0).to_f32()
+        };
+        let mut k = vec![E::default(); nblocks * bs * n_kv * hd];
+        let mut v = vec![E::default(); nblocks * bs * n_kv * hd];
         for &s in &slots {
             for g in 0..n_kv {
                 for d in 0..hd {
-                    k[lay.k_index(s, g, d)] = key(s, g, d);
-                    v[lay.v_index(s, g) + d] = val(s, g, d);
+                    k[lay.k_index(s, g, d)] = E::from_f32(key(s, g, d));
+                    v[lay.v_index(s, g) + d] = E::from_f32(val(s, g, d));
                 }
             }
         }
@@ -451,7 +498,7 @@ mod tests {
                     let want: f32 = (0..n).map(|j| e[j] / z * val(slots[j], g, d)).sum();
                     let g = got[i * n_kv * rep + h][d];
                     assert!(
-                        (g - want).abs() < 1e-4,
+                        (g - want).abs() < tol,
                         "{isa:?} hd {hd} bs {bs} token {i} head {h}: {g} vs {want}"
                     );
                 }

@@ -36,7 +36,8 @@ pub mod weights;
 use crate::error::{EngineError, Result};
 use crate::model::paged::SeqStep;
 use crate::model::Arch;
-use attn::{AttnSeq, AttnShape, KvLayout};
+use super::KvDtype;
+use attn::{AttnSeq, AttnShape, KvElem, KvLayout};
 use simd::{Isa, Q8Block, MAX_T};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
@@ -76,11 +77,16 @@ pub struct CpuRunner {
     team: Team,
     block_size: usize,
     slots: usize,
-    k: Vec<Vec<f32>>,
-    v: Vec<Vec<f32>>,
+    kv: Kv,
     bufs: Bufs,
     counters: Vec<AtomicUsize>,
     scratch: Vec<Mutex<Scratch>>,
+}
+
+/// Keys and values, per layer, in the configured precision.
+enum Kv {
+    F32(Vec<Vec<f32>>, Vec<Vec<f32>>),
+    F16(Vec<Vec<half::f16>>, Vec<Vec<half::f16>>),
 }
 
 /// What a step's job reads, resolved before the team starts.
@@ -104,6 +110,7 @@ impl CpuRunner {
         w: Arc<Weights>,
         num_blocks: usize,
         block_size: usize,
+        kv_dtype: KvDtype,
         threads: usize,
         init: fn(),
     ) -> Result<CpuRunner> {
@@ -121,8 +128,16 @@ impl CpuRunner {
             team,
             block_size,
             slots,
-            k: vec![vec![0.0; slots * kv_dim]; c.n_layer],
-            v: vec![vec![0.0; slots * kv_dim]; c.n_layer],
+            kv: match kv_dtype {
+                KvDtype::F32 => Kv::F32(
+                    vec![vec![0.0; slots * kv_dim]; c.n_layer],
+                    vec![vec![0.0; slots * kv_dim]; c.n_layer],
+                ),
+                KvDtype::F16 => Kv::F16(
+                    vec![vec![half::f16::ZERO; slots * kv_dim]; c.n_layer],
+                    vec![vec![half::f16::ZERO; slots * kv_dim]; c.n_layer],
+                ),
+            },
             bufs: Bufs::default(),
             counters: (0..(c.n_layer + 1) * PHASES + 2)
                 .map(|_| AtomicUsize::new(0))
@@ -137,6 +152,14 @@ impl CpuRunner {
         self.isa
     }
 
+    /// The KV cache's precision.
+    pub fn kv_dtype(&self) -> KvDtype {
+        match self.kv {
+            Kv::F32(..) => KvDtype::F32,
+            Kv::F16(..) => KvDtype::F16,
+        }
+    }
+
     /// Threads in the team.
     pub fn threads(&self) -> usize {
         self.team.threads()
@@ -144,7 +167,11 @@ impl CpuRunner {
 
     /// Bytes of KV cache held.
     pub fn kv_bytes(&self) -> usize {
-        2 * self.k.len() * self.slots * self.w.cfg.n_kv_head * self.w.cfg.head_dim * 4
+        let elem = match self.kv {
+            Kv::F32(..) => 4,
+            Kv::F16(..) => 2,
+        };
+        2 * self.w.cfg.n_layer * self.slots * self.w.cfg.n_kv_head * self.w.cfg.head_dim * elem
     }
 
     fn slot(&self, blocks: &[u32], pos: usize) -> Result<usize> {
@@ -246,7 +273,7 @@ impl CpuRunner {
         for a in &self.counters {
             a.store(0, Ordering::Relaxed);
         }
-        let job = Job {
+        let common = Common {
             w: &self.w,
             isa: self.isa,
             plan: &plan,
@@ -258,22 +285,37 @@ impl CpuRunner {
             xq: Shared::new(&mut b.xq),
             xqf: Shared::new(&mut b.xqf),
             logits: Shared::new(&mut logits[..]),
-            k: self.k.iter_mut().map(|v| Shared::new(v)).collect(),
-            v: self.v.iter_mut().map(|v| Shared::new(v)).collect(),
             counters: &self.counters,
             scratch: &self.scratch,
             stop,
-            stopped: AtomicBool::new(false),
         };
-        self.team
-            .run(&|ctx: &Ctx| job.run(ctx))
-            .map_err(EngineError::Invalid)?;
-        Ok(!job.stopped.load(Ordering::Relaxed))
+        match &mut self.kv {
+            Kv::F32(k, v) => launch(&self.team, common, k, v),
+            Kv::F16(k, v) => launch(&self.team, common, k, v),
+        }
     }
 }
 
-/// One step's job, shared by the team.
-struct Job<'a> {
+/// Run one step's job on the team; `Ok(false)` when it stopped early.
+fn launch<E: KvElem>(
+    team: &Team,
+    common: Common<'_>,
+    k: &mut [Vec<E>],
+    v: &mut [Vec<E>],
+) -> Result<bool> {
+    let job = Job {
+        c: common,
+        k: k.iter_mut().map(|v| Shared::new(v)).collect(),
+        v: v.iter_mut().map(|v| Shared::new(v)).collect(),
+        stopped: AtomicBool::new(false),
+    };
+    team.run(&|ctx: &Ctx| job.run(ctx))
+        .map_err(EngineError::Invalid)?;
+    Ok(!job.stopped.load(Ordering::Relaxed))
+}
+
+/// What a step's job shares whatever the KV precision.
+struct Common<'a> {
     w: &'a Weights,
     isa: Isa,
     plan: &'a Plan,
@@ -285,12 +327,24 @@ struct Job<'a> {
     xq: Shared<'a, Q8Block>,
     xqf: Shared<'a, Q8Block>,
     logits: Shared<'a, f32>,
-    k: Vec<Shared<'a, f32>>,
-    v: Vec<Shared<'a, f32>>,
     counters: &'a [AtomicUsize],
     scratch: &'a [Mutex<Scratch>],
     stop: &'a (dyn Fn(usize) -> bool + Sync),
+}
+
+/// One step's job, shared by the team.
+struct Job<'a, E> {
+    c: Common<'a>,
+    k: Vec<Shared<'a, E>>,
+    v: Vec<Shared<'a, E>>,
     stopped: AtomicBool,
+}
+
+impl<'a, E> std::ops::Deref for Job<'a, E> {
+    type Target = Common<'a>;
+    fn deref(&self) -> &Common<'a> {
+        &self.c
+    }
 }
 
 /// How a matrix product's results land in its output buffer.
@@ -302,7 +356,7 @@ enum Epilogue {
     Add,
 }
 
-impl Job<'_> {
+impl<E: KvElem> Job<'_, E> {
     fn counter(&self, layer: usize, phase: usize) -> &AtomicUsize {
         &self.counters[layer * PHASES + phase]
     }
@@ -479,12 +533,13 @@ impl Job<'_> {
                     for g in 0..c.n_kv_head {
                         let base = lay.k_index(slot, g, 0);
                         for d in 0..hd {
-                            self.k[l].set(base + d * lay.bs, k[g * hd + d]);
+                            self.k[l].set(base + d * lay.bs, E::from_f32(k[g * hd + d]));
                         }
                     }
-                    self.v[l]
-                        .slice_mut(lay.v_index(slot, 0), kv_dim)
-                        .copy_from_slice(v);
+                    let vs = self.v[l].slice_mut(lay.v_index(slot, 0), kv_dim);
+                    for (o, x) in vs.iter_mut().zip(v.iter()) {
+                        *o = E::from_f32(*x);
+                    }
                 }
             });
             ctx.barrier();

@@ -9,6 +9,7 @@ use crate::inference::upstream::{
 };
 use crate::inference::{Model, ModelBackend};
 use ultrafast_engine::fetch::Source;
+use ultrafast_engine::backend::KvDtype;
 use ultrafast_engine::scheduler::EngineConfig;
 use ultrafast_engine::service::ServiceSpec;
 
@@ -103,6 +104,10 @@ fn engine_spec(
             errs.push(at.k(k), "must be at least 1");
         }
     }
+    let kv_dtype = KvDtype::parse(&m.kv_cache).unwrap_or_else(|| {
+        errs.push(at.k("kv_cache"), "must be \"f16\" or \"f32\"");
+        KvDtype::default()
+    });
     if m.max_batched_tokens < m.max_num_seqs {
         errs.push(at.k("max_batched_tokens"), "must be at least max_num_seqs");
     }
@@ -115,6 +120,7 @@ fn engine_spec(
             block_size: m.block_size.max(1),
             max_num_seqs: m.max_num_seqs.max(1),
             max_batched_tokens: m.max_batched_tokens.max(1),
+            kv_dtype,
             ..EngineConfig::default()
         },
         warmup: m.warmup_prompt_lens.clone(),
