@@ -99,7 +99,15 @@ fn greedy_tokens_and_logits_match_the_float32_reference() {
     };
     let pool = BlockPool::new(64, 16);
     let runner = std::cell::RefCell::new(
-        CpuRunner::new(l.fast.as_ref().unwrap().clone(), 64, 16, KvDtype::F16, 2, || {}).unwrap(),
+        CpuRunner::new(
+            l.fast.as_ref().unwrap().clone(),
+            64,
+            16,
+            KvDtype::F16,
+            2,
+            || {},
+        )
+        .unwrap(),
     );
     let kernels = |ids: &[u32], forced: &[u32]| -> (Vec<f32>, Vec<u32>) {
         let mut r = runner.borrow_mut();

@@ -9,8 +9,8 @@
 //! the adds are not one latency-bound chain. A step's tokens share every
 //! weight read (what continuous batching buys on a CPU), and row groups are
 //! split across cores with rayon. The loops are written over fixed-size
-//! arrays so the compiler vectorizes them (AVX2/FMA with the workspace's
-//! x86-64-v3 target). Other types go through candle.
+//! arrays so the compiler vectorizes them (an AVX2/FMA version of the tile,
+//! picked at run time). Other types go through candle.
 
 // Index loops over fixed-size arrays are how the kernels get vectorized.
 #![allow(clippy::needless_range_loop)]
@@ -135,13 +135,42 @@ impl Q4Matrix {
     }
 }
 
+/// [`tile_body`], compiled for AVX2/FMA as well and that version used where
+/// the CPU has it (the release binary targets baseline x86-64).
+#[allow(unsafe_code)]
+fn tile<const R: usize, const T: usize>(
+    w: &Q4Matrix,
+    row0: usize,
+    x: &Acts,
+    tok0: usize,
+) -> [[f32; T]; R] {
+    #[cfg(target_arch = "x86_64")]
+    if crate::backend::cpu::simd::Isa::current() != crate::backend::cpu::simd::Isa::Scalar {
+        // SAFETY: the CPU has AVX2, FMA and F16C (`Isa::current`).
+        return unsafe { tile_avx2::<R, T>(w, row0, x, tok0) };
+    }
+    tile_body::<R, T>(w, row0, x, tok0)
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma,f16c")]
+#[inline(never)]
+fn tile_avx2<const R: usize, const T: usize>(
+    w: &Q4Matrix,
+    row0: usize,
+    x: &Acts,
+    tok0: usize,
+) -> [[f32; T]; R] {
+    tile_body::<R, T>(w, row0, x, tok0)
+}
+
 /// A tile of `R` weight rows by `T` tokens: each weight block is unpacked
 /// to floats once and used for every token of the tile, and the `R * T`
 /// accumulators are independent chains (a single row-token dot is bound by
-/// the latency of its one add chain). Not inlined: inlined into the loops
-/// around it, the compiler stops vectorizing.
-#[inline(never)]
-fn tile<const R: usize, const T: usize>(
+/// the latency of its one add chain). Not inlined into the loops around
+/// it (`tile_avx2` is the unit), or the compiler stops vectorizing.
+#[inline(always)]
+fn tile_body<const R: usize, const T: usize>(
     w: &Q4Matrix,
     row0: usize,
     x: &Acts,

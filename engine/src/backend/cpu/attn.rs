@@ -22,7 +22,7 @@
 // vectorized.
 #![allow(clippy::needless_range_loop)]
 
-use super::ops::exp;
+use super::ops::exp_body;
 use super::simd::Isa;
 
 /// Query vectors per task at most.
@@ -195,10 +195,52 @@ pub fn attend<E: KvElem>(
     }
 }
 
-/// One KV block for every query vector: scores, the online softmax update,
-/// the values.
+/// One KV block for every query vector, in plain loops: compiled for AVX2
+/// too and that version used where the CPU has it.
 #[allow(clippy::too_many_arguments)]
 fn block_portable<E: KvElem>(
+    sc: &mut AttnScratch,
+    nv: usize,
+    hd: usize,
+    bs: usize,
+    kt: &[E],
+    vb: &[E],
+    v_stride: usize,
+    v_off: usize,
+    n: usize,
+    visible: &dyn Fn(usize) -> usize,
+) {
+    #[cfg(target_arch = "x86_64")]
+    if Isa::current() != Isa::Scalar {
+        // SAFETY: the CPU has AVX2, FMA and F16C (`Isa::current`).
+        return unsafe { block_avx2(sc, nv, hd, bs, kt, vb, v_stride, v_off, n, visible) };
+    }
+    block_body(sc, nv, hd, bs, kt, vb, v_stride, v_off, n, visible)
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma,f16c")]
+#[allow(clippy::too_many_arguments)]
+fn block_avx2<E: KvElem>(
+    sc: &mut AttnScratch,
+    nv: usize,
+    hd: usize,
+    bs: usize,
+    kt: &[E],
+    vb: &[E],
+    v_stride: usize,
+    v_off: usize,
+    n: usize,
+    visible: &dyn Fn(usize) -> usize,
+) {
+    block_body(sc, nv, hd, bs, kt, vb, v_stride, v_off, n, visible)
+}
+
+/// One KV block for every query vector: scores, the online softmax update,
+/// the values.
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+fn block_body<E: KvElem>(
     sc: &mut AttnScratch,
     nv: usize,
     hd: usize,
@@ -237,7 +279,7 @@ fn block_portable<E: KvElem>(
         for x in s.iter_mut() {
             *x -= mn;
         }
-        exp(s);
+        exp_body(s);
         sc.l[u] = sc.l[u] * alpha + s.iter().sum::<f32>();
         let a = &mut sc.acc[u * hd..(u + 1) * hd];
         for x in a.iter_mut() {
@@ -377,7 +419,12 @@ mod x86 {
                 // SAFETY: value row p of the block (length checked).
                 let vr = unsafe {
                     let r = vb.as_ptr().add(p * v_stride + v_off);
-                    [load16(r), load16(r.add(16)), load16(r.add(32)), load16(r.add(48))]
+                    [
+                        load16(r),
+                        load16(r.add(16)),
+                        load16(r.add(32)),
+                        load16(r.add(48)),
+                    ]
                 };
                 for t in 0..ut {
                     let w = _mm512_set1_ps(sc.s[(u0 + t) * 16 + p]);
@@ -424,7 +471,15 @@ mod tests {
         }
     }
 
-    fn check<E: KvElem>(isa: Isa, hd: usize, bs: usize, rep: usize, ntok: usize, start: usize, tol: f32) {
+    fn check<E: KvElem>(
+        isa: Isa,
+        hd: usize,
+        bs: usize,
+        rep: usize,
+        ntok: usize,
+        start: usize,
+        tol: f32,
+    ) {
         let n_kv = 2;
         let lay = KvLayout { bs, n_kv, hd };
         let q_stride = n_kv * rep * hd + 7;

@@ -33,10 +33,10 @@ pub mod simd;
 pub mod team;
 pub mod weights;
 
+use super::KvDtype;
 use crate::error::{EngineError, Result};
 use crate::model::paged::SeqStep;
 use crate::model::Arch;
-use super::KvDtype;
 use attn::{AttnSeq, AttnShape, KvElem, KvLayout};
 use simd::{Isa, Q8Block, MAX_T};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};

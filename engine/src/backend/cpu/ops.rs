@@ -6,31 +6,24 @@
 // Index loops over fixed-width chunks are how these get vectorized.
 #![allow(clippy::needless_range_loop)]
 
-use super::simd::{quantize_block, Isa, Q8Block};
+use super::simd::{multiversion, quantize_block, Isa, Q8Block};
 
-/// `out` = quantized `x * w / rms(x)`; `tmp` holds the normed row.
-pub fn rmsnorm_quant(
-    isa: Isa,
-    x: &[f32],
-    w: &[f32],
-    eps: f32,
-    tmp: &mut [f32],
-    out: &mut [Q8Block],
-) {
-    let ss = dot(x, x);
-    let scale = 1.0 / (ss / x.len() as f32 + eps).sqrt();
-    for ((t, v), g) in tmp.iter_mut().zip(x).zip(w) {
-        *t = v * scale * g;
-    }
-    quantize(isa, tmp, out);
-}
-
-/// `x * w / rms(x)` in place.
-pub fn rmsnorm(x: &mut [f32], w: &[f32], eps: f32) {
-    let ss = dot(x, x);
-    let scale = 1.0 / (ss / x.len() as f32 + eps).sqrt();
-    for (v, g) in x.iter_mut().zip(w) {
-        *v *= scale * g;
+multiversion! {
+    /// `out` = quantized `x * w / rms(x)`; `tmp` holds the normed row.
+    pub fn rmsnorm_quant(
+        isa: Isa,
+        x: &[f32],
+        w: &[f32],
+        eps: f32,
+        tmp: &mut [f32],
+        out: &mut [Q8Block],
+    ) {
+        let ss = dot(x, x);
+        let scale = 1.0 / (ss / x.len() as f32 + eps).sqrt();
+        for ((t, v), g) in tmp.iter_mut().zip(x).zip(w) {
+            *t = v * scale * g;
+        }
+        quantize(isa, tmp, out);
     }
 }
 
@@ -41,21 +34,30 @@ pub fn quantize(isa: Isa, x: &[f32], out: &mut [Q8Block]) {
     }
 }
 
-/// `silu(g) * u` quantized; `tmp` holds the products.
-pub fn silu_mul_quant(isa: Isa, g: &[f32], u: &[f32], tmp: &mut [f32], out: &mut [Q8Block]) {
-    for (t, a) in tmp.iter_mut().zip(g) {
-        *t = -a;
+multiversion! {
+    /// `silu(g) * u` quantized; `tmp` holds the products.
+    pub fn silu_mul_quant(isa: Isa, g: &[f32], u: &[f32], tmp: &mut [f32], out: &mut [Q8Block]) {
+        for (t, a) in tmp.iter_mut().zip(g) {
+            *t = -a;
+        }
+        exp_body(tmp);
+        for ((t, a), b) in tmp.iter_mut().zip(g).zip(u) {
+            *t = a / (1.0 + *t) * b;
+        }
+        quantize(isa, tmp, out);
     }
-    exp(tmp);
-    for ((t, a), b) in tmp.iter_mut().zip(g).zip(u) {
-        *t = a / (1.0 + *t) * b;
-    }
-    quantize(isa, tmp, out);
 }
 
-/// Rotate each `hd`-wide head of `x` by the position's `cos`/`sin` rows
-/// (`hd / 2` each): adjacent pairs (llama's GGUF layout) or halves (NEOX).
-pub fn rope(x: &mut [f32], hd: usize, cos: &[f32], sin: &[f32], neox: bool) {
+multiversion! {
+    /// Rotate each `hd`-wide head of `x` by the position's `cos`/`sin` rows
+    /// (`hd / 2` each): adjacent pairs (llama's GGUF layout) or halves (NEOX).
+    pub fn rope(x: &mut [f32], hd: usize, cos: &[f32], sin: &[f32], neox: bool) {
+        rope_body(x, hd, cos, sin, neox)
+    }
+}
+
+#[inline(always)]
+fn rope_body(x: &mut [f32], hd: usize, cos: &[f32], sin: &[f32], neox: bool) {
     let half = hd / 2;
     for h in x.chunks_exact_mut(hd) {
         for i in 0..half {
@@ -72,6 +74,7 @@ pub fn rope(x: &mut [f32], hd: usize, cos: &[f32], sin: &[f32], neox: bool) {
 }
 
 /// Dot product in eight lanes (vectorizes; a single sum does not).
+#[inline(always)]
 pub fn dot(a: &[f32], b: &[f32]) -> f32 {
     let mut acc = [0f32; 8];
     let (ca, cb) = (a.chunks_exact(8), b.chunks_exact(8));
@@ -94,6 +97,18 @@ pub fn dot(a: &[f32], b: &[f32]) -> f32 {
 /// the exponent bits. Relative error about 2e-7; inputs below -87 give 0,
 /// above 88 the value at 88.
 pub fn exp(xs: &mut [f32]) {
+    exp_mv(xs)
+}
+
+multiversion! {
+    fn exp_mv(xs: &mut [f32]) {
+        exp_body(xs)
+    }
+}
+
+/// `exp`'s loop, for inlining into a caller's own vector code.
+#[inline(always)]
+pub fn exp_body(xs: &mut [f32]) {
     const LN2_HI: f32 = 0.693_359_4;
     const LN2_LO: f32 = -2.121_944_4e-4;
     for v in xs.iter_mut() {

@@ -33,6 +33,33 @@ pub struct Q8Block {
     pub q: [i8; 32],
 }
 
+/// A function compiled twice, for any x86-64 and for AVX2 + FMA + F16C,
+/// the second called where [`Isa::current`] found them. For plain loops
+/// the compiler vectorizes: the release binary targets baseline x86-64
+/// (so that it runs anywhere) and these still get 256-bit code.
+macro_rules! multiversion {
+    ($(#[$m:meta])* $vis:vis fn $name:ident($($a:ident: $t:ty),* $(,)?) $(-> $r:ty)? $body:block) => {
+        $(#[$m])*
+        #[allow(unsafe_code)]
+        $vis fn $name($($a: $t),*) $(-> $r)? {
+            #[inline(always)]
+            fn body($($a: $t),*) $(-> $r)? $body
+            #[cfg(target_arch = "x86_64")]
+            #[target_feature(enable = "avx2,fma,f16c")]
+            fn avx2($($a: $t),*) $(-> $r)? {
+                body($($a),*)
+            }
+            #[cfg(target_arch = "x86_64")]
+            if $crate::backend::cpu::simd::Isa::current() != $crate::backend::cpu::simd::Isa::Scalar {
+                // SAFETY: the CPU has AVX2, FMA and F16C (`Isa::current`).
+                return unsafe { avx2($($a),*) };
+            }
+            body($($a),*)
+        }
+    };
+}
+pub(crate) use multiversion;
+
 /// Bytes of one 4-row group block.
 pub const Q4_1_GROUP: usize = 80;
 /// Bytes of one 4-row group block.
@@ -72,6 +99,12 @@ pub enum Isa {
 }
 
 impl Isa {
+    /// [`detect`](Self::detect)'s answer, read once per process.
+    pub fn current() -> Isa {
+        static ISA: std::sync::OnceLock<Isa> = std::sync::OnceLock::new();
+        *ISA.get_or_init(Isa::detect)
+    }
+
     /// The best this CPU runs; `ULTRAFAST_ISA=scalar|avx2` caps it (for
     /// comparisons and tests).
     pub fn detect() -> Isa {

@@ -8,8 +8,8 @@ use crate::inference::upstream::{
     HedgeAfter, HedgeSpec, PriorityField, UpstreamBackend, UpstreamSpec,
 };
 use crate::inference::{Model, ModelBackend};
-use ultrafast_engine::fetch::Source;
 use ultrafast_engine::backend::KvDtype;
+use ultrafast_engine::fetch::Source;
 use ultrafast_engine::scheduler::EngineConfig;
 use ultrafast_engine::service::ServiceSpec;
 
