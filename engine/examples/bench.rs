@@ -246,7 +246,66 @@ fn phases_mode(l: Arc<Loaded>) {
     );
 }
 
+/// The integer kernels alone, one thread: GB/s of weights streamed for
+/// one token (decode) from a matrix larger than the caches and from one
+/// that fits in L2, and GMAC/s for 64 tokens (prefill), per format and
+/// kernel set.
+fn kernels_mode() {
+    use ultrafast_engine::backend::cpu::simd::{tile, Format, Isa, Q8Block, MAX_T};
+    let cols = 576;
+    let nb = cols / 32;
+    println!("| kernels | format | decode, 96 MB (GB/s) | decode, 1 MB (GB/s) | 64 tokens, 1 MB (GMAC/s) |");
+    println!("|---|---|---|---|---|");
+    for isa in Isa::available() {
+        for fmt in [Format::Q4_1, Format::Q8_0] {
+            let gb = fmt.group_bytes() * nb;
+            let run = |bytes: usize, tokens: usize, reps: usize| -> (f64, f64) {
+                let groups = bytes / gb;
+                let w: Vec<u8> = (0..groups * gb)
+                    .map(|i| (i * 7 % 251) as u8 & 0x7e)
+                    .collect();
+                let x: Vec<Q8Block> = (0..tokens * nb)
+                    .map(|i| Q8Block {
+                        d: 0.01,
+                        s: 0.1,
+                        q: [(i % 100) as i8; 32],
+                    })
+                    .collect();
+                let mut o = [[0f32; 4]; MAX_T];
+                let mut sink = 0f32;
+                let t0 = Instant::now();
+                for _ in 0..reps {
+                    for g in 0..groups {
+                        let wg = &w[g * gb..(g + 1) * gb];
+                        let mut t = 0;
+                        while t < tokens {
+                            let n = (tokens - t).min(MAX_T);
+                            tile(isa, fmt, wg, nb, &x[t * nb..], nb, n, &mut o);
+                            sink += o[0][0];
+                            t += n;
+                        }
+                    }
+                }
+                let s = t0.elapsed().as_secs_f64();
+                std::hint::black_box(sink);
+                let macs = (groups * 4 * cols * tokens * reps) as f64;
+                ((groups * gb * reps) as f64 / s / 1e9, macs / s / 1e9)
+            };
+            let (big, _) = run(96 << 20, 1, 3);
+            let (small, _) = run(1 << 20, 1, 200);
+            let (_, gmac) = run(1 << 20, 64, 4);
+            println!(
+                "| {} | {fmt:?} | {big:.1} | {small:.1} | {gmac:.1} |",
+                isa.name()
+            );
+        }
+    }
+}
+
 fn main() {
+    if std::env::args().nth(1).as_deref() == Some("kernels") {
+        return kernels_mode();
+    }
     if std::env::args().nth(1).as_deref() == Some("phases") {
         let l = Arc::new(generate::load(&fetch::pull(&fetch::SMOLLM2).unwrap()).unwrap());
         return phases_mode(l);

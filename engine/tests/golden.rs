@@ -31,6 +31,10 @@ const NEAR_TIE: f64 = 0.5;
 /// not the cause). The token rule below is the same for both.
 const LOGIT_TOL: [f32; 2] = [1.0, 1.5];
 
+/// A forward pass under test: (prompt, forced tokens) -> (first-step
+/// logits, each step's argmax).
+type Path<'a> = dyn Fn(&[u32], &[u32]) -> (Vec<f32>, Vec<u32>) + 'a;
+
 /// The model checked: SmolLM2 (fetched), or any GGUF named by
 /// `ULTRAFAST_GOLDEN_MODEL` (the optional Qwen2 compatibility check:
 /// `ULTRAFAST_GOLDEN_MODEL=qwen2.5-coder-0.5b-instruct-q4_k_m.gguf cargo test
@@ -133,8 +137,7 @@ fn greedy_tokens_and_logits_match_the_float32_reference() {
         }
         (first, picks)
     };
-    let paths: [(&str, &dyn Fn(&[u32], &[u32]) -> (Vec<f32>, Vec<u32>)); 2] =
-        [("candle", &candle), ("kernels", &kernels)];
+    let paths: [(&str, &Path); 2] = [("candle", &candle), ("kernels", &kernels)];
     for ((name, run), tol) in paths.into_iter().zip(LOGIT_TOL) {
         let mut compared = 0;
         for (i, (ids, r)) in prompts.iter().zip(&refs).enumerate() {

@@ -162,6 +162,7 @@ impl Isa {
 /// `out[t][r]` = row `r` of the 4-row group `w` (`nb` group blocks) times
 /// token `t` of `x` (token `t`'s blocks start at `t * stride`), for
 /// `tokens` tokens (1..=[`MAX_T`]).
+#[allow(clippy::too_many_arguments)]
 pub fn tile(
     isa: Isa,
     fmt: Format,
@@ -440,6 +441,25 @@ mod x86 {
     }
 
     kernel!(q8_avx2, "avx2,fma,f16c", Q8, 136, dot_q8_avx2);
+    /// Bytes ahead of the block in use that the kernels ask the memory for:
+    /// decode is one pass over every weight, and the hardware prefetcher
+    /// alone left a single thread at 8 of its 12.5 GB/s.
+    const AHEAD: usize = 2048;
+
+    /// Prefetch the two cache lines `AHEAD` bytes past `g` (blocks are 80
+    /// or 136 bytes, so two lines per block cover every line). The
+    /// address may lie past the weights: a prefetch never faults, and the
+    /// pointer is only formed with wrapping arithmetic.
+    #[inline(always)]
+    fn prefetch(g: *const u8) {
+        // SAFETY: prefetching has no architectural effect and cannot
+        // fault, whatever the address.
+        unsafe {
+            _mm_prefetch::<_MM_HINT_T0>(g.wrapping_add(AHEAD) as *const i8);
+            _mm_prefetch::<_MM_HINT_T0>(g.wrapping_add(AHEAD + 64) as *const i8);
+        }
+    }
+
     /// Sum of the four lanes in the order of the reference: (0+2)+(1+3).
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
@@ -472,6 +492,7 @@ mod x86 {
             // 8 bytes of scales, 8 of minimums, 64 of nibbles.
             let (d, m, raw) = unsafe {
                 let g = w.as_ptr().add(b * 80);
+                prefetch(g);
                 (
                     _mm_cvtph_ps(_mm_loadl_epi64(g as *const __m128i)),
                     _mm_cvtph_ps(_mm_loadl_epi64(g.add(8) as *const __m128i)),
@@ -545,6 +566,7 @@ mod x86 {
             // 8 bytes of scales, then 4 x 32 bytes of values.
             let (d, raw) = unsafe {
                 let g = w.as_ptr().add(b * 136);
+                prefetch(g);
                 (
                     _mm_cvtph_ps(_mm_loadl_epi64(g as *const __m128i)),
                     [
@@ -601,6 +623,7 @@ mod x86 {
             // SAFETY: as in `q4_avx2`.
             let (d, m, raw) = unsafe {
                 let g = w.as_ptr().add(b * 80);
+                prefetch(g);
                 (
                     _mm_cvtph_ps(_mm_loadl_epi64(g as *const __m128i)),
                     _mm_cvtph_ps(_mm_loadl_epi64(g.add(8) as *const __m128i)),

@@ -46,7 +46,7 @@ impl QMat {
             if *f != fmt || *c != cols {
                 return Err("fused matrices of different types or widths".into());
             }
-            if r % 4 != 0 || c % 32 != 0 {
+            if !r.is_multiple_of(4) || !c.is_multiple_of(32) {
                 return Err(format!("a {r} x {c} matrix (rows % 4, columns % 32)"));
             }
             rows += r;
@@ -217,7 +217,7 @@ impl Weights {
         };
         let embed_t = qt("token_embd.weight")?;
         let (vocab, dim) = embed_t.shape().dims2().map_err(|e| e.to_string())?;
-        if dim != cfg.dim || dim % 32 != 0 {
+        if dim != cfg.dim || !dim.is_multiple_of(32) {
             return Err(format!("embedding width {dim}"));
         }
         let dtype = embed_t.dtype();
@@ -274,8 +274,8 @@ impl Weights {
         if l0.qkv.rows != cfg.dim + 2 * kv_dim
             || l0.gate_up.rows != 2 * cfg.ffn_dim
             || l0.down.cols != cfg.ffn_dim
-            || cfg.ffn_dim % 32 != 0
-            || cfg.head_dim % 2 != 0
+            || !cfg.ffn_dim.is_multiple_of(32)
+            || !cfg.head_dim.is_multiple_of(2)
         {
             return Err("tensor shapes disagree with the metadata".into());
         }
