@@ -515,7 +515,12 @@ fn a_stream_with_nothing_to_rewrite_passes_the_upstreams_events_through() {
     // Tokens were counted without parsing the chunks, and the time to
     // first token observed.
     assert_eq!(
-        uf.metric("ultrafast_inference_tokens_total", &["kind=\"completion\""]),
+        uf.metric_settled(
+            "ultrafast_inference_tokens_total",
+            &["kind=\"completion\""],
+            16.0,
+            Duration::from_secs(5)
+        ),
         16.0
     );
     assert_eq!(

@@ -1051,6 +1051,20 @@ impl Ultrafast {
             .sum()
     }
 
+    /// [`metric`](Self::metric) once it equals `want`, or its value after
+    /// `limit`: a stream's counters are recorded when the proxy finishes
+    /// the request, which may come just after the client read its end.
+    pub fn metric_settled(&self, name: &str, filters: &[&str], want: f64, limit: Duration) -> f64 {
+        let deadline = Instant::now() + limit;
+        loop {
+            let v = self.metric(name, filters);
+            if v == want || Instant::now() >= deadline {
+                return v;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
     pub fn signal(&self, sig: i32) {
         // SAFETY-free: kill(1) through the shell keeps the tests free of libc.
         let _ = Command::new("kill")
