@@ -185,13 +185,13 @@ pub fn attend<E: KvElem>(
         block_portable(sc, nv, hd, bs, kt, vb, lay.n_kv * hd, g * hd, n, &visible);
         j0 += n;
     }
-    let mut o = vec![0f32; hd];
     for u in 0..nv {
         let inv = 1.0 / sc.l[u];
-        for (d, x) in o.iter_mut().enumerate() {
-            *x = sc.acc[u * hd + d] * inv;
+        let a = &mut sc.acc[u * hd..(u + 1) * hd];
+        for x in a.iter_mut() {
+            *x *= inv;
         }
-        out(tokens.start + u / rep, g * rep + u % rep, &o);
+        out(tokens.start + u / rep, g * rep + u % rep, a);
     }
 }
 

@@ -65,7 +65,7 @@ pub const Q4_1_GROUP: usize = 80;
 /// Bytes of one 4-row group block.
 pub const Q8_0_GROUP: usize = 136;
 /// Tokens per tile at most.
-pub const MAX_T: usize = 4;
+pub const MAX_T: usize = 8;
 
 /// Weight block formats the kernels take.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -179,6 +179,25 @@ pub fn tile(
         stride >= nb && x.len() >= (tokens - 1) * stride + nb,
         "short activations"
     );
+    // Eight tokens at once only where 32 registers hold their sums; the
+    // other kernels take two tiles of at most four (the same instructions
+    // per token either way).
+    if tokens > 4 && isa != Isa::Avx512Vnni {
+        let mut rest = [[0f32; 4]; MAX_T];
+        tile(isa, fmt, w, nb, x, stride, 4, out);
+        tile(
+            isa,
+            fmt,
+            w,
+            nb,
+            &x[4 * stride..],
+            stride,
+            tokens - 4,
+            &mut rest,
+        );
+        out[4..tokens].copy_from_slice(&rest[..tokens - 4]);
+        return;
+    }
     match isa {
         #[cfg(target_arch = "x86_64")]
         Isa::Avx2 | Isa::Avx512Vnni => {
@@ -273,10 +292,18 @@ mod x86 {
         // `w` and `x` hold what the kernel reads.
         unsafe {
             match (isa, fmt, tokens) {
+                (Isa::Avx512Vnni, Format::Q4_1, 8) => q4_512::<8>(w, nb, x, stride, out),
+                (Isa::Avx512Vnni, Format::Q4_1, 7) => q4_512::<7>(w, nb, x, stride, out),
+                (Isa::Avx512Vnni, Format::Q4_1, 6) => q4_512::<6>(w, nb, x, stride, out),
+                (Isa::Avx512Vnni, Format::Q4_1, 5) => q4_512::<5>(w, nb, x, stride, out),
                 (Isa::Avx512Vnni, Format::Q4_1, 4) => q4_512::<4>(w, nb, x, stride, out),
                 (Isa::Avx512Vnni, Format::Q4_1, 3) => q4_512::<3>(w, nb, x, stride, out),
                 (Isa::Avx512Vnni, Format::Q4_1, 2) => q4_512::<2>(w, nb, x, stride, out),
                 (Isa::Avx512Vnni, Format::Q4_1, _) => q4_512::<1>(w, nb, x, stride, out),
+                (Isa::Avx512Vnni, Format::Q8_0, 8) => q8_512::<8>(w, nb, x, stride, out),
+                (Isa::Avx512Vnni, Format::Q8_0, 7) => q8_512::<7>(w, nb, x, stride, out),
+                (Isa::Avx512Vnni, Format::Q8_0, 6) => q8_512::<6>(w, nb, x, stride, out),
+                (Isa::Avx512Vnni, Format::Q8_0, 5) => q8_512::<5>(w, nb, x, stride, out),
                 (Isa::Avx512Vnni, Format::Q8_0, 4) => q8_512::<4>(w, nb, x, stride, out),
                 (Isa::Avx512Vnni, Format::Q8_0, 3) => q8_512::<3>(w, nb, x, stride, out),
                 (Isa::Avx512Vnni, Format::Q8_0, 2) => q8_512::<2>(w, nb, x, stride, out),
