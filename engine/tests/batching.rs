@@ -25,14 +25,16 @@ fn run(r: &mut dyn ModelRunner, seqs: &[SeqStep]) -> Vec<Vec<f32>> {
     logits.chunks(vocab).map(|c| c.to_vec()).collect()
 }
 
-/// The engine's own kernels: the same tokens, and bit-for-bit the same
-/// logits, alone and in any batch.
+/// The engine's own kernels, with either KV cache precision: the same
+/// tokens, and bit-for-bit the same logits, alone and in any batch.
 #[test]
 fn greedy_tokens_are_the_same_alone_and_in_a_mixed_batch() {
     let l = Arc::new(generate::load(&fetch::pull(&SMOLLM2).unwrap()).unwrap());
-    let w = l.fast.as_ref().unwrap().clone();
-    let mut r = CpuRunner::new(w, 128, 16, KvDtype::F16, 2, || {}).unwrap();
-    check(&l, &mut r, false);
+    for kv in [KvDtype::F16, KvDtype::F32] {
+        let w = l.fast.as_ref().unwrap().clone();
+        let mut r = CpuRunner::new(w, 128, 16, kv, 2, || {}).unwrap();
+        check(&l, &mut r, false);
+    }
 }
 
 /// The candle forward pass, which the contiguous-cache path must agree with.
