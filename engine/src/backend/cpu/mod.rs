@@ -290,15 +290,15 @@ impl CpuRunner {
             stop,
         };
         match &mut self.kv {
-            Kv::F32(k, v) => launch(&self.team, common, k, v),
-            Kv::F16(k, v) => launch(&self.team, common, k, v),
+            Kv::F32(k, v) => launch(&mut self.team, common, k, v),
+            Kv::F16(k, v) => launch(&mut self.team, common, k, v),
         }
     }
 }
 
 /// Run one step's job on the team; `Ok(false)` when it stopped early.
 fn launch<E: KvElem>(
-    team: &Team,
+    team: &mut Team,
     common: Common<'_>,
     k: &mut [Vec<E>],
     v: &mut [Vec<E>],
@@ -461,7 +461,10 @@ impl<E: KvElem> Job<'_, E> {
         self.per_token(ctx, &self.counters[last + PHASES], t_all, 1, &mut |t| {
             // SAFETY: token t's row is this thread's (claimed).
             let row = unsafe { self.x.slice_mut(t * c.dim, c.dim) };
-            w.embed.row(p.ids[t] as usize, row);
+            // In range: `plan` checked the ids against the vocabulary,
+            // which `Weights::load` checked against the embedding.
+            let found = w.embed.row(p.ids[t] as usize, row);
+            debug_assert!(found, "token id beyond the embedding");
         });
         ctx.barrier();
         clock.tick(ctx, profile::EMBED);

@@ -82,6 +82,7 @@ impl Ctx<'_> {
         if s.n == 1 {
             return;
         }
+        poisoned_exit(s);
         let gen = s.bar_gen.load(Ordering::Acquire);
         if s.bar_count.fetch_add(1, Ordering::AcqRel) + 1 == s.n {
             s.bar_count.store(0, Ordering::Relaxed);
@@ -90,9 +91,7 @@ impl Ctx<'_> {
         }
         let mut spins = 0;
         while s.bar_gen.load(Ordering::Acquire) == gen {
-            if s.poisoned.load(Ordering::Relaxed) {
-                return;
-            }
+            poisoned_exit(s);
             spins += 1;
             if spins < BARRIER_SPINS {
                 std::hint::spin_loop();
@@ -117,6 +116,15 @@ impl Ctx<'_> {
     }
 }
 
+/// After a thread's part panicked, the others leave the job at their next
+/// barrier (by unwinding, which `run` and the workers catch) rather than
+/// run on into phases whose inputs were never finished.
+fn poisoned_exit(s: &State) {
+    if s.poisoned.load(Ordering::Acquire) {
+        std::panic::resume_unwind(Box::new("the step was abandoned: another thread panicked"));
+    }
+}
+
 impl Team {
     /// Start a team of `n` threads (`n - 1` workers); each worker runs
     /// `init` first (to lower its priority).
@@ -134,18 +142,25 @@ impl Team {
             park: Mutex::new(()),
             wake: Condvar::new(),
         });
-        let mut workers = Vec::with_capacity(n - 1);
+        // The team exists before its workers, so that a failed spawn drops
+        // it and stops the ones already started.
+        let mut team = Team {
+            state,
+            workers: Vec::with_capacity(n - 1),
+        };
         for tid in 1..n {
-            let s = state.clone();
+            let s = team.state.clone();
             let h = std::thread::Builder::new()
                 .name(format!("engine-team-{tid}"))
                 .spawn(move || {
-                    init();
+                    // A panicking `init` must not leave a worker that
+                    // never takes part (every job would wait for it).
+                    let _ = catch_unwind(init);
                     worker(&s, tid)
                 })?;
-            workers.push(h);
+            team.workers.push(h);
         }
-        Ok(Team { state, workers })
+        Ok(team)
     }
 
     /// Threads in the team.
@@ -154,8 +169,10 @@ impl Team {
     }
 
     /// Run `job` on every thread of the team (this one as thread 0) and
-    /// return when all are done; `Err` if any part of it panicked.
-    pub fn run(&self, job: &(dyn Fn(&Ctx) + Sync)) -> Result<(), String> {
+    /// return when all are done; `Err` if any part of it panicked. `&mut`:
+    /// one job at a time (the erased job pointer and the worker count are
+    /// the team's only slot).
+    pub fn run(&mut self, job: &(dyn Fn(&Ctx) + Sync)) -> Result<(), String> {
         let s = &*self.state;
         s.poisoned.store(false, Ordering::Relaxed);
         s.bar_count.store(0, Ordering::Relaxed);
@@ -181,7 +198,7 @@ impl Team {
             state: s,
         };
         if catch_unwind(AssertUnwindSafe(|| job(&ctx))).is_err() {
-            s.poisoned.store(true, Ordering::Relaxed);
+            s.poisoned.store(true, Ordering::Release);
         }
         let mut spins = 0u32;
         while s.pending.load(Ordering::Acquire) != 0 {
@@ -235,7 +252,7 @@ fn worker(s: &State, tid: usize) {
             // SAFETY: see above; the closure is `Sync`.
             let f = unsafe { &*p };
             if catch_unwind(AssertUnwindSafe(|| f(&ctx))).is_err() {
-                s.poisoned.store(true, Ordering::Relaxed);
+                s.poisoned.store(true, Ordering::Release);
             }
         }
         s.pending.fetch_sub(1, Ordering::Release);
@@ -266,8 +283,9 @@ pub struct Shared<'a, T> {
 }
 
 // SAFETY: access goes through the unsafe methods below, whose callers
-// promise the disjointness that makes concurrent use sound.
-unsafe impl<T: Send> Sync for Shared<'_, T> {}
+// promise the disjointness that makes concurrent use sound; `slice` hands
+// out shared references to several threads, hence `Sync`.
+unsafe impl<T: Send + Sync> Sync for Shared<'_, T> {}
 // SAFETY: as above.
 unsafe impl<T: Send> Send for Shared<'_, T> {}
 
@@ -336,7 +354,7 @@ mod tests {
 
     #[test]
     fn every_thread_runs_each_job_and_barriers_order_phases() {
-        let team = Team::new(3, || {}).expect("team");
+        let mut team = Team::new(3, || {}).expect("team");
         for round in 0..50 {
             let mut buf = vec![0usize; 3 * 64];
             let sh = Shared::new(&mut buf);
@@ -369,14 +387,18 @@ mod tests {
 
     #[test]
     fn a_panicking_part_is_an_error_and_the_team_still_works() {
-        let team = Team::new(2, || {}).expect("team");
+        let mut team = Team::new(2, || {}).expect("team");
+        let after = AtomicUsize::new(0);
         let r = team.run(&|c: &Ctx| {
             if c.tid == 1 {
                 panic!("boom");
             }
             c.barrier();
+            // Never reached: the barrier ends the job for thread 0.
+            after.fetch_add(1, Ordering::Relaxed);
         });
         assert!(r.is_err());
+        assert_eq!(after.load(Ordering::Relaxed), 0);
         let hits = AtomicUsize::new(0);
         team.run(&|_c: &Ctx| {
             hits.fetch_add(1, Ordering::Relaxed);

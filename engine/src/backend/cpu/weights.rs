@@ -270,11 +270,25 @@ impl Weights {
             });
         }
         let kv_dim = cfg.n_kv_head * cfg.head_dim;
-        let l0 = &layers[0];
-        if l0.qkv.rows != cfg.dim + 2 * kv_dim
-            || l0.gate_up.rows != 2 * cfg.ffn_dim
-            || l0.down.cols != cfg.ffn_dim
-            || !cfg.ffn_dim.is_multiple_of(32)
+        let (d, f) = (cfg.dim, cfg.ffn_dim);
+        // Every matrix as the metadata says: the runner's buffers are
+        // sized from it, and a mismatch would write across them.
+        let shapes_ok = layers.iter().all(|l| {
+            (l.qkv.rows, l.qkv.cols) == (d + 2 * kv_dim, d)
+                && (l.wo.rows, l.wo.cols) == (d, d)
+                && (l.gate_up.rows, l.gate_up.cols) == (2 * f, d)
+                && (l.down.rows, l.down.cols) == (d, f)
+                && l.attn_norm.len() == d
+                && l.ffn_norm.len() == d
+                && l.qkv_bias
+                    .as_ref()
+                    .is_none_or(|b| b.len() == d + 2 * kv_dim)
+        });
+        if !shapes_ok
+            || (head.rows, head.cols) != (cfg.vocab, d)
+            || vocab != cfg.vocab
+            || norm.len() != d
+            || !f.is_multiple_of(32)
             || !cfg.head_dim.is_multiple_of(2)
         {
             return Err("tensor shapes disagree with the metadata".into());
