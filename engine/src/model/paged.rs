@@ -10,6 +10,7 @@
 
 use super::llama::Model;
 use super::ModelConfig;
+use crate::backend::cpu::ops::dot;
 use crate::error::{EngineError, Result};
 use candle_core::{Device, Tensor};
 use rayon::prelude::*;
@@ -54,25 +55,6 @@ fn attend(c: &ModelConfig, q: &[f32], rows: &[Vec<usize>], k: &[f32], v: &[f32])
     out
 }
 
-/// Dot product in eight lanes (vectorizes; a single sum does not).
-#[allow(clippy::needless_range_loop)]
-fn dot(a: &[f32], b: &[f32]) -> f32 {
-    let mut acc = [0f32; 8];
-    for (ca, cb) in a.chunks_exact(8).zip(b.chunks_exact(8)) {
-        for l in 0..8 {
-            acc[l] += ca[l] * cb[l];
-        }
-    }
-    let tail: f32 = a
-        .chunks_exact(8)
-        .remainder()
-        .iter()
-        .zip(b.chunks_exact(8).remainder())
-        .map(|(x, y)| x * y)
-        .sum();
-    acc.iter().sum::<f32>() + tail
-}
-
 /// Key/value storage: per layer, `num_blocks * block_size` slots of
 /// `kv_heads * head_dim` floats.
 pub struct PagedKv {
@@ -104,15 +86,22 @@ impl PagedKv {
     }
 
     fn slot(&self, blocks: &[u32], pos: usize) -> Result<usize> {
-        let b = *blocks
-            .get(pos / self.block_size)
-            .ok_or_else(|| EngineError::Invalid(format!("no block for position {pos}")))?;
-        let s = b as usize * self.block_size + pos % self.block_size;
-        if s >= self.slots {
-            return Err(EngineError::Invalid(format!("block {b} outside the pool")));
-        }
-        Ok(s)
+        slot_of(blocks, pos, self.block_size, self.slots)
     }
+}
+
+/// The cache slot of position `pos` through a sequence's block table
+/// (`block_size` slots per block, `slots` in the pool); both runners index
+/// their storage with it.
+pub fn slot_of(blocks: &[u32], pos: usize, block_size: usize, slots: usize) -> Result<usize> {
+    let b = *blocks
+        .get(pos / block_size)
+        .ok_or_else(|| EngineError::Invalid(format!("no block for position {pos}")))?;
+    let s = b as usize * block_size + pos % block_size;
+    if s >= slots {
+        return Err(EngineError::Invalid(format!("block {b} outside the pool")));
+    }
+    Ok(s)
 }
 
 /// One sequence's share of a step.

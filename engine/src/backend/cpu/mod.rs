@@ -35,7 +35,7 @@ pub mod weights;
 
 use super::KvDtype;
 use crate::error::{EngineError, Result};
-use crate::model::paged::SeqStep;
+use crate::model::paged::{slot_of, SeqStep};
 use crate::model::Arch;
 use attn::{AttnSeq, AttnShape, KvElem, KvLayout};
 use simd::{Isa, Q8Block, MAX_T};
@@ -124,7 +124,7 @@ impl CpuRunner {
             profile::enable(true);
         }
         Ok(CpuRunner {
-            isa: Isa::detect(),
+            isa: Isa::current(),
             team,
             block_size,
             slots,
@@ -174,17 +174,6 @@ impl CpuRunner {
         2 * self.w.cfg.n_layer * self.slots * self.w.cfg.n_kv_head * self.w.cfg.head_dim * elem
     }
 
-    fn slot(&self, blocks: &[u32], pos: usize) -> Result<usize> {
-        let b = *blocks
-            .get(pos / self.block_size)
-            .ok_or_else(|| EngineError::Invalid(format!("no block for position {pos}")))?;
-        let s = b as usize * self.block_size + pos % self.block_size;
-        if s >= self.slots {
-            return Err(EngineError::Invalid(format!("block {b} outside the pool")));
-        }
-        Ok(s)
-    }
-
     fn plan(&self, seqs: &[SeqStep]) -> Result<Plan> {
         let c = &self.w.cfg;
         let mut p = Plan {
@@ -209,7 +198,7 @@ impl CpuRunner {
                 )));
             }
             let slots = (0..s.start + n)
-                .map(|q| self.slot(s.blocks, q))
+                .map(|q| slot_of(s.blocks, q, self.block_size, self.slots))
                 .collect::<Result<Vec<_>>>()?;
             p.ids.extend_from_slice(s.tokens);
             p.pos.extend(s.start..s.start + n);
@@ -382,6 +371,33 @@ impl<E: KvElem> Job<'_, E> {
         }
     }
 
+    /// Quantized RMSNorm of residual row `src(i)` into `xq` row `i`, for
+    /// the `n` rows claimed from `counter` (the two norms of a layer, and
+    /// the final norm of each sequence's last token).
+    fn norm_rows(
+        &self,
+        ctx: &Ctx,
+        counter: &AtomicUsize,
+        n: usize,
+        src: &dyn Fn(usize) -> usize,
+        norm: &[f32],
+    ) {
+        let (dim, nbd) = (self.w.cfg.dim, self.w.cfg.dim / 32);
+        let eps = self.w.cfg.rms_eps as f32;
+        let mut s = self.scratch(ctx.tid);
+        self.per_token(ctx, counter, n, 1, &mut |i| {
+            // SAFETY: x is read-only in this phase; xq's row i is this
+            // thread's (claimed).
+            let (x, q) = unsafe {
+                (
+                    self.x.slice(src(i) * dim, dim),
+                    self.xq.slice_mut(i * nbd, nbd),
+                )
+            };
+            ops::rmsnorm_quant(self.isa, x, norm, eps, &mut s.row[..dim], q);
+        });
+    }
+
     /// `out` = `m` x the `rows` tokens of `x` (blocks `stride` apart),
     /// claimed by 4-row groups.
     #[allow(clippy::too_many_arguments)]
@@ -447,7 +463,6 @@ impl<E: KvElem> Job<'_, E> {
         let kv_dim = c.n_kv_head * hd;
         let qkv_dim = c.dim + 2 * kv_dim;
         let (nbd, nbf) = (c.dim / 32, c.ffn_dim / 32);
-        let eps = c.rms_eps as f32;
         let half = hd / 2;
         let neox = c.arch == Arch::Qwen2;
         let last = c.n_layer * PHASES;
@@ -473,18 +488,7 @@ impl<E: KvElem> Job<'_, E> {
                 self.stopped.store(true, Ordering::Relaxed);
             }
             // 1. Norm and quantize.
-            let mut s = self.scratch(ctx.tid);
-            self.per_token(ctx, self.counter(l, 0), t_all, 1, &mut |t| {
-                // SAFETY: x is read-only in this phase; xq's row t is ours.
-                let (x, q) = unsafe {
-                    (
-                        self.x.slice(t * c.dim, c.dim),
-                        self.xq.slice_mut(t * nbd, nbd),
-                    )
-                };
-                ops::rmsnorm_quant(self.isa, x, &lw.attn_norm, eps, &mut s.row[..c.dim], q);
-            });
-            drop(s);
+            self.norm_rows(ctx, self.counter(l, 0), t_all, &|t| t, &lw.attn_norm);
             ctx.barrier();
             clock.tick(ctx, profile::NORM);
             if self.stopped.load(Ordering::Relaxed) {
@@ -623,18 +627,7 @@ impl<E: KvElem> Job<'_, E> {
             ctx.barrier();
             clock.tick(ctx, profile::WO);
             // 7. Norm and quantize.
-            let mut s = self.scratch(ctx.tid);
-            self.per_token(ctx, self.counter(l, 6), t_all, 1, &mut |t| {
-                // SAFETY: as in phase 1.
-                let (x, q) = unsafe {
-                    (
-                        self.x.slice(t * c.dim, c.dim),
-                        self.xq.slice_mut(t * nbd, nbd),
-                    )
-                };
-                ops::rmsnorm_quant(self.isa, x, &lw.ffn_norm, eps, &mut s.row[..c.dim], q);
-            });
-            drop(s);
+            self.norm_rows(ctx, self.counter(l, 6), t_all, &|t| t, &lw.ffn_norm);
             ctx.barrier();
             clock.tick(ctx, profile::NORM);
             // 8. Gate|up.
@@ -682,19 +675,8 @@ impl<E: KvElem> Job<'_, E> {
         // The head, for each sequence's last token (quantized rows packed
         // at the front of xq).
         let ns = p.seqs.len();
-        let mut s = self.scratch(ctx.tid);
-        self.per_token(ctx, &self.counters[last], ns, 1, &mut |i| {
-            let (row0, n, _, _) = p.seqs[i];
-            // SAFETY: x is read-only now; xq row i is ours.
-            let (x, q) = unsafe {
-                (
-                    self.x.slice((row0 + n - 1) * c.dim, c.dim),
-                    self.xq.slice_mut(i * nbd, nbd),
-                )
-            };
-            ops::rmsnorm_quant(self.isa, x, &w.norm, eps, &mut s.row[..c.dim], q);
-        });
-        drop(s);
+        let last_row = |i: usize| p.seqs[i].0 + p.seqs[i].1 - 1;
+        self.norm_rows(ctx, &self.counters[last], ns, &last_row, &w.norm);
         ctx.barrier();
         clock.tick(ctx, profile::HEAD_NORM);
         self.gemm(

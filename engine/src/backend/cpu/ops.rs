@@ -52,23 +52,18 @@ multiversion! {
     /// Rotate each `hd`-wide head of `x` by the position's `cos`/`sin` rows
     /// (`hd / 2` each): adjacent pairs (llama's GGUF layout) or halves (NEOX).
     pub fn rope(x: &mut [f32], hd: usize, cos: &[f32], sin: &[f32], neox: bool) {
-        rope_body(x, hd, cos, sin, neox)
-    }
-}
-
-#[inline(always)]
-fn rope_body(x: &mut [f32], hd: usize, cos: &[f32], sin: &[f32], neox: bool) {
-    let half = hd / 2;
-    for h in x.chunks_exact_mut(hd) {
-        for i in 0..half {
-            let (a, b) = if neox {
-                (i, i + half)
-            } else {
-                (2 * i, 2 * i + 1)
-            };
-            let (x0, x1) = (h[a], h[b]);
-            h[a] = x0 * cos[i] - x1 * sin[i];
-            h[b] = x0 * sin[i] + x1 * cos[i];
+        let half = hd / 2;
+        for h in x.chunks_exact_mut(hd) {
+            for i in 0..half {
+                let (a, b) = if neox {
+                    (i, i + half)
+                } else {
+                    (2 * i, 2 * i + 1)
+                };
+                let (x0, x1) = (h[a], h[b]);
+                h[a] = x0 * cos[i] - x1 * sin[i];
+                h[b] = x0 * sin[i] + x1 * cos[i];
+            }
         }
     }
 }
@@ -92,16 +87,12 @@ pub fn dot(a: &[f32], b: &[f32]) -> f32 {
     acc.iter().sum::<f32>() + tail
 }
 
-/// `e^x` in place, in a form the compiler vectorizes (libm's is one call
-/// per value): x = n ln2 + r, a degree-6 polynomial for e^r, 2^n through
-/// the exponent bits. Relative error about 2e-7; inputs below -87 give 0,
-/// above 88 the value at 88.
-pub fn exp(xs: &mut [f32]) {
-    exp_mv(xs)
-}
-
 multiversion! {
-    fn exp_mv(xs: &mut [f32]) {
+    /// `e^x` in place, in a form the compiler vectorizes (libm's is one
+    /// call per value): x = n ln2 + r, a degree-6 polynomial for e^r, 2^n
+    /// through the exponent bits. Relative error about 2e-7; inputs below
+    /// -87 give 0, above 88 the value at 88.
+    pub fn exp(xs: &mut [f32]) {
         exp_body(xs)
     }
 }
