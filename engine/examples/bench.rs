@@ -251,31 +251,34 @@ fn phases_mode(l: Arc<Loaded>) {
 /// that fits in L2, and GMAC/s for 64 tokens (prefill), per format and
 /// kernel set.
 fn kernels_mode() {
-    use ultrafast_engine::backend::cpu::simd::{tile, Format, Isa, Q8Block, MAX_T};
+    use ultrafast_engine::backend::cpu::simd::{tile, Format, Isa, Q8Block, MAX_T, PANEL};
     let cols = 576;
     let nb = cols / 32;
     println!("| kernels | format | decode, 96 MB (GB/s) | decode, 1 MB (GB/s) | 64 tokens, 1 MB (GMAC/s) |");
     println!("|---|---|---|---|---|");
     for isa in Isa::available() {
         for fmt in [Format::Q4_1, Format::Q8_0] {
-            let gb = fmt.group_bytes() * nb;
+            let gb = fmt.panel_bytes() * nb;
             let run = |bytes: usize, tokens: usize, reps: usize| -> (f64, f64) {
-                let groups = bytes / gb;
-                let w: Vec<u8> = (0..groups * gb)
+                let panels = bytes / gb;
+                let raw: Vec<u8> = (0..panels * gb + 64)
                     .map(|i| (i * 7 % 251) as u8 & 0x7e)
                     .collect();
+                // 64-byte aligned, as `QMat` keeps its panels.
+                let w = &raw[(64 - raw.as_ptr() as usize % 64) % 64..];
                 let x: Vec<Q8Block> = (0..tokens * nb)
                     .map(|i| Q8Block {
                         d: 0.01,
                         s: 0.1,
                         q: [(i % 100) as i8; 32],
+                        n: 32 * (i % 100) as i32,
                     })
                     .collect();
-                let mut o = [[0f32; 4]; MAX_T];
+                let mut o = [[0f32; PANEL]; MAX_T];
                 let mut sink = 0f32;
                 let t0 = Instant::now();
                 for _ in 0..reps {
-                    for g in 0..groups {
+                    for g in 0..panels {
                         let wg = &w[g * gb..(g + 1) * gb];
                         let mut t = 0;
                         while t < tokens {
@@ -288,8 +291,8 @@ fn kernels_mode() {
                 }
                 let s = t0.elapsed().as_secs_f64();
                 std::hint::black_box(sink);
-                let macs = (groups * 4 * cols * tokens * reps) as f64;
-                ((groups * gb * reps) as f64 / s / 1e9, macs / s / 1e9)
+                let macs = (panels * PANEL * cols * tokens * reps) as f64;
+                ((panels * gb * reps) as f64 / s / 1e9, macs / s / 1e9)
             };
             let (big, _) = run(96 << 20, 1, 3);
             let (small, _) = run(1 << 20, 1, 200);
@@ -299,6 +302,61 @@ fn kernels_mode() {
                 isa.name()
             );
         }
+    }
+    if ultrafast_engine::backend::cpu::amx::supported() {
+        amx_kernels(cols);
+    }
+}
+
+/// `kernels_mode`'s table for the AMX tiles (eight 16-row panels per
+/// call, as the runner claims them).
+fn amx_kernels(cols: usize) {
+    use ultrafast_engine::backend::cpu::amx::{gemm, Scratch, MAX_PANELS};
+    use ultrafast_engine::backend::cpu::simd::{Format, Q8Block};
+    let nb = cols / 32;
+    println!("| kernels | format | 16 tokens, 96 MB (GB/s; GMAC/s) | 16 tokens, 1 MB (GMAC/s) | 64 tokens, 1 MB (GMAC/s) | 512 tokens, 1 MB (GMAC/s) |");
+    println!("|---|---|---|---|---|---|");
+    for fmt in [Format::Q4_1, Format::Q8_0] {
+        let gb = fmt.panel_bytes() * nb;
+        let mut s = Scratch::default();
+        let mut run = |bytes: usize, tokens: usize, reps: usize| -> (f64, f64) {
+            let panels = bytes / gb / MAX_PANELS * MAX_PANELS;
+            let w: Vec<u8> = (0..panels * gb)
+                .map(|i| (i * 7 % 251) as u8 & 0x7e)
+                .collect();
+            let x: Vec<Q8Block> = (0..tokens * nb)
+                .map(|i| Q8Block {
+                    d: 0.01,
+                    s: 0.1,
+                    q: [(i % 100) as i8; 32],
+                    n: 32 * (i % 100) as i32,
+                })
+                .collect();
+            let mut sink = 0f32;
+            let t0 = Instant::now();
+            for _ in 0..reps {
+                for c in 0..panels / MAX_PANELS {
+                    let gs: Vec<&[u8]> = (0..MAX_PANELS)
+                        .map(|i| {
+                            let g = c * MAX_PANELS + i;
+                            &w[g * gb..(g + 1) * gb]
+                        })
+                        .collect();
+                    gemm(fmt, &gs, nb, &x, nb, tokens, &mut s, &mut |_, _, t| {
+                        sink += t[0][0]
+                    });
+                }
+            }
+            let el = t0.elapsed().as_secs_f64();
+            std::hint::black_box(sink);
+            let macs = (panels * 16 * cols * tokens * reps) as f64;
+            ((panels * gb * reps) as f64 / el / 1e9, macs / el / 1e9)
+        };
+        let (big, bigm) = run(96 << 20, 16, 2);
+        let (_, g16) = run(1 << 20, 16, 50);
+        let (_, g64) = run(1 << 20, 64, 10);
+        let (_, g512) = run(1 << 20, 512, 2);
+        println!("| amx | {fmt:?} | {big:.1}; {bigm:.1} | {g16:.1} | {g64:.1} | {g512:.1} |");
     }
 }
 

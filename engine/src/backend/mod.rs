@@ -65,8 +65,9 @@ pub trait ModelRunner: Send {
 impl ModelRunner for cpu::CpuRunner {
     fn describe(&self) -> String {
         format!(
-            "cpu/{} x{} kv {:?}",
+            "cpu/{}{} x{} kv {:?}",
             self.isa().name(),
+            if self.amx() { "+amx" } else { "" },
             self.threads(),
             self.kv_dtype()
         )

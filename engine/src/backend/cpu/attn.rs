@@ -272,6 +272,8 @@ fn block_body<E: KvElem>(
         let mn = m.max(bm);
         let alpha = if m == f32::NEG_INFINITY {
             0.0
+        } else if m == mn {
+            1.0
         } else {
             (m - mn).exp()
         };
@@ -383,8 +385,12 @@ mod x86 {
                 unsafe { _mm512_storeu_ps(sc.s.as_mut_ptr().add(u * 16), _mm512_setzero_ps()) };
                 continue;
             }
+            // An unchanged maximum (most blocks once the first are seen)
+            // needs no exp and no rescale: exp(0) is exactly 1.
             let alpha = if m == f32::NEG_INFINITY {
                 0.0
+            } else if m == mn {
+                1.0
             } else {
                 (m - mn).exp()
             };
@@ -393,6 +399,9 @@ mod x86 {
             sc.l[u] = sc.l[u] * alpha + _mm512_reduce_add_ps(p);
             // SAFETY: as above.
             unsafe { _mm512_storeu_ps(sc.s.as_mut_ptr().add(u * 16), p) };
+            if alpha == 1.0 {
+                continue;
+            }
             let a = sc.acc[u * HD..(u + 1) * HD].as_mut_ptr();
             let al = _mm512_set1_ps(alpha);
             for c in 0..4 {

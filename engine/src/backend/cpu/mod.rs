@@ -2,7 +2,7 @@
 //! with no tensor library inside it.
 //!
 //! Per layer the team goes through ten phases separated by barriers; work
-//! inside a phase is claimed in chunks (tokens, 4-row weight groups, or
+//! inside a phase is claimed in chunks (tokens, 16-row weight panels, or
 //! attention tasks), so a thread that lost its core does not hold the
 //! others back. Buffers are preallocated and grow only with the step's
 //! size. Activations are token-major: row `t` of a buffer is token `t` of
@@ -26,6 +26,7 @@
 
 #![allow(unsafe_code)]
 
+pub mod amx;
 pub mod attn;
 pub mod ops;
 pub mod profile;
@@ -38,7 +39,7 @@ use crate::error::{EngineError, Result};
 use crate::model::paged::{slot_of, SeqStep};
 use crate::model::Arch;
 use attn::{AttnSeq, AttnShape, KvElem, KvLayout};
-use simd::{Isa, Q8Block, MAX_T};
+use simd::{Isa, Q8Block, MAX_T, PANEL};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use team::{Ctx, Shared, Team};
@@ -51,6 +52,7 @@ const PHASES: usize = 10;
 struct Scratch {
     row: Vec<f32>,
     attn: attn::AttnScratch,
+    amx: amx::Scratch,
 }
 
 /// Buffers of one step, grown to the largest step seen.
@@ -74,6 +76,8 @@ fn grow<T: Clone + Default>(v: &mut Vec<T>, n: usize) {
 pub struct CpuRunner {
     w: Arc<Weights>,
     isa: Isa,
+    /// Every product on AMX tiles ([`amx`]) instead of `simd`'s kernels.
+    amx: bool,
     team: Team,
     block_size: usize,
     slots: usize,
@@ -125,6 +129,7 @@ impl CpuRunner {
         }
         Ok(CpuRunner {
             isa: Isa::current(),
+            amx: Isa::current() == Isa::Avx512Vnni && amx::available(),
             team,
             block_size,
             slots,
@@ -150,6 +155,11 @@ impl CpuRunner {
     /// The kernel set in use.
     pub fn isa(&self) -> Isa {
         self.isa
+    }
+
+    /// Whether the matrix products run on AMX tiles.
+    pub fn amx(&self) -> bool {
+        self.amx
     }
 
     /// The KV cache's precision.
@@ -265,6 +275,7 @@ impl CpuRunner {
         let common = Common {
             w: &self.w,
             isa: self.isa,
+            amx: self.amx,
             plan: &plan,
             block_size: self.block_size,
             x: Shared::new(&mut b.x),
@@ -307,6 +318,7 @@ fn launch<E: KvElem>(
 struct Common<'a> {
     w: &'a Weights,
     isa: Isa,
+    amx: bool,
     plan: &'a Plan,
     block_size: usize,
     x: Shared<'a, f32>,
@@ -399,7 +411,8 @@ impl<E: KvElem> Job<'_, E> {
     }
 
     /// `out` = `m` x the `rows` tokens of `x` (blocks `stride` apart),
-    /// claimed by 4-row groups.
+    /// claimed by 16-row panels: on AMX tiles for every 16 tokens where
+    /// the CPU has them, `simd`'s kernels for the rest (the same results).
     #[allow(clippy::too_many_arguments)]
     fn gemm(
         &self,
@@ -413,23 +426,61 @@ impl<E: KvElem> Job<'_, E> {
         ld: usize,
         epi: Epilogue,
     ) {
-        let groups = m.rows / 4;
+        let panels = m.panels();
         let nb = m.nb();
-        let chunk = (groups / (ctx.n * 16)).max(1);
         // SAFETY: `x` was written in an earlier phase (a barrier ago) and
         // nothing writes it in this one.
         let xs = unsafe { x.slice(0, rows * stride) };
-        let mut o = [[0f32; 4]; MAX_T];
-        while let Some(r) = ctx.claim(counter, groups, chunk) {
-            for g in r {
-                let wg = m.group(g);
-                let mut t = 0;
+        let chunk = (panels / (ctx.n * 8)).clamp(1, amx::MAX_PANELS);
+        let full = if self.amx {
+            rows / amx::TOK * amx::TOK
+        } else {
+            0
+        };
+        let write = |t: usize, p: usize, vals: &[f32]| {
+            let n = (m.rows - PANEL * p).min(PANEL);
+            // SAFETY: rows 16p..16p+16 of every token are this thread's
+            // (its claim) for this phase.
+            let dst = unsafe { out.slice_mut(t * ld + PANEL * p, n) };
+            match epi {
+                Epilogue::Store => dst.copy_from_slice(&vals[..n]),
+                Epilogue::Add => {
+                    for (d, y) in dst.iter_mut().zip(vals) {
+                        *d += y;
+                    }
+                }
+            }
+        };
+        let mut s = self.scratch(ctx.tid);
+        let mut o = [[0f32; PANEL]; MAX_T];
+        while let Some(r) = ctx.claim(counter, panels, chunk) {
+            if full > 0 {
+                let ws: [&[u8]; amx::MAX_PANELS] =
+                    std::array::from_fn(|i| m.panel((r.start + i).min(r.end - 1)));
+                let ps = &ws[..r.len()];
+                amx::gemm(
+                    m.fmt,
+                    ps,
+                    nb,
+                    xs,
+                    stride,
+                    full,
+                    &mut s.amx,
+                    &mut |t0, i, tile| {
+                        for (k, row) in tile.iter().enumerate() {
+                            write(t0 + k, r.start + i, row);
+                        }
+                    },
+                );
+            }
+            for p in r {
+                let mut t = full;
                 while t < rows {
                     let n = (rows - t).min(MAX_T);
                     simd::tile(
                         self.isa,
                         m.fmt,
-                        wg,
+                        m.panel(p),
                         nb,
                         &xs[t * stride..],
                         stride,
@@ -437,17 +488,7 @@ impl<E: KvElem> Job<'_, E> {
                         &mut o,
                     );
                     for (i, row) in o.iter().enumerate().take(n) {
-                        // SAFETY: rows 4g..4g+4 of every token are this
-                        // thread's (its claim) for this phase.
-                        let dst = unsafe { out.slice_mut((t + i) * ld + 4 * g, 4) };
-                        match epi {
-                            Epilogue::Store => dst.copy_from_slice(row),
-                            Epilogue::Add => {
-                                for (d, y) in dst.iter_mut().zip(row) {
-                                    *d += y;
-                                }
-                            }
-                        }
+                        write(t + i, p, row);
                     }
                     t += n;
                 }

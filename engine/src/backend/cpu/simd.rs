@@ -1,19 +1,24 @@
 //! The integer dot-product kernels, picked at run time for the CPU.
 //!
-//! Weights stay in the GGUF file's block formats, repacked at load into
-//! groups of four rows (`weights::QMat`): for Q4_1 a group block is the four
-//! rows' f16 scales, their f16 minimums and their 4 x 16 bytes of nibbles,
-//! 80 bytes for 4 x 32 weights (the file's 20 bytes per 32); for Q8_0 the
-//! four f16 scales and 4 x 32 signed bytes (the file's 34 per 32).
-//! Activations are quantized per 32 values to 8 bits with their scale and
-//! the scaled sum (llama.cpp's Q8_1, [`Q8Block`]).
+//! Weights stay in the GGUF file's block formats and sizes, repacked at
+//! load into panels of 16 rows (`weights::QMat`). Per 32-column block a
+//! panel holds the 16 rows' f16 scales (and Q4_1 minimums), then the
+//! values laid out so that one 512-bit register holds the same four bytes
+//! of all 16 rows (`v[j][n]`: bytes 4j..4j+4 of row n): Q4_1 keeps its
+//! packed nibbles (low nibbles are values 4j.., high ones 16+4j..), 320
+//! bytes for 16 x 32 weights (the file's 20 per 32); Q8_0 stores each
+//! value plus 128 as an unsigned byte, 544 bytes (the file's 34 per 32).
+//! Activations are quantized per 32 values to 8 bits with their scale,
+//! scaled sum and integer sum ([`Q8Block`], llama.cpp's Q8_1).
 //!
-//! A tile is 4 weight rows by up to [`MAX_T`] tokens. Every (row, token)
-//! pair has its own accumulator and goes through the same instructions in
-//! the same order whatever the tile's width, and the block sums are exact
-//! integers, so a token's result does not depend on what it was batched
-//! with, nor on which of these kernels ran (the batching-invariance test
-//! and `kernels_agree` below).
+//! With that layout a `vpdpbusd` of a value register and a broadcast of
+//! four activation bytes adds four products into each of 16 row lanes, so
+//! a block's sums are exact integers per row with no horizontal step, and
+//! the float steps ([`reference`]) run on 16 rows per instruction. AMX
+//! tiles take the same layout (`amx`). Every kernel follows
+//! [`reference`] bit for bit, whatever the tile's width, so a token's
+//! result does not depend on what it was batched with nor on which of
+//! these kernels ran (the batching-invariance test and the tests below).
 //!
 //! `unsafe` here is the SIMD entry points: each runs only after
 //! [`Isa::detect`] found the features it is compiled for, and reads only
@@ -31,6 +36,8 @@ pub struct Q8Block {
     pub s: f32,
     /// The quantized values.
     pub q: [i8; 32],
+    /// sum(q) (what a value stored plus 128 needs taken back).
+    pub n: i32,
 }
 
 /// A function compiled twice, for any x86-64 and for AVX2 + FMA + F16C,
@@ -60,10 +67,12 @@ macro_rules! multiversion {
 }
 pub(crate) use multiversion;
 
-/// Bytes of one 4-row group block.
-pub const Q4_1_GROUP: usize = 80;
-/// Bytes of one 4-row group block.
-pub const Q8_0_GROUP: usize = 136;
+/// Rows per weight panel.
+pub const PANEL: usize = 16;
+/// Bytes of one Q4_1 panel block (16 rows x 32 values).
+pub const Q4_1_PANEL: usize = 320;
+/// Bytes of one Q8_0 panel block.
+pub const Q8_0_PANEL: usize = 544;
 /// Tokens per tile at most.
 pub const MAX_T: usize = 8;
 
@@ -77,11 +86,19 @@ pub enum Format {
 }
 
 impl Format {
-    /// Bytes of one 4-row group block.
-    pub fn group_bytes(self) -> usize {
+    /// Bytes of one panel block.
+    pub fn panel_bytes(self) -> usize {
         match self {
-            Format::Q4_1 => Q4_1_GROUP,
-            Format::Q8_0 => Q8_0_GROUP,
+            Format::Q4_1 => Q4_1_PANEL,
+            Format::Q8_0 => Q8_0_PANEL,
+        }
+    }
+
+    /// Where a panel block's values start (after scales and minimums).
+    pub fn values_at(self) -> usize {
+        match self {
+            Format::Q4_1 => 64,
+            Format::Q8_0 => 32,
         }
     }
 }
@@ -159,7 +176,7 @@ impl Isa {
     }
 }
 
-/// `out[t][r]` = row `r` of the 4-row group `w` (`nb` group blocks) times
+/// `out[t][r]` = row `r` of the panel `w` (`nb` panel blocks) times
 /// token `t` of `x` (token `t`'s blocks start at `t * stride`), for
 /// `tokens` tokens (1..=[`MAX_T`]).
 #[allow(clippy::too_many_arguments)]
@@ -171,33 +188,14 @@ pub fn tile(
     x: &[Q8Block],
     stride: usize,
     tokens: usize,
-    out: &mut [[f32; 4]; MAX_T],
+    out: &mut [[f32; PANEL]; MAX_T],
 ) {
     assert!((1..=MAX_T).contains(&tokens), "tile of {tokens} tokens");
-    assert!(w.len() >= nb * fmt.group_bytes(), "short weight group");
+    assert!(w.len() >= nb * fmt.panel_bytes(), "short weight panel");
     assert!(
         stride >= nb && x.len() >= (tokens - 1) * stride + nb,
         "short activations"
     );
-    // Eight tokens at once only where 32 registers hold their sums; the
-    // other kernels take two tiles of at most four (the same instructions
-    // per token either way).
-    if tokens > 4 && isa != Isa::Avx512Vnni {
-        let mut rest = [[0f32; 4]; MAX_T];
-        tile(isa, fmt, w, nb, x, stride, 4, out);
-        tile(
-            isa,
-            fmt,
-            w,
-            nb,
-            &x[4 * stride..],
-            stride,
-            tokens - 4,
-            &mut rest,
-        );
-        out[4..tokens].copy_from_slice(&rest[..tokens - 4]);
-        return;
-    }
     match isa {
         #[cfg(target_arch = "x86_64")]
         Isa::Avx2 | Isa::Avx512Vnni => {
@@ -205,7 +203,13 @@ pub fn tile(
             // AVX-512 set for the VNNI variant); bounds checked above.
             unsafe { x86::tile(isa, fmt, w, nb, x, stride, tokens, out) }
         }
-        _ => scalar_tile(fmt, w, nb, x, stride, tokens, out),
+        _ => {
+            for (t, o) in out.iter_mut().enumerate().take(tokens) {
+                for (r, v) in o.iter_mut().enumerate() {
+                    *v = reference(fmt, w, nb, &x[t * stride..], r);
+                }
+            }
+        }
     }
 }
 
@@ -213,68 +217,39 @@ fn f16(b: &[u8], i: usize) -> f32 {
     half::f16::from_le_bytes([b[2 * i], b[2 * i + 1]]).to_f32()
 }
 
-/// The reference semantics: exact block sums, then the same float steps
-/// as the SIMD kernels (scale product, one fused multiply-add per block
-/// into eight lanes, the minimums per block).
-#[allow(clippy::needless_range_loop)]
-fn scalar_tile(
-    fmt: Format,
-    w: &[u8],
-    nb: usize,
-    x: &[Q8Block],
-    stride: usize,
-    tokens: usize,
-    out: &mut [[f32; 4]; MAX_T],
-) {
-    let gb = fmt.group_bytes();
-    for t in 0..tokens {
-        for r in 0..4 {
-            let mut lanes = [0f32; 8];
-            let mut min = 0f32;
-            for b in 0..nb {
-                let g = &w[b * gb..(b + 1) * gb];
-                let xb = &x[t * stride + b];
-                let mut sums = [0i32; 8];
-                let scale = f16(g, r) * xb.d;
-                match fmt {
-                    Format::Q4_1 => {
-                        let q = &g[16 + 16 * r..32 + 16 * r];
-                        // Lane j: the low nibbles of bytes 4j..4j+4 (values
-                        // 4j..) and their high nibbles (values 16+4j..);
-                        // lanes 4-7 stay zero.
-                        for j in 0..16 {
-                            let lo = (q[j] & 0x0f) as i32;
-                            let hi = (q[j] >> 4) as i32;
-                            sums[j / 4] += lo * xb.q[j] as i32 + hi * xb.q[j + 16] as i32;
-                        }
-                        min = f16(g, 4 + r).mul_add(xb.s, min);
-                    }
-                    Format::Q8_0 => {
-                        let q = &g[8 + 32 * r..40 + 32 * r];
-                        for j in 0..32 {
-                            sums[j / 4] += (q[j] as i8) as i32 * xb.q[j] as i32;
-                        }
-                    }
+/// The semantics every kernel here (and `amx`) follows, for row `r` of the
+/// panel `w` and the token whose blocks are `x[..nb]`: per block the exact
+/// integer sum of the 32 products, then `acc = fma(sum, d_w * d_x, acc)`
+/// and, for Q4_1, `acc = fma(m_w, s_x, acc)`, in block order.
+pub fn reference(fmt: Format, w: &[u8], nb: usize, x: &[Q8Block], r: usize) -> f32 {
+    let pb = fmt.panel_bytes();
+    let mut acc = 0f32;
+    for (b, xb) in x.iter().enumerate().take(nb) {
+        let g = &w[b * pb..(b + 1) * pb];
+        let v = &g[fmt.values_at()..];
+        let mut sum = 0i32;
+        for k in 0..32 {
+            let q = match fmt {
+                // Value k: byte k % 16 of the row's 16, high nibble from 16.
+                Format::Q4_1 => {
+                    let byte = v[64 * (k % 16 / 4) + 4 * r + k % 4];
+                    (if k < 16 { byte & 0x0f } else { byte >> 4 }) as i32
                 }
-                for l in 0..8 {
-                    lanes[l] = (sums[l] as f32).mul_add(scale, lanes[l]);
-                }
-            }
-            out[t][r] = hsum8(&lanes) + min;
+                Format::Q8_0 => v[64 * (k / 4) + 4 * r + k % 4] as i32 - 128,
+            };
+            sum += q * xb.q[k] as i32;
+        }
+        acc = (sum as f32).mul_add(f16(g, r) * xb.d, acc);
+        if fmt == Format::Q4_1 {
+            acc = f16(g, PANEL + r).mul_add(xb.s, acc);
         }
     }
-}
-
-/// The horizontal sum in the order the SIMD kernels use.
-fn hsum8(l: &[f32; 8]) -> f32 {
-    let a = [l[0] + l[4], l[1] + l[5], l[2] + l[6], l[3] + l[7]];
-    let b = [a[0] + a[2], a[1] + a[3]];
-    b[0] + b[1]
+    acc
 }
 
 #[cfg(target_arch = "x86_64")]
 mod x86 {
-    use super::{Format, Isa, Q8Block, MAX_T};
+    use super::{Format, Isa, Q8Block, MAX_T, PANEL};
     use std::arch::x86_64::*;
 
     #[allow(clippy::too_many_arguments)]
@@ -286,42 +261,30 @@ mod x86 {
         x: &[Q8Block],
         stride: usize,
         tokens: usize,
-        out: &mut [[f32; 4]; MAX_T],
+        out: &mut [[f32; PANEL]; MAX_T],
     ) {
+        macro_rules! widths {
+            ($k:ident, $($f:tt)*) => {
+                match tokens {
+                    8 => $k::<8, $($f)*>(w, nb, x, stride, out),
+                    7 => $k::<7, $($f)*>(w, nb, x, stride, out),
+                    6 => $k::<6, $($f)*>(w, nb, x, stride, out),
+                    5 => $k::<5, $($f)*>(w, nb, x, stride, out),
+                    4 => $k::<4, $($f)*>(w, nb, x, stride, out),
+                    3 => $k::<3, $($f)*>(w, nb, x, stride, out),
+                    2 => $k::<2, $($f)*>(w, nb, x, stride, out),
+                    _ => $k::<1, $($f)*>(w, nb, x, stride, out),
+                }
+            };
+        }
         // SAFETY (all arms): the caller checked the CPU features and that
         // `w` and `x` hold what the kernel reads.
         unsafe {
-            match (isa, fmt, tokens) {
-                (Isa::Avx512Vnni, Format::Q4_1, 8) => q4_512::<8>(w, nb, x, stride, out),
-                (Isa::Avx512Vnni, Format::Q4_1, 7) => q4_512::<7>(w, nb, x, stride, out),
-                (Isa::Avx512Vnni, Format::Q4_1, 6) => q4_512::<6>(w, nb, x, stride, out),
-                (Isa::Avx512Vnni, Format::Q4_1, 5) => q4_512::<5>(w, nb, x, stride, out),
-                (Isa::Avx512Vnni, Format::Q4_1, 4) => q4_512::<4>(w, nb, x, stride, out),
-                (Isa::Avx512Vnni, Format::Q4_1, 3) => q4_512::<3>(w, nb, x, stride, out),
-                (Isa::Avx512Vnni, Format::Q4_1, 2) => q4_512::<2>(w, nb, x, stride, out),
-                (Isa::Avx512Vnni, Format::Q4_1, _) => q4_512::<1>(w, nb, x, stride, out),
-                (Isa::Avx512Vnni, Format::Q8_0, 8) => q8_512::<8>(w, nb, x, stride, out),
-                (Isa::Avx512Vnni, Format::Q8_0, 7) => q8_512::<7>(w, nb, x, stride, out),
-                (Isa::Avx512Vnni, Format::Q8_0, 6) => q8_512::<6>(w, nb, x, stride, out),
-                (Isa::Avx512Vnni, Format::Q8_0, 5) => q8_512::<5>(w, nb, x, stride, out),
-                (Isa::Avx512Vnni, Format::Q8_0, 4) => q8_512::<4>(w, nb, x, stride, out),
-                (Isa::Avx512Vnni, Format::Q8_0, 3) => q8_512::<3>(w, nb, x, stride, out),
-                (Isa::Avx512Vnni, Format::Q8_0, 2) => q8_512::<2>(w, nb, x, stride, out),
-                (Isa::Avx512Vnni, Format::Q8_0, _) => q8_512::<1>(w, nb, x, stride, out),
-                (_, Format::Q4_1, 4) => q4_avx2::<4>(w, nb, x, stride, out),
-                (_, Format::Q4_1, 3) => q4_avx2::<3>(w, nb, x, stride, out),
-                (_, Format::Q4_1, 2) => q4_avx2::<2>(w, nb, x, stride, out),
-                (_, Format::Q4_1, _) => q4_avx2::<1>(w, nb, x, stride, out),
-                (_, Format::Q8_0, 4) => {
-                    q8_avx2::<2>(w, nb, x, stride, out, 0);
-                    q8_avx2::<2>(w, nb, x, stride, out, 2);
-                }
-                (_, Format::Q8_0, 3) => {
-                    q8_avx2::<2>(w, nb, x, stride, out, 0);
-                    q8_avx2::<1>(w, nb, x, stride, out, 2);
-                }
-                (_, Format::Q8_0, 2) => q8_avx2::<2>(w, nb, x, stride, out, 0),
-                (_, Format::Q8_0, _) => q8_avx2::<1>(w, nb, x, stride, out, 0),
+            match (isa, fmt) {
+                (Isa::Avx512Vnni, Format::Q4_1) => widths!(k512, true),
+                (Isa::Avx512Vnni, Format::Q8_0) => widths!(k512, false),
+                (_, Format::Q4_1) => widths!(kavx2, true),
+                (_, Format::Q8_0) => widths!(kavx2, false),
             }
         }
     }
@@ -366,327 +329,196 @@ mod x86 {
         unsafe { _mm256_storeu_si256(out.q.as_mut_ptr() as *mut __m256i, p) };
         out.d = d;
         out.s = d * total as f32;
+        out.n = total;
     }
 
-    /// Sum of 8 lanes: high half onto low, then pairs (as `hsum8`).
-    #[inline]
-    #[target_feature(enable = "avx2,fma,f16c")]
-    fn hsum(v: __m256) -> f32 {
-        let s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps::<1>(v));
-        let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-        let s = _mm_add_ss(s, _mm_shuffle_ps::<1>(s, s));
-        _mm_cvtss_f32(s)
-    }
-
-    /// The four rows' f16 values at `p` as f32.
-    #[inline]
-    #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn four_f16(p: *const u8) -> [f32; 4] {
-        // SAFETY: the caller's group block has 8 bytes at `p`.
-        let v = _mm_cvtph_ps(unsafe { _mm_loadl_epi64(p as *const __m128i) });
-        let mut o = [0f32; 4];
-        // SAFETY: 4 floats into a 4-float array.
-        unsafe { _mm_storeu_ps(o.as_mut_ptr(), v) };
-        o
-    }
-
-    macro_rules! kernel {
-        ($name:ident, $feat:literal, $fmt:ident, $gb:expr, $dot:ident) => {
-            #[target_feature(enable = $feat)]
-            unsafe fn $name<const T: usize>(
-                w: &[u8],
-                nb: usize,
-                x: &[Q8Block],
-                stride: usize,
-                out: &mut [[f32; 4]; MAX_T],
-                t0: usize,
-            ) {
-                let mut acc = [[_mm256_setzero_ps(); 4]; T];
-                #[allow(unused_mut)]
-                let mut min = [[0f32; 4]; T];
-                for b in 0..nb {
-                    // SAFETY: block `b` of the group lies in `w` (checked
-                    // by the caller: nb * group bytes).
-                    let g = unsafe { w.as_ptr().add(b * $gb) };
-                    // SAFETY: in the block.
-                    let d = unsafe { four_f16(g) };
-                    let wq = load!($fmt, g);
-                    for t in 0..T {
-                        let xb = &x[(t0 + t) * stride + b];
-                        // SAFETY: 32 bytes of the block's values.
-                        let xq = unsafe { _mm256_loadu_si256(xb.q.as_ptr() as *const __m256i) };
-                        extra!($fmt, g, min[t], xb);
-                        for r in 0..4 {
-                            let p = $dot(wq[r], xq);
-                            let s = _mm256_set1_ps(d[r] * xb.d);
-                            acc[t][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), s, acc[t][r]);
-                        }
-                    }
-                }
-                for t in 0..T {
-                    for r in 0..4 {
-                        out[t0 + t][r] = hsum(acc[t][r]) + min[t][r];
-                    }
-                }
-            }
-        };
-    }
-
-    macro_rules! load {
-        (Q8, $g:ident) => {{
-            // SAFETY: the four rows' 32 bytes follow the 8 bytes of scales.
-            unsafe {
-                [
-                    _mm256_loadu_si256($g.add(8) as *const __m256i),
-                    _mm256_loadu_si256($g.add(40) as *const __m256i),
-                    _mm256_loadu_si256($g.add(72) as *const __m256i),
-                    _mm256_loadu_si256($g.add(104) as *const __m256i),
-                ]
-            }
-        }};
-    }
-
-    macro_rules! extra {
-        (Q8, $g:ident, $min:expr, $xb:ident) => {{}};
-    }
-
-    /// u8 x i8 pairs summed to i32 lanes: `vpmaddubsw` then `vpmaddwd`
-    /// (no saturation: at most 2 x 15 x 127, or 2 x 128 x 127 for Q8_0).
-    #[inline]
-    #[target_feature(enable = "avx2,fma,f16c")]
-    fn dot_q4_avx2(w: __m256i, x: __m256i) -> __m256i {
-        _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), _mm256_set1_epi16(1))
-    }
-
-    /// Signed x signed through the sign trick (|w| x sign(x, w)).
-    #[inline]
-    #[target_feature(enable = "avx2,fma,f16c")]
-    fn dot_q8_avx2(w: __m256i, x: __m256i) -> __m256i {
-        let aw = _mm256_sign_epi8(w, w);
-        let sx = _mm256_sign_epi8(x, w);
-        dot_q4_avx2(aw, sx)
-    }
-
-    kernel!(q8_avx2, "avx2,fma,f16c", Q8, 136, dot_q8_avx2);
     /// Bytes ahead of the block in use that the kernels ask the memory for:
     /// decode is one pass over every weight, and the hardware prefetcher
     /// alone left a single thread at 8 of its 12.5 GB/s.
-    const AHEAD: usize = 2048;
+    const AHEAD: usize = 1024;
 
-    /// Prefetch the two cache lines `AHEAD` bytes past `g` (blocks are 80
-    /// or 136 bytes, so two lines per block cover every line). The
+    /// Prefetch the panel block `AHEAD` bytes past `g` (`len` bytes). The
     /// address may lie past the weights: a prefetch never faults, and the
     /// pointer is only formed with wrapping arithmetic.
     #[inline(always)]
-    fn prefetch(g: *const u8) {
-        // SAFETY: prefetching has no architectural effect and cannot
-        // fault, whatever the address.
-        unsafe {
-            _mm_prefetch::<_MM_HINT_T0>(g.wrapping_add(AHEAD) as *const i8);
-            _mm_prefetch::<_MM_HINT_T0>(g.wrapping_add(AHEAD + 64) as *const i8);
+    fn prefetch(g: *const u8, len: usize) {
+        for off in (0..len).step_by(64) {
+            // SAFETY: prefetching has no architectural effect and cannot
+            // fault, whatever the address.
+            unsafe { _mm_prefetch::<_MM_HINT_T0>(g.wrapping_add(AHEAD + off) as *const i8) };
         }
     }
 
-    /// Sum of the four lanes in the order of the reference: (0+2)+(1+3).
-    #[inline]
-    #[target_feature(enable = "avx2,fma,f16c")]
-    fn hsum4(v: __m128) -> f32 {
-        let s = _mm_add_ps(v, _mm_movehl_ps(v, v));
-        _mm_cvtss_f32(_mm_add_ss(s, _mm_shuffle_ps::<1>(s, s)))
-    }
-
-    /// Q4_1 on AVX2, two rows per register: a register's 128-bit halves
-    /// are rows r and r+1, each four i32 lanes (lane j: low nibbles of
-    /// bytes 4j.. times values 4j.., plus their high nibbles times values
-    /// 16+4j..), so the activation halves are broadcast once per block and
-    /// token for all four rows.
-    #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn q4_avx2<const T: usize>(
-        w: &[u8],
-        nb: usize,
-        x: &[Q8Block],
-        stride: usize,
-        out: &mut [[f32; 4]; MAX_T],
-    ) {
-        let mask = _mm256_set1_epi8(0x0f);
-        let ones = _mm256_set1_epi16(1);
-        let i01 = _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1);
-        let i23 = _mm256_setr_epi32(2, 2, 2, 2, 3, 3, 3, 3);
-        let mut acc = [[_mm256_setzero_ps(); 2]; T];
-        let mut min = [_mm_setzero_ps(); T];
-        for b in 0..nb {
-            // SAFETY: block b of the group is in `w` (checked by `tile`):
-            // 8 bytes of scales, 8 of minimums, 64 of nibbles.
-            let (d, m, raw) = unsafe {
-                let g = w.as_ptr().add(b * 80);
-                prefetch(g);
-                (
-                    _mm_cvtph_ps(_mm_loadl_epi64(g as *const __m128i)),
-                    _mm_cvtph_ps(_mm_loadl_epi64(g.add(8) as *const __m128i)),
-                    [
-                        _mm256_loadu_si256(g.add(16) as *const __m256i),
-                        _mm256_loadu_si256(g.add(48) as *const __m256i),
-                    ],
-                )
-            };
-            let d = _mm256_castps128_ps256(d);
-            let dz = [
-                _mm256_permutevar8x32_ps(d, i01),
-                _mm256_permutevar8x32_ps(d, i23),
-            ];
-            let lo = raw.map(|v| _mm256_and_si256(v, mask));
-            let hi = raw.map(|v| _mm256_and_si256(_mm256_srli_epi16::<4>(v), mask));
-            for t in 0..T {
-                let xb = &x[t * stride + b];
-                // SAFETY: 32 bytes of values in the block.
-                let (xa, xh) = unsafe {
-                    (
-                        _mm256_broadcastsi128_si256(_mm_loadu_si128(
-                            xb.q.as_ptr() as *const __m128i
-                        )),
-                        _mm256_broadcastsi128_si256(_mm_loadu_si128(
-                            xb.q.as_ptr().add(16) as *const __m128i
-                        )),
-                    )
-                };
-                let xd = _mm256_set1_ps(xb.d);
-                for h in 0..2 {
-                    let p = _mm256_add_epi32(
-                        _mm256_madd_epi16(_mm256_maddubs_epi16(lo[h], xa), ones),
-                        _mm256_madd_epi16(_mm256_maddubs_epi16(hi[h], xh), ones),
-                    );
-                    let s = _mm256_mul_ps(dz[h], xd);
-                    acc[t][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), s, acc[t][h]);
-                }
-                min[t] = _mm_fmadd_ps(m, _mm_set1_ps(xb.s), min[t]);
-            }
-        }
-        for t in 0..T {
-            let mut mins = [0f32; 4];
-            // SAFETY: four floats into four.
-            unsafe { _mm_storeu_ps(mins.as_mut_ptr(), min[t]) };
-            for h in 0..2 {
-                let a = acc[t][h];
-                out[t][2 * h] = hsum4(_mm256_castps256_ps128(a)) + mins[2 * h];
-                out[t][2 * h + 1] = hsum4(_mm256_extractf128_ps::<1>(a)) + mins[2 * h + 1];
-            }
-        }
-    }
-
-    /// Q8_0 on AVX-512 VNNI: two rows per 512-bit register (a 256-bit
-    /// half per row, eight i32 lanes each as in the AVX2 kernel), the sign
-    /// trick through a mask (there is no 512-bit `vpsignb`).
+    /// AVX-512 VNNI: per block, the value registers (`v[j]`: bytes 4j..
+    /// of the 16 rows) times a broadcast of the token's matching four
+    /// activation bytes, chained with `vpdpbusd` into the 16 rows' exact
+    /// sums; then the float steps on 16 rows at once.
     #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl,avx512bw,avx512vnni")]
-    unsafe fn q8_512<const T: usize>(
+    unsafe fn k512<const T: usize, const Q4: bool>(
         w: &[u8],
         nb: usize,
         x: &[Q8Block],
         stride: usize,
-        out: &mut [[f32; 4]; MAX_T],
+        out: &mut [[f32; PANEL]; MAX_T],
     ) {
-        let i01 = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
-        let i23 = _mm512_setr_epi32(2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3);
-        let zero = _mm512_setzero_si512();
-        let mut acc = [[_mm512_setzero_ps(); 2]; T];
-        for b in 0..nb {
-            // SAFETY: block b of the group is in `w` (checked by `tile`):
-            // 8 bytes of scales, then 4 x 32 bytes of values.
-            let (d, raw) = unsafe {
-                let g = w.as_ptr().add(b * 136);
-                prefetch(g);
-                (
-                    _mm_cvtph_ps(_mm_loadl_epi64(g as *const __m128i)),
-                    [
-                        _mm512_loadu_si512(g.add(8) as *const __m512i),
-                        _mm512_loadu_si512(g.add(72) as *const __m512i),
-                    ],
-                )
-            };
-            let d = _mm512_castps128_ps512(d);
-            let dz = [_mm512_permutexvar_ps(i01, d), _mm512_permutexvar_ps(i23, d)];
-            let neg = raw.map(|v| _mm512_movepi8_mask(v));
-            let aw = raw.map(|v| _mm512_abs_epi8(v));
-            for t in 0..T {
-                let xb = &x[t * stride + b];
-                // SAFETY: 32 bytes of values in the block.
-                let xq = _mm512_broadcast_i64x4(unsafe {
-                    _mm256_loadu_si256(xb.q.as_ptr() as *const __m256i)
-                });
-                let xd = _mm512_set1_ps(xb.d);
-                for h in 0..2 {
-                    let sx = _mm512_mask_sub_epi8(xq, neg[h], zero, xq);
-                    let p = _mm512_dpbusd_epi32(zero, aw[h], sx);
-                    let s = _mm512_mul_ps(dz[h], xd);
-                    acc[t][h] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), s, acc[t][h]);
-                }
-            }
-        }
-        for t in 0..T {
-            for h in 0..2 {
-                let a = acc[t][h];
-                let hi = _mm256_castpd_ps(_mm512_extractf64x4_pd::<1>(_mm512_castps_pd(a)));
-                out[t][2 * h] = hsum(_mm512_castps512_ps256(a));
-                out[t][2 * h + 1] = hsum(hi);
-            }
-        }
-    }
-
-    /// Q4_1 on AVX-512 VNNI: all four rows in one 512-bit register (a
-    /// 128-bit lane per row, laid out as in `q4_avx2`), `vpdpbusd` for the
-    /// byte products.
-    #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl,avx512bw,avx512vnni")]
-    unsafe fn q4_512<const T: usize>(
-        w: &[u8],
-        nb: usize,
-        x: &[Q8Block],
-        stride: usize,
-        out: &mut [[f32; 4]; MAX_T],
-    ) {
+        let q4 = Q4;
+        let pb = if Q4 {
+            super::Q4_1_PANEL
+        } else {
+            super::Q8_0_PANEL
+        };
         let mask = _mm512_set1_epi8(0x0f);
-        let idx = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
+        let zero = _mm512_setzero_si512();
         let mut acc = [_mm512_setzero_ps(); T];
-        let mut min = [_mm_setzero_ps(); T];
         for b in 0..nb {
-            // SAFETY: as in `q4_avx2`.
-            let (d, m, raw) = unsafe {
-                let g = w.as_ptr().add(b * 80);
-                prefetch(g);
+            // SAFETY: panel block b is in `w` (checked by `tile`).
+            let g = unsafe { w.as_ptr().add(b * pb) };
+            prefetch(g, pb);
+            // SAFETY: scales (and Q4_1 minimums) lead the block.
+            let (dw, mw) = unsafe {
                 (
-                    _mm_cvtph_ps(_mm_loadl_epi64(g as *const __m128i)),
-                    _mm_cvtph_ps(_mm_loadl_epi64(g.add(8) as *const __m128i)),
-                    _mm512_loadu_si512(g.add(16) as *const __m512i),
+                    _mm512_cvtph_ps(_mm256_loadu_si256(g as *const __m256i)),
+                    _mm512_cvtph_ps(_mm256_loadu_si256(g.add(32) as *const __m256i)),
                 )
             };
-            let dz = _mm512_permutexvar_ps(idx, _mm512_castps128_ps512(d));
-            let lo = _mm512_and_si512(raw, mask);
-            let hi = _mm512_and_si512(_mm512_srli_epi16::<4>(raw), mask);
-            for t in 0..T {
+            // Q4_1: low nibbles pair with activation bytes 4j.., high ones
+            // with 16+4j..; Q8_0: register j with bytes 4j.. (j < 8).
+            let mut v = [zero; 8];
+            for j in 0..4 {
+                if Q4 {
+                    // SAFETY: 4 x 64 bytes of nibbles at 64.
+                    let raw = unsafe { _mm512_loadu_si512(g.add(64 + 64 * j) as *const __m512i) };
+                    v[j] = _mm512_and_si512(raw, mask);
+                    v[4 + j] = _mm512_and_si512(_mm512_srli_epi16::<4>(raw), mask);
+                } else {
+                    // SAFETY: 8 x 64 bytes of values at 32.
+                    unsafe {
+                        v[j] = _mm512_loadu_si512(g.add(32 + 64 * j) as *const __m512i);
+                        v[4 + j] = _mm512_loadu_si512(g.add(32 + 64 * (4 + j)) as *const __m512i);
+                    }
+                }
+            }
+            for (t, a) in acc.iter_mut().enumerate() {
                 let xb = &x[t * stride + b];
-                // SAFETY: 32 bytes of values in the block.
-                let (xa, xh) = unsafe {
-                    (
-                        _mm512_broadcast_i32x4(_mm_loadu_si128(xb.q.as_ptr() as *const __m128i)),
-                        _mm512_broadcast_i32x4(_mm_loadu_si128(
-                            xb.q.as_ptr().add(16) as *const __m128i
-                        )),
-                    )
+                // SAFETY: four of the block's 32 bytes (j < 8).
+                let xq = |j: usize| unsafe {
+                    _mm512_set1_epi32((xb.q.as_ptr().add(4 * j) as *const i32).read_unaligned())
                 };
-                let p = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, xa);
-                let p = _mm512_dpbusd_epi32(p, hi, xh);
-                let s = _mm512_mul_ps(dz, _mm512_set1_ps(xb.d));
-                acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), s, acc[t]);
-                min[t] = _mm_fmadd_ps(m, _mm_set1_ps(xb.s), min[t]);
+                // Two chains of four, for latency; register j (and 4 + j)
+                // pairs with activation bytes 4j.. (16 + 4j..) either way.
+                let mut s0 = zero;
+                let mut s1 = zero;
+                for j in 0..4 {
+                    s0 = _mm512_dpbusd_epi32(s0, v[j], xq(j));
+                    s1 = _mm512_dpbusd_epi32(s1, v[4 + j], xq(4 + j));
+                }
+                let mut sum = _mm512_add_epi32(s0, s1);
+                if !q4 {
+                    sum = _mm512_sub_epi32(sum, _mm512_set1_epi32(128 * xb.n));
+                }
+                let d = _mm512_mul_ps(dw, _mm512_set1_ps(xb.d));
+                *a = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), d, *a);
+                if q4 {
+                    *a = _mm512_fmadd_ps(mw, _mm512_set1_ps(xb.s), *a);
+                }
             }
         }
-        for t in 0..T {
-            let mut mins = [0f32; 4];
-            // SAFETY: four floats into four.
-            unsafe { _mm_storeu_ps(mins.as_mut_ptr(), min[t]) };
-            let a = acc[t];
-            out[t][0] = hsum4(_mm512_extractf32x4_ps::<0>(a)) + mins[0];
-            out[t][1] = hsum4(_mm512_extractf32x4_ps::<1>(a)) + mins[1];
-            out[t][2] = hsum4(_mm512_extractf32x4_ps::<2>(a)) + mins[2];
-            out[t][3] = hsum4(_mm512_extractf32x4_ps::<3>(a)) + mins[3];
+        for (o, a) in out.iter_mut().zip(acc) {
+            // SAFETY: 16 floats into 16.
+            unsafe { _mm512_storeu_ps(o.as_mut_ptr(), a) };
+        }
+    }
+
+    /// AVX2: the same layout as `k512`, each 64-byte value row as two
+    /// registers of eight rows; `vpmaddubsw` then `vpmaddwd` for the byte
+    /// products (Q4_1: four of them added as i16 first, at most 4 x 2 x 15
+    /// x 127; Q8_0: signed values through the sign trick, each `vpmaddwd`
+    /// on its own: 2 x 128 x 127 fits i16 once).
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn kavx2<const T: usize, const Q4: bool>(
+        w: &[u8],
+        nb: usize,
+        x: &[Q8Block],
+        stride: usize,
+        out: &mut [[f32; PANEL]; MAX_T],
+    ) {
+        let q4 = Q4;
+        let (fmt, pb) = if Q4 {
+            (Format::Q4_1, super::Q4_1_PANEL)
+        } else {
+            (Format::Q8_0, super::Q8_0_PANEL)
+        };
+        let mask = _mm256_set1_epi8(0x0f);
+        let flip = _mm256_set1_epi8(-128);
+        let ones = _mm256_set1_epi16(1);
+        let mut acc = [[_mm256_setzero_ps(); 2]; T];
+        for b in 0..nb {
+            // SAFETY: panel block b is in `w` (checked by `tile`).
+            let g = unsafe { w.as_ptr().add(b * pb) };
+            prefetch(g, pb);
+            for h in 0..2 {
+                // SAFETY: scales, minimums and values of rows 8h..8h+8.
+                let (dw, mw) = unsafe {
+                    (
+                        _mm256_cvtph_ps(_mm_loadu_si128(g.add(16 * h) as *const __m128i)),
+                        _mm256_cvtph_ps(_mm_loadu_si128(g.add(32 + 16 * h) as *const __m128i)),
+                    )
+                };
+                let vals = |j: usize| {
+                    // SAFETY: row j's 32 bytes of this half.
+                    unsafe {
+                        _mm256_loadu_si256(
+                            g.add(fmt.values_at() + 64 * j + 32 * h) as *const __m256i
+                        )
+                    }
+                };
+                for (t, a) in acc.iter_mut().enumerate() {
+                    let xb = &x[t * stride + b];
+                    // SAFETY: four of the block's 32 bytes (j < 8).
+                    let xq = |j: usize| unsafe {
+                        _mm256_set1_epi32((xb.q.as_ptr().add(4 * j) as *const i32).read_unaligned())
+                    };
+                    let sum = if q4 {
+                        // Two pairs of value rows, four i16 products each.
+                        let half = |j0: usize| {
+                            let mut p = _mm256_setzero_si256();
+                            for j in j0..j0 + 2 {
+                                let raw = vals(j);
+                                let lo = _mm256_and_si256(raw, mask);
+                                let hi = _mm256_and_si256(_mm256_srli_epi16::<4>(raw), mask);
+                                p = _mm256_add_epi16(p, _mm256_maddubs_epi16(lo, xq(j)));
+                                p = _mm256_add_epi16(p, _mm256_maddubs_epi16(hi, xq(4 + j)));
+                            }
+                            _mm256_madd_epi16(p, ones)
+                        };
+                        _mm256_add_epi32(half(0), half(2))
+                    } else {
+                        let mut p = _mm256_setzero_si256();
+                        for j in 0..8 {
+                            let sw = _mm256_xor_si256(vals(j), flip);
+                            let aw = _mm256_sign_epi8(sw, sw);
+                            let sx = _mm256_sign_epi8(xq(j), sw);
+                            p = _mm256_add_epi32(
+                                p,
+                                _mm256_madd_epi16(_mm256_maddubs_epi16(aw, sx), ones),
+                            );
+                        }
+                        p
+                    };
+                    let d = _mm256_mul_ps(dw, _mm256_set1_ps(xb.d));
+                    a[h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), d, a[h]);
+                    if q4 {
+                        a[h] = _mm256_fmadd_ps(mw, _mm256_set1_ps(xb.s), a[h]);
+                    }
+                }
+            }
+        }
+        for (o, a) in out.iter_mut().zip(acc) {
+            // SAFETY: 8 + 8 floats into 16.
+            unsafe {
+                _mm256_storeu_ps(o.as_mut_ptr(), a[0]);
+                _mm256_storeu_ps(o.as_mut_ptr().add(8), a[1]);
+            }
         }
     }
 }
@@ -719,35 +551,37 @@ fn quantize_scalar(v: &[f32], out: &mut Q8Block) {
     }
     out.d = d;
     out.s = d * sum as f32;
+    out.n = sum;
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
 
-    /// A random-ish Q4_1 / Q8_0 group of `nb` blocks and its dequantized
+    /// A random-ish Q4_1 / Q8_0 panel of `nb` blocks and its dequantized
     /// rows.
-    fn group(fmt: Format, nb: usize, seed: u32) -> (Vec<u8>, Vec<Vec<f32>>) {
+    pub(crate) fn panel(fmt: Format, nb: usize, seed: u32) -> (Vec<u8>, Vec<Vec<f32>>) {
         let mut s = seed;
         let mut next = || {
             s = s.wrapping_mul(1_664_525).wrapping_add(1_013_904_223);
             (s >> 8) as u8
         };
-        let gb = fmt.group_bytes();
-        let mut w = vec![0u8; nb * gb];
-        let mut rows = vec![vec![0f32; nb * 32]; 4];
+        let pb = fmt.panel_bytes();
+        let mut w = vec![0u8; nb * pb];
+        let mut rows = vec![vec![0f32; nb * 32]; PANEL];
         for b in 0..nb {
-            let g = &mut w[b * gb..(b + 1) * gb];
-            for r in 0..4 {
+            let g = &mut w[b * pb..(b + 1) * pb];
+            for r in 0..PANEL {
                 let d = half::f16::from_f32(0.01 + (next() as f32) / 4000.0);
                 g[2 * r..2 * r + 2].copy_from_slice(&d.to_le_bytes());
+                let v = fmt.values_at();
                 match fmt {
                     Format::Q4_1 => {
                         let m = half::f16::from_f32(-(next() as f32) / 300.0);
-                        g[8 + 2 * r..10 + 2 * r].copy_from_slice(&m.to_le_bytes());
+                        g[32 + 2 * r..34 + 2 * r].copy_from_slice(&m.to_le_bytes());
                         for j in 0..16 {
                             let q = next();
-                            g[16 + 16 * r + j] = q;
+                            g[v + 64 * (j / 4) + 4 * r + j % 4] = q;
                             rows[r][b * 32 + j] = d.to_f32() * (q & 15) as f32 + m.to_f32();
                             rows[r][b * 32 + j + 16] = d.to_f32() * (q >> 4) as f32 + m.to_f32();
                         }
@@ -755,7 +589,7 @@ mod tests {
                     Format::Q8_0 => {
                         for j in 0..32 {
                             let q = (next() as i8).max(-127);
-                            g[8 + 32 * r + j] = q as u8;
+                            g[v + 64 * (j / 4) + 4 * r + j % 4] = (q as i32 + 128) as u8;
                             rows[r][b * 32 + j] = d.to_f32() * q as f32;
                         }
                     }
@@ -792,23 +626,23 @@ mod tests {
     }
 
     #[test]
-    fn kernels_match_the_dequantized_product_and_each_other_bit_for_bit() {
+    fn kernels_match_the_reference_the_dequantized_product_and_each_other_bit_for_bit() {
         for fmt in [Format::Q4_1, Format::Q8_0] {
             let nb = 9;
-            let (w, rows) = group(fmt, nb, 7);
+            let (w, rows) = panel(fmt, nb, 7);
             let (x, xv) = acts(MAX_T, nb);
-            let mut all = [[0f32; 4]; MAX_T];
+            let mut all = [[0f32; PANEL]; MAX_T];
             tile(Isa::Scalar, fmt, &w, nb, &x, nb, MAX_T, &mut all);
             for isa in Isa::available() {
                 for tokens in 1..=MAX_T {
                     // Every offset in the tile: a token's result must not
                     // depend on the tile's width or its place in it.
                     for t0 in 0..=(MAX_T - tokens) {
-                        let mut out = [[0f32; 4]; MAX_T];
+                        let mut out = [[0f32; PANEL]; MAX_T];
                         tile(isa, fmt, &w, nb, &x[t0 * nb..], nb, tokens, &mut out);
                         for t in 0..tokens {
                             assert_eq!(out[t], all[t0 + t], "{fmt:?} {isa:?} {tokens} {t0}");
-                            for r in 0..4 {
+                            for r in 0..PANEL {
                                 let exact: f32 =
                                     rows[r].iter().zip(&xv[t0 + t]).map(|(a, b)| a * b).sum();
                                 let got = out[t][r];

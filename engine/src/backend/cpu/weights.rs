@@ -1,28 +1,31 @@
 //! The model's weights in the CPU kernels' layout, read from the GGUF file.
 //!
-//! Quantized matrices keep the file's bytes per weight, regrouped by four
-//! rows (`simd`); Q, K and V become one matrix, as do gate and up, so each
+//! Quantized matrices keep the file's bytes per weight, regrouped in
+//! panels of 16 rows (`simd`); Q, K and V become one matrix, as do gate and up, so each
 //! is one pass over the step's activations. Norm weights and biases are
 //! f32. The embedding stays in its file format and rows are dequantized as
 //! tokens need them (a dequantized SmolLM2 embedding would be 113 MB).
 
-use super::simd::Format;
+use super::simd::{Format, PANEL};
 use crate::model::{Arch, ModelConfig};
 use candle_core::quantized::gguf_file::Content;
 use candle_core::quantized::{GgmlDType, QTensor};
 use candle_core::Device;
 use std::io::{Read, Seek};
 
-/// A quantized matrix in 4-row groups.
+/// A quantized matrix in 16-row panels (`simd`'s layout).
 pub struct QMat {
     /// Block format.
     pub fmt: Format,
-    /// Output rows (a multiple of 4).
+    /// Output rows (the last panel is padded with zero rows).
     pub rows: usize,
     /// Input columns (a multiple of 32).
     pub cols: usize,
-    /// Groups of 4 rows, each `cols / 32` group blocks.
-    pub data: Vec<u8>,
+    /// Panels of 16 rows, each `cols / 32` panel blocks, from `off`.
+    data: Vec<u8>,
+    /// Where the panels start in `data`: the first 64-byte boundary, so
+    /// that a Q4_1 block's five cache lines are whole lines.
+    off: usize,
 }
 
 impl QMat {
@@ -31,14 +34,19 @@ impl QMat {
         self.cols / 32
     }
 
-    /// The bytes of 4-row group `g`.
-    pub fn group(&self, g: usize) -> &[u8] {
-        let n = self.nb() * self.fmt.group_bytes();
-        &self.data[g * n..(g + 1) * n]
+    /// Panels of 16 rows.
+    pub fn panels(&self) -> usize {
+        self.rows.div_ceil(PANEL)
     }
 
-    /// Stack `parts` (same format and columns) into one matrix, rows in
-    /// order, regrouped by four rows.
+    /// The bytes of panel `p`.
+    pub fn panel(&self, p: usize) -> &[u8] {
+        let n = self.nb() * self.fmt.panel_bytes();
+        &self.data[self.off + p * n..self.off + (p + 1) * n]
+    }
+
+    /// Stack `parts` (same format and columns, rows in the file's blocks)
+    /// into one matrix, rows in order, in panels.
     fn stack(parts: &[(Format, usize, usize, Vec<u8>)]) -> Result<QMat, String> {
         let (fmt, _, cols, _) = parts[0];
         let mut rows = 0;
@@ -46,8 +54,8 @@ impl QMat {
             if *f != fmt || *c != cols {
                 return Err("fused matrices of different types or widths".into());
             }
-            if !r.is_multiple_of(4) || !c.is_multiple_of(32) {
-                return Err(format!("a {r} x {c} matrix (rows % 4, columns % 32)"));
+            if !c.is_multiple_of(32) {
+                return Err(format!("a {r} x {c} matrix (columns % 32)"));
             }
             rows += r;
         }
@@ -56,23 +64,30 @@ impl QMat {
             Format::Q4_1 => 20,
             Format::Q8_0 => 34,
         };
-        let gb = fmt.group_bytes();
-        let mut data = vec![0u8; rows / 4 * nb * gb];
+        let pb = fmt.panel_bytes();
+        let v = fmt.values_at();
+        let mut data = vec![0u8; rows.div_ceil(PANEL) * nb * pb + 64];
+        let off = (64 - data.as_ptr() as usize % 64) % 64;
         let mut row = 0;
         for (_, r, _, raw) in parts {
             for i in 0..*r {
-                let (g, k) = ((row + i) / 4, (row + i) % 4);
+                let (p, n) = ((row + i) / PANEL, (row + i) % PANEL);
                 for b in 0..nb {
                     let src = &raw[(i * nb + b) * fb..(i * nb + b + 1) * fb];
-                    let dst = &mut data[(g * nb + b) * gb..(g * nb + b + 1) * gb];
-                    dst[2 * k..2 * k + 2].copy_from_slice(&src[0..2]);
+                    let dst = &mut data[off + (p * nb + b) * pb..off + (p * nb + b + 1) * pb];
+                    dst[2 * n..2 * n + 2].copy_from_slice(&src[0..2]);
                     match fmt {
                         Format::Q4_1 => {
-                            dst[8 + 2 * k..10 + 2 * k].copy_from_slice(&src[2..4]);
-                            dst[16 + 16 * k..32 + 16 * k].copy_from_slice(&src[4..20]);
+                            dst[32 + 2 * n..34 + 2 * n].copy_from_slice(&src[2..4]);
+                            for (k, q) in src[4..20].iter().enumerate() {
+                                dst[v + 64 * (k / 4) + 4 * n + k % 4] = *q;
+                            }
                         }
                         Format::Q8_0 => {
-                            dst[8 + 32 * k..40 + 32 * k].copy_from_slice(&src[2..34]);
+                            for (k, q) in src[2..34].iter().enumerate() {
+                                dst[v + 64 * (k / 4) + 4 * n + k % 4] =
+                                    (*q as i8 as i32 + 128) as u8;
+                            }
                         }
                     }
                 }
@@ -84,6 +99,7 @@ impl QMat {
             rows,
             cols,
             data,
+            off,
         })
     }
 }
