@@ -35,7 +35,10 @@ SCHEMAS = [
      "required": ["people"]},
     {"type": "object", "properties": {"done": {"type": "boolean"}, "count": {"type": "integer", "minimum": 1, "maximum": 9}},
      "required": ["done", "count"]},
-    {"type": "object", "properties": {"price": {"type": "number", "minimum": 0, "maximum": 1000}},
+    # Cents: a bounded "number" alone allows endless fraction digits,
+    # and greedy SmolLM2 wrote "100.0000000000000111..." until
+    # `max_tokens` once the kernels' rounding changed.
+    {"type": "object", "properties": {"price": {"type": "number", "minimum": 0, "maximum": 1000, "multipleOf": 0.01}},
      "required": ["price"]},
     {"type": "object", "properties": {"nickname": {"type": ["string", "null"], "maxLength": 16}},
      "required": ["nickname"]},
