@@ -11,6 +11,7 @@
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 use ultrafast_engine::api::{Event, GenerateRequest};
+use ultrafast_engine::backend::cpu::simd::Q8Block;
 use ultrafast_engine::generate::Loaded;
 use ultrafast_engine::sampling::SamplingParams;
 use ultrafast_engine::scheduler::{Engine, EngineConfig, StepObserver, StepWork};
@@ -251,7 +252,7 @@ fn phases_mode(l: Arc<Loaded>) {
 /// that fits in L2, and GMAC/s for 64 tokens (prefill), per format and
 /// kernel set.
 fn kernels_mode() {
-    use ultrafast_engine::backend::cpu::simd::{tile, Format, Isa, Q8Block, MAX_T, PANEL};
+    use ultrafast_engine::backend::cpu::simd::{tile, Format, Isa, MAX_T, PANEL};
     let cols = 576;
     let nb = cols / 32;
     println!("| kernels | format | decode, 96 MB (GB/s) | decode, 1 MB (GB/s) | 64 tokens, 1 MB (GMAC/s) |");
@@ -261,19 +262,8 @@ fn kernels_mode() {
             let gb = fmt.panel_bytes() * nb;
             let run = |bytes: usize, tokens: usize, reps: usize| -> (f64, f64) {
                 let panels = bytes / gb;
-                let raw: Vec<u8> = (0..panels * gb + 64)
-                    .map(|i| (i * 7 % 251) as u8 & 0x7e)
-                    .collect();
-                // 64-byte aligned, as `QMat` keeps its panels.
-                let w = &raw[(64 - raw.as_ptr() as usize % 64) % 64..];
-                let x: Vec<Q8Block> = (0..tokens * nb)
-                    .map(|i| Q8Block {
-                        d: 0.01,
-                        s: 0.1,
-                        q: [(i % 100) as i8; 32],
-                        n: 32 * (i % 100) as i32,
-                    })
-                    .collect();
+                let (raw, x) = kernel_data(panels * gb, tokens * nb);
+                let w = aligned(&raw);
                 let mut o = [[0f32; PANEL]; MAX_T];
                 let mut sink = 0f32;
                 let t0 = Instant::now();
@@ -308,11 +298,33 @@ fn kernels_mode() {
     }
 }
 
+/// Weight bytes (64 spare, see [`aligned`]) and activation blocks for
+/// the kernel tables.
+fn kernel_data(bytes: usize, blocks: usize) -> (Vec<u8>, Vec<Q8Block>) {
+    let w = (0..bytes + 64)
+        .map(|i| (i * 7 % 251) as u8 & 0x7e)
+        .collect();
+    let x = (0..blocks)
+        .map(|i| Q8Block {
+            d: 0.01,
+            s: 0.1,
+            q: [(i % 100) as i8; 32],
+            n: 32 * (i % 100) as i32,
+        })
+        .collect();
+    (w, x)
+}
+
+/// `raw` from its first 64-byte boundary, as `QMat` keeps its panels.
+fn aligned(raw: &[u8]) -> &[u8] {
+    &raw[(64 - raw.as_ptr() as usize % 64) % 64..]
+}
+
 /// `kernels_mode`'s table for the AMX tiles (eight 16-row panels per
 /// call, as the runner claims them).
 fn amx_kernels(cols: usize) {
     use ultrafast_engine::backend::cpu::amx::{gemm, Scratch, MAX_PANELS};
-    use ultrafast_engine::backend::cpu::simd::{Format, Q8Block};
+    use ultrafast_engine::backend::cpu::simd::Format;
     let nb = cols / 32;
     println!("| kernels | format | 16 tokens, 96 MB (GB/s; GMAC/s) | 16 tokens, 1 MB (GMAC/s) | 64 tokens, 1 MB (GMAC/s) | 512 tokens, 1 MB (GMAC/s) |");
     println!("|---|---|---|---|---|---|");
@@ -321,17 +333,8 @@ fn amx_kernels(cols: usize) {
         let mut s = Scratch::default();
         let mut run = |bytes: usize, tokens: usize, reps: usize| -> (f64, f64) {
             let panels = bytes / gb / MAX_PANELS * MAX_PANELS;
-            let w: Vec<u8> = (0..panels * gb)
-                .map(|i| (i * 7 % 251) as u8 & 0x7e)
-                .collect();
-            let x: Vec<Q8Block> = (0..tokens * nb)
-                .map(|i| Q8Block {
-                    d: 0.01,
-                    s: 0.1,
-                    q: [(i % 100) as i8; 32],
-                    n: 32 * (i % 100) as i32,
-                })
-                .collect();
+            let (raw, x) = kernel_data(panels * gb, tokens * nb);
+            let w = aligned(&raw);
             let mut sink = 0f32;
             let t0 = Instant::now();
             for _ in 0..reps {

@@ -15,6 +15,7 @@
 // Index loops over fixed-size arrays are how the kernels get vectorized.
 #![allow(clippy::needless_range_loop)]
 
+use crate::backend::cpu::simd::multiversion;
 use candle_core::quantized::{GgmlDType, QMatMul, QTensor};
 use candle_core::{Module, Tensor};
 use rayon::prelude::*;
@@ -135,86 +136,59 @@ impl Q4Matrix {
     }
 }
 
-/// [`tile_body`], compiled for AVX2/FMA as well and that version used where
-/// the CPU has it (the release binary targets baseline x86-64).
-#[allow(unsafe_code)]
-fn tile<const R: usize, const T: usize>(
-    w: &Q4Matrix,
-    row0: usize,
-    x: &Acts,
-    tok0: usize,
-) -> [[f32; T]; R] {
-    #[cfg(target_arch = "x86_64")]
-    if crate::backend::cpu::simd::Isa::current() != crate::backend::cpu::simd::Isa::Scalar {
-        // SAFETY: the CPU has AVX2, FMA and F16C (`Isa::current`).
-        return unsafe { tile_avx2::<R, T>(w, row0, x, tok0) };
-    }
-    tile_body::<R, T>(w, row0, x, tok0)
-}
-
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma,f16c")]
-#[inline(never)]
-fn tile_avx2<const R: usize, const T: usize>(
-    w: &Q4Matrix,
-    row0: usize,
-    x: &Acts,
-    tok0: usize,
-) -> [[f32; T]; R] {
-    tile_body::<R, T>(w, row0, x, tok0)
-}
-
-/// A tile of `R` weight rows by `T` tokens: each weight block is unpacked
-/// to floats once and used for every token of the tile, and the `R * T`
-/// accumulators are independent chains (a single row-token dot is bound by
-/// the latency of its one add chain). Not inlined into the loops around
-/// it (`tile_avx2` is the unit), or the compiler stops vectorizing.
-#[inline(always)]
-fn tile_body<const R: usize, const T: usize>(
-    w: &Q4Matrix,
-    row0: usize,
-    x: &Acts,
-    tok0: usize,
-) -> [[f32; T]; R] {
-    let nb = w.nb;
-    let mut acc = [[[0f32; 8]; T]; R];
-    let mut min_part = [[0f32; T]; R];
-    for b in 0..nb {
-        let mut wf = [[0f32; QK]; R];
-        for r in 0..R {
-            let q = &w.qs[(row0 + r) * nb + b];
-            for j in 0..16 {
-                wf[r][j] = (q[j] & 0x0f) as f32;
-                wf[r][j + 16] = (q[j] >> 4) as f32;
-            }
-        }
-        for t in 0..T {
-            let xi = (tok0 + t) * nb + b;
-            let xb = &x.x[xi];
-            let sx = x.sum[xi];
+multiversion! {
+    /// A tile of `R` weight rows by `T` tokens: each weight block is unpacked
+    /// to floats once and used for every token of the tile, and the `R * T`
+    /// accumulators are independent chains (a single row-token dot is bound by
+    /// the latency of its one add chain). The AVX2 copy is the unit the
+    /// loops around it call (a target-feature function is not inlined
+    /// into them), or the compiler would stop vectorizing.
+    fn tile<const R: usize, const T: usize>(
+        w: &Q4Matrix,
+        row0: usize,
+        x: &Acts,
+        tok0: usize,
+    ) -> [[f32; T]; R] {
+        let nb = w.nb;
+        let mut acc = [[[0f32; 8]; T]; R];
+        let mut min_part = [[0f32; T]; R];
+        for b in 0..nb {
+            let mut wf = [[0f32; QK]; R];
             for r in 0..R {
-                let wi = (row0 + r) * nb + b;
-                let mut blk = [0f32; 8];
-                for c in 0..QK / 8 {
-                    for l in 0..8 {
-                        blk[l] += wf[r][c * 8 + l] * xb[c * 8 + l];
+                let q = &w.qs[(row0 + r) * nb + b];
+                for j in 0..16 {
+                    wf[r][j] = (q[j] & 0x0f) as f32;
+                    wf[r][j + 16] = (q[j] >> 4) as f32;
+                }
+            }
+            for t in 0..T {
+                let xi = (tok0 + t) * nb + b;
+                let xb = &x.x[xi];
+                let sx = x.sum[xi];
+                for r in 0..R {
+                    let wi = (row0 + r) * nb + b;
+                    let mut blk = [0f32; 8];
+                    for c in 0..QK / 8 {
+                        for l in 0..8 {
+                            blk[l] += wf[r][c * 8 + l] * xb[c * 8 + l];
+                        }
                     }
+                    let dw = w.d[wi];
+                    for l in 0..8 {
+                        acc[r][t][l] += blk[l] * dw;
+                    }
+                    min_part[r][t] += w.m[wi] * sx;
                 }
-                let dw = w.d[wi];
-                for l in 0..8 {
-                    acc[r][t][l] += blk[l] * dw;
-                }
-                min_part[r][t] += w.m[wi] * sx;
             }
         }
-    }
-    let mut out = [[0f32; T]; R];
-    for r in 0..R {
-        for t in 0..T {
-            out[r][t] = acc[r][t].iter().sum::<f32>() + min_part[r][t];
+        let mut out = [[0f32; T]; R];
+        for r in 0..R {
+            for t in 0..T {
+                out[r][t] = acc[r][t].iter().sum::<f32>() + min_part[r][t];
+            }
         }
+        out
     }
-    out
 }
 
 /// A linear layer: our Q4_1 kernel, or candle's quantized matmul.

@@ -23,7 +23,7 @@
 #![allow(clippy::needless_range_loop)]
 
 use super::ops::exp_body;
-use super::simd::Isa;
+use super::simd::{multiversion, Isa};
 
 /// Query vectors per task at most.
 pub const MAX_VECS: usize = 48;
@@ -195,106 +195,66 @@ pub fn attend<E: KvElem>(
     }
 }
 
-/// One KV block for every query vector, in plain loops: compiled for AVX2
-/// too and that version used where the CPU has it.
-#[allow(clippy::too_many_arguments)]
-fn block_portable<E: KvElem>(
-    sc: &mut AttnScratch,
-    nv: usize,
-    hd: usize,
-    bs: usize,
-    kt: &[E],
-    vb: &[E],
-    v_stride: usize,
-    v_off: usize,
-    n: usize,
-    visible: &dyn Fn(usize) -> usize,
-) {
-    #[cfg(target_arch = "x86_64")]
-    if Isa::current() != Isa::Scalar {
-        // SAFETY: the CPU has AVX2, FMA and F16C (`Isa::current`).
-        return unsafe { block_avx2(sc, nv, hd, bs, kt, vb, v_stride, v_off, n, visible) };
-    }
-    block_body(sc, nv, hd, bs, kt, vb, v_stride, v_off, n, visible)
-}
-
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma,f16c")]
-#[allow(clippy::too_many_arguments)]
-fn block_avx2<E: KvElem>(
-    sc: &mut AttnScratch,
-    nv: usize,
-    hd: usize,
-    bs: usize,
-    kt: &[E],
-    vb: &[E],
-    v_stride: usize,
-    v_off: usize,
-    n: usize,
-    visible: &dyn Fn(usize) -> usize,
-) {
-    block_body(sc, nv, hd, bs, kt, vb, v_stride, v_off, n, visible)
-}
-
-/// One KV block for every query vector: scores, the online softmax update,
-/// the values.
-#[inline(always)]
-#[allow(clippy::too_many_arguments)]
-fn block_body<E: KvElem>(
-    sc: &mut AttnScratch,
-    nv: usize,
-    hd: usize,
-    bs: usize,
-    kt: &[E],
-    vb: &[E],
-    v_stride: usize,
-    v_off: usize,
-    n: usize,
-    visible: &dyn Fn(usize) -> usize,
-) {
-    for u in 0..nv {
-        let s = &mut sc.s[u * bs..(u + 1) * bs];
-        s.fill(0.0);
-        let qu = &sc.q[u * hd..(u + 1) * hd];
-        for d in 0..hd {
-            let qd = qu[d];
-            for (x, kk) in s.iter_mut().zip(&kt[d * bs..(d + 1) * bs]) {
-                *x += qd * kk.to_f32();
+multiversion! {
+    /// One KV block for every query vector, in plain loops (compiled for
+    /// AVX2 too): scores, the online softmax update, the values.
+    #[allow(clippy::too_many_arguments)]
+    fn block_portable<E: KvElem>(
+        sc: &mut AttnScratch,
+        nv: usize,
+        hd: usize,
+        bs: usize,
+        kt: &[E],
+        vb: &[E],
+        v_stride: usize,
+        v_off: usize,
+        n: usize,
+        visible: &dyn Fn(usize) -> usize,
+    ) {
+        for u in 0..nv {
+            let s = &mut sc.s[u * bs..(u + 1) * bs];
+            s.fill(0.0);
+            let qu = &sc.q[u * hd..(u + 1) * hd];
+            for d in 0..hd {
+                let qd = qu[d];
+                for (x, kk) in s.iter_mut().zip(&kt[d * bs..(d + 1) * bs]) {
+                    *x += qd * kk.to_f32();
+                }
+            }
+            let vis = visible(u);
+            if vis == 0 {
+                continue;
+            }
+            let s = &mut s[..vis];
+            let bm = s.iter().fold(f32::NEG_INFINITY, |a, b| a.max(*b));
+            let m = sc.m[u];
+            let mn = m.max(bm);
+            let alpha = if m == f32::NEG_INFINITY {
+                0.0
+            } else if m == mn {
+                1.0
+            } else {
+                (m - mn).exp()
+            };
+            sc.m[u] = mn;
+            for x in s.iter_mut() {
+                *x -= mn;
+            }
+            exp_body(s);
+            sc.l[u] = sc.l[u] * alpha + s.iter().sum::<f32>();
+            let a = &mut sc.acc[u * hd..(u + 1) * hd];
+            for x in a.iter_mut() {
+                *x *= alpha;
+            }
+            for (p, w) in s.iter().enumerate() {
+                let vr = &vb[p * v_stride + v_off..][..hd];
+                for (x, y) in a.iter_mut().zip(vr) {
+                    *x += w * y.to_f32();
+                }
             }
         }
-        let vis = visible(u);
-        if vis == 0 {
-            continue;
-        }
-        let s = &mut s[..vis];
-        let bm = s.iter().fold(f32::NEG_INFINITY, |a, b| a.max(*b));
-        let m = sc.m[u];
-        let mn = m.max(bm);
-        let alpha = if m == f32::NEG_INFINITY {
-            0.0
-        } else if m == mn {
-            1.0
-        } else {
-            (m - mn).exp()
-        };
-        sc.m[u] = mn;
-        for x in s.iter_mut() {
-            *x -= mn;
-        }
-        exp_body(s);
-        sc.l[u] = sc.l[u] * alpha + s.iter().sum::<f32>();
-        let a = &mut sc.acc[u * hd..(u + 1) * hd];
-        for x in a.iter_mut() {
-            *x *= alpha;
-        }
-        for (p, w) in s.iter().enumerate() {
-            let vr = &vb[p * v_stride + v_off..][..hd];
-            for (x, y) in a.iter_mut().zip(vr) {
-                *x += w * y.to_f32();
-            }
-        }
+        let _ = n;
     }
-    let _ = n;
 }
 
 #[cfg(target_arch = "x86_64")]

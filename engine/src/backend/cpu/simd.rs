@@ -41,28 +41,40 @@ pub struct Q8Block {
 }
 
 /// A function compiled twice, for any x86-64 and for AVX2 + FMA + F16C,
-/// the second called where [`Isa::current`] found them. For plain loops
+/// the second called where [`Isa::current`] found them (plain, type- or
+/// const-generic functions). For plain loops
 /// the compiler vectorizes: the release binary targets baseline x86-64
 /// (so that it runs anywhere) and these still get 256-bit code.
 macro_rules! multiversion {
-    ($(#[$m:meta])* $vis:vis fn $name:ident($($a:ident: $t:ty),* $(,)?) $(-> $r:ty)? $body:block) => {
+    (@emit [$($gd:tt)*] [$($gc:tt)*] $(#[$m:meta])* $vis:vis fn $name:ident($($a:ident: $t:ty),* $(,)?) $(-> $r:ty)? $body:block) => {
         $(#[$m])*
         #[allow(unsafe_code)]
-        $vis fn $name($($a: $t),*) $(-> $r)? {
+        $vis fn $name<$($gd)*>($($a: $t),*) $(-> $r)? {
             #[inline(always)]
-            fn body($($a: $t),*) $(-> $r)? $body
+            #[allow(clippy::too_many_arguments)]
+            fn body<$($gd)*>($($a: $t),*) $(-> $r)? $body
             #[cfg(target_arch = "x86_64")]
             #[target_feature(enable = "avx2,fma,f16c")]
-            fn avx2($($a: $t),*) $(-> $r)? {
-                body($($a),*)
+            #[allow(clippy::too_many_arguments)]
+            fn avx2<$($gd)*>($($a: $t),*) $(-> $r)? {
+                body::<$($gc)*>($($a),*)
             }
             #[cfg(target_arch = "x86_64")]
             if $crate::backend::cpu::simd::Isa::current() != $crate::backend::cpu::simd::Isa::Scalar {
                 // SAFETY: the CPU has AVX2, FMA and F16C (`Isa::current`).
-                return unsafe { avx2($($a),*) };
+                return unsafe { avx2::<$($gc)*>($($a),*) };
             }
-            body($($a),*)
+            body::<$($gc)*>($($a),*)
         }
+    };
+    ($(#[$m:meta])* $vis:vis fn $name:ident<$($g:ident: $gb:path),+> $($rest:tt)*) => {
+        $crate::backend::cpu::simd::multiversion!(@emit [$($g: $gb),+] [$($g),+] $(#[$m])* $vis fn $name $($rest)*);
+    };
+    ($(#[$m:meta])* $vis:vis fn $name:ident<$(const $c:ident: $ct:ty),+> $($rest:tt)*) => {
+        $crate::backend::cpu::simd::multiversion!(@emit [$(const $c: $ct),+] [$($c),+] $(#[$m])* $vis fn $name $($rest)*);
+    };
+    ($(#[$m:meta])* $vis:vis fn $name:ident $($rest:tt)*) => {
+        $crate::backend::cpu::simd::multiversion!(@emit [] [] $(#[$m])* $vis fn $name $($rest)*);
     };
 }
 pub(crate) use multiversion;
@@ -361,7 +373,6 @@ mod x86 {
         stride: usize,
         out: &mut [[f32; PANEL]; MAX_T],
     ) {
-        let q4 = Q4;
         let pb = if Q4 {
             super::Q4_1_PANEL
         } else {
@@ -413,12 +424,12 @@ mod x86 {
                     s1 = _mm512_dpbusd_epi32(s1, v[4 + j], xq(4 + j));
                 }
                 let mut sum = _mm512_add_epi32(s0, s1);
-                if !q4 {
+                if !Q4 {
                     sum = _mm512_sub_epi32(sum, _mm512_set1_epi32(128 * xb.n));
                 }
                 let d = _mm512_mul_ps(dw, _mm512_set1_ps(xb.d));
                 *a = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), d, *a);
-                if q4 {
+                if Q4 {
                     *a = _mm512_fmadd_ps(mw, _mm512_set1_ps(xb.s), *a);
                 }
             }
@@ -442,7 +453,6 @@ mod x86 {
         stride: usize,
         out: &mut [[f32; PANEL]; MAX_T],
     ) {
-        let q4 = Q4;
         let (fmt, pb) = if Q4 {
             (Format::Q4_1, super::Q4_1_PANEL)
         } else {
@@ -478,7 +488,7 @@ mod x86 {
                     let xq = |j: usize| unsafe {
                         _mm256_set1_epi32((xb.q.as_ptr().add(4 * j) as *const i32).read_unaligned())
                     };
-                    let sum = if q4 {
+                    let sum = if Q4 {
                         // Two pairs of value rows, four i16 products each.
                         let half = |j0: usize| {
                             let mut p = _mm256_setzero_si256();
@@ -507,7 +517,7 @@ mod x86 {
                     };
                     let d = _mm256_mul_ps(dw, _mm256_set1_ps(xb.d));
                     a[h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), d, a[h]);
-                    if q4 {
+                    if Q4 {
                         a[h] = _mm256_fmadd_ps(mw, _mm256_set1_ps(xb.s), a[h]);
                     }
                 }
