@@ -195,6 +195,21 @@ pub fn attend<E: KvElem>(
     }
 }
 
+/// What the sums so far are multiplied by when the running maximum goes
+/// from `m` to `mn`: 0 before any score, and exactly 1 (no `exp`; the
+/// AVX-512 block then skips the rescale) while the maximum holds, as it
+/// does for most blocks.
+#[inline(always)]
+fn rescale(m: f32, mn: f32) -> f32 {
+    if m == f32::NEG_INFINITY {
+        0.0
+    } else if m == mn {
+        1.0
+    } else {
+        (m - mn).exp()
+    }
+}
+
 multiversion! {
     /// One KV block for every query vector, in plain loops (compiled for
     /// AVX2 too): scores, the online softmax update, the values.
@@ -229,13 +244,7 @@ multiversion! {
             let bm = s.iter().fold(f32::NEG_INFINITY, |a, b| a.max(*b));
             let m = sc.m[u];
             let mn = m.max(bm);
-            let alpha = if m == f32::NEG_INFINITY {
-                0.0
-            } else if m == mn {
-                1.0
-            } else {
-                (m - mn).exp()
-            };
+            let alpha = rescale(m, mn);
             sc.m[u] = mn;
             for x in s.iter_mut() {
                 *x -= mn;
@@ -259,7 +268,7 @@ multiversion! {
 
 #[cfg(target_arch = "x86_64")]
 mod x86 {
-    use super::{AttnScratch, KvElem};
+    use super::{rescale, AttnScratch, KvElem};
     use std::arch::x86_64::*;
 
     /// 16 stored values at `p` as f32.
@@ -345,15 +354,7 @@ mod x86 {
                 unsafe { _mm512_storeu_ps(sc.s.as_mut_ptr().add(u * 16), _mm512_setzero_ps()) };
                 continue;
             }
-            // An unchanged maximum (most blocks once the first are seen)
-            // needs no exp and no rescale: exp(0) is exactly 1.
-            let alpha = if m == f32::NEG_INFINITY {
-                0.0
-            } else if m == mn {
-                1.0
-            } else {
-                (m - mn).exp()
-            };
+            let alpha = rescale(m, mn);
             sc.m[u] = mn;
             let p = _mm512_maskz_mov_ps(keep, exp16(_mm512_sub_ps(row, _mm512_set1_ps(mn))));
             sc.l[u] = sc.l[u] * alpha + _mm512_reduce_add_ps(p);
