@@ -104,15 +104,47 @@ pub fn text(n: usize) -> Vec<u8> {
     line.iter().copied().cycle().take(n).collect()
 }
 
+/// A port nobody listens on, for a server the test starts.
+///
+/// Chosen below the kernel's ephemeral range: a port from `bind(:0)` is
+/// free only until some outgoing connection takes it as its local port,
+/// and with many tests connecting in parallel one did (CI saw `admin`
+/// fail with EADDRINUSE). Ports below the range are only ever taken by
+/// an explicit bind, and ours are handed out once per process.
 pub fn free_port() -> u16 {
     static GIVEN: Mutex<Vec<u16>> = Mutex::new(Vec::new());
+    static SEED: AtomicU64 = AtomicU64::new(0);
+    let lo = std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")
+        .ok()
+        .and_then(|s| s.split_whitespace().next()?.parse::<u16>().ok())
+        .unwrap_or(32768);
+    let mut given = GIVEN.lock().unwrap();
+    if lo > 12_000 {
+        // Another test process picks from the same range: start at a
+        // point that differs per process and per call.
+        let span = u64::from(lo - 11_000);
+        let mut x = u64::from(std::process::id()) << 20
+            ^ SEED.fetch_add(1, Ordering::SeqCst)
+            ^ std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map_or(0, |d| d.as_nanos() as u64);
+        for _ in 0..1000 {
+            x = x
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            let port = 10_000 + ((x >> 33) % span) as u16;
+            if !given.contains(&port) && TcpListener::bind(("127.0.0.1", port)).is_ok() {
+                given.push(port);
+                return port;
+            }
+        }
+    }
     loop {
         let port = TcpListener::bind("127.0.0.1:0")
             .unwrap()
             .local_addr()
             .unwrap()
             .port();
-        let mut given = GIVEN.lock().unwrap();
         if !given.contains(&port) {
             given.push(port);
             return port;
