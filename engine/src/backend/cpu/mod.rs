@@ -64,6 +64,9 @@ struct Bufs {
     gu: Vec<f32>,
     xq: Vec<Q8Block>,
     xqf: Vec<Q8Block>,
+    /// `bf16` rows of prompt tokens for the AMX products (dim, ffn wide).
+    xb: Vec<u16>,
+    xbf: Vec<u16>,
 }
 
 fn grow<T: Clone + Default>(v: &mut Vec<T>, n: usize) {
@@ -76,7 +79,7 @@ fn grow<T: Clone + Default>(v: &mut Vec<T>, n: usize) {
 pub struct CpuRunner {
     w: Arc<Weights>,
     isa: Isa,
-    /// Every product on AMX tiles ([`amx`]) instead of `simd`'s kernels.
+    /// Prompt tokens' products on AMX BF16 tiles ([`amx`]).
     amx: bool,
     team: Team,
     block_size: usize,
@@ -105,6 +108,12 @@ struct Plan {
     seqs: Vec<(usize, usize, usize, Vec<usize>)>,
     /// Attention tasks: (sequence, KV head, first token, end token).
     tasks: Vec<(usize, usize, usize, usize)>,
+    /// Per token: whether its products run on AMX (`bf16` rows) rather
+    /// than `simd` (8-bit rows).
+    bf: Vec<bool>,
+    /// Runs of rows `(first, count)` of each kind.
+    bf_runs: Vec<Run>,
+    q8_runs: Vec<Run>,
 }
 
 impl CpuRunner {
@@ -129,7 +138,7 @@ impl CpuRunner {
         }
         Ok(CpuRunner {
             isa: Isa::current(),
-            amx: Isa::current() == Isa::Avx512Vnni && amx::available(),
+            amx: amx::available(),
             team,
             block_size,
             slots,
@@ -157,7 +166,7 @@ impl CpuRunner {
         self.isa
     }
 
-    /// Whether the matrix products run on AMX tiles.
+    /// Whether prompt tokens' matrix products run on AMX tiles.
     pub fn amx(&self) -> bool {
         self.amx
     }
@@ -193,6 +202,9 @@ impl CpuRunner {
             write: Vec::new(),
             seqs: Vec::with_capacity(seqs.len()),
             tasks: Vec::new(),
+            bf: Vec::new(),
+            bf_runs: Vec::new(),
+            q8_runs: Vec::new(),
         };
         for (si, s) in seqs.iter().enumerate() {
             let n = s.tokens.len();
@@ -221,6 +233,15 @@ impl CpuRunner {
                     p.tasks.push((si, g, t, e));
                     t = e;
                 }
+            }
+            // A sequence's kind depends on it alone (never on the rest of
+            // the step), so its results do not depend on its batch.
+            let bf = self.amx && n > 1;
+            p.bf.extend(std::iter::repeat_n(bf, n));
+            let runs = if bf { &mut p.bf_runs } else { &mut p.q8_runs };
+            match runs.last_mut() {
+                Some((r0, rn)) if *r0 + *rn == p.total => *rn += n,
+                _ => runs.push((p.total, n)),
             }
             p.seqs.push((p.total, n, s.start, slots));
             p.total += n;
@@ -264,6 +285,10 @@ impl CpuRunner {
         grow(&mut b.gu, t * 2 * c.ffn_dim);
         grow(&mut b.xq, t * c.dim / 32);
         grow(&mut b.xqf, t * c.ffn_dim / 32);
+        if !plan.bf_runs.is_empty() {
+            grow(&mut b.xb, (t + amx::PAD_ROWS) * c.dim);
+            grow(&mut b.xbf, (t + amx::PAD_ROWS) * c.ffn_dim);
+        }
         logits.resize(ns * c.vocab, 0.0);
         for s in &self.scratch {
             let mut s = s.lock().unwrap_or_else(|e| e.into_inner());
@@ -275,7 +300,6 @@ impl CpuRunner {
         let common = Common {
             w: &self.w,
             isa: self.isa,
-            amx: self.amx,
             plan: &plan,
             block_size: self.block_size,
             x: Shared::new(&mut b.x),
@@ -284,6 +308,8 @@ impl CpuRunner {
             gu: Shared::new(&mut b.gu),
             xq: Shared::new(&mut b.xq),
             xqf: Shared::new(&mut b.xqf),
+            xb: Shared::new(&mut b.xb),
+            xbf: Shared::new(&mut b.xbf),
             logits: Shared::new(&mut logits[..]),
             counters: &self.counters,
             scratch: &self.scratch,
@@ -318,7 +344,6 @@ fn launch<E: KvElem>(
 struct Common<'a> {
     w: &'a Weights,
     isa: Isa,
-    amx: bool,
     plan: &'a Plan,
     block_size: usize,
     x: Shared<'a, f32>,
@@ -327,6 +352,8 @@ struct Common<'a> {
     gu: Shared<'a, f32>,
     xq: Shared<'a, Q8Block>,
     xqf: Shared<'a, Q8Block>,
+    xb: Shared<'a, u16>,
+    xbf: Shared<'a, u16>,
     logits: Shared<'a, f32>,
     counters: &'a [AtomicUsize],
     scratch: &'a [Mutex<Scratch>],
@@ -347,6 +374,9 @@ impl<'a, E> std::ops::Deref for Job<'a, E> {
         &self.c
     }
 }
+
+/// Rows `(first, count)` of a step.
+type Run = (usize, usize);
 
 /// How a matrix product's results land in its output buffer.
 #[derive(Clone, Copy)]
@@ -383,9 +413,10 @@ impl<E: KvElem> Job<'_, E> {
         }
     }
 
-    /// Quantized RMSNorm of residual row `src(i)` into `xq` row `i`, for
-    /// the `n` rows claimed from `counter` (the two norms of a layer, and
-    /// the final norm of each sequence's last token).
+    /// RMSNorm of residual row `src(i)` into row `i` of `xq` (quantized)
+    /// or, for a prompt token of a layer's norm (`layer`), of `xb`
+    /// (`bf16`), for the `n` rows claimed from `counter` (the two norms of
+    /// a layer, and the final norm of each sequence's last token).
     fn norm_rows(
         &self,
         ctx: &Ctx,
@@ -393,49 +424,67 @@ impl<E: KvElem> Job<'_, E> {
         n: usize,
         src: &dyn Fn(usize) -> usize,
         norm: &[f32],
+        layer: bool,
     ) {
         let (dim, nbd) = (self.w.cfg.dim, self.w.cfg.dim / 32);
         let eps = self.w.cfg.rms_eps as f32;
         let mut s = self.scratch(ctx.tid);
         self.per_token(ctx, counter, n, 1, &mut |i| {
-            // SAFETY: x is read-only in this phase; xq's row i is this
-            // thread's (claimed).
-            let (x, q) = unsafe {
-                (
-                    self.x.slice(src(i) * dim, dim),
-                    self.xq.slice_mut(i * nbd, nbd),
-                )
-            };
-            ops::rmsnorm_quant(self.isa, x, norm, eps, &mut s.row[..dim], q);
+            // SAFETY: x is read-only in this phase.
+            let x = unsafe { self.x.slice(src(i) * dim, dim) };
+            let tmp = &mut s.row[..dim];
+            ops::rmsnorm(x, norm, eps, tmp);
+            // SAFETY: row i of xq / xb is this thread's (claimed).
+            unsafe {
+                if layer && self.plan.bf[i] {
+                    ops::to_bf16(tmp, self.xb.slice_mut(i * dim, dim));
+                } else {
+                    ops::quantize(self.isa, tmp, self.xq.slice_mut(i * nbd, nbd));
+                }
+            }
         });
     }
 
-    /// `out` = `m` x the `rows` tokens of `x` (blocks `stride` apart),
-    /// claimed by 16-row panels: on AMX tiles for every 16 tokens where
-    /// the CPU has them, `simd`'s kernels for the rest (the same results).
+    /// `out` = `m` x the step's tokens, claimed by 16-row panels: the
+    /// 8-bit rows of `x` (blocks `stride` apart) on `simd`'s kernels, the
+    /// `bf16` rows of `xb` (`stride * 32` apart) on AMX tiles. With
+    /// `runs`, only rows `0..runs` of `x` (the head's packed rows).
     #[allow(clippy::too_many_arguments)]
     fn gemm(
         &self,
         ctx: &Ctx,
         counter: &AtomicUsize,
         m: &QMat,
-        x: &Shared<Q8Block>,
+        (x, xb): (&Shared<Q8Block>, &Shared<u16>),
         stride: usize,
-        rows: usize,
+        head: Option<usize>,
         out: &Shared<f32>,
         ld: usize,
         epi: Epilogue,
     ) {
         let panels = m.panels();
         let nb = m.nb();
-        // SAFETY: `x` was written in an earlier phase (a barrier ago) and
-        // nothing writes it in this one.
+        let p = self.plan;
+        let all = [(0, head.unwrap_or(0))];
+        let (q8_runs, bf_runs): (&[Run], &[Run]) = match head {
+            Some(_) => (&all, &[]),
+            None => (&p.q8_runs, &p.bf_runs),
+        };
+        let rows = head.unwrap_or(p.total);
+        // SAFETY: `x` and `xb` were written in an earlier phase (a barrier
+        // ago) and nothing writes them in this one.
         let xs = unsafe { x.slice(0, rows * stride) };
-        let chunk = (panels / (ctx.n * 8)).clamp(1, amx::MAX_PANELS);
-        let full = if self.amx {
-            rows / amx::TOK * amx::TOK
+        let xbs = if bf_runs.is_empty() {
+            &[][..]
         } else {
-            0
+            // SAFETY: as above (`step` grew it by the padding rows).
+            unsafe { xb.slice(0, (rows + amx::PAD_ROWS) * stride * 32) }
+        };
+        // Panels two at a time for the AMX tiles.
+        let chunk = if bf_runs.is_empty() {
+            (panels / (ctx.n * 8)).clamp(1, 8)
+        } else {
+            2 * (panels / (ctx.n * 8)).clamp(1, 4)
         };
         let write = |t: usize, p: usize, vals: &[f32]| {
             let n = (m.rows - PANEL * p).min(PANEL);
@@ -454,43 +503,45 @@ impl<E: KvElem> Job<'_, E> {
         let mut s = self.scratch(ctx.tid);
         let mut o = [[0f32; PANEL]; MAX_T];
         while let Some(r) = ctx.claim(counter, panels, chunk) {
-            if full > 0 {
-                let ws: [&[u8]; amx::MAX_PANELS] =
-                    std::array::from_fn(|i| m.panel((r.start + i).min(r.end - 1)));
-                let ps = &ws[..r.len()];
-                amx::gemm(
-                    m.fmt,
-                    ps,
-                    nb,
-                    xs,
-                    stride,
-                    full,
-                    &mut s.amx,
-                    &mut |t0, i, tile| {
-                        for (k, row) in tile.iter().enumerate() {
-                            write(t0 + k, r.start + i, row);
-                        }
-                    },
-                );
+            if !bf_runs.is_empty() {
+                let ws: [&[u8]; 8] = std::array::from_fn(|i| m.panel((r.start + i).min(r.end - 1)));
+                for &(r0, n) in bf_runs {
+                    amx::gemm(
+                        m.fmt,
+                        &ws[..r.len()],
+                        nb,
+                        &xbs[r0 * stride * 32..],
+                        stride * 32,
+                        n,
+                        &mut s.amx,
+                        &mut |t0, i, tile| {
+                            for (k, row) in tile.iter().enumerate().take(n - t0.min(n)) {
+                                write(r0 + t0 + k, r.start + i, row);
+                            }
+                        },
+                    );
+                }
             }
             for p in r {
-                let mut t = full;
-                while t < rows {
-                    let n = (rows - t).min(MAX_T);
-                    simd::tile(
-                        self.isa,
-                        m.fmt,
-                        m.panel(p),
-                        nb,
-                        &xs[t * stride..],
-                        stride,
-                        n,
-                        &mut o,
-                    );
-                    for (i, row) in o.iter().enumerate().take(n) {
-                        write(t + i, p, row);
+                for &(r0, rn) in q8_runs {
+                    let mut t = r0;
+                    while t < r0 + rn {
+                        let n = (r0 + rn - t).min(MAX_T);
+                        simd::tile(
+                            self.isa,
+                            m.fmt,
+                            m.panel(p),
+                            nb,
+                            &xs[t * stride..],
+                            stride,
+                            n,
+                            &mut o,
+                        );
+                        for (i, row) in o.iter().enumerate().take(n) {
+                            write(t + i, p, row);
+                        }
+                        t += n;
                     }
-                    t += n;
                 }
             }
         }
@@ -529,7 +580,7 @@ impl<E: KvElem> Job<'_, E> {
                 self.stopped.store(true, Ordering::Relaxed);
             }
             // 1. Norm and quantize.
-            self.norm_rows(ctx, self.counter(l, 0), t_all, &|t| t, &lw.attn_norm);
+            self.norm_rows(ctx, self.counter(l, 0), t_all, &|t| t, &lw.attn_norm, true);
             ctx.barrier();
             clock.tick(ctx, profile::NORM);
             if self.stopped.load(Ordering::Relaxed) {
@@ -541,9 +592,9 @@ impl<E: KvElem> Job<'_, E> {
                 ctx,
                 self.counter(l, 1),
                 &lw.qkv,
-                &self.xq,
+                (&self.xq, &self.xb),
                 nbd,
-                t_all,
+                None,
                 qkv,
                 qkv_dim,
                 Epilogue::Store,
@@ -642,14 +693,15 @@ impl<E: KvElem> Job<'_, E> {
             clock.tick(ctx, profile::ATTENTION);
             // 5. Quantize the attention output.
             self.per_token(ctx, self.counter(l, 4), t_all, 1, &mut |t| {
-                // SAFETY: read-only attn row; xq row t is ours.
-                let (a, q) = unsafe {
-                    (
-                        self.attn.slice(t * c.dim, c.dim),
-                        self.xq.slice_mut(t * nbd, nbd),
-                    )
-                };
-                ops::quantize(self.isa, a, q);
+                // SAFETY: read-only attn row; xq / xb row t is ours.
+                unsafe {
+                    let a = self.attn.slice(t * c.dim, c.dim);
+                    if p.bf[t] {
+                        ops::to_bf16(a, self.xb.slice_mut(t * c.dim, c.dim));
+                    } else {
+                        ops::quantize(self.isa, a, self.xq.slice_mut(t * nbd, nbd));
+                    }
+                }
             });
             ctx.barrier();
             clock.tick(ctx, profile::QUANT);
@@ -658,9 +710,9 @@ impl<E: KvElem> Job<'_, E> {
                 ctx,
                 self.counter(l, 5),
                 &lw.wo,
-                &self.xq,
+                (&self.xq, &self.xb),
                 nbd,
-                t_all,
+                None,
                 &self.x,
                 c.dim,
                 Epilogue::Add,
@@ -668,7 +720,7 @@ impl<E: KvElem> Job<'_, E> {
             ctx.barrier();
             clock.tick(ctx, profile::WO);
             // 7. Norm and quantize.
-            self.norm_rows(ctx, self.counter(l, 6), t_all, &|t| t, &lw.ffn_norm);
+            self.norm_rows(ctx, self.counter(l, 6), t_all, &|t| t, &lw.ffn_norm, true);
             ctx.barrier();
             clock.tick(ctx, profile::NORM);
             // 8. Gate|up.
@@ -677,9 +729,9 @@ impl<E: KvElem> Job<'_, E> {
                 ctx,
                 self.counter(l, 7),
                 &lw.gate_up,
-                &self.xq,
+                (&self.xq, &self.xb),
                 nbd,
-                t_all,
+                None,
                 &self.gu,
                 gw,
                 Epilogue::Store,
@@ -689,11 +741,17 @@ impl<E: KvElem> Job<'_, E> {
             // 9. SiLU and multiply, quantized.
             let mut s = self.scratch(ctx.tid);
             self.per_token(ctx, self.counter(l, 8), t_all, 1, &mut |t| {
-                // SAFETY: read-only gu row; xqf row t is ours.
-                let (g, q) =
-                    unsafe { (self.gu.slice(t * gw, gw), self.xqf.slice_mut(t * nbf, nbf)) };
-                let (gate, up) = g.split_at(c.ffn_dim);
-                ops::silu_mul_quant(self.isa, gate, up, &mut s.row[..c.ffn_dim], q);
+                // SAFETY: read-only gu row; xqf / xbf row t is ours.
+                unsafe {
+                    let (gate, up) = self.gu.slice(t * gw, gw).split_at(c.ffn_dim);
+                    let tmp = &mut s.row[..c.ffn_dim];
+                    ops::silu_mul(gate, up, tmp);
+                    if p.bf[t] {
+                        ops::to_bf16(tmp, self.xbf.slice_mut(t * c.ffn_dim, c.ffn_dim));
+                    } else {
+                        ops::quantize(self.isa, tmp, self.xqf.slice_mut(t * nbf, nbf));
+                    }
+                }
             });
             drop(s);
             ctx.barrier();
@@ -703,9 +761,9 @@ impl<E: KvElem> Job<'_, E> {
                 ctx,
                 self.counter(l, 9),
                 &lw.down,
-                &self.xqf,
+                (&self.xqf, &self.xbf),
                 nbf,
-                t_all,
+                None,
                 &self.x,
                 c.dim,
                 Epilogue::Add,
@@ -717,16 +775,16 @@ impl<E: KvElem> Job<'_, E> {
         // at the front of xq).
         let ns = p.seqs.len();
         let last_row = |i: usize| p.seqs[i].0 + p.seqs[i].1 - 1;
-        self.norm_rows(ctx, &self.counters[last], ns, &last_row, &w.norm);
+        self.norm_rows(ctx, &self.counters[last], ns, &last_row, &w.norm, false);
         ctx.barrier();
         clock.tick(ctx, profile::HEAD_NORM);
         self.gemm(
             ctx,
             &self.counters[last + 1],
             &w.head,
-            &self.xq,
+            (&self.xq, &self.xb),
             nbd,
-            ns,
+            Some(ns),
             &self.logits,
             c.vocab,
             Epilogue::Store,

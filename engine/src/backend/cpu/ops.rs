@@ -1,7 +1,7 @@
 //! The per-token work between the matrix products, in plain loops over
 //! slices (no tensors, no allocation): RMSNorm fused with the activation
-//! quantization, RoPE, SiLU-and-multiply fused with quantization, and a
-//! vectorizable `exp`.
+//! quantization, RoPE, SiLU-and-multiply fused with quantization, the
+//! `bf16` rounding of the AMX products' rows, and a vectorizable `exp`.
 
 // Index loops over fixed-width chunks are how these get vectorized.
 #![allow(clippy::needless_range_loop)]
@@ -9,21 +9,35 @@
 use super::simd::{multiversion, quantize_block, Isa, Q8Block};
 
 multiversion! {
-    /// `out` = quantized `x * w / rms(x)`; `tmp` holds the normed row.
-    pub fn rmsnorm_quant(
-        isa: Isa,
-        x: &[f32],
-        w: &[f32],
-        eps: f32,
-        tmp: &mut [f32],
-        out: &mut [Q8Block],
-    ) {
+    /// `tmp` = `x * w / rms(x)`.
+    pub fn rmsnorm(x: &[f32], w: &[f32], eps: f32, tmp: &mut [f32]) {
         let ss = dot(x, x);
         let scale = 1.0 / (ss / x.len() as f32 + eps).sqrt();
         for ((t, v), g) in tmp.iter_mut().zip(x).zip(w) {
             *t = v * scale * g;
         }
-        quantize(isa, tmp, out);
+    }
+}
+
+/// `out` = quantized `x * w / rms(x)`; `tmp` holds the normed row.
+pub fn rmsnorm_quant(
+    isa: Isa,
+    x: &[f32],
+    w: &[f32],
+    eps: f32,
+    tmp: &mut [f32],
+    out: &mut [Q8Block],
+) {
+    rmsnorm(x, w, eps, tmp);
+    quantize(isa, tmp, out);
+}
+
+multiversion! {
+    /// The `bf16` rounding of a row (the AMX products' activations).
+    pub fn to_bf16(x: &[f32], out: &mut [u16]) {
+        for (o, v) in out.iter_mut().zip(x) {
+            *o = super::amx::bf16(*v);
+        }
     }
 }
 
@@ -35,8 +49,8 @@ pub fn quantize(isa: Isa, x: &[f32], out: &mut [Q8Block]) {
 }
 
 multiversion! {
-    /// `silu(g) * u` quantized; `tmp` holds the products.
-    pub fn silu_mul_quant(isa: Isa, g: &[f32], u: &[f32], tmp: &mut [f32], out: &mut [Q8Block]) {
+    /// `tmp` = `silu(g) * u`.
+    pub fn silu_mul(g: &[f32], u: &[f32], tmp: &mut [f32]) {
         for (t, a) in tmp.iter_mut().zip(g) {
             *t = -a;
         }
@@ -44,8 +58,13 @@ multiversion! {
         for ((t, a), b) in tmp.iter_mut().zip(g).zip(u) {
             *t = a / (1.0 + *t) * b;
         }
-        quantize(isa, tmp, out);
     }
+}
+
+/// `silu(g) * u` quantized; `tmp` holds the products.
+pub fn silu_mul_quant(isa: Isa, g: &[f32], u: &[f32], tmp: &mut [f32], out: &mut [Q8Block]) {
+    silu_mul(g, u, tmp);
+    quantize(isa, tmp, out);
 }
 
 multiversion! {

@@ -592,8 +592,9 @@ pub(crate) mod tests {
                         for j in 0..16 {
                             let q = next();
                             g[v + 64 * (j / 4) + 4 * r + j % 4] = q;
-                            rows[r][b * 32 + j] = d.to_f32() * (q & 15) as f32 + m.to_f32();
-                            rows[r][b * 32 + j + 16] = d.to_f32() * (q >> 4) as f32 + m.to_f32();
+                            rows[r][b * 32 + j] = ((q & 15) as f32).mul_add(d.to_f32(), m.to_f32());
+                            rows[r][b * 32 + j + 16] =
+                                ((q >> 4) as f32).mul_add(d.to_f32(), m.to_f32());
                         }
                     }
                     Format::Q8_0 => {
