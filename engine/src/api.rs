@@ -286,6 +286,11 @@ pub trait Backend: Send + Sync {
     fn kind(&self) -> &'static str;
     /// Whether it can serve now.
     fn readiness(&self) -> Readiness;
+    /// Where it computes once serving: the in-process engine's device and
+    /// runner (`cpu`, `cpu/avx2 x2 kv F16`); `None` for upstream pools.
+    fn device(&self) -> Option<(String, String)> {
+        None
+    }
     /// Tokenize (or estimate) and check that the request can ever fit.
     fn prepare(&self, req: &InferenceRequest) -> Result<Prepared, BackendError>;
     /// The backend's own measured step cost, if it measures one (the

@@ -101,7 +101,12 @@ impl EngineService {
             let engine = Engine::start_observed(loaded, self.spec.engine.clone(), observer)
                 .map_err(|e| e.to_string())?;
             let load_time = t0.elapsed();
-            log::info!("model {name}: loaded in {:.2}s", load_time.as_secs_f64());
+            log::info!(
+                "model {name}: loaded in {:.2}s, device {} ({})",
+                load_time.as_secs_f64(),
+                engine.device(),
+                engine.runner()
+            );
             self.set(State::Starting("warming up".into()));
             let t1 = Instant::now();
             warm(&engine, &self.spec.warmup)?;
@@ -256,6 +261,11 @@ impl Backend for EngineService {
             State::Ready(_) => Readiness::Ready,
             State::Failed(w) => Readiness::Failed(w.clone()),
         }
+    }
+
+    fn device(&self) -> Option<(String, String)> {
+        self.engine()
+            .map(|e| (e.device().to_string(), e.runner().to_string()))
     }
 
     fn step_cost(&self) -> Option<crate::scheduler::StepCost> {

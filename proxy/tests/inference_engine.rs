@@ -1,8 +1,9 @@
 //! The inference front over the in-process engine with the real model
 //! (SmolLM2-135M-Instruct, fetched into the model cache on first use): the
 //! official `openai` client end to end, readiness after warm-up, engine
-//! metrics, cancellation freeing KV blocks, model sources, and a bad model
-//! file leaving the proxy up and not ready with the reason.
+//! metrics, cancellation freeing KV blocks, model sources, a bad model
+//! file leaving the proxy up and not ready with the reason, and the
+//! `device` setting.
 #![allow(clippy::unwrap_used)]
 
 mod common;
@@ -28,6 +29,27 @@ fn the_engine_serves_the_openai_api() {
     uf.wait_models_ready(Duration::from_secs(300));
     assert_eq!(uf.metric("ultrafast_engine_ready", &[]), 1.0);
     assert!(uf.metric("ultrafast_engine_startup_seconds", &["phase=\"warmup\""]) > 0.0);
+    // `device` defaults to auto, which takes the CPU (this build has no
+    // CUDA runner) and says so in /readyz, /v1/models and a metric.
+    let ready = get(uf.admin, "/readyz", &[]).text();
+    assert!(
+        ready.starts_with("ready\n") && ready.contains(&format!("model {MODEL}: device cpu (cpu/")),
+        "{ready}"
+    );
+    let m = uf.get(&format!("/v1/models/{MODEL}")).json();
+    assert_eq!(m["device"], "cpu", "{m}");
+    assert!(m["runner"].as_str().unwrap().starts_with("cpu/"), "{m}");
+    let listed = uf.get("/v1/models").json();
+    assert_eq!(listed["data"][0]["device"], "cpu", "{listed}");
+    assert_eq!(
+        uf.metric(
+            "ultrafast_engine_device_info",
+            &["device=\"cpu\"", "runner=\"cpu/"]
+        ),
+        1.0,
+        "{}",
+        uf.metrics()
+    );
     python_check("basics", &uf, MODEL);
     python_check("stop", &uf, MODEL);
     python_check("async", &uf, MODEL);
@@ -256,4 +278,69 @@ fn the_tls_example_serves_the_model_over_http1_and_h2() {
         &[],
     );
     assert_eq!(r.status, 301, "{}", r.text());
+}
+
+/// `device = "cuda"` where no GPU can run the model: the proxy stays up,
+/// `/readyz` and requests name the cause; `cpu` serves; a bad value is a
+/// config error naming the field.
+#[test]
+fn the_device_setting_is_chosen_or_refused_clearly() {
+    let uf = Ultrafast::start(&format!(
+        "{INFERENCE_ROUTE}[[routes]]\npath = \"/\"\nreturn = {{ status = 200, body = \"up\" }}\n\n{}",
+        engine_model(MODEL, "device = \"cuda\"")
+    ));
+    let why = "device \"cuda:0\"";
+    assert!(
+        eventually(Duration::from_secs(120), || get(uf.admin, "/readyz", &[])
+            .text()
+            .contains(why)),
+        "{}",
+        get(uf.admin, "/readyz", &[]).text()
+    );
+    let ready = get(uf.admin, "/readyz", &[]);
+    assert_eq!(ready.status, 503);
+    // Either no GPU at all, or one this build cannot run the model on.
+    let text = ready.text();
+    assert!(
+        text.contains("no usable GPU") || text.contains("has no CUDA runner"),
+        "{text}"
+    );
+    assert_eq!(uf.get("/").text(), "up", "the proxy serves");
+    let body = format!(r#"{{"model":"{MODEL}","messages":[{{"role":"user","content":"x"}}]}}"#);
+    let r = Client::connect(uf.addr)
+        .unwrap()
+        .request("POST", "/v1/chat/completions", &[], body.as_bytes())
+        .unwrap();
+    assert_eq!(r.status, 503);
+    assert!(
+        r.json()["error"]["message"].as_str().unwrap().contains(why),
+        "{}",
+        r.text()
+    );
+    assert!(!uf.stderr().contains("panicked"));
+
+    // A value that is no device: the reload fails naming file, line and
+    // field, and the old config keeps serving.
+    uf.write_config(&format!(
+        "{INFERENCE_ROUTE}[[routes]]\npath = \"/\"\nreturn = {{ status = 200, body = \"up\" }}\n\n{}",
+        engine_model(MODEL, "device = \"tpu\"")
+    ));
+    let r = uf.reload();
+    assert!(r.status >= 400, "{}", r.text());
+    let t = r.text();
+    assert!(t.contains("ultrafast.toml") && t.contains("device"), "{t}");
+    assert!(t.contains("cuda:N"), "{t}");
+    assert_eq!(uf.get("/").text(), "up");
+
+    // `cpu` serves.
+    uf.write_config(&format!(
+        "{INFERENCE_ROUTE}{}",
+        engine_model(MODEL, "device = \"cpu\"")
+    ));
+    let r = uf.reload();
+    assert_eq!(r.status, 200, "{}", r.text());
+    uf.wait_models_ready(Duration::from_secs(300));
+    assert!(get(uf.admin, "/readyz", &[])
+        .text()
+        .contains(&format!("model {MODEL}: device cpu")),);
 }

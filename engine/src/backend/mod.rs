@@ -40,10 +40,106 @@ impl KvDtype {
     }
 }
 
+/// Where a model runs: `[models.X] device`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Device {
+    /// A CUDA GPU when the driver and a device are there and the build can
+    /// run the model on it, else the CPU (the choice and its reason are
+    /// logged).
+    #[default]
+    Auto,
+    /// The CPU.
+    Cpu,
+    /// CUDA GPU `N` (`cuda` is GPU 0); no usable GPU is an error.
+    Cuda(usize),
+}
+
+impl Device {
+    /// `auto`, `cpu`, `cuda` or `cuda:N`.
+    pub fn parse(s: &str) -> Option<Device> {
+        match s {
+            "auto" => Some(Device::Auto),
+            "cpu" => Some(Device::Cpu),
+            "cuda" => Some(Device::Cuda(0)),
+            _ => s.strip_prefix("cuda:")?.parse().ok().map(Device::Cuda),
+        }
+    }
+}
+
+impl std::fmt::Display for Device {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Device::Auto => f.write_str("auto"),
+            Device::Cpu => f.write_str("cpu"),
+            Device::Cuda(n) => write!(f, "cuda:{n}"),
+        }
+    }
+}
+
+/// The device a model gets for `want`, or why it cannot have it. The CUDA
+/// runner is not built yet: a found GPU is named and passed over (`auto`)
+/// or refused (`cuda`), so nothing ever claims to run on a GPU it does not.
+pub fn choose_device(want: Device) -> Result<Device> {
+    choose_with(want, ultrafast_kernels::cuda::probe)
+}
+
+fn choose_with(
+    want: Device,
+    probe: impl FnOnce() -> std::result::Result<Vec<ultrafast_kernels::cuda::Gpu>, String>,
+) -> Result<Device> {
+    const NO_RUNNER: &str = "this build has no CUDA runner yet";
+    match want {
+        Device::Cpu => Ok(Device::Cpu),
+        Device::Auto => {
+            match probe() {
+                Ok(gpus) => log::info!(
+                    "engine: device auto chose cpu: found {} ({NO_RUNNER})",
+                    describe_gpus(&gpus)
+                ),
+                Err(why) => log::info!("engine: device auto chose cpu: {why}"),
+            }
+            Ok(Device::Cpu)
+        }
+        Device::Cuda(n) => {
+            let gpus = probe().map_err(|why| {
+                EngineError::Invalid(format!("device \"{want}\": no usable GPU: {why}"))
+            })?;
+            let Some(g) = gpus.get(n) else {
+                return Err(EngineError::Invalid(format!(
+                    "device \"{want}\": no GPU {n} (found {})",
+                    describe_gpus(&gpus)
+                )));
+            };
+            Err(EngineError::Invalid(format!(
+                "device \"{want}\": found {} (sm_{}{}), but {NO_RUNNER}; use device = \"cpu\" or \"auto\"",
+                g.name, g.capability.0, g.capability.1
+            )))
+        }
+    }
+}
+
+fn describe_gpus(gpus: &[ultrafast_kernels::cuda::Gpu]) -> String {
+    gpus.iter()
+        .map(|g| {
+            format!(
+                "cuda:{} {} (sm_{}{})",
+                g.index, g.name, g.capability.0, g.capability.1
+            )
+        })
+        .collect::<Vec<_>>()
+        .join(", ")
+}
+
 /// Runs scheduler steps on one device.
 pub trait ModelRunner: Send {
     /// Which device and kernels, for logs and metrics (`cpu/avx2`, ...).
     fn describe(&self) -> String;
+
+    /// The device it runs on (`cpu`, `cuda:0`), for `/readyz`,
+    /// `/v1/models` and metric labels.
+    fn device(&self) -> Device {
+        Device::Cpu
+    }
 
     /// Run one step: `logits` becomes each sequence's last-position logits
     /// (vocabulary wide, one after another; the buffer is reused from step
@@ -192,4 +288,59 @@ pub fn cpu_runner(
     };
     log::info!("engine: runner {}", runner.describe());
     Ok(runner)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use ultrafast_kernels::cuda::Gpu;
+
+    fn h200() -> std::result::Result<Vec<Gpu>, String> {
+        Ok(vec![Gpu {
+            index: 0,
+            name: "NVIDIA H200".into(),
+            capability: (9, 0),
+        }])
+    }
+
+    #[test]
+    fn devices_parse_and_print() {
+        for (s, d) in [
+            ("auto", Device::Auto),
+            ("cpu", Device::Cpu),
+            ("cuda", Device::Cuda(0)),
+            ("cuda:3", Device::Cuda(3)),
+        ] {
+            assert_eq!(Device::parse(s), Some(d));
+        }
+        for bad in ["", "gpu", "cuda:", "cuda:x", "cuda:-1", "CPU"] {
+            assert_eq!(Device::parse(bad), None, "{bad}");
+        }
+        assert_eq!(Device::Cuda(1).to_string(), "cuda:1");
+    }
+
+    #[test]
+    fn auto_takes_the_cpu_and_cuda_says_why_it_cannot_run() {
+        let none = || Err("no CUDA driver (libcuda.so.1 not found)".to_string());
+        assert_eq!(choose_with(Device::Auto, none).ok(), Some(Device::Cpu));
+        assert_eq!(choose_with(Device::Auto, h200).ok(), Some(Device::Cpu));
+        assert_eq!(choose_with(Device::Cpu, h200).ok(), Some(Device::Cpu));
+        let e = choose_with(Device::Cuda(0), none).unwrap_err().to_string();
+        assert!(
+            e.contains("device \"cuda:0\": no usable GPU: no CUDA driver"),
+            "{e}"
+        );
+        let e = choose_with(Device::Cuda(2), h200).unwrap_err().to_string();
+        assert!(
+            e.contains("no GPU 2 (found cuda:0 NVIDIA H200 (sm_90))"),
+            "{e}"
+        );
+        let e = choose_with(Device::Cuda(0), h200).unwrap_err().to_string();
+        assert!(
+            e.contains("NVIDIA H200 (sm_90), but this build has no CUDA runner"),
+            "{e}"
+        );
+        // The real probe: whatever this machine has, `auto` never fails.
+        assert_eq!(choose_device(Device::Auto).ok(), Some(Device::Cpu));
+    }
 }

@@ -57,6 +57,8 @@ pub struct EngineConfig {
     pub aging_ms_per_token: u64,
     /// Precision of the KV cache.
     pub kv_dtype: backend::KvDtype,
+    /// Where the model runs.
+    pub device: backend::Device,
 }
 
 impl Default for EngineConfig {
@@ -68,6 +70,7 @@ impl Default for EngineConfig {
             max_batched_tokens: 512,
             aging_ms_per_token: 10,
             kv_dtype: backend::KvDtype::default(),
+            device: backend::Device::default(),
         }
     }
 }
@@ -141,6 +144,8 @@ pub struct Engine {
     cost: Arc<cost::SharedCost>,
     cfg: EngineConfig,
     arrivals: Arc<Arrivals>,
+    device: backend::Device,
+    runner_desc: String,
 }
 
 impl Engine {
@@ -159,6 +164,7 @@ impl Engine {
         let (tx, rx) = channel();
         let stats = Arc::new(EngineStats::default());
         let shared_cost = Arc::new(cost::SharedCost::default());
+        backend::choose_device(cfg.device)?;
         // Built here, so its threads take this thread's priority before
         // lowering their own.
         let runner = backend::cpu_runner(
@@ -168,6 +174,7 @@ impl Engine {
             cfg.kv_dtype,
             threads::lower_this_thread,
         )?;
+        let (device, runner_desc) = (runner.device(), runner.describe());
         let arrivals: Arc<Arrivals> = Arc::new(Default::default());
         let worker = Worker {
             arrivals: arrivals.clone(),
@@ -202,7 +209,19 @@ impl Engine {
             cost: shared_cost,
             cfg,
             arrivals,
+            device,
+            runner_desc,
         })
+    }
+
+    /// The device the model runs on.
+    pub fn device(&self) -> backend::Device {
+        self.device
+    }
+
+    /// The runner's description (`cpu/avx2 x2 kv F16`).
+    pub fn runner(&self) -> &str {
+        &self.runner_desc
     }
 
     /// The sizing it runs with.

@@ -79,6 +79,18 @@ impl Readiness {
         self.ready.load(Ordering::Acquire)
     }
 
+    /// What `/readyz` says when ready: `ready`, then a line per
+    /// in-process model naming its device and runner.
+    pub fn ready_text(&self) -> String {
+        let mut out = String::from("ready\n");
+        if let Some(front) = self.front.lock().clone() {
+            for (m, d, r) in front.engines.devices() {
+                out.push_str(&format!("model {m}: device {d} ({r})\n"));
+            }
+        }
+        out
+    }
+
     /// Why not ready (empty when ready).
     pub fn reason(&self) -> String {
         if let Some(why) = self.models_not_ready() {
@@ -301,7 +313,9 @@ impl ServeHttp for AdminApp {
                 reply(200, "text/plain; version=0.0.4", self.metrics.render())
             }
             "/healthz" => reply(200, "text/plain", b"ok\n".to_vec()),
-            "/readyz" if self.readiness.is_ready() => reply(200, "text/plain", b"ready\n".to_vec()),
+            "/readyz" if self.readiness.is_ready() => {
+                reply(200, "text/plain", self.readiness.ready_text().into_bytes())
+            }
             "/readyz" => reply(
                 503,
                 "text/plain",

@@ -120,6 +120,9 @@ pub struct ModelSection {
     pub block_size: usize,
     /// Engine: KV cache precision, `f16` (default) or `f32`.
     pub kv_cache: String,
+    /// Engine: where it runs, `auto` (default: a CUDA GPU when one can
+    /// run it, else the CPU), `cpu`, `cuda` or `cuda:N`.
+    pub device: String,
     /// Engine: sequences per step at most.
     pub max_num_seqs: usize,
     /// Engine: tokens per step at most (decodes plus prefill chunks).
@@ -237,6 +240,7 @@ impl Default for ModelSection {
             kv_blocks: 512,
             block_size: 16,
             kv_cache: "f16".into(),
+            device: "auto".into(),
             max_num_seqs: 16,
             max_batched_tokens: 24,
             warmup_prompt_lens: vec![16, 128],

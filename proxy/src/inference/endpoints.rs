@@ -41,8 +41,15 @@ impl Reply {
     }
 }
 
-fn model_json(id: &str) -> Value {
-    json!({"id": id, "object": "model", "created": 0, "owned_by": "ultrafast"})
+/// A model object; in-process models that are serving add where they
+/// run (`device`, `runner`: fields the OpenAI clients ignore).
+fn model_json(id: &str, device: Option<&(String, String, String)>) -> Value {
+    let mut v = json!({"id": id, "object": "model", "created": 0, "owned_by": "ultrafast"});
+    if let Some((_, d, r)) = device {
+        v["device"] = json!(d);
+        v["runner"] = json!(r);
+    }
+    v
 }
 
 fn no_job(id: &str) -> BackendError {
@@ -91,12 +98,13 @@ impl Front {
 
     /// `GET /v1/models` (the models this caller may use).
     pub fn models(&self, inc: &Incoming) -> Reply {
+        let devices = self.engines.devices();
         let data: Vec<Value> = inc
             .cfg
             .models
             .keys()
             .filter(|m| self.allowed(inc, m).is_ok())
-            .map(|m| model_json(m))
+            .map(|m| model_json(m, devices.iter().find(|d| &d.0 == m)))
             .collect();
         Reply::ok(json!({"object": "list", "data": data}))
     }
@@ -104,7 +112,10 @@ impl Front {
     /// `GET /v1/models/{id}`.
     pub fn model(&self, inc: &Incoming, id: &str) -> Reply {
         match inc.cfg.models.get(id) {
-            Some(_) if self.allowed(inc, id).is_ok() => Reply::ok(model_json(id)),
+            Some(_) if self.allowed(inc, id).is_ok() => {
+                let devices = self.engines.devices();
+                Reply::ok(model_json(id, devices.iter().find(|d| d.0 == id)))
+            }
             _ => Reply::error(&super::pipeline::not_found_model(id)),
         }
     }

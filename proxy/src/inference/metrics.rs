@@ -70,6 +70,10 @@ pub struct InferenceMetrics {
     engine_queue: IntGaugeVec,
     startup: GaugeVec,
     ready: IntGaugeVec,
+    /// 1 per engine, labelled with where it runs.
+    device: IntGaugeVec,
+    /// The labels of each model's `device` series.
+    device_labels: Mutex<std::collections::HashMap<String, (String, String)>>,
     /// The same engine figures under vLLM's names.
     pub vllm: super::vllm::VllmMetrics,
     engines: Mutex<Vec<Watched>>,
@@ -256,11 +260,17 @@ impl InferenceMetrics {
                 "Model start-up time by phase (load includes fetch, warmup).",
                 &["model", "phase"],
             ),
+            device: igv(
+                "ultrafast_engine_device_info",
+                "An in-process model's device (auto resolved: cpu, cuda:N) and runner (kernels, threads, KV precision); always 1",
+                &["model", "device", "runner"],
+            ),
             ready: igv(
                 "ultrafast_engine_ready",
                 "1 when the model is loaded and warmed up.",
                 &["model"],
             ),
+            device_labels: Mutex::new(Default::default()),
             vllm: super::vllm::VllmMetrics::new(r),
             engines: Mutex::new(Vec::new()),
         }
@@ -297,7 +307,17 @@ impl InferenceMetrics {
     pub fn unwatch(&self, name: &str) {
         self.engines.lock().retain(|(_, n, _, _)| n != name);
         let _ = self.ready.remove_label_values(&[name]);
+        self.forget_device(name);
         self.vllm.remove(name);
+    }
+
+    /// Drop the device series of `model` (a reload may change it).
+    fn forget_device(&self, model: &str) {
+        if let Some((d, r)) = self.device_labels.lock().remove(model) {
+            let _ = self
+                .device
+                .remove_label_values(&[model, d.as_str(), r.as_str()]);
+        }
     }
 
     /// Read engine counters into the gauges (called on scrape).
@@ -319,6 +339,15 @@ impl InferenceMetrics {
                     .set(d.as_secs_f64());
             }
             let Some(e) = svc.engine() else { continue };
+            let device = e.device().to_string();
+            let now = (device, e.runner().to_string());
+            if self.device_labels.lock().get(name) != Some(&now) {
+                self.forget_device(name);
+                self.device
+                    .with_label_values(&[name, now.0.as_str(), now.1.as_str()])
+                    .set(1);
+                self.device_labels.lock().insert(name.to_string(), now);
+            }
             let p = e.pool_stats();
             self.kv_blocks
                 .with_label_values(&[name, "used"])

@@ -66,6 +66,22 @@ impl Engines {
         self.0.load().get(name).cloned()
     }
 
+    /// Ready in-process models with their device and runner (for
+    /// `/readyz` and `/v1/models`).
+    pub fn devices(&self) -> Vec<(String, String, String)> {
+        let mut out: Vec<_> = self
+            .0
+            .load()
+            .iter()
+            .filter_map(|(n, s)| {
+                let (d, r) = s.device()?;
+                Some((n.clone(), d, r))
+            })
+            .collect();
+        out.sort();
+        out
+    }
+
     /// Models that are not ready, with the reason (for `/readyz`).
     pub fn not_ready(&self) -> Vec<(String, String)> {
         let mut out: Vec<(String, String)> = self

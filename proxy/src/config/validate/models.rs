@@ -8,7 +8,7 @@ use crate::inference::upstream::{
     HedgeAfter, HedgeSpec, PriorityField, UpstreamBackend, UpstreamSpec,
 };
 use crate::inference::{Model, ModelBackend};
-use ultrafast_engine::backend::KvDtype;
+use ultrafast_engine::backend::{Device, KvDtype};
 use ultrafast_engine::fetch::Source;
 use ultrafast_engine::scheduler::EngineConfig;
 use ultrafast_engine::service::ServiceSpec;
@@ -108,6 +108,13 @@ fn engine_spec(
         errs.push(at.k("kv_cache"), "must be \"f16\" or \"f32\"");
         KvDtype::default()
     });
+    let device = Device::parse(&m.device).unwrap_or_else(|| {
+        errs.push(
+            at.k("device"),
+            "must be \"auto\", \"cpu\", \"cuda\" or \"cuda:N\"",
+        );
+        Device::default()
+    });
     if m.max_batched_tokens < m.max_num_seqs {
         errs.push(at.k("max_batched_tokens"), "must be at least max_num_seqs");
     }
@@ -121,6 +128,7 @@ fn engine_spec(
             max_num_seqs: m.max_num_seqs.max(1),
             max_batched_tokens: m.max_batched_tokens.max(1),
             kv_dtype,
+            device,
             ..EngineConfig::default()
         },
         warmup: m.warmup_prompt_lens.clone(),
