@@ -46,18 +46,13 @@ impl Rng {
 pub struct Sampler {
     params: SamplingParams,
     rng: Rng,
-    scratch: Vec<(f32, u32)>,
 }
 
 /// Index of the largest logit (the first on ties).
 pub fn argmax(logits: &[f32]) -> u32 {
-    let mut best = 0;
-    for (i, v) in logits.iter().enumerate() {
-        if *v > logits[best] {
-            best = i;
-        }
-    }
-    best as u32
+    // Two passes that vectorize beat one with a dependent compare.
+    let max = ops::max(logits);
+    logits.iter().position(|v| *v == max).unwrap_or(0) as u32
 }
 
 impl Sampler {
@@ -72,108 +67,233 @@ impl Sampler {
         Sampler {
             params,
             rng: Rng(seed),
-            scratch: Vec::new(),
         }
     }
 
     /// Pick the next token from `logits`. Nothing sorts the vocabulary:
-    /// temperature alone draws from the weights in index order (one pass);
-    /// top-k selects its k (`select_nth_unstable`) and sorts only those;
-    /// top-p selects a growing head (64, then 8 times more) until it holds
-    /// `top_p` of the mass, and sorts only that head.
+    /// the weights come from one vectorized `exp` pass; temperature alone
+    /// draws from them in index order; top-k selects its k
+    /// (`select_nth_unstable`) and sorts only those; top-p alone finds the
+    /// nucleus through a histogram of log-weights (every token above the
+    /// bin where the mass reaches `top_p` is in; only that bin's tokens
+    /// are sorted, to cut it exactly).
     pub fn sample(&mut self, logits: &[f32]) -> u32 {
         let p = &self.params;
         if p.temperature <= 0.0 || p.top_k == 1 || logits.is_empty() {
             return argmax(logits);
         }
         let inv_t = 1.0 / p.temperature;
-        let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+        let max = ops::max(logits);
         // A temperature so small that 1/t overflows is greedy.
         if !max.is_finite() || !inv_t.is_finite() || inv_t > 1e6 {
             return argmax(logits);
         }
         let n = logits.len();
-        let weight = |l: f32| ((l - max) * inv_t).exp();
         let top_k = match p.top_k {
             0 => n,
             k => k.min(n),
         };
-        if top_k == n && p.top_p >= 1.0 {
-            let total: f64 = logits.iter().map(|l| weight(*l) as f64).sum();
-            let mut r = self.rng.next_f64() * total;
-            let mut last = 0;
-            for (i, l) in logits.iter().enumerate() {
-                let w = weight(*l) as f64;
-                if w > 0.0 {
-                    last = i;
-                }
-                r -= w;
-                if r <= 0.0 && w > 0.0 {
-                    return i as u32;
-                }
+        let (top_p, u) = (p.top_p, self.rng.next_f64());
+        SCRATCH.with(|s| {
+            let s = &mut *s.borrow_mut();
+            s.weights(logits, max, inv_t);
+            if top_k < n {
+                s.top_k(top_k, top_p, u)
+            } else if top_p < 1.0 {
+                s.nucleus(logits, max, inv_t, top_p, u)
+            } else {
+                ops::block_sums(&s.w, &mut s.sums);
+                let mut r = u * s.sums.iter().sum::<f64>();
+                s.pick(&mut r).unwrap_or_else(|| s.last_weighted())
             }
-            return last as u32;
-        }
-        self.scratch.clear();
-        self.scratch.extend(
-            logits
-                .iter()
-                .enumerate()
-                .map(|(i, l)| (weight(*l), i as u32)),
-        );
-        let desc = |a: &(f32, u32), b: &(f32, u32)| b.0.total_cmp(&a.0);
-        // The mass top-p is measured against: all of it, or the top k's.
-        let mut total: f64;
-        if top_k < n {
-            self.scratch.select_nth_unstable_by(top_k - 1, desc);
-            self.scratch.truncate(top_k);
-            self.scratch.sort_unstable_by(desc);
-            total = self.scratch.iter().map(|e| e.0 as f64).sum();
-        } else {
-            total = self.scratch.iter().map(|e| e.0 as f64).sum();
-            let mut head = 64.min(n);
-            loop {
-                if head < n {
-                    self.scratch.select_nth_unstable_by(head - 1, desc);
-                }
-                self.scratch[..head].sort_unstable_by(desc);
-                let mass: f64 = self.scratch[..head].iter().map(|e| e.0 as f64).sum();
-                if head == n || mass >= p.top_p as f64 * total {
-                    self.scratch.truncate(head);
-                    break;
-                }
-                head = (head * 8).min(n);
-            }
-        }
-        if p.top_p < 1.0 {
-            let want = p.top_p as f64 * total;
-            let mut cum = 0.0f64;
-            let mut cut = self.scratch.len();
-            for (i, e) in self.scratch.iter().enumerate() {
-                cum += e.0 as f64;
-                if cum >= want {
-                    cut = i + 1;
-                    break;
-                }
-            }
-            self.scratch.truncate(cut.max(1));
-            total = self.scratch.iter().map(|e| e.0 as f64).sum();
-        }
-        let mut r = self.rng.next_f64() * total;
-        let mut last = self.scratch[0].1;
-        for e in &self.scratch {
-            if e.0 > 0.0 {
-                last = e.1;
-            }
-            r -= e.0 as f64;
-            if r <= 0.0 && e.0 > 0.0 {
-                return e.1;
-            }
-        }
-        // Rounding left some of `r`: the last token of any weight (never
-        // a masked one).
-        last
+        })
     }
+}
+
+use crate::backend::cpu::ops;
+
+/// Log-weight bins per unit (e-fold) of the nucleus histogram.
+const BINS_PER_UNIT: f32 = 32.0;
+/// Bins in all: the last holds every weight below e^-64 of the largest.
+const BINS: usize = 2048;
+
+thread_local! {
+    /// The sampling buffers of this thread (the engine thread samples every
+    /// sequence of a step, one after another).
+    static SCRATCH: std::cell::RefCell<Scratch> = std::cell::RefCell::new(Scratch::default());
+}
+
+/// Buffers reused across calls, so a sampled token allocates nothing.
+#[derive(Default)]
+struct Scratch {
+    /// Weight of each token, `e^((logit - max) / t)`; 0 for masked ones.
+    w: Vec<f32>,
+    /// Histogram bin of each token (top-p).
+    bin: Vec<u16>,
+    /// Mass of each bin (top-p).
+    mass: Vec<f64>,
+    /// Candidates as (weight, token).
+    pairs: Vec<(f32, u32)>,
+    /// Sums of `w` by blocks of `ops::SUM_BLOCK`.
+    sums: Vec<f64>,
+}
+
+impl Scratch {
+    fn weights(&mut self, logits: &[f32], max: f32, inv_t: f32) {
+        self.w.resize(logits.len(), 0.0);
+        ops::scaled_exp(logits, max, inv_t, &mut self.w);
+    }
+
+    /// Top-k (then top-p within it): select k, sort those, cut, draw.
+    fn top_k(&mut self, k: usize, top_p: f32, u: f64) -> u32 {
+        self.pairs.clear();
+        let w = &self.w;
+        self.pairs
+            .extend(w.iter().enumerate().map(|(i, w)| (*w, i as u32)));
+        let desc = |a: &(f32, u32), b: &(f32, u32)| b.0.total_cmp(&a.0);
+        self.pairs.select_nth_unstable_by(k - 1, desc);
+        self.pairs.truncate(k);
+        self.pairs.sort_unstable_by(desc);
+        let mut total: f64 = self.pairs.iter().map(|e| e.0 as f64).sum();
+        if top_p < 1.0 {
+            let cut = cut_at(&self.pairs, top_p as f64 * total, 0.0);
+            self.pairs.truncate(cut);
+            total = self.pairs.iter().map(|e| e.0 as f64).sum();
+        }
+        draw(self.pairs.iter().copied(), u * total)
+    }
+
+    /// Top-p alone. Bins follow the log-weight, so every token of a bin
+    /// weighs at least as much as every token of a later bin: the nucleus
+    /// is all bins before the one where the mass reaches `top_p`, plus the
+    /// heaviest of that bin's tokens until it does.
+    fn nucleus(&mut self, logits: &[f32], max: f32, inv_t: f32, top_p: f32, u: f64) -> u32 {
+        self.bin.resize(logits.len(), 0);
+        self.mass.clear();
+        // Four interleaved histograms, so that runs of tokens in one bin
+        // (most of the tail) do not wait on each other's additions.
+        self.mass.resize(4 * BINS, 0.0);
+        // NaN and -inf land in the last bin, weighing 0.
+        ops::log_bins(
+            logits,
+            max,
+            inv_t * BINS_PER_UNIT,
+            (BINS - 1) as u16,
+            &mut self.bin,
+        );
+        for (i, (b, w)) in self.bin.iter().zip(&self.w).enumerate() {
+            self.mass[(i & 3) * BINS + *b as usize] += *w as f64;
+        }
+        for b in 0..BINS {
+            self.mass[b] += self.mass[BINS + b] + self.mass[2 * BINS + b] + self.mass[3 * BINS + b];
+        }
+        self.mass.truncate(BINS);
+        // Summed in the order the walk below adds, so the walk reaches it.
+        let total: f64 = self.mass.iter().sum();
+        let want = top_p as f64 * total;
+        let (mut before, mut edge) = (0.0f64, BINS - 1);
+        for (b, m) in self.mass.iter().enumerate() {
+            if before + m >= want {
+                edge = b;
+                break;
+            }
+            before += m;
+        }
+        self.pairs.clear();
+        self.pairs.extend(
+            self.bin
+                .iter()
+                .zip(&self.w)
+                .enumerate()
+                .filter(|(_, (b, _))| **b as usize == edge)
+                .map(|(i, (_, w))| (*w, i as u32)),
+        );
+        self.pairs.sort_unstable_by(|a, b| b.0.total_cmp(&a.0));
+        let cut = cut_at(&self.pairs, want, before);
+        self.pairs.truncate(cut);
+        let inside: f64 = before + self.pairs.iter().map(|e| e.0 as f64).sum::<f64>();
+        // The bins before the edge, in index order, then the edge's kept
+        // tokens (the rest weigh nothing from here on).
+        ops::keep_below(&mut self.w, &self.bin, edge as u16);
+        ops::block_sums(&self.w, &mut self.sums);
+        let mut r = u * inside;
+        if let Some(t) = self.pick(&mut r) {
+            return t;
+        }
+        let mut last = None;
+        walk(self.pairs.iter().copied(), &mut r, &mut last)
+            .or(last)
+            .unwrap_or_else(|| self.last_weighted())
+    }
+
+    /// The token where `r` runs out, walking `w` in index order: whole
+    /// blocks by their sums (`sums`), then one block token by token. None
+    /// when rounding leaves some of `r` (taken off by then).
+    fn pick(&self, r: &mut f64) -> Option<u32> {
+        for (b, s) in self.sums.iter().enumerate() {
+            if *r - s > 0.0 {
+                *r -= s;
+                continue;
+            }
+            let start = b * ops::SUM_BLOCK;
+            let end = (start + ops::SUM_BLOCK).min(self.w.len());
+            for (i, w) in self.w[start..end].iter().enumerate() {
+                if *w > 0.0 {
+                    *r -= *w as f64;
+                    if *r <= 0.0 {
+                        return Some((start + i) as u32);
+                    }
+                }
+            }
+        }
+        None
+    }
+
+    /// The last token of any weight (never a masked one): where rounding
+    /// left some of the draw.
+    fn last_weighted(&self) -> u32 {
+        self.w.iter().rposition(|w| *w > 0.0).unwrap_or(0) as u32
+    }
+}
+
+/// How many of `sorted` (heaviest first) to keep so that `before` plus
+/// their mass reaches `want`: at least one.
+fn cut_at(sorted: &[(f32, u32)], want: f64, before: f64) -> usize {
+    let mut cum = before;
+    for (i, e) in sorted.iter().enumerate() {
+        cum += e.0 as f64;
+        if cum >= want {
+            return i + 1;
+        }
+    }
+    sorted.len().max(1)
+}
+
+/// The candidate where `r` runs out, walking `(weight, token)` in order;
+/// rounding that leaves some of `r` picks the last token of any weight
+/// (never a masked one).
+fn draw(cands: impl Iterator<Item = (f32, u32)>, mut r: f64) -> u32 {
+    let mut last = None;
+    walk(cands, &mut r, &mut last).or(last).unwrap_or(0)
+}
+
+/// Takes each candidate's weight off `r`; the token where it runs out, if
+/// it does. `last` keeps the last token of any weight seen.
+fn walk(
+    cands: impl Iterator<Item = (f32, u32)>,
+    r: &mut f64,
+    last: &mut Option<u32>,
+) -> Option<u32> {
+    for (w, t) in cands {
+        if w > 0.0 {
+            *last = Some(t);
+            *r -= w as f64;
+            if *r <= 0.0 {
+                return Some(t);
+            }
+        }
+    }
+    None
 }
 
 /// Finds stop sequences in streamed text.
@@ -390,6 +510,31 @@ mod tests {
             ..Default::default()
         });
         assert!((0..500).all(|_| s.sample(&m) < 10));
+    }
+
+    #[test]
+    fn top_p_cuts_inside_a_histogram_bin_exactly() {
+        // The first four tokens share the first log-weight bin; with these
+        // weights the nucleus of 0.45 is tokens 0 and 1 only.
+        let mut l = vec![5.0f32, 4.999, 4.998, 4.997];
+        l.extend(std::iter::repeat_n(-20.0f32, 1000));
+        l.push(f32::NAN);
+        let probs = softmax(&l[..l.len() - 1], 1.0);
+        assert!(probs[0] + probs[1] >= 0.45 && probs[0] < 0.45);
+        let mut s = Sampler::new(SamplingParams {
+            temperature: 1.0,
+            top_p: 0.45,
+            seed: Some(11),
+            ..Default::default()
+        });
+        let mut seen = [0usize; 2];
+        for _ in 0..2_000 {
+            let t = s.sample(&l) as usize;
+            assert!(t < 2, "{t} is outside the nucleus {{0, 1}}");
+            seen[t] += 1;
+        }
+        // Renormalized inside the nucleus: about half each.
+        assert!(seen.iter().all(|n| (800..1200).contains(n)), "{seen:?}");
     }
 
     #[test]

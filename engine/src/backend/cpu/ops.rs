@@ -116,21 +116,103 @@ multiversion! {
     }
 }
 
+multiversion! {
+    /// `out = e^((x - sub) * mul)` for sampling's weights; NaN gives 0.
+    pub fn scaled_exp(xs: &[f32], sub: f32, mul: f32, out: &mut [f32]) {
+        for (o, x) in out.iter_mut().zip(xs) {
+            *o = (x - sub) * mul;
+        }
+        exp_body(out);
+        for o in out.iter_mut() {
+            if o.is_nan() {
+                *o = 0.0;
+            }
+        }
+    }
+}
+
+multiversion! {
+    /// The largest value, NaN ignored (`-inf` for none), in 16 lanes so it
+    /// vectorizes.
+    pub fn max(xs: &[f32]) -> f32 {
+        let mut acc = [f32::NEG_INFINITY; 16];
+        let mut chunks = xs.chunks_exact(16);
+        for c in &mut chunks {
+            for j in 0..16 {
+                acc[j] = acc[j].max(c[j]);
+            }
+        }
+        let tail = chunks.remainder().iter().copied().fold(f32::NEG_INFINITY, f32::max);
+        acc.iter().copied().fold(tail, f32::max)
+    }
+}
+
+/// Values per sum of `block_sums`.
+pub const SUM_BLOCK: usize = 64;
+
+multiversion! {
+    /// `out[b]` = the `f64` sum of `xs[b * SUM_BLOCK..][..SUM_BLOCK]`, so
+    /// that a walk through the cumulative weights skips whole blocks.
+    pub fn block_sums(xs: &[f32], out: &mut Vec<f64>) {
+        out.clear();
+        for c in xs.chunks(SUM_BLOCK) {
+            let mut acc = [0.0f64; 8];
+            let mut lanes = c.chunks_exact(8);
+            for l in &mut lanes {
+                for j in 0..8 {
+                    acc[j] += l[j] as f64;
+                }
+            }
+            let tail: f64 = lanes.remainder().iter().map(|x| *x as f64).sum();
+            out.push(acc.iter().sum::<f64>() + tail);
+        }
+    }
+}
+
+multiversion! {
+    /// Zeroes `w[i]` unless `bin[i] < edge` (a select, not a branch).
+    pub fn keep_below(w: &mut [f32], bin: &[u16], edge: u16) {
+        for (w, b) in w.iter_mut().zip(bin) {
+            *w = if *b < edge { *w } else { 0.0 };
+        }
+    }
+}
+
+multiversion! {
+    /// `out[i]` = `floor((max - xs[i]) * scale)`, at most `last` (NaN and
+    /// `-inf` give `last`): sampling's histogram bins of log-weights.
+    pub fn log_bins(xs: &[f32], max: f32, scale: f32, last: u16, out: &mut [u16]) {
+        // Integer bits through the 2^23 shift, as in `exp_body`.
+        const SHIFT: f32 = 8_388_608.0;
+        let top = last as f32;
+        for (o, x) in out.iter_mut().zip(xs) {
+            let f = ((max - x) * scale).min(top).floor() + SHIFT;
+            *o = f.to_bits().wrapping_sub(SHIFT.to_bits()) as u16;
+        }
+    }
+}
+
 /// `exp`'s loop, for inlining into a caller's own vector code.
 #[inline(always)]
 pub fn exp_body(xs: &mut [f32]) {
     const LN2_HI: f32 = 0.693_359_4;
     const LN2_LO: f32 = -2.121_944_4e-4;
+    const SHIFT: f32 = 12_582_912.0;
     for v in xs.iter_mut() {
         let x = v.clamp(-87.0, 88.0);
-        let n = (x * std::f32::consts::LOG2_E).round();
+        // Rounding by adding 1.5 * 2^23: the sum's low mantissa bits hold
+        // n as an integer, which vectorizes where `as i32` (saturating)
+        // does not.
+        let t = x * std::f32::consts::LOG2_E + SHIFT;
+        let n = t - SHIFT;
         let r = x - n * LN2_HI - n * LN2_LO;
         let p = 1.0
             + r * (1.0
                 + r * (0.5
                     + r * (0.166_666_67
                         + r * (0.041_666_5 + r * (0.008_333_5 + r * 0.001_388_9)))));
-        let scale = f32::from_bits(((n as i32 + 127) as u32) << 23);
+        let scale =
+            f32::from_bits(t.to_bits().wrapping_sub(SHIFT.to_bits()).wrapping_add(127) << 23);
         *v = if *v < -87.0 { 0.0 } else { p * scale };
     }
 }
