@@ -1,0 +1,126 @@
+// Decode GEMV straight from GGUF blocks, dequantized in registers:
+// y[t * rows + r] (+)= sum_k W[r][k] * x[t * cols + k] for t < tokens
+// (at most GEMV_TOKENS per launch). One warp per row, lanes over the row's
+// blocks, a warp sum at the end. `acc` != 0 adds to y (the residual add
+// fused into the epilogue).
+
+// Q4_1: 20 bytes per 32 weights: half d, half m, 16 bytes of nibbles
+// (low nibbles are weights 0..15, high nibbles 16..31); w = d * q + m.
+__device__ __forceinline__ void q4_1_block(const u8* b, float* w) {
+    float d = h2f(ld16(b)), m = h2f(ld16(b + 2));
+#pragma unroll
+    for (int j = 0; j < 16; j++) {
+        u8 q = b[4 + j];
+        w[j] = d * (float)(q & 15) + m;
+        w[j + 16] = d * (float)(q >> 4) + m;
+    }
+}
+
+// Q8_0: 34 bytes per 32 weights: half d, 32 signed bytes; w = d * q.
+__device__ __forceinline__ void q8_0_block(const u8* b, float* w) {
+    float d = h2f(ld16(b));
+#pragma unroll
+    for (int j = 0; j < 32; j++) w[j] = d * (float)(i8)b[2 + j];
+}
+
+// The loop every format shares: lane `l` takes blocks l, l + 32, ...,
+// each of `per` weights, dequantized by `deq` into 32-weight pieces.
+#define GEMV_BODY(BYTES, PER, DEQ)                                                  \
+    int row = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;                   \
+    int lane = threadIdx.x & 31;                                                    \
+    if (row >= rows) return;                                                        \
+    int nb = cols / (PER);                                                          \
+    const u8* wr = w + (size_t)row * nb * (BYTES);                                  \
+    float s[GEMV_TOKENS];                                                           \
+    _Pragma("unroll") for (int t = 0; t < GEMV_TOKENS; t++) s[t] = 0.f;             \
+    for (int b = lane; b < nb; b += 32) {                                           \
+        for (int piece = 0; piece < (PER) / 32; piece++) {                          \
+            float v[32];                                                            \
+            DEQ(wr + (size_t)b * (BYTES), piece, v);                                \
+            int k0 = b * (PER) + piece * 32;                                        \
+            _Pragma("unroll") for (int t = 0; t < GEMV_TOKENS; t++) {               \
+                if (t < tokens) {                                                   \
+                    const float* xt = x + (size_t)t * cols + k0;                    \
+                    float a = 0.f;                                                  \
+                    _Pragma("unroll") for (int j = 0; j < 32; j++) a += v[j] * xt[j]; \
+                    s[t] += a;                                                      \
+                }                                                                   \
+            }                                                                       \
+        }                                                                           \
+    }                                                                               \
+    _Pragma("unroll") for (int t = 0; t < GEMV_TOKENS; t++) {                       \
+        if (t < tokens) {                                                           \
+            float r = warp_sum(s[t]);                                               \
+            if (lane == 0) {                                                        \
+                float* o = y + (size_t)t * rows + row;                              \
+                *o = acc ? *o + r : r;                                              \
+            }                                                                       \
+        }                                                                           \
+    }
+
+#define DEQ_Q4_1(b, piece, v) q4_1_block(b, v)
+#define DEQ_Q8_0(b, piece, v) q8_0_block(b, v)
+
+// Q4_K: 144 bytes per 256 weights: half d, half dmin, 12 bytes of 6-bit
+// scales and mins for 8 sub-blocks of 32, 128 bytes of nibbles (64 weights
+// per 32 bytes: low nibbles first, then high).
+__device__ __forceinline__ void scale_min_k4(int j, const u8* q, float* sc, float* mn) {
+    if (j < 4) {
+        *sc = (float)(q[j] & 63);
+        *mn = (float)(q[j + 4] & 63);
+    } else {
+        *sc = (float)((q[j + 4] & 15) | ((q[j - 4] >> 6) << 4));
+        *mn = (float)((q[j + 4] >> 4) | ((q[j] >> 6) << 4));
+    }
+}
+
+__device__ __forceinline__ void q4_k_piece(const u8* b, int piece, float* w) {
+    float d = h2f(ld16(b)), dmin = h2f(ld16(b + 2));
+    float sc, mn;
+    scale_min_k4(piece, b + 4, &sc, &mn);
+    const u8* q = b + 16 + (piece / 2) * 32;
+    int hi = piece & 1;
+#pragma unroll
+    for (int j = 0; j < 32; j++) {
+        int n = hi ? (q[j] >> 4) : (q[j] & 15);
+        w[j] = d * sc * (float)n - dmin * mn;
+    }
+}
+
+// Q6_K: 210 bytes per 256 weights: 128 bytes of low nibbles, 64 bytes of
+// high 2-bit pairs, 16 signed 8-bit scales (one per 16 weights), half d.
+__device__ __forceinline__ void q6_k_piece(const u8* b, int piece, float* w) {
+    const u8* ql = b + (piece / 4) * 64;
+    const u8* qh = b + 128 + (piece / 4) * 32;
+    const i8* sc = (const i8*)(b + 192) + (piece / 4) * 8;
+    float d = h2f(ld16(b + 208));
+    int quarter = piece & 3;
+#pragma unroll
+    for (int l = 0; l < 32; l++) {
+        int low = (quarter & 1) ? ql[l + 32] : ql[l];
+        low = (quarter & 2) ? (low >> 4) : (low & 15);
+        int high = (qh[l] >> (2 * quarter)) & 3;
+        int q = (low | (high << 4)) - 32;
+        w[l] = d * (float)sc[l / 16 + 2 * quarter] * (float)q;
+    }
+}
+
+extern "C" __global__ void gemv_q4_1(const u8* w, const float* x, float* y, int rows, int cols,
+                                     int tokens, int acc) {
+    GEMV_BODY(20, 32, DEQ_Q4_1)
+}
+
+extern "C" __global__ void gemv_q8_0(const u8* w, const float* x, float* y, int rows, int cols,
+                                     int tokens, int acc) {
+    GEMV_BODY(34, 32, DEQ_Q8_0)
+}
+
+extern "C" __global__ void gemv_q4_k(const u8* w, const float* x, float* y, int rows, int cols,
+                                     int tokens, int acc) {
+    GEMV_BODY(144, 256, q4_k_piece)
+}
+
+extern "C" __global__ void gemv_q6_k(const u8* w, const float* x, float* y, int rows, int cols,
+                                     int tokens, int acc) {
+    GEMV_BODY(210, 256, q6_k_piece)
+}

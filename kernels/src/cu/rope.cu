@@ -1,0 +1,21 @@
+// Rotary position embedding in place over `heads` heads of `hd` values
+// for token blockIdx.x at position pos[blockIdx.x]. Pair i (< hd / 2)
+// turns by pos / theta^(2i / hd): llama's interleaved pairs (2i, 2i + 1)
+// or NEOX's halves (i, i + hd / 2). `stride` is the floats per token.
+extern "C" __global__ void rope(float* x, const int* pos, int heads, int hd, int stride,
+                                float theta, int neox) {
+    int t = blockIdx.x;
+    float p = (float)pos[t];
+    int half = hd / 2;
+    for (int k = threadIdx.x; k < heads * half; k += blockDim.x) {
+        int h = k / half, i = k % half;
+        float freq = 1.f / powf(theta, 2.f * (float)i / (float)hd);
+        float s, c;
+        sincosf(p * freq, &s, &c);
+        float* v = x + (size_t)t * stride + h * hd;
+        int a = neox ? i : 2 * i, b = neox ? i + half : 2 * i + 1;
+        float x0 = v[a], x1 = v[b];
+        v[a] = x0 * c - x1 * s;
+        v[b] = x0 * s + x1 * c;
+    }
+}

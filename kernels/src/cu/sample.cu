@@ -1,0 +1,70 @@
+// On-device candidates for sampling: the host keeps the seeded generator,
+// so only these leave the GPU. One block per row of `vocab` logits.
+
+// Block-wide (value, index) maximum; ties go to the smaller index.
+__device__ __forceinline__ void better(float* v, int* i, float ov, int oi) {
+    if (ov > *v || (ov == *v && oi < *i)) {
+        *v = ov;
+        *i = oi;
+    }
+}
+
+__device__ void block_best(float* v, int* i) {
+    __shared__ float sv[32];
+    __shared__ int si[32];
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+        float ov = __shfl_xor_sync(0xffffffffu, *v, o);
+        int oi = __shfl_xor_sync(0xffffffffu, *i, o);
+        better(v, i, ov, oi);
+    }
+    int warp = threadIdx.x / 32, lane = threadIdx.x & 31;
+    __syncthreads();
+    if (lane == 0) {
+        sv[warp] = *v;
+        si[warp] = *i;
+    }
+    __syncthreads();
+    if (warp == 0) {
+        *v = lane < blockDim.x / 32 ? sv[lane] : -UF_INF;
+        *i = lane < blockDim.x / 32 ? si[lane] : 0x7fffffff;
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) {
+            float ov = __shfl_xor_sync(0xffffffffu, *v, o);
+            int oi = __shfl_xor_sync(0xffffffffu, *i, o);
+            better(v, i, ov, oi);
+        }
+        if (lane == 0) {
+            sv[0] = *v;
+            si[0] = *i;
+        }
+    }
+    __syncthreads();
+    *v = sv[0];
+    *i = si[0];
+}
+
+// The k largest logits of each row, largest first (ties: smaller index
+// first), k passes each taking the best below the previous one in that
+// order. k = 1 is argmax. NaN never wins.
+extern "C" __global__ void top_k(const float* logits, int vocab, int k, int* idx, float* val) {
+    const float* row = logits + (size_t)blockIdx.x * vocab;
+    float pv = UF_INF;
+    int pi = -1;
+    for (int r = 0; r < k; r++) {
+        float v = -UF_INF;
+        int i = 0x7fffffff;
+        for (int j = threadIdx.x; j < vocab; j += blockDim.x) {
+            float x = row[j];
+            bool below = x < pv || (x == pv && j > pi);
+            if (below) better(&v, &i, x, j);
+        }
+        block_best(&v, &i);
+        if (threadIdx.x == 0) {
+            idx[blockIdx.x * k + r] = i == 0x7fffffff ? 0 : i;
+            val[blockIdx.x * k + r] = v;
+        }
+        pv = v;
+        pi = i;
+    }
+}

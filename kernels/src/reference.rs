@@ -1,0 +1,306 @@
+//! What each CUDA kernel of [`crate::sources`] computes, in plain Rust:
+//! the same inputs, layouts and order of operations as the kernel's own
+//! comment, one thread. The GPU check holds the kernels to these; the
+//! engine's tests hold these to the engine's CPU code, so the two devices
+//! are tied through one written-down meaning.
+
+use half::f16;
+
+/// A GGUF block format the GEMV kernels read as it is in the file.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Format {
+    /// 32 weights in 20 bytes: f16 scale and minimum, 4-bit values.
+    Q4_1,
+    /// 32 weights in 34 bytes: f16 scale, 8-bit signed values.
+    Q8_0,
+    /// 256 weights in 144 bytes: 8 sub-blocks with 6-bit scales and mins.
+    Q4K,
+    /// 256 weights in 210 bytes: 6-bit values, 16 8-bit scales.
+    Q6K,
+}
+
+impl Format {
+    /// Weights per block.
+    pub fn per_block(self) -> usize {
+        match self {
+            Format::Q4_1 | Format::Q8_0 => 32,
+            Format::Q4K | Format::Q6K => 256,
+        }
+    }
+
+    /// Bytes per block.
+    pub fn block_bytes(self) -> usize {
+        match self {
+            Format::Q4_1 => 20,
+            Format::Q8_0 => 34,
+            Format::Q4K => 144,
+            Format::Q6K => 210,
+        }
+    }
+
+    /// The kernel that reads this format.
+    pub fn kernel(self) -> &'static str {
+        match self {
+            Format::Q4_1 => "gemv_q4_1",
+            Format::Q8_0 => "gemv_q8_0",
+            Format::Q4K => "gemv_q4_k",
+            Format::Q6K => "gemv_q6_k",
+        }
+    }
+}
+
+fn h(b: &[u8], at: usize) -> f32 {
+    f16::from_le_bytes([b[at], b[at + 1]]).to_f32()
+}
+
+/// The weights of one block (`format.per_block()` of them).
+pub fn dequantize(format: Format, b: &[u8]) -> Vec<f32> {
+    match format {
+        Format::Q4_1 => {
+            let (d, m) = (h(b, 0), h(b, 2));
+            let mut w = vec![0.0; 32];
+            for j in 0..16 {
+                w[j] = d * (b[4 + j] & 15) as f32 + m;
+                w[j + 16] = d * (b[4 + j] >> 4) as f32 + m;
+            }
+            w
+        }
+        Format::Q8_0 => {
+            let d = h(b, 0);
+            (0..32).map(|j| d * (b[2 + j] as i8) as f32).collect()
+        }
+        Format::Q4K => {
+            let (d, dmin) = (h(b, 0), h(b, 2));
+            let sc = &b[4..16];
+            let mut w = Vec::with_capacity(256);
+            for piece in 0..8 {
+                let (s, m) = if piece < 4 {
+                    (sc[piece] & 63, sc[piece + 4] & 63)
+                } else {
+                    (
+                        (sc[piece + 4] & 15) | ((sc[piece - 4] >> 6) << 4),
+                        (sc[piece + 4] >> 4) | ((sc[piece] >> 6) << 4),
+                    )
+                };
+                let q = &b[16 + (piece / 2) * 32..][..32];
+                for v in q {
+                    let n = if piece % 2 == 1 { v >> 4 } else { v & 15 };
+                    w.push(d * s as f32 * n as f32 - dmin * m as f32);
+                }
+            }
+            w
+        }
+        Format::Q6K => {
+            let d = h(b, 208);
+            let mut w = Vec::with_capacity(256);
+            for piece in 0..8 {
+                let ql = &b[(piece / 4) * 64..];
+                let qh = &b[128 + (piece / 4) * 32..];
+                let sc = &b[192 + (piece / 4) * 8..];
+                let quarter = piece % 4;
+                for l in 0..32 {
+                    let low = if quarter & 1 == 1 { ql[l + 32] } else { ql[l] };
+                    let low = if quarter & 2 == 2 { low >> 4 } else { low & 15 };
+                    let high = (qh[l] >> (2 * quarter)) & 3;
+                    let q = (low | (high << 4)) as i32 - 32;
+                    w.push(d * (sc[l / 16 + 2 * quarter] as i8) as f32 * q as f32);
+                }
+            }
+            w
+        }
+    }
+}
+
+/// `gemv_*`: `y[t * rows + r] = sum_k W[r][k] * x[t * cols + k]` over the
+/// row-major GGUF blocks `w` (`rows` rows of `cols` weights).
+pub fn gemv(
+    format: Format,
+    w: &[u8],
+    x: &[f32],
+    rows: usize,
+    cols: usize,
+    tokens: usize,
+) -> Vec<f32> {
+    let (per, bytes) = (format.per_block(), format.block_bytes());
+    let nb = cols / per;
+    let mut y = vec![0.0f32; tokens * rows];
+    for r in 0..rows {
+        let row: Vec<f32> = (0..nb)
+            .flat_map(|b| dequantize(format, &w[(r * nb + b) * bytes..][..bytes]))
+            .collect();
+        for t in 0..tokens {
+            let xt = &x[t * cols..][..cols];
+            y[t * rows + r] = row.iter().zip(xt).map(|(a, b)| a * b).sum();
+        }
+    }
+    y
+}
+
+/// `rmsnorm_residual` for one token: `x += add` (if any), then
+/// `x * w / sqrt(mean(x^2) + eps)`.
+pub fn rmsnorm_residual(x: &mut [f32], add: Option<&[f32]>, w: &[f32], eps: f32) -> Vec<f32> {
+    if let Some(a) = add {
+        for (v, a) in x.iter_mut().zip(a) {
+            *v += a;
+        }
+    }
+    let ss: f32 = x.iter().map(|v| v * v).sum();
+    let inv = 1.0 / (ss / x.len() as f32 + eps).sqrt();
+    x.iter().zip(w).map(|(v, w)| v * inv * w).collect()
+}
+
+/// `rope` for one token's `heads` heads of `hd` values at position `pos`.
+pub fn rope(x: &mut [f32], pos: usize, heads: usize, hd: usize, theta: f32, neox: bool) {
+    let half = hd / 2;
+    for hh in 0..heads {
+        let v = &mut x[hh * hd..][..hd];
+        for i in 0..half {
+            let angle = pos as f32 * (1.0 / theta.powf(2.0 * i as f32 / hd as f32));
+            let (s, c) = angle.sin_cos();
+            let (a, b) = if neox {
+                (i, i + half)
+            } else {
+                (2 * i, 2 * i + 1)
+            };
+            let (x0, x1) = (v[a], v[b]);
+            v[a] = x0 * c - x1 * s;
+            v[b] = x0 * s + x1 * c;
+        }
+    }
+}
+
+/// `silu_mul`: per token, `silu(gate) * up` from the fused gate|up row.
+pub fn silu_mul(gu: &[f32], ff: usize, tokens: usize) -> Vec<f32> {
+    let mut out = Vec::with_capacity(ff * tokens);
+    for t in 0..tokens {
+        let row = &gu[t * 2 * ff..][..2 * ff];
+        for i in 0..ff {
+            let g = row[i];
+            out.push(g / (1.0 + (-g).exp()) * row[ff + i]);
+        }
+    }
+    out
+}
+
+/// The paged KV cache as `kv_write` fills it and `paged_attention` reads
+/// it: `kv_dim` f16 values per slot, slot = block id * block size + offset.
+#[derive(Debug, Clone)]
+pub struct PagedKv {
+    /// Keys, `slots * kv_dim`.
+    pub k: Vec<f16>,
+    /// Values, the same shape.
+    pub v: Vec<f16>,
+    /// Values per slot (KV heads x head size).
+    pub kv_dim: usize,
+    /// Positions per block.
+    pub block_size: usize,
+}
+
+impl PagedKv {
+    /// An empty cache of `blocks` blocks.
+    pub fn new(blocks: usize, block_size: usize, kv_dim: usize) -> PagedKv {
+        let n = blocks * block_size * kv_dim;
+        PagedKv {
+            k: vec![f16::ZERO; n],
+            v: vec![f16::ZERO; n],
+            kv_dim,
+            block_size,
+        }
+    }
+
+    /// The slot of position `pos` in a sequence with block table `table`.
+    pub fn slot(&self, table: &[u32], pos: usize) -> usize {
+        table[pos / self.block_size] as usize * self.block_size + pos % self.block_size
+    }
+
+    /// `kv_write` for one token: its keys and values into `slot`.
+    pub fn write(&mut self, slot: usize, k: &[f32], v: &[f32]) {
+        for i in 0..self.kv_dim {
+            self.k[slot * self.kv_dim + i] = f16::from_f32(k[i]);
+            self.v[slot * self.kv_dim + i] = f16::from_f32(v[i]);
+        }
+    }
+
+    /// `paged_attention` for one query token at position `pos` of the
+    /// sequence with `table`: `q` holds `heads` heads of `hd`; returns the
+    /// same shape. Query head h reads KV head h / (heads / kv_heads).
+    pub fn attend(
+        &self,
+        q: &[f32],
+        table: &[u32],
+        pos: usize,
+        heads: usize,
+        hd: usize,
+    ) -> Vec<f32> {
+        let kv_heads = self.kv_dim / hd;
+        let group = heads / kv_heads;
+        let scale = 1.0 / (hd as f32).sqrt();
+        let mut out = vec![0.0f32; heads * hd];
+        for hh in 0..heads {
+            let g = hh / group;
+            let qh = &q[hh * hd..][..hd];
+            let scores: Vec<f32> = (0..=pos)
+                .map(|p| {
+                    let s = self.slot(table, p) * self.kv_dim + g * hd;
+                    (0..hd)
+                        .map(|d| qh[d] * scale * self.k[s + d].to_f32())
+                        .sum()
+                })
+                .collect();
+            let m = scores.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+            let e: Vec<f32> = scores.iter().map(|s| (s - m).exp()).collect();
+            let l: f32 = e.iter().sum();
+            for (p, ep) in e.iter().enumerate() {
+                let s = self.slot(table, p) * self.kv_dim + g * hd;
+                for d in 0..hd {
+                    out[hh * hd + d] += ep * self.v[s + d].to_f32() / l;
+                }
+            }
+        }
+        out
+    }
+}
+
+/// `top_k` for one row: the k largest logits, largest first, ties to the
+/// smaller index; NaN never chosen.
+pub fn top_k(row: &[f32], k: usize) -> Vec<(u32, f32)> {
+    let mut idx: Vec<u32> = (0..row.len() as u32)
+        .filter(|i| !row[*i as usize].is_nan())
+        .collect();
+    idx.sort_by(|a, b| row[*b as usize].total_cmp(&row[*a as usize]).then(a.cmp(b)));
+    idx.into_iter()
+        .take(k)
+        .map(|i| (i, row[i as usize]))
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn q4_1_blocks_read_low_nibbles_first() {
+        let mut b = vec![0u8; 20];
+        b[..2].copy_from_slice(&f16::from_f32(0.5).to_le_bytes());
+        b[2..4].copy_from_slice(&f16::from_f32(-1.0).to_le_bytes());
+        b[4] = 0x3a; // weight 0 = 10, weight 16 = 3
+        let w = dequantize(Format::Q4_1, &b);
+        assert_eq!((w[0], w[16], w[1]), (4.0, 0.5, -1.0));
+    }
+
+    #[test]
+    fn top_k_orders_by_value_then_index_and_skips_nan() {
+        let row = [1.0, f32::NAN, 3.0, 3.0, -1.0];
+        assert_eq!(top_k(&row, 3), vec![(2, 3.0), (3, 3.0), (0, 1.0)]);
+    }
+
+    #[test]
+    fn attention_over_one_position_returns_its_value() {
+        // Two KV heads of one value each, two query heads (no grouping).
+        let mut kv = PagedKv::new(4, 16, 2);
+        let table = [3u32];
+        kv.write(kv.slot(&table, 0), &[1.0, 0.0], &[0.25, -2.0]);
+        assert_eq!(kv.slot(&table, 0), 48);
+        assert_eq!(kv.attend(&[5.0, 1.0], &table, 0, 2, 1), vec![0.25, -2.0]);
+    }
+}
