@@ -55,24 +55,30 @@ fn h(b: &[u8], at: usize) -> f32 {
 
 /// The weights of one block (`format.per_block()` of them).
 pub fn dequantize(format: Format, b: &[u8]) -> Vec<f32> {
+    let mut w = vec![0.0; format.per_block()];
+    dequantize_into(format, b, &mut w);
+    w
+}
+
+/// [`dequantize`] into `w` (`format.per_block()` long), allocating nothing.
+pub fn dequantize_into(format: Format, b: &[u8], w: &mut [f32]) {
     match format {
         Format::Q4_1 => {
             let (d, m) = (h(b, 0), h(b, 2));
-            let mut w = vec![0.0; 32];
             for j in 0..16 {
                 w[j] = d * (b[4 + j] & 15) as f32 + m;
                 w[j + 16] = d * (b[4 + j] >> 4) as f32 + m;
             }
-            w
         }
         Format::Q8_0 => {
             let d = h(b, 0);
-            (0..32).map(|j| d * (b[2 + j] as i8) as f32).collect()
+            for j in 0..32 {
+                w[j] = d * (b[2 + j] as i8) as f32;
+            }
         }
         Format::Q4K => {
             let (d, dmin) = (h(b, 0), h(b, 2));
             let sc = &b[4..16];
-            let mut w = Vec::with_capacity(256);
             for piece in 0..8 {
                 let (s, m) = if piece < 4 {
                     (sc[piece] & 63, sc[piece + 4] & 63)
@@ -83,16 +89,14 @@ pub fn dequantize(format: Format, b: &[u8]) -> Vec<f32> {
                     )
                 };
                 let q = &b[16 + (piece / 2) * 32..][..32];
-                for v in q {
+                for (j, v) in q.iter().enumerate() {
                     let n = if piece % 2 == 1 { v >> 4 } else { v & 15 };
-                    w.push(d * s as f32 * n as f32 - dmin * m as f32);
+                    w[piece * 32 + j] = d * s as f32 * n as f32 - dmin * m as f32;
                 }
             }
-            w
         }
         Format::Q6K => {
             let d = h(b, 208);
-            let mut w = Vec::with_capacity(256);
             for piece in 0..8 {
                 let ql = &b[(piece / 4) * 64..];
                 let qh = &b[128 + (piece / 4) * 32..];
@@ -103,10 +107,9 @@ pub fn dequantize(format: Format, b: &[u8]) -> Vec<f32> {
                     let low = if quarter & 2 == 2 { low >> 4 } else { low & 15 };
                     let high = (qh[l] >> (2 * quarter)) & 3;
                     let q = (low | (high << 4)) as i32 - 32;
-                    w.push(d * (sc[l / 16 + 2 * quarter] as i8) as f32 * q as f32);
+                    w[piece * 32 + l] = d * (sc[l / 16 + 2 * quarter] as i8) as f32 * q as f32;
                 }
             }
-            w
         }
     }
 }
@@ -121,19 +124,39 @@ pub fn gemv(
     cols: usize,
     tokens: usize,
 ) -> Vec<f32> {
+    let mut y = vec![0.0f32; tokens * rows];
+    gemv_into(format, w, x, rows, cols, tokens, false, &mut y);
+    y
+}
+
+/// [`gemv`] into `y`; with `acc`, added to what `y` holds (the kernels'
+/// `acc` flag: the residual add in the epilogue).
+#[allow(clippy::too_many_arguments)]
+pub fn gemv_into(
+    format: Format,
+    w: &[u8],
+    x: &[f32],
+    rows: usize,
+    cols: usize,
+    tokens: usize,
+    acc: bool,
+    y: &mut [f32],
+) {
     let (per, bytes) = (format.per_block(), format.block_bytes());
     let nb = cols / per;
-    let mut y = vec![0.0f32; tokens * rows];
+    let mut row = vec![0.0f32; cols];
     for r in 0..rows {
-        let row: Vec<f32> = (0..nb)
-            .flat_map(|b| dequantize(format, &w[(r * nb + b) * bytes..][..bytes]))
-            .collect();
+        for b in 0..nb {
+            let blk = &w[(r * nb + b) * bytes..][..bytes];
+            dequantize_into(format, blk, &mut row[b * per..][..per]);
+        }
         for t in 0..tokens {
             let xt = &x[t * cols..][..cols];
-            y[t * rows + r] = row.iter().zip(xt).map(|(a, b)| a * b).sum();
+            let s: f32 = row.iter().zip(xt).map(|(a, b)| a * b).sum();
+            let o = &mut y[t * rows + r];
+            *o = if acc { *o + s } else { s };
         }
     }
-    y
 }
 
 /// `rmsnorm_residual` for one token: `x += add` (if any), then

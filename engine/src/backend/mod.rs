@@ -13,6 +13,8 @@
 //!   types, or when `ULTRAFAST_CPU_RUNNER=candle` asks for it.
 
 pub mod cpu;
+pub mod layout;
+pub mod reference;
 
 use crate::error::{EngineError, Result};
 use crate::generate::Loaded;

@@ -160,10 +160,6 @@ impl Engine {
         cfg: EngineConfig,
         observer: Option<Arc<dyn StepObserver>>,
     ) -> Result<Engine> {
-        let pool = BlockPool::new(cfg.num_blocks, cfg.block_size);
-        let (tx, rx) = channel();
-        let stats = Arc::new(EngineStats::default());
-        let shared_cost = Arc::new(cost::SharedCost::default());
         backend::choose_device(cfg.device)?;
         // Built here, so its threads take this thread's priority before
         // lowering their own.
@@ -174,6 +170,22 @@ impl Engine {
             cfg.kv_dtype,
             threads::lower_this_thread,
         )?;
+        Self::start_with(loaded, cfg, runner, observer)
+    }
+
+    /// Start the engine thread on a given runner (one built for
+    /// `cfg.num_blocks` blocks of `cfg.block_size`), e.g. the reference
+    /// runner of the CUDA path's host side.
+    pub fn start_with(
+        loaded: Arc<Loaded>,
+        cfg: EngineConfig,
+        runner: Box<dyn backend::ModelRunner>,
+        observer: Option<Arc<dyn StepObserver>>,
+    ) -> Result<Engine> {
+        let pool = BlockPool::new(cfg.num_blocks, cfg.block_size);
+        let (tx, rx) = channel();
+        let stats = Arc::new(EngineStats::default());
+        let shared_cost = Arc::new(cost::SharedCost::default());
         let (device, runner_desc) = (runner.device(), runner.describe());
         let arrivals: Arc<Arrivals> = Arc::new(Default::default());
         let worker = Worker {
