@@ -8,9 +8,12 @@
 //! - [`nvrtc`]: compiling them at run time for the GPU at hand, cached on
 //!   disk;
 //! - [`reference`]: what each kernel computes, in plain Rust, which the
-//!   tests hold both the GPU and the engine's CPU code to.
+//!   tests hold both the GPU and the engine's CPU code to;
+//! - [`gpu`]: the kernels on a GPU through cudarc, behind launchers that
+//!   check shapes.
 
 pub mod cuda;
+pub mod gpu;
 pub mod nvrtc;
 pub mod reference;
 pub mod sources;

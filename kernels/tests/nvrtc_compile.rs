@@ -86,3 +86,24 @@ fn a_kernel_that_does_not_compile_names_itself() {
         .unwrap_err();
     assert!(err.contains("bad.cu") && err.contains("nope"), "{err}");
 }
+
+/// Without a GPU, opening one is an error that names CUDA, never a panic
+/// (cudarc panics on a missing library; `Gpu::open` probes first). With
+/// one, every kernel loads.
+#[test]
+fn opening_a_gpu_either_loads_every_kernel_or_says_why_not() {
+    let nvrtc = Nvrtc::open(Some(&wheel_dir())).expect("NVRTC opens");
+    let dir = tempfile::tempdir().unwrap();
+    match (
+        ultrafast_kernels::cuda::probe(),
+        ultrafast_kernels::gpu::Gpu::open(0, &nvrtc, dir.path()),
+    ) {
+        (Err(_), Err(why)) => assert!(why.contains("CUDA"), "{why}"),
+        (Ok(_), Ok(g)) => eprintln!(
+            "opened {} (sm_{}{})",
+            g.name, g.capability.0, g.capability.1
+        ),
+        (Ok(gpus), Err(why)) => panic!("a GPU is present ({gpus:?}) but did not open: {why}"),
+        (Err(why), Ok(_)) => panic!("the probe found no GPU ({why}) but one opened"),
+    }
+}

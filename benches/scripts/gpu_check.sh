@@ -1,0 +1,49 @@
+#!/usr/bin/env bash
+# The GPU check (#13), one command on a machine with an NVIDIA GPU:
+#   bash benches/scripts/gpu_check.sh          # run (builds first if cargo is here)
+#   bash benches/scripts/gpu_check.sh stage    # on a build machine: build and
+#                                              # stage what travels in target/gpu-stage/
+# Today it runs the kernels' parity against their CPU references on
+# SmolLM2-135M's shapes (kernels/examples/gpu_check.rs). Model parity and the
+# speed comparison with transformers need the CUDA runner, which is not built
+# yet; the script says so rather than skipping silently.
+# Exit status: 0 passed, 1 a check failed, 2 no GPU (or no NVRTC) here.
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+stage=target/gpu-stage
+
+if [ "${1:-}" = "stage" ]; then
+  cargo build --release -p ultrafast-kernels --example gpu_check
+  mkdir -p "$stage"
+  cp target/release/examples/gpu_check "$stage/gpu_check"
+  strip "$stage/gpu_check" 2>/dev/null || true
+  ls -l "$stage"
+  exit 0
+fi
+
+if [ ! -x "$stage/gpu_check" ]; then
+  if command -v cargo >/dev/null 2>&1; then
+    bash "$0" stage
+  else
+    echo "gpu_check: $stage/gpu_check is missing: run 'bash $0 stage' on a machine with Rust and bring $stage along"
+    exit 2
+  fi
+fi
+
+# NVRTC: the toolkit's, else the nvidia-cuda-nvrtc wheel's (system Python or
+# this repository's .venv).
+if [ -z "${ULTRAFAST_NVRTC_DIR:-}" ]; then
+  for d in /usr/local/cuda/lib64 /usr/local/cuda/targets/x86_64-linux/lib \
+           $(python3 -c 'import nvidia, os; print(" ".join(os.path.join(p, "cu13", "lib") for p in nvidia.__path__))' 2>/dev/null) \
+           .venv/lib/python3*/site-packages/nvidia/cu13/lib; do
+    if [ -e "$d/libnvrtc.so.13" ]; then export ULTRAFAST_NVRTC_DIR="$d"; break; fi
+  done
+fi
+echo "gpu_check: NVRTC from ${ULTRAFAST_NVRTC_DIR:-the library search path}"
+command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader || true
+
+status=0
+timeout 240 "$stage/gpu_check" || status=$?
+echo
+echo "gpu_check: model parity and decode/prefill speed against transformers: not built yet (needs the CUDA runner)"
+exit $status

@@ -1,0 +1,342 @@
+//! The GPU check's kernel parity: every kernel on the GPU against its CPU
+//! reference (`ultrafast_kernels::reference`) on SmolLM2-135M's shapes,
+//! random inputs, with the tolerance stated per kernel. Prints one table
+//! row per check; exits 1 if any fails, 2 when there is no GPU (with the
+//! reason). Run through `bash benches/scripts/gpu_check.sh`.
+//!
+//! NVRTC: `$ULTRAFAST_NVRTC_DIR` (a folder with `libnvrtc.so.13`, such as
+//! the `nvidia-cuda-nvrtc` wheel's `nvidia/cu13/lib`), else the loader's
+//! path (`/usr/local/cuda/lib64` on a machine with the toolkit).
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use std::path::PathBuf;
+use std::time::Instant;
+use ultrafast_kernels::gpu::{AttnShape, Gpu};
+use ultrafast_kernels::nvrtc::Nvrtc;
+use ultrafast_kernels::reference::{self as r, Format, PagedKv};
+
+/// xorshift, so a failure reproduces.
+struct Gen(u64);
+
+impl Gen {
+    fn next(&mut self) -> u64 {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        self.0
+    }
+    fn f(&mut self) -> f32 {
+        (self.next() >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0
+    }
+    fn fs(&mut self, n: usize, scale: f32) -> Vec<f32> {
+        (0..n).map(|_| self.f() * scale).collect()
+    }
+}
+
+/// Random blocks of `format` with scales of a realistic size.
+fn blocks(g: &mut Gen, format: Format, rows: usize, cols: usize) -> Vec<u8> {
+    let n = rows * cols / format.per_block();
+    let mut out = Vec::with_capacity(n * format.block_bytes());
+    for _ in 0..n {
+        let mut b: Vec<u8> = (0..format.block_bytes()).map(|_| g.next() as u8).collect();
+        let h = |v: f32| half::f16::from_f32(v).to_le_bytes();
+        match format {
+            Format::Q4_1 | Format::Q4K => {
+                b[..2].copy_from_slice(&h(g.f() * 0.02));
+                b[2..4].copy_from_slice(&h(g.f() * 0.02));
+            }
+            Format::Q8_0 => b[..2].copy_from_slice(&h(g.f() * 0.01)),
+            Format::Q6K => b[208..].copy_from_slice(&h(g.f() * 0.002)),
+        }
+        out.extend(b);
+    }
+    out
+}
+
+/// Largest `|a - b| / (1 + |b|)`.
+fn err(a: &[f32], b: &[f32]) -> f32 {
+    assert_eq!(a.len(), b.len());
+    a.iter()
+        .zip(b)
+        .map(|(x, y)| (x - y).abs() / (1.0 + y.abs()))
+        .fold(0.0, f32::max)
+}
+
+struct Report {
+    failed: bool,
+}
+
+impl Report {
+    fn row(&mut self, name: &str, e: f32, tol: f32, us: f64) {
+        let ok = e <= tol && e.is_finite();
+        self.failed |= !ok;
+        println!(
+            "| {name} | {e:.2e} | {tol:.0e} | {us:.1} | {} |",
+            if ok { "pass" } else { "FAIL" }
+        );
+    }
+}
+
+fn main() {
+    let nvrtc_dir = std::env::var_os("ULTRAFAST_NVRTC_DIR").map(PathBuf::from);
+    let nvrtc = match Nvrtc::open(nvrtc_dir.as_deref()) {
+        Ok(n) => n,
+        Err(why) => {
+            println!("gpu_check: no NVRTC: {why}");
+            std::process::exit(2);
+        }
+    };
+    let cache = std::env::temp_dir().join("ultrafast-cubin");
+    let t = Instant::now();
+    let gpu = match Gpu::open(0, &nvrtc, &cache) {
+        Ok(g) => g,
+        Err(why) => {
+            println!("gpu_check: no GPU: {why}");
+            std::process::exit(2);
+        }
+    };
+    println!(
+        "gpu_check: {} (sm_{}{}), NVRTC {}.{}, kernels compiled and loaded in {:.2} s",
+        gpu.name,
+        gpu.capability.0,
+        gpu.capability.1,
+        nvrtc.version.0,
+        nvrtc.version.1,
+        t.elapsed().as_secs_f64()
+    );
+    println!(
+        "\n| kernel parity (SmolLM2-135M shapes) | max rel. error | tolerance | us per launch | |"
+    );
+    println!("|---|---|---|---|---|");
+    let mut rep = Report { failed: false };
+    let mut g = Gen(0x5eed_1234_abcd);
+    // Times `f` over 20 launches after one warm-up (microseconds each).
+    let time = |gpu: &Gpu, f: &mut dyn FnMut()| {
+        f();
+        gpu.synchronize().unwrap();
+        let t = Instant::now();
+        for _ in 0..20 {
+            f();
+        }
+        gpu.synchronize().unwrap();
+        t.elapsed().as_secs_f64() * 1e6 / 20.0
+    };
+
+    // GEMV on each format, one token (decode) and eight.
+    for (format, rows, cols) in [
+        (Format::Q4_1, 3072, 576),
+        (Format::Q4_1, 576, 1536),
+        (Format::Q8_0, 49_152, 576),
+        (Format::Q4K, 896, 512),
+        (Format::Q6K, 896, 512),
+    ] {
+        for tokens in [1, 8] {
+            let w = blocks(&mut g, format, rows, cols);
+            let x = g.fs(tokens * cols, 1.0);
+            let want = r::gemv(format, &w, &x, rows, cols, tokens);
+            let (dw, dx) = (gpu.upload(&w).unwrap(), gpu.upload(&x).unwrap());
+            let mut dy = gpu.zeros::<f32>(tokens * rows).unwrap();
+            gpu.gemv(format, &dw, &dx, &mut dy, rows, cols, tokens, false)
+                .unwrap();
+            let got = gpu.download(&dy).unwrap();
+            let us = time(&gpu, &mut || {
+                gpu.gemv(format, &dw, &dx, &mut dy, rows, cols, tokens, false)
+                    .unwrap()
+            });
+            rep.row(
+                &format!("{} {rows}x{cols}, {tokens} token(s)", format.kernel()),
+                err(&got, &want),
+                1e-4,
+                us,
+            );
+        }
+    }
+
+    // RMSNorm with the residual add, 8 tokens of 576.
+    let (d, tokens) = (576, 8);
+    let (x, add, w) = (g.fs(tokens * d, 3.0), g.fs(tokens * d, 1.0), g.fs(d, 1.0));
+    let mut want_x = x.clone();
+    let mut want = Vec::new();
+    for t in 0..tokens {
+        want.extend(r::rmsnorm_residual(
+            &mut want_x[t * d..][..d],
+            Some(&add[t * d..][..d]),
+            &w,
+            1e-5,
+        ));
+    }
+    let (mut dx, da, dw) = (
+        gpu.upload(&x).unwrap(),
+        gpu.upload(&add).unwrap(),
+        gpu.upload(&w).unwrap(),
+    );
+    let mut dout = gpu.zeros::<f32>(tokens * d).unwrap();
+    gpu.rmsnorm_residual(&mut dx, Some(&da), &dw, &mut dout, d, tokens, 1e-5)
+        .unwrap();
+    let (got, got_x) = (gpu.download(&dout).unwrap(), gpu.download(&dx).unwrap());
+    rep.row(
+        "rmsnorm_residual 8x576",
+        err(&got, &want).max(err(&got_x, &want_x)),
+        1e-5,
+        0.0,
+    );
+
+    // RoPE on the query heads of fused q|k|v rows, both layouts.
+    let (heads, hd, stride, theta) = (9, 64, 960, 100_000.0f32);
+    let pos: Vec<i32> = (0..tokens as i32).map(|i| i * 97 + 3).collect();
+    for neox in [false, true] {
+        let x = g.fs(tokens * stride, 1.0);
+        let mut want = x.clone();
+        for t in 0..tokens {
+            r::rope(
+                &mut want[t * stride..][..heads * hd],
+                pos[t] as usize,
+                heads,
+                hd,
+                theta,
+                neox,
+            );
+        }
+        let (mut dx, dp) = (gpu.upload(&x).unwrap(), gpu.upload(&pos).unwrap());
+        gpu.rope(&mut dx, &dp, heads, hd, stride, tokens, theta, neox)
+            .unwrap();
+        rep.row(
+            &format!("rope 8x9x64, neox {neox}"),
+            err(&gpu.download(&dx).unwrap(), &want),
+            1e-3,
+            0.0,
+        );
+    }
+
+    // SiLU-and-multiply over 8 fused gate|up rows of 1536.
+    let ff = 1536;
+    let gu = g.fs(tokens * 2 * ff, 6.0);
+    let want = r::silu_mul(&gu, ff, tokens);
+    let dgu = gpu.upload(&gu).unwrap();
+    let mut dout = gpu.zeros::<f32>(tokens * ff).unwrap();
+    gpu.silu_mul(&dgu, &mut dout, ff, tokens).unwrap();
+    rep.row(
+        "silu_mul 8x1536",
+        err(&gpu.download(&dout).unwrap(), &want),
+        1e-4,
+        0.0,
+    );
+
+    // The KV write and paged attention: two sequences of 100 and 37
+    // positions on shuffled blocks of 16, queries at several positions.
+    let (kv_heads, bs, nblocks) = (3, 16, 16);
+    let kv_dim = kv_heads * hd;
+    let qkv_stride = heads * hd + 2 * kv_dim;
+    let tables: [[u32; 8]; 2] = [[9, 2, 14, 5, 0, 11, 7, 3], [6, 13, 1, 8, 10, 4, 12, 15]];
+    let lens = [100usize, 37];
+    let mut kv = PagedKv::new(nblocks, bs, kv_dim);
+    let (mut rows, mut slots) = (Vec::new(), Vec::new());
+    for (s, len) in lens.iter().enumerate() {
+        for p in 0..*len {
+            let row = g.fs(qkv_stride, 1.0);
+            let slot = kv.slot(&tables[s], p);
+            kv.write(
+                slot,
+                &row[heads * hd..][..kv_dim],
+                &row[heads * hd + kv_dim..],
+            );
+            rows.extend(row);
+            slots.push(slot as i32);
+        }
+    }
+    let n = slots.len();
+    let (drows, dslots) = (gpu.upload(&rows).unwrap(), gpu.upload(&slots).unwrap());
+    let mut kc = gpu.zeros::<u16>(nblocks * bs * kv_dim).unwrap();
+    let mut vc = gpu.zeros::<u16>(nblocks * bs * kv_dim).unwrap();
+    gpu.kv_write(
+        &drows,
+        qkv_stride,
+        heads * hd,
+        heads * hd + kv_dim,
+        &mut kc,
+        &mut vc,
+        &dslots,
+        kv_dim,
+        n,
+    )
+    .unwrap();
+    let bits = |v: &[half::f16]| v.iter().map(|h| h.to_bits()).collect::<Vec<u16>>();
+    let (kc_host, vc_host) = (gpu.download(&kc).unwrap(), gpu.download(&vc).unwrap());
+    let same = kc_host == bits(&kv.k) && vc_host == bits(&kv.v);
+    rep.row(
+        "kv_write 137 positions",
+        if same { 0.0 } else { 1.0 },
+        0.0,
+        0.0,
+    );
+    let queries: [(usize, usize); 6] = [(0, 0), (0, 15), (0, 16), (0, 99), (1, 1), (1, 36)];
+    let q: Vec<f32> = g.fs(queries.len() * heads * hd, 2.0);
+    let mut want = Vec::new();
+    for (i, (s, p)) in queries.iter().enumerate() {
+        want.extend(kv.attend(
+            &q[i * heads * hd..][..heads * hd],
+            &tables[*s],
+            *p,
+            heads,
+            hd,
+        ));
+    }
+    let flat: Vec<i32> = tables.iter().flatten().map(|b| *b as i32).collect();
+    let qseq: Vec<i32> = queries.iter().map(|q| q.0 as i32).collect();
+    let qpos: Vec<i32> = queries.iter().map(|q| q.1 as i32).collect();
+    let (dq, dt, ds, dp) = (
+        gpu.upload(&q).unwrap(),
+        gpu.upload(&flat).unwrap(),
+        gpu.upload(&qseq).unwrap(),
+        gpu.upload(&qpos).unwrap(),
+    );
+    let mut dout = gpu.zeros::<f32>(queries.len() * heads * hd).unwrap();
+    let shape = AttnShape {
+        heads,
+        kv_heads,
+        hd,
+        block_size: bs,
+    };
+    gpu.paged_attention(
+        &dq,
+        heads * hd,
+        &kc,
+        &vc,
+        &dt,
+        8,
+        &ds,
+        &dp,
+        &mut dout,
+        shape,
+        queries.len(),
+    )
+    .unwrap();
+    rep.row(
+        "paged_attention 9/3 heads, 6 queries",
+        err(&gpu.download(&dout).unwrap(), &want),
+        1e-3,
+        0.0,
+    );
+
+    // Top-k over two vocabulary rows: exact indices.
+    let (vocab, k) = (49_152, 8);
+    let logits = g.fs(2 * vocab, 10.0);
+    let want: Vec<i32> = (0..2)
+        .flat_map(|row| r::top_k(&logits[row * vocab..][..vocab], k))
+        .map(|(i, _)| i as i32)
+        .collect();
+    let dl = gpu.upload(&logits).unwrap();
+    let (mut di, mut dv) = (
+        gpu.zeros::<i32>(2 * k).unwrap(),
+        gpu.zeros::<f32>(2 * k).unwrap(),
+    );
+    gpu.top_k(&dl, vocab, 2, k, &mut di, &mut dv).unwrap();
+    let same = gpu.download(&di).unwrap() == want;
+    rep.row("top_k 2x49152, k 8", if same { 0.0 } else { 1.0 }, 0.0, 0.0);
+
+    if rep.failed {
+        println!("\ngpu_check: kernel parity FAILED");
+        std::process::exit(1);
+    }
+    println!("\ngpu_check: kernel parity passed");
+}

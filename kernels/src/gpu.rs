@@ -1,0 +1,392 @@
+//! The kernels on a GPU, through cudarc: [`Gpu::open`] finds the device,
+//! compiles every source with NVRTC for its compute capability (cached on
+//! disk) and loads the modules; the launchers check shapes, then launch on
+//! the GPU's own (non-default) stream. Everything here is the runner's
+//! foundation and what the GPU check's kernel parity runs.
+//!
+//! cudarc panics when a library or symbol is missing, so [`Gpu::open`]
+//! probes the driver first ([`crate::cuda::probe`], then cudarc's own
+//! `is_culib_present`) and catches any panic of its initialization: a
+//! machine without CUDA gets an error with the reason.
+
+// cudarc's launches and its library probe are `unsafe`; each block says
+// why it holds.
+#![allow(unsafe_code)]
+
+use crate::nvrtc::Nvrtc;
+use crate::reference::Format;
+use crate::sources::SOURCES;
+use cudarc::driver::{
+    CudaContext, CudaFunction, CudaSlice, CudaStream, LaunchConfig, PushKernelArg,
+};
+use std::collections::HashMap;
+use std::path::Path;
+use std::sync::Arc;
+
+/// A GPU with the kernels loaded.
+pub struct Gpu {
+    /// The device's compute capability (9, 0 for an H200).
+    pub capability: (i32, i32),
+    /// Its name, as the driver gives it.
+    pub name: String,
+    ctx: Arc<CudaContext>,
+    stream: Arc<CudaStream>,
+    funcs: HashMap<&'static str, CudaFunction>,
+}
+
+/// A failed GPU call, as text (the caller logs it or falls back).
+pub type Result<T> = std::result::Result<T, String>;
+
+fn e<E: std::fmt::Debug>(what: &str) -> impl FnOnce(E) -> String + '_ {
+    move |err| format!("{what}: {err:?}")
+}
+
+impl Gpu {
+    /// Opens GPU `ordinal`, compiling the kernels with `nvrtc` into the
+    /// cache folder `cache`.
+    pub fn open(ordinal: usize, nvrtc: &Nvrtc, cache: &Path) -> Result<Gpu> {
+        let gpus = crate::cuda::probe()?;
+        let g = gpus
+            .get(ordinal)
+            .ok_or_else(|| format!("no GPU {ordinal} ({} found)", gpus.len()))?
+            .clone();
+        // SAFETY: only asks the loader whether the library opens.
+        if !unsafe { cudarc::driver::sys::is_culib_present() } {
+            return Err("cudarc cannot load the CUDA driver library".into());
+        }
+        let (ctx, stream) = std::panic::catch_unwind(|| -> Result<_> {
+            let ctx = CudaContext::new(ordinal).map_err(e("cannot open a CUDA context"))?;
+            let stream = ctx.new_stream().map_err(e("cannot create a stream"))?;
+            Ok((ctx, stream))
+        })
+        .map_err(|_| "the CUDA driver panicked while starting".to_string())??;
+        let arch = (g.capability.0 * 10 + g.capability.1) as u32;
+        let mut funcs = HashMap::new();
+        for src in SOURCES {
+            let cubin = nvrtc.compile_cached(&src.full(), src.name, arch, cache)?;
+            let module = ctx
+                .load_module(cudarc::nvrtc::Ptx::from_binary(cubin))
+                .map_err(e(src.name))?;
+            for k in src.kernels {
+                funcs.insert(*k, module.load_function(k).map_err(e(k))?);
+            }
+        }
+        Ok(Gpu {
+            capability: g.capability,
+            name: g.name,
+            ctx,
+            stream,
+            funcs,
+        })
+    }
+
+    fn func(&self, name: &str) -> Result<&CudaFunction> {
+        self.funcs
+            .get(name)
+            .ok_or_else(|| format!("kernel {name} not loaded"))
+    }
+
+    /// Copies `host` to a new device buffer.
+    pub fn upload<T: cudarc::driver::DeviceRepr>(&self, host: &[T]) -> Result<CudaSlice<T>> {
+        self.stream.clone_htod(host).map_err(e("upload"))
+    }
+
+    /// A zeroed device buffer of `n` values.
+    pub fn zeros<T: cudarc::driver::DeviceRepr + cudarc::driver::ValidAsZeroBits>(
+        &self,
+        n: usize,
+    ) -> Result<CudaSlice<T>> {
+        self.stream.alloc_zeros(n).map_err(e("alloc"))
+    }
+
+    /// Copies a device buffer back (waits for the stream).
+    pub fn download<T: cudarc::driver::DeviceRepr>(&self, dev: &CudaSlice<T>) -> Result<Vec<T>> {
+        self.stream.clone_dtoh(dev).map_err(e("download"))
+    }
+
+    /// Waits for everything launched so far.
+    pub fn synchronize(&self) -> Result<()> {
+        self.stream.synchronize().map_err(e("synchronize"))?;
+        self.ctx.synchronize().map_err(e("synchronize"))
+    }
+
+    /// `gemv_*` ([`crate::reference::gemv_into`]): `tokens` at most
+    /// `GEMV_TOKENS` (8) per launch.
+    #[allow(clippy::too_many_arguments)]
+    pub fn gemv(
+        &self,
+        format: Format,
+        w: &CudaSlice<u8>,
+        x: &CudaSlice<f32>,
+        y: &mut CudaSlice<f32>,
+        rows: usize,
+        cols: usize,
+        tokens: usize,
+        acc: bool,
+    ) -> Result<()> {
+        let blocks = cols / format.per_block();
+        if !cols.is_multiple_of(format.per_block())
+            || w.len() < rows * blocks * format.block_bytes()
+            || x.len() < tokens * cols
+            || y.len() < tokens * rows
+            || !(1..=8).contains(&tokens)
+        {
+            return Err(format!("gemv shapes: {rows}x{cols}, {tokens} tokens"));
+        }
+        let f = self.func(format.kernel())?;
+        let warps = 4u32;
+        let cfg = LaunchConfig {
+            grid_dim: ((rows as u32).div_ceil(warps), 1, 1),
+            block_dim: (32 * warps, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let (r, c, t, a) = (rows as i32, cols as i32, tokens as i32, acc as i32);
+        let mut b = self.stream.launch_builder(f);
+        b.arg(w).arg(x).arg(y).arg(&r).arg(&c).arg(&t).arg(&a);
+        // SAFETY: the argument list matches the kernel's signature and the
+        // buffers hold what the shapes above say.
+        unsafe { b.launch(cfg) }.map(|_| ()).map_err(e("gemv"))
+    }
+
+    /// `rmsnorm_residual` over `tokens` rows of `dim`.
+    #[allow(clippy::too_many_arguments)]
+    pub fn rmsnorm_residual(
+        &self,
+        x: &mut CudaSlice<f32>,
+        add: Option<&CudaSlice<f32>>,
+        w: &CudaSlice<f32>,
+        out: &mut CudaSlice<f32>,
+        dim: usize,
+        tokens: usize,
+        eps: f32,
+    ) -> Result<()> {
+        if x.len() < tokens * dim
+            || out.len() < tokens * dim
+            || w.len() < dim
+            || add.is_some_and(|a| a.len() < tokens * dim)
+        {
+            return Err(format!("rmsnorm shapes: {tokens} x {dim}"));
+        }
+        let f = self.func("rmsnorm_residual")?;
+        let cfg = LaunchConfig {
+            grid_dim: (tokens as u32, 1, 1),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let (d, null) = (dim as i32, 0u64);
+        let mut b = self.stream.launch_builder(f);
+        b.arg(x);
+        match add {
+            Some(a) => b.arg(a),
+            None => b.arg(&null),
+        };
+        b.arg(w).arg(out).arg(&d).arg(&eps);
+        // SAFETY: as in `gemv`; a null `add` is a 64-bit zero pointer.
+        unsafe { b.launch(cfg) }.map(|_| ()).map_err(e("rmsnorm"))
+    }
+
+    /// `rope` in place over `tokens` rows of `stride` floats.
+    #[allow(clippy::too_many_arguments)]
+    pub fn rope(
+        &self,
+        x: &mut CudaSlice<f32>,
+        pos: &CudaSlice<i32>,
+        heads: usize,
+        hd: usize,
+        stride: usize,
+        tokens: usize,
+        theta: f32,
+        neox: bool,
+    ) -> Result<()> {
+        if x.len() < tokens * stride || pos.len() < tokens || heads * hd > stride || hd % 2 == 1 {
+            return Err(format!("rope shapes: {tokens} x {heads} x {hd}"));
+        }
+        let f = self.func("rope")?;
+        let cfg = LaunchConfig {
+            grid_dim: (tokens as u32, 1, 1),
+            block_dim: (128, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let (h, d, s, n) = (heads as i32, hd as i32, stride as i32, neox as i32);
+        let mut b = self.stream.launch_builder(f);
+        b.arg(x)
+            .arg(pos)
+            .arg(&h)
+            .arg(&d)
+            .arg(&s)
+            .arg(&theta)
+            .arg(&n);
+        // SAFETY: as in `gemv`.
+        unsafe { b.launch(cfg) }.map(|_| ()).map_err(e("rope"))
+    }
+
+    /// `silu_mul` over `tokens` fused gate|up rows.
+    pub fn silu_mul(
+        &self,
+        gu: &CudaSlice<f32>,
+        out: &mut CudaSlice<f32>,
+        ff: usize,
+        tokens: usize,
+    ) -> Result<()> {
+        if gu.len() < 2 * ff * tokens || out.len() < ff * tokens {
+            return Err(format!("silu shapes: {tokens} x {ff}"));
+        }
+        let f = self.func("silu_mul")?;
+        let cfg = LaunchConfig::for_num_elems((ff * tokens) as u32);
+        let (n, t) = (ff as i32, tokens as i32);
+        let mut b = self.stream.launch_builder(f);
+        b.arg(gu).arg(out).arg(&n).arg(&t);
+        // SAFETY: as in `gemv`.
+        unsafe { b.launch(cfg) }.map(|_| ()).map_err(e("silu"))
+    }
+
+    /// `kv_write`: each token's K and V (at `k_off` and `v_off` of its
+    /// `stride`-float row) into its slot, as f16.
+    #[allow(clippy::too_many_arguments)]
+    pub fn kv_write(
+        &self,
+        qkv: &CudaSlice<f32>,
+        stride: usize,
+        k_off: usize,
+        v_off: usize,
+        kc: &mut CudaSlice<u16>,
+        vc: &mut CudaSlice<u16>,
+        slots: &CudaSlice<i32>,
+        kv_dim: usize,
+        tokens: usize,
+    ) -> Result<()> {
+        if qkv.len() < tokens * stride
+            || k_off + kv_dim > stride
+            || v_off + kv_dim > stride
+            || slots.len() < tokens
+            || kc.len() != vc.len()
+        {
+            return Err(format!("kv_write shapes: {tokens} tokens of {kv_dim}"));
+        }
+        let f = self.func("kv_write")?;
+        let cfg = LaunchConfig {
+            grid_dim: (tokens as u32, 1, 1),
+            block_dim: (128, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let (s, ko, vo, kd) = (stride as i32, k_off as i32, v_off as i32, kv_dim as i32);
+        let mut b = self.stream.launch_builder(f);
+        b.arg(qkv)
+            .arg(&s)
+            .arg(&ko)
+            .arg(&vo)
+            .arg(kc)
+            .arg(vc)
+            .arg(slots)
+            .arg(&kd);
+        // SAFETY: as in `gemv`; slots index the caches (the layout's
+        // block ids are checked against the pool when it is built).
+        unsafe { b.launch(cfg) }.map(|_| ()).map_err(e("kv_write"))
+    }
+
+    /// `paged_attention` for `tokens` query rows.
+    #[allow(clippy::too_many_arguments)]
+    pub fn paged_attention(
+        &self,
+        q: &CudaSlice<f32>,
+        q_stride: usize,
+        kc: &CudaSlice<u16>,
+        vc: &CudaSlice<u16>,
+        tables: &CudaSlice<i32>,
+        max_blocks: usize,
+        qseq: &CudaSlice<i32>,
+        qpos: &CudaSlice<i32>,
+        out: &mut CudaSlice<f32>,
+        shape: AttnShape,
+        tokens: usize,
+    ) -> Result<()> {
+        let AttnShape {
+            heads,
+            kv_heads,
+            hd,
+            block_size,
+        } = shape;
+        let group = heads / kv_heads.max(1);
+        if kv_heads == 0
+            || heads % kv_heads != 0
+            || group > 8
+            || hd > 128
+            || q.len() < tokens * q_stride
+            || out.len() < tokens * heads * hd
+            || qseq.len() < tokens
+            || qpos.len() < tokens
+        {
+            return Err(format!(
+                "attention shapes: {heads}/{kv_heads} heads of {hd}"
+            ));
+        }
+        let f = self.func("paged_attention")?;
+        let cfg = LaunchConfig {
+            grid_dim: (kv_heads as u32, tokens as u32, 1),
+            block_dim: (32 * group as u32, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let scale = 1.0 / (hd as f32).sqrt();
+        let (qs, mb, h, kh, d, bs) = (
+            q_stride as i32,
+            max_blocks as i32,
+            heads as i32,
+            kv_heads as i32,
+            hd as i32,
+            block_size as i32,
+        );
+        let mut b = self.stream.launch_builder(f);
+        b.arg(q)
+            .arg(&qs)
+            .arg(kc)
+            .arg(vc)
+            .arg(tables)
+            .arg(&mb)
+            .arg(qseq)
+            .arg(qpos)
+            .arg(out);
+        b.arg(&h).arg(&kh).arg(&d).arg(&bs).arg(&scale);
+        // SAFETY: as in `gemv`; the tables and positions come from a
+        // `StepLayout`, which checks them against the pool.
+        unsafe { b.launch(cfg) }.map(|_| ()).map_err(e("attention"))
+    }
+
+    /// `top_k`: the k best of each of `rows` rows of `vocab` logits.
+    pub fn top_k(
+        &self,
+        logits: &CudaSlice<f32>,
+        vocab: usize,
+        rows: usize,
+        k: usize,
+        idx: &mut CudaSlice<i32>,
+        val: &mut CudaSlice<f32>,
+    ) -> Result<()> {
+        if logits.len() < rows * vocab || idx.len() < rows * k || val.len() < rows * k || k == 0 {
+            return Err(format!("top_k shapes: {rows} x {vocab}, k {k}"));
+        }
+        let f = self.func("top_k")?;
+        let cfg = LaunchConfig {
+            grid_dim: (rows as u32, 1, 1),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let (v, kk) = (vocab as i32, k as i32);
+        let mut b = self.stream.launch_builder(f);
+        b.arg(logits).arg(&v).arg(&kk).arg(idx).arg(val);
+        // SAFETY: as in `gemv`.
+        unsafe { b.launch(cfg) }.map(|_| ()).map_err(e("top_k"))
+    }
+}
+
+/// The attention's head layout.
+#[derive(Debug, Clone, Copy)]
+pub struct AttnShape {
+    /// Query heads.
+    pub heads: usize,
+    /// KV heads (a divisor of `heads`, at most 8 query heads each).
+    pub kv_heads: usize,
+    /// Values per head (at most 128).
+    pub hd: usize,
+    /// Positions per KV block.
+    pub block_size: usize,
+}
