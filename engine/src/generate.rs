@@ -20,6 +20,8 @@ pub struct Loaded {
     /// The weights in the CPU kernels' layout (Err: what they do not
     /// cover; the scheduler then runs candle's forward pass).
     pub fast: std::result::Result<std::sync::Arc<crate::backend::cpu::weights::Weights>, String>,
+    /// The GGUF it came from (a GPU runner reads its blocks again).
+    pub path: std::path::PathBuf,
 }
 
 /// Load a GGUF model and its tokenizer on the CPU.
@@ -48,6 +50,7 @@ pub fn load(path: &Path) -> Result<Loaded> {
         codec,
         guides,
         fast,
+        path: path.to_path_buf(),
     })
 }
 

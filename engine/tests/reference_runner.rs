@@ -117,3 +117,47 @@ fn the_reference_runner_batches_like_it_runs_alone_and_agrees_with_the_cpu_runne
         "the engine's first token is the step's argmax"
     );
 }
+
+/// The GPU check's synthetic model (SmolLM2's shapes, random blocks) runs
+/// through the reference runner with finite logits of a realistic spread,
+/// so a parity failure there is the GPU's, not the weights'.
+#[test]
+fn synthetic_weights_with_smollm2_shapes_give_usable_logits() {
+    use ultrafast_engine::backend::blocks::FileWeights;
+    use ultrafast_engine::model::{Arch, ModelConfig};
+    let cfg = ModelConfig {
+        arch: Arch::Llama,
+        n_layer: 30,
+        dim: 576,
+        n_head: 9,
+        n_kv_head: 3,
+        head_dim: 64,
+        ffn_dim: 1536,
+        vocab: 49_152,
+        context_len: 8192,
+        rope_theta: 100_000.0,
+        rms_eps: 1e-5,
+    };
+    let mut r = ReferenceRunner::new(Arc::new(FileWeights::synthetic(cfg, 7)), 8, 16);
+    let blocks = [3u32];
+    let toks = [11u32, 7930, 15_849, 23_768];
+    let mut logits = Vec::new();
+    assert!(r
+        .step(
+            &[SeqStep {
+                tokens: &toks,
+                start: 0,
+                blocks: &blocks,
+            }],
+            &|_| false,
+            &mut logits,
+        )
+        .unwrap());
+    assert_eq!(logits.len(), 49_152);
+    assert!(logits.iter().all(|v| v.is_finite()));
+    let (lo, hi) = logits
+        .iter()
+        .fold((f32::MAX, f32::MIN), |(a, b), v| (a.min(*v), b.max(*v)));
+    eprintln!("synthetic logits span {lo:.2} .. {hi:.2}");
+    assert!(hi - lo > 2.0 && hi - lo < 200.0, "{lo} .. {hi}");
+}

@@ -136,13 +136,22 @@ fn main() {
             let want = r::gemv(format, &w, &x, rows, cols, tokens);
             let (dw, dx) = (gpu.upload(&w).unwrap(), gpu.upload(&x).unwrap());
             let mut dy = gpu.zeros::<f32>(tokens * rows).unwrap();
-            gpu.gemv(format, &dw, &dx, &mut dy, rows, cols, tokens, false)
-                .unwrap();
+            let run = |dy: &mut cudarc::driver::CudaSlice<f32>| {
+                gpu.gemv(
+                    format,
+                    &dw,
+                    &dx.slice(..),
+                    &mut dy.slice_mut(..),
+                    rows,
+                    cols,
+                    tokens,
+                    false,
+                )
+                .unwrap()
+            };
+            run(&mut dy);
             let got = gpu.download(&dy).unwrap();
-            let us = time(&gpu, &mut || {
-                gpu.gemv(format, &dw, &dx, &mut dy, rows, cols, tokens, false)
-                    .unwrap()
-            });
+            let us = time(&gpu, &mut || run(&mut dy));
             rep.row(
                 &format!("{} {rows}x{cols}, {tokens} token(s)", format.kernel()),
                 err(&got, &want),
@@ -198,7 +207,7 @@ fn main() {
             );
         }
         let (mut dx, dp) = (gpu.upload(&x).unwrap(), gpu.upload(&pos).unwrap());
-        gpu.rope(&mut dx, &dp, heads, hd, stride, tokens, theta, neox)
+        gpu.rope(&mut dx, &dp, heads, hd, stride, 0, tokens, theta, neox)
             .unwrap();
         rep.row(
             &format!("rope 8x9x64, neox {neox}"),

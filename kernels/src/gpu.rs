@@ -16,8 +16,11 @@
 use crate::nvrtc::Nvrtc;
 use crate::reference::Format;
 use crate::sources::SOURCES;
+/// A buffer on the GPU (cudarc's).
+pub use cudarc::driver::CudaSlice as DeviceBuffer;
 use cudarc::driver::{
-    CudaContext, CudaFunction, CudaSlice, CudaStream, LaunchConfig, PushKernelArg,
+    CudaContext, CudaFunction, CudaSlice, CudaStream, CudaView, CudaViewMut, LaunchConfig,
+    PushKernelArg,
 };
 use std::collections::HashMap;
 use std::path::Path;
@@ -117,8 +120,8 @@ impl Gpu {
         &self,
         format: Format,
         w: &CudaSlice<u8>,
-        x: &CudaSlice<f32>,
-        y: &mut CudaSlice<f32>,
+        x: &CudaView<'_, f32>,
+        y: &mut CudaViewMut<'_, f32>,
         rows: usize,
         cols: usize,
         tokens: usize,
@@ -185,7 +188,8 @@ impl Gpu {
         unsafe { b.launch(cfg) }.map(|_| ()).map_err(e("rmsnorm"))
     }
 
-    /// `rope` in place over `tokens` rows of `stride` floats.
+    /// `rope` in place over `tokens` rows of `stride` floats, on the
+    /// `heads` heads starting `off` floats into each row.
     #[allow(clippy::too_many_arguments)]
     pub fn rope(
         &self,
@@ -194,11 +198,16 @@ impl Gpu {
         heads: usize,
         hd: usize,
         stride: usize,
+        off: usize,
         tokens: usize,
         theta: f32,
         neox: bool,
     ) -> Result<()> {
-        if x.len() < tokens * stride || pos.len() < tokens || heads * hd > stride || hd % 2 == 1 {
+        if x.len() < tokens * stride
+            || pos.len() < tokens
+            || off + heads * hd > stride
+            || hd % 2 == 1
+        {
             return Err(format!("rope shapes: {tokens} x {heads} x {hd}"));
         }
         let f = self.func("rope")?;

@@ -12,7 +12,9 @@
 //!   reads); used where the CPU kernels do not cover a model's tensor
 //!   types, or when `ULTRAFAST_CPU_RUNNER=candle` asks for it.
 
+pub mod blocks;
 pub mod cpu;
+pub mod cuda;
 pub mod layout;
 pub mod reference;
 
@@ -89,13 +91,15 @@ fn choose_with(
     want: Device,
     probe: impl FnOnce() -> std::result::Result<Vec<ultrafast_kernels::cuda::Gpu>, String>,
 ) -> Result<Device> {
-    const NO_RUNNER: &str = "this build has no CUDA runner yet";
     match want {
         Device::Cpu => Ok(Device::Cpu),
         Device::Auto => {
+            // The CUDA runner has not run on a GPU yet: `auto` keeps the
+            // CPU until the GPU check has passed, and says so.
             match probe() {
                 Ok(gpus) => log::info!(
-                    "engine: device auto chose cpu: found {} ({NO_RUNNER})",
+                    "engine: device auto chose cpu: found {}, but the CUDA runner has not passed \
+                     the GPU check yet (device = \"cuda\" runs on it)",
                     describe_gpus(&gpus)
                 ),
                 Err(why) => log::info!("engine: device auto chose cpu: {why}"),
@@ -106,17 +110,37 @@ fn choose_with(
             let gpus = probe().map_err(|why| {
                 EngineError::Invalid(format!("device \"{want}\": no usable GPU: {why}"))
             })?;
-            let Some(g) = gpus.get(n) else {
+            if gpus.get(n).is_none() {
                 return Err(EngineError::Invalid(format!(
                     "device \"{want}\": no GPU {n} (found {})",
                     describe_gpus(&gpus)
                 )));
-            };
-            Err(EngineError::Invalid(format!(
-                "device \"{want}\": found {} (sm_{}{}), but {NO_RUNNER}; use device = \"cpu\" or \"auto\"",
-                g.name, g.capability.0, g.capability.1
-            )))
+            }
+            Ok(Device::Cuda(n))
         }
+    }
+}
+
+/// The runner for `device` (what [`choose_device`] returned): the CUDA
+/// runner on `Cuda(n)` (an error names what failed: NVRTC, the GPU, the
+/// model's formats), else [`cpu_runner`].
+pub fn runner_for(
+    device: Device,
+    loaded: &Arc<Loaded>,
+    num_blocks: usize,
+    block_size: usize,
+    kv_dtype: KvDtype,
+    init: fn(),
+) -> Result<Box<dyn ModelRunner>> {
+    match device {
+        Device::Cuda(n) => {
+            let w = blocks::FileWeights::read(&loaded.path)?;
+            let r = cuda::CudaRunner::new(w, n, num_blocks, block_size)
+                .map_err(|e| EngineError::Invalid(format!("device \"{device}\": {e}")))?;
+            log::info!("engine: runner {}", r.describe());
+            Ok(Box::new(r))
+        }
+        _ => cpu_runner(loaded, num_blocks, block_size, kv_dtype, init),
     }
 }
 
@@ -322,7 +346,7 @@ mod tests {
     }
 
     #[test]
-    fn auto_takes_the_cpu_and_cuda_says_why_it_cannot_run() {
+    fn auto_takes_the_cpu_and_cuda_takes_the_gpu_or_says_why_not() {
         let none = || Err("no CUDA driver (libcuda.so.1 not found)".to_string());
         assert_eq!(choose_with(Device::Auto, none).ok(), Some(Device::Cpu));
         assert_eq!(choose_with(Device::Auto, h200).ok(), Some(Device::Cpu));
@@ -337,10 +361,9 @@ mod tests {
             e.contains("no GPU 2 (found cuda:0 NVIDIA H200 (sm_90))"),
             "{e}"
         );
-        let e = choose_with(Device::Cuda(0), h200).unwrap_err().to_string();
-        assert!(
-            e.contains("NVIDIA H200 (sm_90), but this build has no CUDA runner"),
-            "{e}"
+        assert_eq!(
+            choose_with(Device::Cuda(0), h200).ok(),
+            Some(Device::Cuda(0))
         );
         // The real probe: whatever this machine has, `auto` never fails.
         assert_eq!(choose_device(Device::Auto).ok(), Some(Device::Cpu));

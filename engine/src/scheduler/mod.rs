@@ -160,10 +160,11 @@ impl Engine {
         cfg: EngineConfig,
         observer: Option<Arc<dyn StepObserver>>,
     ) -> Result<Engine> {
-        backend::choose_device(cfg.device)?;
+        let device = backend::choose_device(cfg.device)?;
         // Built here, so its threads take this thread's priority before
         // lowering their own.
-        let runner = backend::cpu_runner(
+        let runner = backend::runner_for(
+            device,
             &loaded,
             cfg.num_blocks,
             cfg.block_size,

@@ -1,9 +1,10 @@
 // Rotary position embedding in place over `heads` heads of `hd` values
 // for token blockIdx.x at position pos[blockIdx.x]. Pair i (< hd / 2)
 // turns by pos / theta^(2i / hd): llama's interleaved pairs (2i, 2i + 1)
-// or NEOX's halves (i, i + hd / 2). `stride` is the floats per token.
+// or NEOX's halves (i, i + hd / 2). `stride` is the floats per token and
+// the heads start `off` floats into each token's row.
 extern "C" __global__ void rope(float* x, const int* pos, int heads, int hd, int stride,
-                                float theta, int neox) {
+                                int off, float theta, int neox) {
     int t = blockIdx.x;
     float p = (float)pos[t];
     int half = hd / 2;
@@ -12,7 +13,7 @@ extern "C" __global__ void rope(float* x, const int* pos, int heads, int hd, int
         float freq = 1.f / powf(theta, 2.f * (float)i / (float)hd);
         float s, c;
         sincosf(p * freq, &s, &c);
-        float* v = x + (size_t)t * stride + h * hd;
+        float* v = x + (size_t)t * stride + off + h * hd;
         int a = neox ? i : 2 * i, b = neox ? i + half : 2 * i + 1;
         float x0 = v[a], x1 = v[b];
         v[a] = x0 * c - x1 * s;
