@@ -165,11 +165,17 @@ def asynchronous(base, model):
         st = h.get(root + f"/v1/requests/{j['id']}").json()
         assert st["status"] == "completed", st
         assert st["result"]["choices"][0]["message"]["content"] == text, (st, text)
-        # background: true in the body, then DELETE while it runs.
-        r = h.post(base + "/chat/completions", json={**body, "max_tokens": 4000, "background": True})
+        # background: true in the body, then DELETE while it runs (a long
+        # answer, cancelled as soon as it is generating: the engine writes a
+        # short one faster than a fixed sleep).
+        long = {**body, "messages": [{"role": "user", "content": "Write a very long story about a dragon, in many chapters."}],
+                "max_tokens": 4000, "background": True}
+        r = h.post(base + "/chat/completions", json=long)
         assert r.status_code == 202, r.text
         jid = r.json()["id"]
-        time.sleep(0.3)
+        deadline = time.time() + 30
+        while h.get(root + f"/v1/requests/{jid}").json()["status"] == "queued" and time.time() < deadline:
+            time.sleep(0.01)
         d = h.delete(root + f"/v1/requests/{jid}")
         assert d.status_code == 200 and d.json()["status"] == "cancelled", d.text
         st = h.get(root + f"/v1/requests/{jid}").json()
