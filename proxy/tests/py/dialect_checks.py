@@ -244,17 +244,24 @@ def responses(root, model, stats=None):
             break
         time.sleep(0.1)
     assert g.status in ("completed", "incomplete") and g.output_text, g
+    def started(rid):
+        # Cancel as soon as it generates: a fixed sleep races a fast engine.
+        for _ in range(3000):
+            if c.responses.retrieve(rid).status != "queued":
+                return
+            time.sleep(0.01)
+
     if stats:
         # Slow the fake down, so that the response is still running.
         httpx.post(stats.replace("/stats", "/control"), json={"itl_ms": 300}, timeout=10)
     b = c.responses.create(model=model, input="Write a very long story.", background=True, max_output_tokens=4000)
-    time.sleep(0.3)
+    started(b.id)
     d = httpx.delete(root + f"/v1/responses/{b.id}", timeout=30).json()
     assert d["status"] == "cancelled", d
     assert c.responses.retrieve(b.id).status == "cancelled"
     # The SDK's cancel (POST /v1/responses/{id}/cancel) does the same.
     b = c.responses.create(model=model, input="Write a very long story.", background=True, max_output_tokens=4000)
-    time.sleep(0.3)
+    started(b.id)
     assert c.responses.cancel(b.id).status == "cancelled"
     st = httpx.get(root + "/v1/requests/req_" + b.id[len("resp_"):], timeout=30).json()
     assert st["status"] == "cancelled", st
