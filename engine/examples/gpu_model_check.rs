@@ -14,32 +14,15 @@
 
 use std::sync::Arc;
 use std::time::Instant;
-use ultrafast_engine::backend::blocks::FileWeights;
+use ultrafast_engine::backend::blocks::{smollm2_shapes, FileWeights};
 use ultrafast_engine::backend::cuda::CudaRunner;
 use ultrafast_engine::backend::reference::ReferenceRunner;
 use ultrafast_engine::backend::ModelRunner;
 use ultrafast_engine::model::paged::SeqStep;
-use ultrafast_engine::model::{Arch, ModelConfig};
 use ultrafast_engine::sampling::argmax;
 
 const BLOCK: usize = 16;
 const BLOCKS: usize = 4096;
-
-fn smollm2() -> ModelConfig {
-    ModelConfig {
-        arch: Arch::Llama,
-        n_layer: 30,
-        dim: 576,
-        n_head: 9,
-        n_kv_head: 3,
-        head_dim: 64,
-        ffn_dim: 1536,
-        vocab: 49_152,
-        context_len: 8192,
-        rope_theta: 100_000.0,
-        rms_eps: 1e-5,
-    }
-}
 
 /// Largest |a - b| beyond the tolerance's scale, and the parity verdict.
 fn compare(gpu: &[f32], reference: &[f32], vocab: usize) -> (f32, bool) {
@@ -61,7 +44,7 @@ fn compare(gpu: &[f32], reference: &[f32], vocab: usize) -> (f32, bool) {
 }
 
 fn main() {
-    let cfg = smollm2();
+    let cfg = smollm2_shapes();
     let t = Instant::now();
     let mut gpu = match CudaRunner::new(FileWeights::synthetic(cfg.clone(), 7), 0, BLOCKS, BLOCK) {
         Ok(r) => r,

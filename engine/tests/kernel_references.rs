@@ -9,46 +9,12 @@
 
 use candle_core::quantized::{ggml_file::qtensor_from_ggml, GgmlDType};
 use candle_core::Device;
-use half::f16;
 use ultrafast_engine::backend::cpu::ops;
-use ultrafast_kernels::reference::{self as r, Format, PagedKv};
+use ultrafast_kernels::reference::{self as r, Format, PagedKv, XorShift as Gen};
 
-/// A small deterministic generator (xorshift), so failures reproduce.
-struct Gen(u64);
-
-impl Gen {
-    fn u8(&mut self) -> u8 {
-        self.0 ^= self.0 << 13;
-        self.0 ^= self.0 >> 7;
-        self.0 ^= self.0 << 17;
-        (self.0 >> 24) as u8
-    }
-    fn f(&mut self) -> f32 {
-        (self.u8() as f32 + self.u8() as f32 / 256.0) / 128.0 - 1.0
-    }
-    fn half(&mut self, scale: f32) -> [u8; 2] {
-        f16::from_f32(self.f() * scale).to_le_bytes()
-    }
-}
-
-/// `rows` rows of `cols` weights in `format`'s blocks: random values,
-/// scales of a realistic size (never NaN or infinite).
+/// `format`'s blocks with realistic random scales.
 fn blocks(g: &mut Gen, format: Format, rows: usize, cols: usize) -> Vec<u8> {
-    let n = rows * cols / format.per_block();
-    let mut out = Vec::new();
-    for _ in 0..n {
-        let mut b: Vec<u8> = (0..format.block_bytes()).map(|_| g.u8()).collect();
-        match format {
-            Format::Q4_1 | Format::Q4K => {
-                b[..2].copy_from_slice(&g.half(0.02));
-                b[2..4].copy_from_slice(&g.half(0.02));
-            }
-            Format::Q8_0 => b[..2].copy_from_slice(&g.half(0.01)),
-            Format::Q6K => b[208..].copy_from_slice(&g.half(0.002)),
-        }
-        out.extend(b);
-    }
-    out
+    r::random_blocks(g, format, rows, cols, r::realistic_scale(format))
 }
 
 #[test]

@@ -123,21 +123,8 @@ fn the_reference_runner_batches_like_it_runs_alone_and_agrees_with_the_cpu_runne
 /// so a parity failure there is the GPU's, not the weights'.
 #[test]
 fn synthetic_weights_with_smollm2_shapes_give_usable_logits() {
-    use ultrafast_engine::backend::blocks::FileWeights;
-    use ultrafast_engine::model::{Arch, ModelConfig};
-    let cfg = ModelConfig {
-        arch: Arch::Llama,
-        n_layer: 30,
-        dim: 576,
-        n_head: 9,
-        n_kv_head: 3,
-        head_dim: 64,
-        ffn_dim: 1536,
-        vocab: 49_152,
-        context_len: 8192,
-        rope_theta: 100_000.0,
-        rms_eps: 1e-5,
-    };
+    use ultrafast_engine::backend::blocks::{smollm2_shapes, FileWeights};
+    let cfg = smollm2_shapes();
     let mut r = ReferenceRunner::new(Arc::new(FileWeights::synthetic(cfg, 7)), 8, 16);
     let blocks = [3u32];
     let toks = [11u32, 7930, 15_849, 23_768];

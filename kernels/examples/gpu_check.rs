@@ -13,44 +13,11 @@ use std::path::PathBuf;
 use std::time::Instant;
 use ultrafast_kernels::gpu::{AttnShape, Gpu};
 use ultrafast_kernels::nvrtc::Nvrtc;
-use ultrafast_kernels::reference::{self as r, Format, PagedKv};
+use ultrafast_kernels::reference::{self as r, Format, PagedKv, XorShift as Gen};
 
-/// xorshift, so a failure reproduces.
-struct Gen(u64);
-
-impl Gen {
-    fn next(&mut self) -> u64 {
-        self.0 ^= self.0 << 13;
-        self.0 ^= self.0 >> 7;
-        self.0 ^= self.0 << 17;
-        self.0
-    }
-    fn f(&mut self) -> f32 {
-        (self.next() >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0
-    }
-    fn fs(&mut self, n: usize, scale: f32) -> Vec<f32> {
-        (0..n).map(|_| self.f() * scale).collect()
-    }
-}
-
-/// Random blocks of `format` with scales of a realistic size.
+/// `format`'s blocks with realistic random scales.
 fn blocks(g: &mut Gen, format: Format, rows: usize, cols: usize) -> Vec<u8> {
-    let n = rows * cols / format.per_block();
-    let mut out = Vec::with_capacity(n * format.block_bytes());
-    for _ in 0..n {
-        let mut b: Vec<u8> = (0..format.block_bytes()).map(|_| g.next() as u8).collect();
-        let h = |v: f32| half::f16::from_f32(v).to_le_bytes();
-        match format {
-            Format::Q4_1 | Format::Q4K => {
-                b[..2].copy_from_slice(&h(g.f() * 0.02));
-                b[2..4].copy_from_slice(&h(g.f() * 0.02));
-            }
-            Format::Q8_0 => b[..2].copy_from_slice(&h(g.f() * 0.01)),
-            Format::Q6K => b[208..].copy_from_slice(&h(g.f() * 0.002)),
-        }
-        out.extend(b);
-    }
-    out
+    r::random_blocks(g, format, rows, cols, r::realistic_scale(format))
 }
 
 /// Largest `|a - b| / (1 + |b|)`.

@@ -297,6 +297,74 @@ pub fn top_k(row: &[f32], k: usize) -> Vec<(u32, f32)> {
         .collect()
 }
 
+/// A small deterministic generator (xorshift64) for test and check data,
+/// so a failure reproduces from its seed.
+#[derive(Debug, Clone)]
+pub struct XorShift(pub u64);
+
+impl XorShift {
+    /// The next 64 random bits.
+    pub fn next_u64(&mut self) -> u64 {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        self.0
+    }
+
+    /// Uniform in [-1, 1).
+    pub fn f(&mut self) -> f32 {
+        (self.next_u64() >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0
+    }
+
+    /// `n` values uniform in [-scale, scale).
+    pub fn fs(&mut self, n: usize, scale: f32) -> Vec<f32> {
+        (0..n).map(|_| self.f() * scale).collect()
+    }
+}
+
+/// `rows` rows of `cols` weights in `format`'s blocks: random values, and
+/// each block's scale (and minimum, where the format has one) from
+/// `scale`, so they are never NaN or infinite.
+pub fn random_blocks(
+    rng: &mut XorShift,
+    format: Format,
+    rows: usize,
+    cols: usize,
+    mut scale: impl FnMut(&mut XorShift) -> (f32, f32),
+) -> Vec<u8> {
+    let n = rows * cols / format.per_block();
+    let mut out = Vec::with_capacity(n * format.block_bytes());
+    for _ in 0..n {
+        let start = out.len();
+        out.extend((0..format.block_bytes()).map(|_| rng.next_u64() as u8));
+        let b = &mut out[start..];
+        let (d, m) = scale(rng);
+        let (d, m) = (
+            f16::from_f32(d).to_le_bytes(),
+            f16::from_f32(m).to_le_bytes(),
+        );
+        match format {
+            Format::Q4_1 | Format::Q4K => {
+                b[..2].copy_from_slice(&d);
+                b[2..4].copy_from_slice(&m);
+            }
+            Format::Q8_0 => b[..2].copy_from_slice(&d),
+            Format::Q6K => b[208..].copy_from_slice(&d),
+        }
+    }
+    out
+}
+
+/// Scales of a realistic size per format, for [`random_blocks`].
+pub fn realistic_scale(format: Format) -> impl FnMut(&mut XorShift) -> (f32, f32) {
+    let s = match format {
+        Format::Q4_1 | Format::Q4K => 0.02,
+        Format::Q8_0 => 0.01,
+        Format::Q6K => 0.002,
+    };
+    move |g: &mut XorShift| (g.f() * s, g.f() * s)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

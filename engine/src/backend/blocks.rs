@@ -38,7 +38,21 @@ impl Mat {
         );
     }
 
-    /// Row `i`, dequantized (the embedding lookup).
+    /// The rows of `ids`, dequantized one after another into `out` (the
+    /// embedding lookup); an id outside the matrix is an error.
+    pub fn gather(&self, ids: &[u32], out: &mut [f32]) -> Result<()> {
+        for (i, t) in ids.iter().enumerate() {
+            if *t as usize >= self.rows {
+                return Err(EngineError::Invalid(format!(
+                    "token {t} outside the vocabulary"
+                )));
+            }
+            self.row(*t as usize, &mut out[i * self.cols..][..self.cols]);
+        }
+        Ok(())
+    }
+
+    /// Row `i`, dequantized.
     pub fn row(&self, i: usize, out: &mut [f32]) {
         let (per, bytes) = (self.format.per_block(), self.format.block_bytes());
         let nb = self.cols / per;
@@ -179,32 +193,13 @@ impl FileWeights {
     /// embedding, as SmolLM2's file has, with scales that keep activations
     /// in a realistic range. Deterministic in `seed`.
     pub fn synthetic(cfg: ModelConfig, seed: u64) -> FileWeights {
-        let mut s = seed | 1;
-        let mut next = move || {
-            s ^= s << 13;
-            s ^= s >> 7;
-            s ^= s << 17;
-            s
-        };
-        let mut mat = |format: Format, rows: usize, cols: usize, scale: f32| {
-            let n = rows * cols / format.per_block();
-            let mut bytes = Vec::with_capacity(n * format.block_bytes());
-            for _ in 0..n {
-                let mut b: Vec<u8> = (0..format.block_bytes()).map(|_| next() as u8).collect();
-                let d = half::f16::from_f32(scale).to_le_bytes();
-                let m = half::f16::from_f32(-7.5 * scale).to_le_bytes();
-                b[..2].copy_from_slice(&d);
-                if format == Format::Q4_1 {
-                    b[2..4].copy_from_slice(&m);
-                }
-                bytes.extend(b);
-            }
-            Mat {
-                format,
-                bytes,
-                rows,
-                cols,
-            }
+        let mut rng = r::XorShift(seed | 1);
+        let mut mat = |format: Format, rows: usize, cols: usize, scale: f32| Mat {
+            format,
+            // Q4_1 values 0..15 centred by a minimum of -7.5 steps.
+            bytes: r::random_blocks(&mut rng, format, rows, cols, |_| (scale, -7.5 * scale)),
+            rows,
+            cols,
         };
         let (d, kv, ff) = (cfg.dim, cfg.n_kv_head * cfg.head_dim, cfg.ffn_dim);
         let q4 = |fan_in: usize| 2.0 / (fan_in as f32).sqrt() / 7.5;
@@ -229,5 +224,23 @@ impl FileWeights {
             head: None,
             cfg,
         }
+    }
+}
+
+/// SmolLM2-135M's shapes (what [`FileWeights::synthetic`] is given by the
+/// GPU check, where the real file does not travel).
+pub fn smollm2_shapes() -> ModelConfig {
+    ModelConfig {
+        arch: Arch::Llama,
+        n_layer: 30,
+        dim: 576,
+        n_head: 9,
+        n_kv_head: 3,
+        head_dim: 64,
+        ffn_dim: 1536,
+        vocab: 49_152,
+        context_len: 8192,
+        rope_theta: 100_000.0,
+        rms_eps: 1e-5,
     }
 }

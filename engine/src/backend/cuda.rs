@@ -56,6 +56,31 @@ pub struct CudaRunner {
     vc: Vec<CudaSlice<u16>>,
     block_size: usize,
     num_blocks: usize,
+    acts: Option<Acts>,
+}
+
+/// Device buffers for the activations of up to `rows` rows.
+struct Acts {
+    rows: usize,
+    h: CudaSlice<f32>,
+    qkv: CudaSlice<f32>,
+    att: CudaSlice<f32>,
+    gu: CudaSlice<f32>,
+    act: CudaSlice<f32>,
+}
+
+impl Acts {
+    fn new(g: &Gpu, rows: usize, d: usize, stride: usize, ff: usize) -> Result<Acts> {
+        let z = |len: usize| g.zeros::<f32>(rows * len).map_err(err("alloc"));
+        Ok(Acts {
+            rows,
+            h: z(d)?,
+            qkv: z(stride)?,
+            att: z(d)?,
+            gu: z(2 * ff)?,
+            act: z(ff)?,
+        })
+    }
 }
 
 fn err(what: &str) -> impl FnOnce(String) -> EngineError + '_ {
@@ -136,6 +161,7 @@ impl CudaRunner {
             vc,
             block_size,
             num_blocks,
+            acts: None,
             gpu,
         })
     }
@@ -189,22 +215,26 @@ impl ModelRunner for CudaRunner {
         let (eps, theta) = (c.rms_eps as f32, c.rope_theta);
         let g = &self.gpu;
         let mut host = vec![0.0f32; n * d];
-        for (row, t) in l.tokens.iter().enumerate() {
-            if *t as usize >= self.embed.rows {
-                return Err(EngineError::Invalid(format!(
-                    "token {t} outside the vocabulary"
-                )));
-            }
-            self.embed.row(*t as usize, &mut host[row * d..][..d]);
-        }
+        self.embed.gather(&l.tokens, &mut host)?;
         let mut x = g.upload(&host).map_err(err("upload"))?;
         let pos = g.upload(&l.positions).map_err(err("upload"))?;
         let slots = g.upload(&l.slots).map_err(err("upload"))?;
         let qseq = g.upload(&l.qseq).map_err(err("upload"))?;
         let tables = g.upload(&l.tables).map_err(err("upload"))?;
-        let z = |len: usize| g.zeros::<f32>(len).map_err(err("alloc"));
-        let (mut h, mut qkv, mut att) = (z(n * d)?, z(n * stride)?, z(n * d)?);
-        let (mut gu, mut act) = (z(n * 2 * ff)?, z(n * ff)?);
+        // A step's activations, kept from step to step and grown when a
+        // step has more rows (GPU allocations synchronize the device).
+        let mut a = match self.acts.take() {
+            Some(a) if a.rows >= n => a,
+            _ => Acts::new(g, n.next_power_of_two(), d, stride, ff)?,
+        };
+        let Acts {
+            h,
+            qkv,
+            att,
+            gu,
+            act,
+            ..
+        } = &mut a;
         let shape = AttnShape {
             heads: c.n_head,
             kv_heads: c.n_kv_head,
@@ -213,20 +243,21 @@ impl ModelRunner for CudaRunner {
         };
         for (li, layer) in self.layers.iter().enumerate() {
             if stop(li) {
+                self.acts = Some(a);
                 return Ok(false);
             }
-            g.rmsnorm_residual(&mut x, None, &layer.attn_norm, &mut h, d, n, eps)
+            g.rmsnorm_residual(&mut x, None, &layer.attn_norm, h, d, n, eps)
                 .map_err(err("rmsnorm"))?;
-            self.gemv(&layer.qkv, &h, &mut qkv, n, false)?;
-            g.rope(&mut qkv, &pos, c.n_head, hd, stride, 0, n, theta, false)
+            self.gemv(&layer.qkv, h, qkv, n, false)?;
+            g.rope(qkv, &pos, c.n_head, hd, stride, 0, n, theta, false)
                 .map_err(err("rope"))?;
-            g.rope(&mut qkv, &pos, c.n_kv_head, hd, stride, d, n, theta, false)
+            g.rope(qkv, &pos, c.n_kv_head, hd, stride, d, n, theta, false)
                 .map_err(err("rope"))?;
             let (kc, vc) = (&mut self.kc[li], &mut self.vc[li]);
-            g.kv_write(&qkv, stride, d, d + kvd, kc, vc, &slots, kvd, n)
+            g.kv_write(qkv, stride, d, d + kvd, kc, vc, &slots, kvd, n)
                 .map_err(err("kv_write"))?;
             g.paged_attention(
-                &qkv,
+                qkv,
                 stride,
                 kc,
                 vc,
@@ -234,22 +265,22 @@ impl ModelRunner for CudaRunner {
                 l.max_blocks,
                 &qseq,
                 &pos,
-                &mut att,
+                att,
                 shape,
                 n,
             )
             .map_err(err("attention"))?;
-            self.gemv(&layer.o, &att, &mut x, n, true)?;
-            g.rmsnorm_residual(&mut x, None, &layer.ffn_norm, &mut h, d, n, eps)
+            self.gemv(&layer.o, att, &mut x, n, true)?;
+            g.rmsnorm_residual(&mut x, None, &layer.ffn_norm, h, d, n, eps)
                 .map_err(err("rmsnorm"))?;
-            self.gemv(&layer.gate_up, &h, &mut gu, n, false)?;
-            g.silu_mul(&gu, &mut act, ff, n).map_err(err("silu"))?;
-            self.gemv(&layer.down, &act, &mut x, n, true)?;
+            self.gemv(&layer.gate_up, h, gu, n, false)?;
+            g.silu_mul(gu, act, ff, n).map_err(err("silu"))?;
+            self.gemv(&layer.down, act, &mut x, n, true)?;
         }
-        g.rmsnorm_residual(&mut x, None, &self.norm, &mut h, d, n, eps)
+        g.rmsnorm_residual(&mut x, None, &self.norm, h, d, n, eps)
             .map_err(err("rmsnorm"))?;
         let vocab = self.head.rows;
-        let mut out = z(l.last.len() * vocab)?;
+        let mut out = g.zeros::<f32>(l.last.len() * vocab).map_err(err("alloc"))?;
         for (i, row) in l.last.iter().enumerate() {
             let xv = h.slice(row * d..(row + 1) * d);
             let mut yv = out.slice_mut(i * vocab..(i + 1) * vocab);
@@ -267,6 +298,7 @@ impl ModelRunner for CudaRunner {
         }
         g.synchronize().map_err(err("step"))?;
         *logits = g.download(&out).map_err(err("download"))?;
+        self.acts = Some(a);
         Ok(true)
     }
 

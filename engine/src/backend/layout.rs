@@ -32,8 +32,6 @@ pub struct StepLayout {
     pub max_blocks: usize,
     /// Each real sequence's last row (where its logits come from).
     pub last: Vec<usize>,
-    /// Rows that belong to real sequences (the rest is bucket padding).
-    pub real_rows: usize,
     /// The bucket of a decode-only step (rows padded to it); None for a
     /// step with a prompt chunk, which runs without a graph.
     pub bucket: Option<usize>,
@@ -77,7 +75,6 @@ impl StepLayout {
             tables: Vec::new(),
             max_blocks,
             last: Vec::new(),
-            real_rows: 0,
             bucket,
         };
         for (i, s) in seqs.iter().enumerate() {
@@ -96,7 +93,6 @@ impl StepLayout {
             }
             l.last.push(l.tokens.len() - 1);
         }
-        l.real_rows = l.tokens.len();
         if let Some(b) = bucket {
             // Padding rows: their own all-scratch table, position 0, the
             // scratch block's first slot; their outputs are never read.
@@ -115,6 +111,11 @@ impl StepLayout {
     /// Rows the kernels run (real and padding).
     pub fn rows(&self) -> usize {
         self.tokens.len()
+    }
+
+    /// Rows that belong to real sequences (the rest is bucket padding).
+    pub fn real_rows(&self) -> usize {
+        self.last.last().map_or(0, |r| r + 1)
     }
 
     /// Block table of row `r`'s sequence.
@@ -147,7 +148,7 @@ mod tests {
         assert_eq!(l.max_blocks, 2);
         assert_eq!(l.tables, vec![3, 9, 1, 10]);
         assert_eq!(l.last, vec![2, 3]);
-        assert_eq!((l.real_rows, l.bucket), (4, None));
+        assert_eq!((l.real_rows(), l.bucket), (4, None));
     }
 
     #[test]
@@ -157,7 +158,7 @@ mod tests {
         let seqs: Vec<SeqStep> = blocks.iter().map(|b| seq(&toks, 3, b)).collect();
         let l = StepLayout::build(&seqs, 16, 8).unwrap();
         assert_eq!(l.bucket, Some(8));
-        assert_eq!((l.rows(), l.real_rows), (8, 5));
+        assert_eq!((l.rows(), l.real_rows()), (8, 5));
         assert_eq!(l.table(7), &[8]);
         assert!(l.slots[5..].iter().all(|s| *s == 8 * 16));
         assert_eq!(l.last, vec![0, 1, 2, 3, 4]);

@@ -12,7 +12,7 @@
 use super::blocks::FileWeights;
 use super::layout::StepLayout;
 use super::ModelRunner;
-use crate::error::{EngineError, Result};
+use crate::error::Result;
 use crate::model::paged::SeqStep;
 use std::path::Path;
 use std::sync::Arc;
@@ -71,14 +71,7 @@ impl ModelRunner for ReferenceRunner {
         let stride = d + 2 * kvd;
         let (eps, theta) = (c.rms_eps as f32, c.rope_theta);
         let mut x = vec![0.0f32; n * d];
-        for (row, t) in l.tokens.iter().enumerate() {
-            if *t as usize >= w.embed.rows {
-                return Err(EngineError::Invalid(format!(
-                    "token {t} outside the vocabulary"
-                )));
-            }
-            w.embed.row(*t as usize, &mut x[row * d..][..d]);
-        }
+        w.embed.gather(&l.tokens, &mut x)?;
         let mut h = vec![0.0f32; n * d];
         let mut part = vec![0.0f32; n * d];
         let mut qkv = vec![0.0f32; n * stride];
