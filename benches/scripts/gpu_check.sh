@@ -45,6 +45,16 @@ if [ -z "${ULTRAFAST_NVRTC_DIR:-}" ]; then
   done
 fi
 echo "gpu_check: NVRTC from ${ULTRAFAST_NVRTC_DIR:-the library search path}"
+# cuBLAS (prompt GEMMs): the toolkit's or a wheel's libcublas.so.13, found by
+# the loader, so its folder goes on LD_LIBRARY_PATH before the checks start.
+for d in /usr/local/cuda/lib64 /usr/local/cuda/targets/x86_64-linux/lib \
+         $(python3 -c 'import nvidia, os; print(" ".join(os.path.join(p, s, "lib") for p in nvidia.__path__ for s in ("cu13", "cublas")))' 2>/dev/null); do
+  if [ -e "$d/libcublas.so.13" ]; then
+    export LD_LIBRARY_PATH="$d${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+    echo "gpu_check: cuBLAS from $d"
+    break
+  fi
+done
 command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader || true
 
 status=0

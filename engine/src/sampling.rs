@@ -110,6 +110,60 @@ impl Sampler {
     }
 }
 
+impl Sampler {
+    /// Some(k) when this sampler draws only from the k largest logits
+    /// (k at most `max`; 1 for greedy), so that candidates serve it
+    /// exactly ([`Sampler::sample_top`]); None when it needs them all.
+    pub fn needs_top(&self, max: usize) -> Option<usize> {
+        let p = &self.params;
+        let inv_t = 1.0 / p.temperature;
+        if p.temperature <= 0.0 || p.top_k == 1 || !inv_t.is_finite() || inv_t > 1e6 {
+            return Some(1);
+        }
+        (p.top_k > 1 && p.top_k <= max).then_some(p.top_k)
+    }
+
+    /// Pick the next token from the largest logits as (token, logit),
+    /// largest first: at least the k of [`Sampler::needs_top`]. The same
+    /// token, and the same draws of the generator, as [`Sampler::sample`]
+    /// on the whole row.
+    pub fn sample_top(&mut self, cands: &[(u32, f32)]) -> u32 {
+        let p = &self.params;
+        let Some(&(best, max)) = cands.first() else {
+            return 0;
+        };
+        let inv_t = 1.0 / p.temperature;
+        if p.temperature <= 0.0
+            || p.top_k == 1
+            || !max.is_finite()
+            || !inv_t.is_finite()
+            || inv_t > 1e6
+        {
+            return best;
+        }
+        let k = match p.top_k {
+            0 => cands.len(),
+            k => k.min(cands.len()),
+        };
+        let (top_p, u) = (p.top_p, self.rng.next_f64());
+        SCRATCH.with(|s| {
+            let s = &mut *s.borrow_mut();
+            s.pairs.clear();
+            s.pairs.extend(cands[..k].iter().map(|(t, l)| (*l, *t)));
+            // The weights through the same vectorized `exp` as a whole row.
+            s.cand.clear();
+            s.cand.extend(s.pairs.iter().map(|p| p.0));
+            s.w.resize(k, 0.0);
+            ops::scaled_exp(&s.cand, max, inv_t, &mut s.w);
+            for (pair, w) in s.pairs.iter_mut().zip(&s.w) {
+                pair.0 = *w;
+            }
+            s.pairs.sort_unstable_by(|a, b| b.0.total_cmp(&a.0));
+            s.cut_and_draw(top_p, u)
+        })
+    }
+}
+
 use crate::backend::cpu::ops;
 
 /// Log-weight bins per unit (e-fold) of the nucleus histogram.
@@ -136,6 +190,8 @@ struct Scratch {
     pairs: Vec<(f32, u32)>,
     /// Sums of `w` by blocks of `ops::SUM_BLOCK`.
     sums: Vec<f64>,
+    /// Candidates' logits (`Sampler::sample_top`).
+    cand: Vec<f32>,
 }
 
 impl Scratch {
@@ -154,6 +210,11 @@ impl Scratch {
         self.pairs.select_nth_unstable_by(k - 1, desc);
         self.pairs.truncate(k);
         self.pairs.sort_unstable_by(desc);
+        self.cut_and_draw(top_p, u)
+    }
+
+    /// `pairs` (heaviest first): cut to `top_p` of their mass, then draw.
+    fn cut_and_draw(&mut self, top_p: f32, u: f64) -> u32 {
         let mut total: f64 = self.pairs.iter().map(|e| e.0 as f64).sum();
         if top_p < 1.0 {
             let cut = cut_at(&self.pairs, top_p as f64 * total, 0.0);
@@ -377,6 +438,47 @@ impl StopMatcher {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn candidates_give_the_tokens_of_the_whole_row() {
+        let mut rng = Rng(3);
+        for (t, k, p) in [
+            (0.0, 0, 1.0),
+            (0.8, 1, 1.0),
+            (0.8, 40, 1.0),
+            (1.3, 7, 0.6),
+            (0.5, 64, 0.9),
+        ] {
+            let params = SamplingParams {
+                temperature: t,
+                top_k: k,
+                top_p: p,
+                seed: Some(11),
+            };
+            let (mut whole, mut top) = (Sampler::new(params.clone()), Sampler::new(params));
+            let want = whole.needs_top(64).expect("served by candidates");
+            for _ in 0..200 {
+                let row: Vec<f32> = (0..3000)
+                    .map(|_| (rng.next_f64() * 12.0 - 6.0) as f32)
+                    .collect();
+                let cands = ultrafast_kernels::reference::top_k(&row, want);
+                assert_eq!(whole.sample(&row), top.sample_top(&cands));
+            }
+        }
+        let needs = |t: f32, k: usize, p: f32| {
+            Sampler::new(SamplingParams {
+                temperature: t,
+                top_k: k,
+                top_p: p,
+                seed: None,
+            })
+            .needs_top(64)
+        };
+        assert_eq!(needs(0.7, 0, 0.9), None, "top-p alone needs the whole row");
+        assert_eq!(needs(0.7, 0, 1.0), None);
+        assert_eq!(needs(0.7, 65, 1.0), None);
+        assert_eq!(needs(0.0, 0, 1.0), Some(1));
+    }
 
     fn logits() -> Vec<f32> {
         (0..100).map(|i| ((i * 37 % 100) as f32) / 10.0).collect()

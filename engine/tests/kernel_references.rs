@@ -1,6 +1,6 @@
 //! The CUDA kernels' CPU references (`ultrafast_kernels::reference`) held
 //! to the engine's CPU code: the GGUF dequantization against candle's
-//! (which loads every model), RMSNorm, RoPE and SiLU against the CPU
+//! (which loads every model) and its bfloat16 copy for prompt GEMMs, RMSNorm, RoPE and SiLU against the CPU
 //! runner's loops, the KV slot against `model::paged::slot_of`, top-k
 //! against the sampler's argmax, attention against the softmax by its
 //! definition in f64. The GPU check then holds the kernels to the same
@@ -62,6 +62,38 @@ fn gguf_blocks_dequantize_as_candle_reads_them() {
                     "{format:?}"
                 );
             }
+        }
+        // The prompt GEMM's meaning: candle's weights and the activations
+        // each rounded to bfloat16 (nearest even), products summed in f32.
+        let wb = r::dequant_bf16(format, &w, rows, cols);
+        for (a, b) in wb.iter().zip(&want) {
+            let bits = b.to_bits();
+            let even = (bits >> 16) & 1;
+            let rounded = ((bits + 0x7fff + even) >> 16) as u16;
+            assert_eq!(*a, rounded, "{format:?}: bfloat16 of {b}");
+        }
+        let mut yb = vec![0.0f32; tokens * rows];
+        r::gemm_bf16(&wb, &x, rows, cols, tokens, false, &mut yb);
+        for t in 0..tokens {
+            for row in 0..rows {
+                // Each factor moves by at most 2^-9 of itself when rounded
+                // to bfloat16, so each product by at most about 2^-8.
+                let bound: f32 = (0..cols)
+                    .map(|k| (want[row * cols + k] * x[t * cols + k]).abs())
+                    .sum::<f32>()
+                    * 2f32.powi(-8)
+                    + 1e-5;
+                let (a, b) = (yb[t * rows + row], y[t * rows + row]);
+                assert!(
+                    (a - b).abs() <= bound,
+                    "{format:?}: {a} vs {b} (bound {bound})"
+                );
+            }
+        }
+        let once = yb.clone();
+        r::gemm_bf16(&wb, &x, rows, cols, tokens, true, &mut yb);
+        for (a, b) in yb.iter().zip(&once) {
+            assert!((a - 2.0 * b).abs() <= 1e-6 * (1.0 + b.abs()), "accumulates");
         }
     }
 }

@@ -118,6 +118,69 @@ fn the_reference_runner_batches_like_it_runs_alone_and_agrees_with_the_cpu_runne
     );
 }
 
+/// The reference runner with every row whole, as a CPU runner returns them.
+struct WholeRows(ReferenceRunner);
+
+impl ModelRunner for WholeRows {
+    fn describe(&self) -> String {
+        self.0.describe()
+    }
+    fn step(
+        &mut self,
+        seqs: &[SeqStep],
+        stop: &(dyn Fn(usize) -> bool + Sync),
+        logits: &mut Vec<f32>,
+    ) -> ultrafast_engine::error::Result<bool> {
+        self.0.step(seqs, stop, logits)
+    }
+    fn kv_bytes(&self) -> usize {
+        self.0.kv_bytes()
+    }
+}
+
+/// Seeded samplers that need only candidates (greedy, top-k) get them as
+/// a device runner returns them, the rest whole rows; the tokens are those
+/// of the same engine given every row whole.
+#[test]
+fn candidates_from_the_step_sample_the_tokens_of_whole_rows() {
+    let path = fetch::pull(&SMOLLM2).unwrap();
+    let loaded = Arc::new(generate::load(&path).unwrap());
+    let cfg = EngineConfig {
+        num_blocks: BLOCKS,
+        max_num_seqs: 8,
+        ..EngineConfig::default()
+    };
+    let prompt = loaded.codec.encode("The capital of France is").unwrap();
+    let sampled = |temperature: f32, top_k: usize, top_p: f32| GenerateRequest {
+        sampling: SamplingParams {
+            temperature,
+            top_k,
+            top_p,
+            seed: Some(42),
+        },
+        ..greedy(prompt.clone(), 6)
+    };
+    let requests = [
+        sampled(0.9, 20, 1.0),
+        sampled(1.2, 50, 0.8),
+        sampled(0.8, 0, 0.95),
+        greedy(prompt.clone(), 6),
+    ];
+    let run = |runner: Box<dyn ModelRunner>| -> Vec<Vec<u32>> {
+        let engine = Engine::start_with(loaded.clone(), cfg.clone(), runner, None).unwrap();
+        let rxs: Vec<_> = requests
+            .iter()
+            .map(|r| engine.submit(r.clone()).unwrap())
+            .collect();
+        rxs.into_iter().map(tokens).collect()
+    };
+    let runner = || ReferenceRunner::load(&path, BLOCKS, cfg.block_size).unwrap();
+    let candidates = run(Box::new(runner()));
+    let whole = run(Box::new(WholeRows(runner())));
+    assert_eq!(candidates, whole);
+    assert!(candidates.iter().all(|t| t.len() == 6));
+}
+
 /// The GPU check's synthetic model (SmolLM2's shapes, random blocks) runs
 /// through the reference runner with finite logits of a realistic spread,
 /// so a parity failure there is the GPU's, not the weights'.

@@ -310,6 +310,68 @@ fn main() {
     let same = gpu.download(&di).unwrap() == want;
     rep.row("top_k 2x49152, k 8", if same { 0.0 } else { 1.0 }, 0.0, 0.0);
 
+    // Prompt GEMMs: dequantization into bfloat16 and the activations'
+    // rounding bit-exact; cuBLAS against the same products in f32.
+    if gpu.has_gemm() {
+        for (format, rows, cols) in [
+            (Format::Q4_1, 3072, 576),
+            (Format::Q8_0, 576, 1536),
+            (Format::Q4K, 896, 512),
+            (Format::Q6K, 896, 512),
+        ] {
+            let w = blocks(&mut g, format, rows, cols);
+            let dw = gpu.upload(&w).unwrap();
+            let wb = gpu.dequant_bf16(format, &dw, rows, cols).unwrap();
+            let want_w = r::dequant_bf16(format, &w, rows, cols);
+            let same = gpu.download(&wb).unwrap() == want_w;
+            let name = format!("{} {rows}x{cols} (bit-exact)", format.dequant_kernel());
+            rep.row(&name, if same { 0.0 } else { 1.0 }, 0.0, 0.0);
+            let tokens = 512;
+            let x = g.fs(tokens * cols, 1.0);
+            let dx = gpu.upload(&x).unwrap();
+            let mut xb = gpu.zeros::<u16>(tokens * cols).unwrap();
+            gpu.to_bf16(&dx.slice(..), &mut xb.slice_mut(..), tokens * cols)
+                .unwrap();
+            if format == Format::Q4_1 {
+                let want: Vec<u16> = x.iter().map(|v| r::bf16(*v)).collect();
+                let same = gpu.download(&xb).unwrap() == want;
+                rep.row(
+                    "to_bf16 (bit-exact)",
+                    if same { 0.0 } else { 1.0 },
+                    0.0,
+                    0.0,
+                );
+            }
+            let mut want = vec![0.0f32; tokens * rows];
+            r::gemm_bf16(&want_w, &x, rows, cols, tokens, false, &mut want);
+            let mut dy = gpu.zeros::<f32>(tokens * rows).unwrap();
+            let run = |dy: &mut cudarc::driver::CudaSlice<f32>| {
+                gpu.gemm_bf16(
+                    &wb,
+                    &xb.slice(..),
+                    &mut dy.slice_mut(..),
+                    rows,
+                    cols,
+                    tokens,
+                    false,
+                )
+                .unwrap()
+            };
+            run(&mut dy);
+            let got = gpu.download(&dy).unwrap();
+            let us = time(&gpu, &mut || run(&mut dy));
+            rep.row(
+                &format!("cuBLAS bf16 GEMM {rows}x{cols}, {tokens} tokens"),
+                err(&got, &want),
+                1e-4,
+                us,
+            );
+        }
+    } else {
+        println!("| cuBLAS bf16 GEMM | - | - | - | FAIL: cuBLAS did not load |");
+        rep.failed = true;
+    }
+
     if rep.failed {
         println!("\ngpu_check: kernel parity FAILED");
         std::process::exit(1);

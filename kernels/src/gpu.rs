@@ -32,9 +32,12 @@ pub struct Gpu {
     pub capability: (i32, i32),
     /// Its name, as the driver gives it.
     pub name: String,
-    ctx: Arc<CudaContext>,
-    stream: Arc<CudaStream>,
-    funcs: HashMap<&'static str, CudaFunction>,
+    pub(crate) ctx: Arc<CudaContext>,
+    pub(crate) stream: Arc<CudaStream>,
+    pub(crate) funcs: HashMap<&'static str, CudaFunction>,
+    /// cuBLAS on the same stream, for prompt GEMMs (None where the
+    /// library is missing: prompts then run through the GEMV).
+    pub(crate) blas: Option<cudarc::cublas::CudaBlas>,
 }
 
 /// A failed GPU call, as text (the caller logs it or falls back).
@@ -59,10 +62,21 @@ impl Gpu {
         }
         let (ctx, stream) = std::panic::catch_unwind(|| -> Result<_> {
             let ctx = CudaContext::new(ordinal).map_err(e("cannot open a CUDA context"))?;
+            // SAFETY: everything runs on the one stream below, in order, so
+            // cudarc's cross-stream events are not needed; they would also
+            // be recorded into CUDA graphs while capturing.
+            unsafe { ctx.disable_event_tracking() };
             let stream = ctx.new_stream().map_err(e("cannot create a stream"))?;
             Ok((ctx, stream))
         })
         .map_err(|_| "the CUDA driver panicked while starting".to_string())??;
+        // SAFETY: as above, only asks whether the library opens.
+        let blas = match unsafe { cudarc::cublas::sys::is_culib_present() } {
+            true => std::panic::catch_unwind(|| cudarc::cublas::CudaBlas::new(stream.clone()))
+                .ok()
+                .and_then(|b| b.ok()),
+            false => None,
+        };
         let arch = (g.capability.0 * 10 + g.capability.1) as u32;
         let mut funcs = HashMap::new();
         for src in SOURCES {
@@ -80,10 +94,11 @@ impl Gpu {
             ctx,
             stream,
             funcs,
+            blas,
         })
     }
 
-    fn func(&self, name: &str) -> Result<&CudaFunction> {
+    pub(crate) fn func(&self, name: &str) -> Result<&CudaFunction> {
         self.funcs
             .get(name)
             .ok_or_else(|| format!("kernel {name} not loaded"))

@@ -10,10 +10,13 @@
 //! - [`reference`]: what each kernel computes, in plain Rust, which the
 //!   tests hold both the GPU and the engine's CPU code to;
 //! - [`gpu`]: the kernels on a GPU through cudarc, behind launchers that
-//!   check shapes.
+//!   check shapes; [`prefill`]: prompt GEMMs through cuBLAS on
+//!   bfloat16 weights; [`graph`]: CUDA graphs of whole decode steps.
 
 pub mod cuda;
 pub mod gpu;
+pub mod graph;
 pub mod nvrtc;
+pub mod prefill;
 pub mod reference;
 pub mod sources;

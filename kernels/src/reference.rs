@@ -47,6 +47,71 @@ impl Format {
             Format::Q6K => "gemv_q6_k",
         }
     }
+
+    /// The kernel that dequantizes this format into bfloat16.
+    pub fn dequant_kernel(self) -> &'static str {
+        match self {
+            Format::Q4_1 => "dequant_q4_1",
+            Format::Q8_0 => "dequant_q8_0",
+            Format::Q4K => "dequant_q4_k",
+            Format::Q6K => "dequant_q6_k",
+        }
+    }
+}
+
+/// `to_bf16` for one value: bfloat16 bits, rounded to nearest even (NaN
+/// stays NaN).
+pub fn bf16(x: f32) -> u16 {
+    half::bf16::from_f32(x).to_bits()
+}
+
+/// A bfloat16 value as f32 (exact).
+pub fn bf16_f32(b: u16) -> f32 {
+    f32::from_bits((b as u32) << 16)
+}
+
+/// `dequant_*`: the row-major GGUF blocks `w` (`rows` x `cols`) as
+/// row-major bfloat16.
+pub fn dequant_bf16(format: Format, w: &[u8], rows: usize, cols: usize) -> Vec<u16> {
+    let mut out = vec![0.0; format.per_block()];
+    let mut m = Vec::with_capacity(rows * cols);
+    for b in w
+        .chunks_exact(format.block_bytes())
+        .take(rows * cols / format.per_block())
+    {
+        dequantize_into(format, b, &mut out);
+        m.extend(out.iter().map(|v| bf16(*v)));
+    }
+    m
+}
+
+/// The prompt GEMM (cuBLAS `gemm_ex`, bfloat16 in, f32 accumulate and
+/// out): `y[t * rows + r] (+)= sum_k W[r][k] * bf16(x[t * cols + k])`
+/// with `W` from [`dequant_bf16`].
+pub fn gemm_bf16(
+    w: &[u16],
+    x: &[f32],
+    rows: usize,
+    cols: usize,
+    tokens: usize,
+    acc: bool,
+    y: &mut [f32],
+) {
+    for t in 0..tokens {
+        let xb: Vec<f32> = x[t * cols..][..cols]
+            .iter()
+            .map(|v| bf16_f32(bf16(*v)))
+            .collect();
+        for r in 0..rows {
+            let dot: f32 = w[r * cols..][..cols]
+                .iter()
+                .zip(&xb)
+                .map(|(a, b)| bf16_f32(*a) * b)
+                .sum();
+            let o = &mut y[t * rows + r];
+            *o = if acc { *o + dot } else { dot };
+        }
+    }
 }
 
 fn h(b: &[u8], at: usize) -> f32 {

@@ -29,7 +29,17 @@ pub const SOURCES: [Source; 7] = [
     Source {
         name: "gemv.cu",
         text: include_str!("cu/gemv.cu"),
-        kernels: &["gemv_q4_1", "gemv_q8_0", "gemv_q4_k", "gemv_q6_k"],
+        kernels: &[
+            "gemv_q4_1",
+            "gemv_q8_0",
+            "gemv_q4_k",
+            "gemv_q6_k",
+            "dequant_q4_1",
+            "dequant_q8_0",
+            "dequant_q4_k",
+            "dequant_q6_k",
+            "to_bf16",
+        ],
     },
     Source {
         name: "norm.cu",

@@ -14,6 +14,14 @@ use crate::model::paged::SeqStep;
 /// Batch sizes a decode-only step is padded to (one CUDA graph each).
 pub const BUCKETS: [usize; 7] = [1, 2, 4, 8, 16, 32, 64];
 
+/// The block-table width a decode step of `max_blocks` runs its graph
+/// with: the next power of two (at least 8), so that a few graphs per
+/// bucket serve every length; None above `cap` (the most blocks a
+/// sequence can hold), where the step runs without a graph.
+pub fn graph_width(max_blocks: usize, cap: usize) -> Option<usize> {
+    (max_blocks <= cap).then(|| max_blocks.next_power_of_two().max(8).min(cap))
+}
+
 /// One step's arrays, row-major over the step's rows (tokens).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct StepLayout {
@@ -108,6 +116,22 @@ impl StepLayout {
         Ok(l)
     }
 
+    /// The block tables padded with the scratch block to `width` entries
+    /// each (at least `max_blocks`), as a captured graph reads them: its
+    /// attention launch keeps the width it was captured with.
+    pub fn widen(&mut self, width: usize, scratch: i32) {
+        if width <= self.max_blocks {
+            return;
+        }
+        let tables = std::mem::take(&mut self.tables);
+        for t in tables.chunks(self.max_blocks) {
+            self.tables.extend_from_slice(t);
+            self.tables
+                .extend(std::iter::repeat_n(scratch, width - self.max_blocks));
+        }
+        self.max_blocks = width;
+    }
+
     /// Rows the kernels run (real and padding).
     pub fn rows(&self) -> usize {
         self.tokens.len()
@@ -162,6 +186,20 @@ mod tests {
         assert_eq!(l.table(7), &[8]);
         assert!(l.slots[5..].iter().all(|s| *s == 8 * 16));
         assert_eq!(l.last, vec![0, 1, 2, 3, 4]);
+        assert_eq!(graph_width(1, 512), Some(8));
+        assert_eq!(graph_width(9, 512), Some(16));
+        assert_eq!(graph_width(300, 300), Some(300));
+        assert_eq!(graph_width(301, 300), None);
+        let mut wide = l.clone();
+        wide.widen(4, 8);
+        assert_eq!(wide.max_blocks, 4);
+        assert_eq!(wide.table(1), &[1, 8, 8, 8]);
+        assert_eq!(wide.table(7), &[8, 8, 8, 8]);
+        assert_eq!(wide.tables.len(), 6 * 4);
+        assert_eq!(
+            (wide.slots, wide.positions),
+            (l.slots.clone(), l.positions.clone())
+        );
         // Above the largest bucket: no graph, no padding.
         let many: Vec<SeqStep> = (0..65).map(|_| seq(&toks, 0, &blocks[0])).collect();
         let l = StepLayout::build(&many, 16, 8).unwrap();

@@ -16,6 +16,7 @@ pub mod blocks;
 pub mod cpu;
 pub mod cuda;
 pub mod layout;
+pub mod logits;
 pub mod reference;
 
 use crate::error::{EngineError, Result};
@@ -135,8 +136,9 @@ pub fn runner_for(
     match device {
         Device::Cuda(n) => {
             let w = blocks::FileWeights::read(&loaded.path)?;
-            let r = cuda::CudaRunner::new(w, n, num_blocks, block_size)
-                .map_err(|e| EngineError::Invalid(format!("device \"{device}\": {e}")))?;
+            let r =
+                cuda::CudaRunner::new(w, n, num_blocks, block_size, cuda::CudaOptions::from_env())
+                    .map_err(|e| EngineError::Invalid(format!("device \"{device}\": {e}")))?;
             log::info!("engine: runner {}", r.describe());
             Ok(Box::new(r))
         }
@@ -179,6 +181,26 @@ pub trait ModelRunner: Send {
         stop: &(dyn Fn(usize) -> bool + Sync),
         logits: &mut Vec<f32>,
     ) -> Result<bool>;
+
+    /// Run one step for sampling: `out` gets what each sequence's
+    /// sampler `needs` (see [`logits`]). The default keeps every row
+    /// whole, as a runner on the CPU has them anyway; a device runner
+    /// copies back only what is needed.
+    fn step_for(
+        &mut self,
+        seqs: &[SeqStep],
+        needs: &[logits::Need],
+        stop: &(dyn Fn(usize) -> bool + Sync),
+        out: &mut logits::StepLogits,
+    ) -> Result<bool> {
+        let _ = needs;
+        if !self.step(seqs, stop, &mut out.full)? {
+            return Ok(false);
+        }
+        let vocab = out.full.len() / seqs.len().max(1);
+        out.all_full(seqs.len(), vocab);
+        Ok(true)
+    }
 
     /// Bytes of KV cache the runner holds.
     fn kv_bytes(&self) -> usize;

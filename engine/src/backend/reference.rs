@@ -10,7 +10,8 @@
 //! the GPU check compares the GPU against it.
 
 use super::blocks::FileWeights;
-use super::layout::StepLayout;
+use super::layout::{graph_width, StepLayout};
+use super::logits::{Need, StepLogits};
 use super::ModelRunner;
 use crate::error::Result;
 use crate::model::paged::SeqStep;
@@ -63,7 +64,19 @@ impl ModelRunner for ReferenceRunner {
         stop: &(dyn Fn(usize) -> bool + Sync),
         logits: &mut Vec<f32>,
     ) -> Result<bool> {
-        let l = StepLayout::build(seqs, self.block_size, self.num_blocks)?;
+        let mut l = StepLayout::build(seqs, self.block_size, self.num_blocks)?;
+        // Decode steps read tables as wide as the CUDA runner's graphs do.
+        if l.bucket.is_some() {
+            let cap = self
+                .w
+                .cfg
+                .context_len
+                .div_ceil(self.block_size)
+                .min(self.num_blocks);
+            if let Some(w) = graph_width(l.max_blocks, cap.max(1)) {
+                l.widen(w, self.num_blocks as i32);
+            }
+        }
         let w = &*self.w;
         let c = &w.cfg;
         let (n, d, hd, ff) = (l.rows(), c.dim, c.head_dim, c.ffn_dim);
@@ -136,6 +149,25 @@ impl ModelRunner for ReferenceRunner {
         logits.resize(l.last.len() * head.rows, 0.0);
         head.apply(&last, l.last.len(), false, logits);
         Ok(true)
+    }
+
+    /// As the CUDA runner: candidates where a sampler needs only those
+    /// (picked here by the top-k kernel's reference), so the scheduler's
+    /// tests sample the way it does.
+    fn step_for(
+        &mut self,
+        seqs: &[SeqStep],
+        needs: &[Need],
+        stop: &(dyn Fn(usize) -> bool + Sync),
+        out: &mut StepLogits,
+    ) -> Result<bool> {
+        let mut rows = std::mem::take(&mut out.full);
+        let ran = self.step(seqs, stop, &mut rows)?;
+        if ran {
+            let vocab = rows.len() / seqs.len().max(1);
+            out.from_rows(needs, rows.chunks(vocab.max(1)));
+        }
+        Ok(ran)
     }
 
     fn kv_bytes(&self) -> usize {

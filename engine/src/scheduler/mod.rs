@@ -22,6 +22,7 @@ mod seq;
 mod threads;
 
 use crate::api::{Event, GenerateRequest};
+use crate::backend::logits::{Need, StepLogits, MAX_TOP};
 use crate::backend::{self, ModelRunner};
 use crate::error::{EngineError, Result};
 use crate::generate::Loaded;
@@ -195,7 +196,7 @@ impl Engine {
             gave_way: 0,
             rx,
             runner,
-            logits: Vec::new(),
+            logits: StepLogits::default(),
             loaded: loaded.clone(),
             pool: pool.clone(),
             cfg: cfg.clone(),
@@ -312,7 +313,7 @@ struct Worker {
     /// The model on its device, with the KV storage.
     runner: Box<dyn ModelRunner>,
     /// The last step's logits (reused).
-    logits: Vec<f32>,
+    logits: StepLogits,
     loaded: Arc<Loaded>,
     pool: BlockPool,
     cfg: EngineConfig,
@@ -420,6 +421,21 @@ impl Worker {
                 })
             })
             .collect();
+        // What each sampler needs: a device runner copies back only that.
+        let needs: Vec<Need> = chunks
+            .iter()
+            .filter(|(i, _, _)| self.running[*i].blocks.is_some())
+            .map(|(i, start, toks)| {
+                let s = &self.running[*i];
+                if start + toks.len() < s.tokens.len() {
+                    Need::Nothing
+                } else if guides.iter().any(|(j, _)| j == i) {
+                    Need::Full
+                } else {
+                    s.sampler_needs_top(MAX_TOP).map_or(Need::Full, Need::Top)
+                }
+            })
+            .collect();
         let tokens: usize = steps.iter().map(|s| s.tokens.len()).sum();
         self.stats
             .last_step_seqs
@@ -427,7 +443,7 @@ impl Worker {
         self.stats.last_step_tokens.store(tokens, Ordering::Relaxed);
         let stop = self.stop_rule(&chunks);
         let (runner, logits) = (&mut self.runner, &mut self.logits);
-        let mut forward = || runner.step(&steps, &stop, logits);
+        let mut forward = || runner.step_for(&steps, &needs, &stop, logits);
         // Constrained sequences that sample this step get their masks on a
         // thread of their own while the forward pass runs: the grammar's
         // work is off the step's critical path for the whole batch.
@@ -467,7 +483,7 @@ impl Worker {
             return;
         }
         let vocab = self.loaded.model.cfg.vocab.max(1);
-        for ((i, start, toks), logits) in chunks.iter().zip(self.logits.chunks_exact_mut(vocab)) {
+        for (k, (i, start, toks)) in chunks.iter().enumerate() {
             let s = &mut self.running[*i];
             s.first_step.get_or_insert(started);
             s.compute += elapsed;
@@ -480,7 +496,11 @@ impl Worker {
                     Some(k) => masks.swap_remove(k).1.ok(),
                     None => None,
                 };
-                if let Outcome::Finished = s.advance(logits, &self.loaded.codec, mask) {
+                let Some(row) = self.logits.row(k, vocab) else {
+                    s.fail("the step returned no logits for this sequence");
+                    continue;
+                };
+                if let Outcome::Finished = s.advance(row, &self.loaded.codec, mask) {
                     s.finished = true;
                 }
             }

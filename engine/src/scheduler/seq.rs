@@ -3,6 +3,7 @@
 //! next-token logits.
 
 use crate::api::{Event, FinishReason, GenerateRequest, Usage};
+use crate::backend::logits::Row;
 use crate::guide::{Guide, Mask};
 use crate::kv::SeqBlocks;
 use crate::sampling::{Sampler, StopMatcher};
@@ -64,6 +65,11 @@ impl Seq {
         self.tx.is_closed()
     }
 
+    /// See [`Sampler::needs_top`].
+    pub fn sampler_needs_top(&self, max: usize) -> Option<usize> {
+        self.sampler.needs_top(max)
+    }
+
     pub fn fail(&mut self, why: &str) {
         let _ = self.tx.send(Event::Error(why.to_string()));
         self.finished = true;
@@ -93,23 +99,28 @@ impl Seq {
     /// Sample the next token from `logits` and report it. A constrained
     /// sequence samples only what its grammar allows (`mask`, computed
     /// during the step; here if it was not).
-    pub fn advance(
-        &mut self,
-        logits: &mut [f32],
-        codec: &TextCodec,
-        mask: Option<Mask>,
-    ) -> Outcome {
-        if let Some(g) = self.guide.as_mut() {
-            let mask = match mask.map(Ok).unwrap_or_else(|| g.mask()) {
-                Ok(m) => m,
-                Err(e) => {
-                    self.fail(&e);
-                    return Outcome::Finished;
+    pub fn advance(&mut self, logits: Row<'_>, codec: &TextCodec, mask: Option<Mask>) -> Outcome {
+        let next = match logits {
+            Row::Full(logits) => {
+                if let Some(g) = self.guide.as_mut() {
+                    let mask = match mask.map(Ok).unwrap_or_else(|| g.mask()) {
+                        Ok(m) => m,
+                        Err(e) => {
+                            self.fail(&e);
+                            return Outcome::Finished;
+                        }
+                    };
+                    mask.apply(logits);
                 }
-            };
-            mask.apply(logits);
-        }
-        let next = self.sampler.sample(logits);
+                self.sampler.sample(logits)
+            }
+            // The scheduler asks for candidates only without a grammar.
+            Row::Top(_) if self.guide.is_some() => {
+                self.fail("a constrained sequence got candidates instead of its logits");
+                return Outcome::Finished;
+            }
+            Row::Top(cands) => self.sampler.sample_top(cands),
+        };
         if codec.eos.contains(&next) {
             return self.done(FinishReason::Stop);
         }

@@ -124,3 +124,37 @@ extern "C" __global__ void gemv_q6_k(const u8* w, const float* x, float* y, int 
                                      int tokens, int acc) {
     GEMV_BODY(210, 256, q6_k_piece)
 }
+
+// Prefill weights for cuBLAS: each GGUF block dequantized once, at load,
+// into a row-major bfloat16 matrix. One thread per 32 weights.
+#define DEQUANT_BODY(BYTES, PER, DEQ)                                               \
+    size_t p = (size_t)blockIdx.x * blockDim.x + threadIdx.x;                       \
+    int pieces = cols / 32;                                                         \
+    if (p >= (size_t)rows * pieces) return;                                         \
+    int row = (int)(p / pieces), k0 = (int)(p % pieces) * 32;                       \
+    float v[32];                                                                    \
+    DEQ(w + ((size_t)row * (cols / (PER)) + k0 / (PER)) * (BYTES), (k0 % (PER)) / 32, v); \
+    u16* o = out + (size_t)row * cols + k0;                                         \
+    _Pragma("unroll") for (int j = 0; j < 32; j++) o[j] = f2bf(v[j]);
+
+extern "C" __global__ void dequant_q4_1(const u8* w, u16* out, int rows, int cols) {
+    DEQUANT_BODY(20, 32, DEQ_Q4_1)
+}
+
+extern "C" __global__ void dequant_q8_0(const u8* w, u16* out, int rows, int cols) {
+    DEQUANT_BODY(34, 32, DEQ_Q8_0)
+}
+
+extern "C" __global__ void dequant_q4_k(const u8* w, u16* out, int rows, int cols) {
+    DEQUANT_BODY(144, 256, q4_k_piece)
+}
+
+extern "C" __global__ void dequant_q6_k(const u8* w, u16* out, int rows, int cols) {
+    DEQUANT_BODY(210, 256, q6_k_piece)
+}
+
+// A prompt's activations as bfloat16, for the cuBLAS GEMM.
+extern "C" __global__ void to_bf16(const float* x, u16* out, int n) {
+    int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) out[i] = f2bf(x[i]);
+}

@@ -18,6 +18,13 @@ __device__ __forceinline__ u16 f2h(float f) {
     return h;
 }
 
+// f32 to bfloat16, round to nearest even (PTX for sm_80 and later).
+__device__ __forceinline__ u16 f2bf(float f) {
+    u16 h;
+    asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(h) : "f"(f));
+    return h;
+}
+
 // A little-endian u16 at any even offset (GGUF blocks of 34 and 210
 // bytes leave their halves only 2-byte aligned).
 __device__ __forceinline__ u16 ld16(const u8* p) {

@@ -1,0 +1,435 @@
+//! The CUDA runner: the weights uploaded as the file's blocks (Q|K|V and
+//! gate|up stacked into one matrix each) plus a bfloat16 copy for prompt
+//! GEMMs on tensor cores (cuBLAS), the KV cache on the GPU in the pool's
+//! block ids plus the layout's scratch block, and each step as the
+//! [`StepLayout`] uploaded, then the kernels of `ultrafast_kernels` in the
+//! order [`super::reference::ReferenceRunner`] runs their references
+//! ([`forward`]).
+//!
+//! Decode steps run as CUDA graphs, one captured per batch-size bucket and
+//! block-table width ([`graph_width`]) on first use, over buffers kept per
+//! bucket. Logits stay on the device: a sampler that needs only the k
+//! largest gets them from the top-k kernel, k pairs copied back; only
+//! samplers that need every logit get a whole row ([`super::logits`]).
+//!
+//! It has not run on a GPU yet: `device = "auto"` does not choose it until
+//! the GPU check has passed; `device = "cuda"` asks for it.
+
+mod forward;
+
+use super::blocks::{FileWeights, Mat};
+use super::layout::{graph_width, StepLayout};
+use super::logits::{Need, RowAt, StepLogits};
+use super::{Device, ModelRunner};
+use crate::error::Result;
+use crate::model::paged::SeqStep;
+use forward::{err, Acts, DevKv, DevLayer, DevMat, DevModel, StepIo};
+use std::collections::HashMap;
+use std::path::PathBuf;
+use ultrafast_kernels::gpu::{DeviceBuffer as Buf, Gpu};
+use ultrafast_kernels::graph::Graph;
+use ultrafast_kernels::nvrtc::Nvrtc;
+
+/// What the runner may use; both on by default (`ULTRAFAST_CUDA_GRAPHS=0`
+/// and `ULTRAFAST_CUDA_GEMM=0` turn one off, for comparisons).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct CudaOptions {
+    /// Decode steps as captured CUDA graphs.
+    pub graphs: bool,
+    /// Prompt rows through cuBLAS on bfloat16 weights (else the GEMV).
+    pub gemm: bool,
+}
+
+impl CudaOptions {
+    /// The defaults with the environment's overrides.
+    pub fn from_env() -> CudaOptions {
+        let on = |k: &str| std::env::var(k).map_or(true, |v| v != "0");
+        CudaOptions {
+            graphs: on("ULTRAFAST_CUDA_GRAPHS"),
+            gemm: on("ULTRAFAST_CUDA_GEMM"),
+        }
+    }
+}
+
+/// A bucket's buffers, shared by its graphs (one per table width).
+struct Bucket {
+    io: StepIo,
+    acts: Acts,
+    logits: Buf<f32>,
+}
+
+/// The CUDA runner (see the module's comment).
+pub struct CudaRunner {
+    m: DevModel,
+    kv: DevKv,
+    ordinal: usize,
+    opts: CudaOptions,
+    /// Host copy of the embedding: a step's rows are looked up here and
+    /// uploaded (a few KB per token).
+    embed: Mat,
+    num_blocks: usize,
+    /// Most blocks one sequence can hold (the widest graph table).
+    max_width: usize,
+    /// Buffers of steps that run without a graph, grown when needed
+    /// (allocations synchronize the device).
+    acts: Option<Acts>,
+    buckets: HashMap<usize, Bucket>,
+    graphs: HashMap<(usize, usize), Graph>,
+    /// Host buffers reused from step to step.
+    host: Vec<f32>,
+    cands: Cands,
+}
+
+impl CudaRunner {
+    /// Opens GPU `ordinal`, compiles the kernels for it (NVRTC from
+    /// `$ULTRAFAST_NVRTC_DIR` or the library search path; CUBINs cached
+    /// in `<cache dir>/ultrafast/cubin`), uploads `w` and a KV cache of
+    /// `num_blocks` blocks of `block_size` slots.
+    pub fn new(
+        w: FileWeights,
+        ordinal: usize,
+        num_blocks: usize,
+        block_size: usize,
+        opts: CudaOptions,
+    ) -> Result<CudaRunner> {
+        let dir = std::env::var_os("ULTRAFAST_NVRTC_DIR").map(PathBuf::from);
+        let nvrtc = Nvrtc::open(dir.as_deref()).map_err(err("NVRTC"))?;
+        let cache = std::env::var_os("XDG_CACHE_HOME")
+            .map(PathBuf::from)
+            .or_else(|| std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cache")))
+            .unwrap_or_else(std::env::temp_dir)
+            .join("ultrafast/cubin");
+        let gpu = Gpu::open(ordinal, &nvrtc, &cache).map_err(err("GPU"))?;
+        let opts = CudaOptions {
+            gemm: opts.gemm && gpu.has_gemm(),
+            ..opts
+        };
+        let up = |m: &Mat| DevMat::upload(&gpu, m, opts.gemm);
+        let vec = |v: &[f32]| gpu.upload(v).map_err(err("upload"));
+        let mut layers = Vec::with_capacity(w.layers.len());
+        for (i, l) in w.layers.iter().enumerate() {
+            let mixed = || err("weights")(format!("layer {i}: Q/K/V or gate/up differ in format"));
+            let qkv =
+                l.q.stack(&l.k)
+                    .and_then(|qk| qk.stack(&l.v))
+                    .ok_or_else(mixed)?;
+            let gate_up = l.gate.stack(&l.up).ok_or_else(mixed)?;
+            layers.push(DevLayer {
+                attn_norm: vec(&l.attn_norm)?,
+                qkv: up(&qkv)?,
+                o: up(&l.o)?,
+                ffn_norm: vec(&l.ffn_norm)?,
+                gate_up: up(&gate_up)?,
+                down: up(&l.down)?,
+            });
+        }
+        let c = &w.cfg;
+        if c.head_dim > 128 || c.n_head / c.n_kv_head > 8 {
+            return Err(err("model")(format!(
+                "heads of {} with {} per KV head: the attention kernel takes at most 128 and 8",
+                c.head_dim,
+                c.n_head / c.n_kv_head
+            )));
+        }
+        let cache_len = (num_blocks + 1) * block_size * c.n_kv_head * c.head_dim;
+        let zeros = || gpu.zeros::<u16>(cache_len).map_err(err("KV cache"));
+        let k = (0..c.n_layer).map(|_| zeros()).collect::<Result<_>>()?;
+        let v = (0..c.n_layer).map(|_| zeros()).collect::<Result<_>>()?;
+        // The head reads the last rows one at a time: no bfloat16 copy.
+        let head = DevMat::upload(&gpu, w.head.as_ref().unwrap_or(&w.embed), false)?;
+        let norm = vec(&w.norm)?;
+        let max_width = c
+            .context_len
+            .div_ceil(block_size)
+            .clamp(1, num_blocks.max(1));
+        Ok(CudaRunner {
+            m: DevModel {
+                cfg: w.cfg.clone(),
+                layers,
+                norm,
+                head,
+                block_size,
+                gpu,
+            },
+            kv: DevKv { k, v },
+            ordinal,
+            opts,
+            embed: w.embed,
+            num_blocks,
+            max_width,
+            acts: None,
+            buckets: HashMap::new(),
+            graphs: HashMap::new(),
+            host: Vec::new(),
+            cands: Cands::default(),
+        })
+    }
+
+    /// What the runner uses (GEMM only where cuBLAS loaded).
+    pub fn options(&self) -> CudaOptions {
+        self.opts
+    }
+
+    /// Turns graphs on or off from the next step (the GPU check compares).
+    pub fn set_graphs(&mut self, on: bool) {
+        self.opts.graphs = on;
+    }
+
+    /// Turns prompt GEMMs on or off (where cuBLAS loaded).
+    pub fn set_gemm(&mut self, on: bool) {
+        self.opts.gemm = on && self.m.gpu.has_gemm();
+    }
+
+    /// The step's rows as embeddings in `self.host`.
+    fn embed(&mut self, l: &StepLayout) -> Result<()> {
+        self.host.resize(l.rows() * self.m.cfg.dim, 0.0);
+        self.embed.gather(&l.tokens, &mut self.host)
+    }
+
+    /// A decode step through its bucket's graph (captured on first use);
+    /// the logits of its rows are left in the bucket's buffer.
+    fn graphed(&mut self, l: &StepLayout, bucket: usize, width: usize) -> Result<()> {
+        let g = &self.m.gpu;
+        if !self.buckets.contains_key(&bucket) {
+            let z = |n: usize| g.zeros::<i32>(n).map_err(err("alloc"));
+            let b = Bucket {
+                io: StepIo {
+                    x: g.zeros(bucket * self.m.cfg.dim).map_err(err("alloc"))?,
+                    pos: z(bucket)?,
+                    slots: z(bucket)?,
+                    qseq: z(bucket)?,
+                    tables: z((bucket + 1) * self.max_width)?,
+                },
+                acts: Acts::new(g, bucket, &self.m.cfg)?,
+                logits: g.zeros(bucket * self.m.head.rows).map_err(err("alloc"))?,
+            };
+            self.buckets.insert(bucket, b);
+        }
+        let b = self
+            .buckets
+            .get_mut(&bucket)
+            .ok_or_else(|| err("graph")("no bucket".into()))?;
+        let io = &mut b.io;
+        g.copy_to(&self.host, &mut io.x).map_err(err("copy"))?;
+        g.copy_to(&l.positions, &mut io.pos).map_err(err("copy"))?;
+        g.copy_to(&l.slots, &mut io.slots).map_err(err("copy"))?;
+        g.copy_to(&l.qseq, &mut io.qseq).map_err(err("copy"))?;
+        g.copy_to(&l.tables, &mut io.tables).map_err(err("copy"))?;
+        if !self.graphs.contains_key(&(bucket, width)) {
+            let (m, kv) = (&self.m, &mut self.kv);
+            let all: Vec<usize> = (0..bucket).collect();
+            let (graph, _) = g
+                .capture(|| {
+                    m.layers(kv, &mut b.io, &mut b.acts, bucket, width, false, &|_| false)
+                        .map_err(|e| e.to_string())?;
+                    m.head(&b.acts, &all, &mut b.logits)
+                        .map_err(|e| e.to_string())
+                })
+                .map_err(err("capture"))?;
+            self.graphs.insert((bucket, width), graph);
+        }
+        let graph = self
+            .graphs
+            .get(&(bucket, width))
+            .ok_or_else(|| err("graph")("not captured".into()))?;
+        graph.launch().map_err(err("graph"))
+    }
+}
+
+/// Candidates on the device, kept from step to step.
+#[derive(Default)]
+struct Cands {
+    dev: Option<(Buf<i32>, Buf<f32>)>,
+    idx: Vec<i32>,
+    val: Vec<f32>,
+}
+
+/// `needs` served from `logits` (row i is sequence i's): the top-k kernel
+/// for candidates, whole rows copied back only where needed.
+fn fetch(
+    g: &Gpu,
+    vocab: usize,
+    c: &mut Cands,
+    needs: &[Need],
+    logits: &Buf<f32>,
+    out: &mut StepLogits,
+) -> Result<()> {
+    let rows = needs.len();
+    let k = needs
+        .iter()
+        .filter_map(|n| match n {
+            Need::Top(k) => Some(*k),
+            _ => None,
+        })
+        .max()
+        .unwrap_or(0);
+    if k > 0 {
+        let (di, dv) = match c.dev.take() {
+            Some((i, v)) if i.len() >= rows * k => (i, v),
+            _ => (
+                g.zeros::<i32>(rows * k).map_err(err("alloc"))?,
+                g.zeros::<f32>(rows * k).map_err(err("alloc"))?,
+            ),
+        };
+        let (di, dv) = &mut *c.dev.insert((di, dv));
+        g.top_k(logits, vocab, rows, k, di, dv)
+            .map_err(err("top_k"))?;
+        c.idx.resize(rows * k, 0);
+        c.val.resize(rows * k, 0.0);
+        g.download_into(&di.slice(..rows * k), &mut c.idx)
+            .map_err(err("download"))?;
+        g.download_into(&dv.slice(..rows * k), &mut c.val)
+            .map_err(err("download"))?;
+    }
+    out.full.clear();
+    out.top.clear();
+    out.rows.clear();
+    for (i, need) in needs.iter().enumerate() {
+        let at = match *need {
+            Need::Nothing => RowAt::Nothing,
+            Need::Full => {
+                let at = out.full.len();
+                out.full.resize(at + vocab, 0.0);
+                g.download_into(
+                    &logits.slice(i * vocab..(i + 1) * vocab),
+                    &mut out.full[at..],
+                )
+                .map_err(err("download"))?;
+                RowAt::Full(at)
+            }
+            Need::Top(n) => {
+                let a = out.top.len();
+                let (ri, rv) = (&c.idx[i * k..][..n], &c.val[i * k..][..n]);
+                out.top
+                    .extend(ri.iter().zip(rv).map(|(t, v)| (*t as u32, *v)));
+                RowAt::Top(a, out.top.len())
+            }
+        };
+        out.rows.push(at);
+    }
+    Ok(())
+}
+
+impl ModelRunner for CudaRunner {
+    fn describe(&self) -> String {
+        let g = &self.m.gpu;
+        format!(
+            "cuda:{} {} sm_{}{} (GEMV decode{}{})",
+            self.ordinal,
+            g.name,
+            g.capability.0,
+            g.capability.1,
+            if self.opts.graphs {
+                ", CUDA graphs"
+            } else {
+                ""
+            },
+            if self.opts.gemm {
+                ", cuBLAS bf16 prefill"
+            } else {
+                ""
+            }
+        )
+    }
+
+    fn device(&self) -> Device {
+        Device::Cuda(self.ordinal)
+    }
+
+    fn step(
+        &mut self,
+        seqs: &[SeqStep],
+        stop: &(dyn Fn(usize) -> bool + Sync),
+        logits: &mut Vec<f32>,
+    ) -> Result<bool> {
+        let mut out = StepLogits {
+            full: std::mem::take(logits),
+            ..StepLogits::default()
+        };
+        let ran = self.step_for(seqs, &vec![Need::Full; seqs.len()], stop, &mut out)?;
+        *logits = out.full;
+        Ok(ran)
+    }
+
+    fn step_for(
+        &mut self,
+        seqs: &[SeqStep],
+        needs: &[Need],
+        stop: &(dyn Fn(usize) -> bool + Sync),
+        out: &mut StepLogits,
+    ) -> Result<bool> {
+        if needs.len() != seqs.len() {
+            return Err(err("step")(format!(
+                "{} needs for {} sequences",
+                needs.len(),
+                seqs.len()
+            )));
+        }
+        let mut l = StepLayout::build(seqs, self.m.block_size, self.num_blocks)?;
+        self.embed(&l)?;
+        let width = graph_width(l.max_blocks, self.max_width);
+        if let (true, Some(bucket), Some(width)) = (self.opts.graphs, l.bucket, width) {
+            // A graph runs every layer: a better lane waits for this step.
+            if stop(0) {
+                return Ok(false);
+            }
+            l.widen(width, self.num_blocks as i32);
+            self.graphed(&l, bucket, width)?;
+            let b = self
+                .buckets
+                .get(&bucket)
+                .ok_or_else(|| err("graph")("no bucket".into()))?;
+            let vocab = self.m.head.rows;
+            fetch(&self.m.gpu, vocab, &mut self.cands, needs, &b.logits, out)?;
+            return Ok(true);
+        }
+        let g = &self.m.gpu;
+        let n = l.rows();
+        let mut io = StepIo {
+            x: g.upload(&self.host).map_err(err("upload"))?,
+            pos: g.upload(&l.positions).map_err(err("upload"))?,
+            slots: g.upload(&l.slots).map_err(err("upload"))?,
+            qseq: g.upload(&l.qseq).map_err(err("upload"))?,
+            tables: g.upload(&l.tables).map_err(err("upload"))?,
+        };
+        let mut a = match self.acts.take() {
+            Some(a) if a.rows >= n => a,
+            _ => Acts::new(g, n.next_power_of_two(), &self.m.cfg)?,
+        };
+        let ran = self.m.layers(
+            &mut self.kv,
+            &mut io,
+            &mut a,
+            n,
+            l.max_blocks,
+            self.opts.gemm,
+            stop,
+        );
+        let done = match ran {
+            Ok(true) => {
+                let mut logits = g
+                    .zeros::<f32>(l.last.len() * self.m.head.rows)
+                    .map_err(err("alloc"))?;
+                self.m.head(&a, &l.last, &mut logits)?;
+                self.acts = Some(a);
+                let vocab = self.m.head.rows;
+                fetch(g, vocab, &mut self.cands, needs, &logits, out)?;
+                true
+            }
+            other => {
+                self.acts = Some(a);
+                other?
+            }
+        };
+        Ok(done)
+    }
+
+    fn kv_bytes(&self) -> usize {
+        self.kv
+            .k
+            .iter()
+            .chain(&self.kv.v)
+            .map(|k| k.len() * 2)
+            .sum()
+    }
+}
