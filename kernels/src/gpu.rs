@@ -231,13 +231,20 @@ impl Gpu {
             block_dim: (128, 1, 1),
             shared_mem_bytes: 0,
         };
-        let (h, d, s, n) = (heads as i32, hd as i32, stride as i32, neox as i32);
+        let (h, d, s, o, n) = (
+            heads as i32,
+            hd as i32,
+            stride as i32,
+            off as i32,
+            neox as i32,
+        );
         let mut b = self.stream.launch_builder(f);
         b.arg(x)
             .arg(pos)
             .arg(&h)
             .arg(&d)
             .arg(&s)
+            .arg(&o)
             .arg(&theta)
             .arg(&n);
         // SAFETY: as in `gemv`.

@@ -38,7 +38,13 @@ impl Gpu {
         }
         let mut out = self.zeros::<u16>(rows * cols)?;
         let f = self.func(format.dequant_kernel())?;
-        let cfg = LaunchConfig::for_num_elems((rows * cols / 32) as u32);
+        // 256 threads: each holds 32 weights in registers, more than a
+        // block of 1024 may have.
+        let cfg = LaunchConfig {
+            grid_dim: ((rows * cols / 32).div_ceil(256) as u32, 1, 1),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: 0,
+        };
         let (r, c) = (rows as i32, cols as i32);
         let mut b = self.stream.launch_builder(f);
         b.arg(w).arg(&mut out).arg(&r).arg(&c);

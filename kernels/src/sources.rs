@@ -72,3 +72,48 @@ pub const SOURCES: [Source; 7] = [
         kernels: &["top_k"],
     },
 ];
+
+#[cfg(test)]
+mod tests {
+    use super::SOURCES;
+
+    /// Parameters of each `extern "C"` kernel, counted in its source.
+    fn arity(kernel: &str) -> usize {
+        for src in SOURCES {
+            let sig = format!("void {kernel}(");
+            if let Some(at) = src.text.find(&sig) {
+                let params = &src.text[at + sig.len()..];
+                let params = &params[..params.find(')').unwrap_or(0)];
+                return params.split(',').count();
+            }
+        }
+        panic!("kernel {kernel} not found");
+    }
+
+    /// Every launcher passes as many arguments as its kernel takes (a
+    /// mismatch compiles and launches, and computes garbage on a GPU):
+    /// counted in the launchers' text, from the kernel's lookup to its
+    /// launch.
+    #[test]
+    fn launchers_pass_every_kernel_parameter() {
+        let text = [include_str!("gpu.rs"), include_str!("prefill.rs")].concat();
+        let mut seen = 0;
+        for part in text.split("self.func(").skip(1) {
+            let name = &part[..part.find(")?").unwrap_or(0)];
+            let kernel = match name {
+                "format.kernel()" => "gemv_q4_1",
+                "format.dequant_kernel()" => "dequant_q4_1",
+                quoted => quoted.trim_matches('"'),
+            };
+            let Some(end) = part.find(".launch(cfg)") else {
+                continue;
+            };
+            let body = &part[..end];
+            // A `match` passing one of two values is one argument.
+            let args = body.matches(".arg(").count() - body.matches("None => b.arg(").count();
+            assert_eq!(args, arity(kernel), "launcher of {kernel}");
+            seen += 1;
+        }
+        assert_eq!(seen, 9, "launchers found");
+    }
+}

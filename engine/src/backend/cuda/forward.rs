@@ -186,22 +186,10 @@ impl DevModel {
             g.rmsnorm_residual(x, None, &layer.attn_norm, &mut a.h, d, n, eps)
                 .map_err(err("rmsnorm"))?;
             self.matmul(&layer.qkv, &a.h, &mut a.xb, &mut a.qkv, n, false, gemm)?;
-            g.rope(
-                &mut a.qkv, &io.pos, c.n_head, hd, stride, 0, n, theta, false,
-            )
-            .map_err(err("rope"))?;
-            g.rope(
-                &mut a.qkv,
-                &io.pos,
-                c.n_kv_head,
-                hd,
-                stride,
-                d,
-                n,
-                theta,
-                false,
-            )
-            .map_err(err("rope"))?;
+            // K's heads follow Q's in the fused row: one launch rotates both.
+            let heads = c.n_head + c.n_kv_head;
+            g.rope(&mut a.qkv, &io.pos, heads, hd, stride, 0, n, theta, false)
+                .map_err(err("rope"))?;
             let (kc, vc) = (&mut kv.k[li], &mut kv.v[li]);
             g.kv_write(&a.qkv, stride, d, d + kvd, kc, vc, &io.slots, kvd, n)
                 .map_err(err("kv_write"))?;
