@@ -346,6 +346,7 @@ impl Gpu {
             || out.len() < tokens * heads * hd
             || qseq.len() < tokens
             || qpos.len() < tokens
+            || tokens > 65_535
         {
             return Err(format!(
                 "attention shapes: {heads}/{kv_heads} heads of {hd}"

@@ -40,8 +40,10 @@ impl Gpu {
         let graph = self
             .stream
             .end_capture(CUgraphInstantiate_flags(0))
-            .map_err(|e| format!("end capture: {e:?}"))?;
+            .map_err(|e| format!("end capture: {e:?}"));
+        // The body's own error first: an invalidated capture follows it.
         let out = out?;
+        let graph = graph?;
         let graph = graph.ok_or("the capture recorded nothing")?;
         graph.upload().map_err(|e| format!("graph upload: {e:?}"))?;
         Ok((Graph(graph), out))
@@ -69,6 +71,11 @@ impl Gpu {
         }
         self.stream
             .memcpy_dtoh(dev, host)
-            .map_err(|e| format!("download: {e:?}"))
+            .map_err(|e| format!("download: {e:?}"))?;
+        // A copy into pageable memory has finished on return; waiting for
+        // the stream keeps that true if `host` is ever pinned.
+        self.stream
+            .synchronize()
+            .map_err(|e| format!("synchronize: {e:?}"))
     }
 }

@@ -10,9 +10,13 @@ extern "C" __global__ void rope(float* x, const int* pos, int heads, int hd, int
     int half = hd / 2;
     for (int k = threadIdx.x; k < heads * half; k += blockDim.x) {
         int h = k / half, i = k % half;
-        float freq = 1.f / powf(theta, 2.f * (float)i / (float)hd);
-        float s, c;
-        sincosf(p * freq, &s, &c);
+        // In double: the kernels are compiled with fast math, whose
+        // single-precision pow and sincos lose 1e-3 rad at long positions
+        // (the angle itself is f32, as the reference's).
+        float freq = (float)(1.0 / pow((double)theta, 2.0 * i / hd));
+        double sd, cd;
+        sincos((double)(p * freq), &sd, &cd);
+        float s = (float)sd, c = (float)cd;
         float* v = x + (size_t)t * stride + off + h * hd;
         int a = neox ? i : 2 * i, b = neox ? i + half : 2 * i + 1;
         float x0 = v[a], x1 = v[b];

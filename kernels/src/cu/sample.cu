@@ -46,7 +46,8 @@ __device__ void block_best(float* v, int* i) {
 
 // The k largest logits of each row, largest first (ties: smaller index
 // first), k passes each taking the best below the previous one in that
-// order. k = 1 is argmax. NaN never wins.
+// order. k = 1 is argmax. NaN never wins; slots past the row's last
+// non-NaN logit get index -1.
 extern "C" __global__ void top_k(const float* logits, int vocab, int k, int* idx, float* val) {
     const float* row = logits + (size_t)blockIdx.x * vocab;
     float pv = UF_INF;
@@ -61,7 +62,8 @@ extern "C" __global__ void top_k(const float* logits, int vocab, int k, int* idx
         }
         block_best(&v, &i);
         if (threadIdx.x == 0) {
-            idx[blockIdx.x * k + r] = i == 0x7fffffff ? 0 : i;
+            // -1: nothing left (the row had fewer than k non-NaN logits).
+            idx[blockIdx.x * k + r] = i == 0x7fffffff ? -1 : i;
             val[blockIdx.x * k + r] = v;
         }
         pv = v;

@@ -175,9 +175,10 @@ impl CudaRunner {
         self.opts.graphs = on;
     }
 
-    /// Turns prompt GEMMs on or off (where cuBLAS loaded).
+    /// Turns prompt GEMMs on or off (on only where the bfloat16 copies
+    /// were made at load).
     pub fn set_gemm(&mut self, on: bool) {
-        self.opts.gemm = on && self.m.gpu.has_gemm();
+        self.opts.gemm = on && self.m.layers.iter().all(|l| l.qkv.bf16.is_some());
     }
 
     /// The step's rows as embeddings in `self.host`.
@@ -300,8 +301,13 @@ fn fetch(
             Need::Top(n) => {
                 let a = out.top.len();
                 let (ri, rv) = (&c.idx[i * k..][..n], &c.val[i * k..][..n]);
-                out.top
-                    .extend(ri.iter().zip(rv).map(|(t, v)| (*t as u32, *v)));
+                // Index -1: the row had no more (non-NaN) logits.
+                out.top.extend(
+                    ri.iter()
+                        .zip(rv)
+                        .take_while(|(t, _)| **t >= 0)
+                        .map(|(t, v)| (*t as u32, *v)),
+                );
                 RowAt::Top(a, out.top.len())
             }
         };
@@ -396,15 +402,12 @@ impl ModelRunner for CudaRunner {
             Some(a) if a.rows >= n => a,
             _ => Acts::new(g, n.next_power_of_two(), &self.m.cfg)?,
         };
-        let ran = self.m.layers(
-            &mut self.kv,
-            &mut io,
-            &mut a,
-            n,
-            l.max_blocks,
-            self.opts.gemm,
-            stop,
-        );
+        // cuBLAS only for steps with a prompt chunk: decode rows keep the
+        // GEMV's exact products, graph or not.
+        let gemm = self.opts.gemm && seqs.iter().any(|s| s.tokens.len() > 1);
+        let ran = self
+            .m
+            .layers(&mut self.kv, &mut io, &mut a, n, l.max_blocks, gemm, stop);
         let done = match ran {
             Ok(true) => {
                 let mut logits = g
