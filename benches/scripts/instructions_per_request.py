@@ -94,6 +94,9 @@ def main():
     ap.add_argument("--top", type=int, default=25, help="functions of the difference listed")
     ap.add_argument("--bin", default=os.path.join(ROOT, "target/release/ultrafast"))
     ap.add_argument("--bare", default=os.path.join(ROOT, "target/release/bare-pingora"))
+    ap.add_argument("--keep", help="keep the callgrind files in this folder, and list ultrafast's "
+                    "own functions by inclusive instructions per request")
+    ap.add_argument("--only", choices=("bare", "ultrafast"), help="measure one proxy")
     a = ap.parse_args()
     for need in ("valgrind", "nginx", "callgrind_annotate"):
         if not shutil.which(need):
@@ -102,13 +105,26 @@ def main():
     o, oport = origin(tmp)
     try:
         per, funcs = {}, {}
-        for kind in ("bare", "ultrafast"):
+        for kind in [a.only] if a.only else ("bare", "ultrafast"):
             i1, f1 = one(kind, a, tmp, oport, a.n1)
             i2, f2 = one(kind, a, tmp, oport, a.n2)
             per[kind] = (i2 - i1) / (a.n2 - a.n1)
             funcs[kind] = per_request(f1, f2, a.n2 - a.n1)
             print(f"{kind:9s} I({a.n1}) = {i1:,}  I({a.n2}) = {i2:,}  -> {per[kind]:,.0f} instructions/request",
                   flush=True)
+            if a.keep:
+                os.makedirs(a.keep, exist_ok=True)
+                for f in (f1, f2):
+                    shutil.copy(f, a.keep)
+                if kind == "ultrafast":
+                    c1, c2 = callgrind_costs(f1, True), callgrind_costs(f2, True)
+                    own = sorted(((c2.get(k, 0) - c1.get(k, 0)) / (a.n2 - a.n1), k)
+                                 for k in c2 if "ultrafast::" in k)
+                    print("\n| ultrafast's functions (inclusive) | instructions per request |\n|---|---|")
+                    for d, k in reversed(own[-40:]):
+                        print(f"| `{k}` | {d:,.0f} |")
+        if a.only:
+            return
         print(f"\n| proxy | instructions per request | vs bare Pingora |\n|---|---|---|")
         print(f"| bare Pingora | {per['bare']:,.0f} | 1.00x |")
         print(f"| ultrafast | {per['ultrafast']:,.0f} | {per['ultrafast'] / per['bare']:.2f}x |")

@@ -162,16 +162,19 @@ pub fn hash_key(session: &Session, key: &HashKey) -> u64 {
     }
 }
 
-/// Apply header rules to a request header.
-pub fn apply_request_ops(ops: &HeaderOps, req: &mut RequestHeader) -> Result<()> {
+/// Apply header rules to a head: remove, then set, then add.
+pub(crate) fn apply_header_ops(
+    ops: &HeaderOps,
+    req: &mut dyn crate::proxy::HeadEdit,
+) -> Result<()> {
     for n in &ops.remove {
-        req.remove_header(n);
+        req.remove(n);
     }
     for (n, v) in &ops.set {
-        req.insert_header(n.clone(), v.clone())?;
+        req.set(n, v.clone())?;
     }
     for (n, v) in &ops.add {
-        req.append_header(n.clone(), v.clone())?;
+        req.add(n, v.clone())?;
     }
     Ok(())
 }

@@ -10,6 +10,7 @@ mod admit;
 mod buffering;
 mod cache;
 mod ctx;
+mod heads;
 mod infer;
 mod local;
 mod policy;
@@ -17,6 +18,7 @@ pub mod upgrade;
 
 use ctx::Tried;
 pub use ctx::{Ctx, InFlight};
+pub(crate) use heads::HeadEdit;
 pub use infer::Front;
 
 use crate::accesslog::{AccessLog, Entry};
@@ -127,6 +129,93 @@ fn status_for(e: &Error) -> u16 {
             ErrorSource::Internal | ErrorSource::Unset => 500,
         },
     }
+}
+
+const X_FORWARDED_FOR: http::HeaderName = http::HeaderName::from_static("x-forwarded-for");
+const X_FORWARDED_PROTO: http::HeaderName = http::HeaderName::from_static("x-forwarded-proto");
+const X_REQUEST_ID: http::HeaderName = http::HeaderName::from_static("x-request-id");
+const TRACEPARENT: http::HeaderName = http::HeaderName::from_static("traceparent");
+
+/// What the upstream request gets: trace context, `X-Forwarded-For` and
+/// `-Proto`, the request id, the upstream Host, the route's rules.
+fn forward_headers(
+    h: &mut dyn heads::HeadEdit,
+    ctx: &Ctx,
+    route: &Route,
+    client: Option<std::net::IpAddr>,
+) -> Result<()> {
+    if let Some(t) = &ctx.trace {
+        // The member's spans become children of this request's.
+        if let Ok(v) = http::HeaderValue::try_from(t.traceparent()) {
+            h.set(&TRACEPARENT, v)?;
+        }
+    }
+    if let Some(ip) = client {
+        let mut xff = String::with_capacity(48);
+        if let Some(prev) = h.get(&X_FORWARDED_FOR).and_then(|v| v.to_str().ok()) {
+            xff.push_str(prev);
+            xff.push_str(", ");
+        }
+        crate::accesslog::push_ip(&mut xff, ip);
+        if let Ok(v) = http::HeaderValue::try_from(xff) {
+            h.set(&X_FORWARDED_FOR, v)?;
+        }
+    }
+    let proto = if ctx.tls { "https" } else { "http" };
+    h.set(&X_FORWARDED_PROTO, http::HeaderValue::from_static(proto))?;
+    if ctx.body_buffered {
+        // The edge answered the client's `Expect: 100-continue` itself
+        // and has the body: the upstream is not to be asked again.
+        h.remove(&http::header::EXPECT);
+    }
+    if ctx
+        .pool()
+        .is_some_and(|p| p.settings.keepalive_idle.is_none())
+    {
+        h.set(
+            &http::header::CONNECTION,
+            http::HeaderValue::from_static("close"),
+        )?;
+    }
+    use crate::reqid::{Send, Upstream};
+    let mode = ctx
+        .pool()
+        .map_or(Upstream::Forward, |p| p.settings.request_id);
+    match mode.send(ctx.request_id.to_str().unwrap_or("")) {
+        Send::Nothing => h.remove(&X_REQUEST_ID),
+        // The common case shares the header value (no allocation).
+        Send::Same => h.set(&X_REQUEST_ID, ctx.request_id.clone())?,
+        Send::Fresh => {
+            if let Ok(v) = http::HeaderValue::try_from(crate::reqid::new()) {
+                h.set(&X_REQUEST_ID, v)?;
+            }
+        }
+    }
+    let member_host = || {
+        ctx.member()
+            .and_then(|m| http::HeaderValue::try_from(m.label.as_str()).ok())
+    };
+    match &route.upstream_host {
+        UpstreamHost::Passthrough => {}
+        UpstreamHost::Member => {
+            if let Some(v) = member_host() {
+                h.set(&http::header::HOST, v)?;
+            }
+        }
+        UpstreamHost::Fixed(v) => h.set(&http::header::HOST, v.clone())?,
+    }
+    // An HTTP/1.0 request may come without Host; it goes upstream as
+    // HTTP/1.1, which requires one: the member's address (nginx's
+    // `$proxy_host`).
+    if h.get(&http::header::HOST).is_none() {
+        if let Some(v) = member_host() {
+            h.set(&http::header::HOST, v)?;
+        }
+    }
+    if !route.request_headers.is_empty() {
+        filters::apply_header_ops(&route.request_headers, h)?;
+    }
+    Ok(())
 }
 
 #[async_trait]
@@ -396,72 +485,12 @@ impl ProxyHttp for EdgeProxy {
         let Some(route) = ctx.route.clone() else {
             return Ok(());
         };
-        if let Some(t) = &ctx.trace {
-            // The member's spans become children of this request's.
-            let _ = req.insert_header("traceparent", t.traceparent());
-        }
-        if let Some(ip) = session
+        let client = session
             .client_addr()
             .and_then(|a| a.as_inet())
-            .map(|a| a.ip())
-        {
-            let mut xff = String::with_capacity(48);
-            if let Some(prev) = req
-                .headers
-                .get("x-forwarded-for")
-                .and_then(|v| v.to_str().ok())
-            {
-                xff.push_str(prev);
-                xff.push_str(", ");
-            }
-            crate::accesslog::push_ip(&mut xff, ip);
-            req.insert_header("x-forwarded-for", xff)?;
-        }
-        req.insert_header("x-forwarded-proto", if ctx.tls { "https" } else { "http" })?;
-        if ctx.body_buffered {
-            // The edge answered the client's `Expect: 100-continue` itself
-            // and has the body: the upstream is not to be asked again.
-            req.remove_header(&http::header::EXPECT);
-        }
-        if ctx
-            .pool()
-            .is_some_and(|p| p.settings.keepalive_idle.is_none())
-        {
-            req.insert_header(http::header::CONNECTION, "close")?;
-        }
-        use crate::reqid::{Send, Upstream};
-        let mode = ctx
-            .pool()
-            .map_or(Upstream::Forward, |p| p.settings.request_id);
-        match mode.send(ctx.request_id.to_str().unwrap_or("")) {
-            Send::Nothing => {
-                req.remove_header("x-request-id");
-            }
-            // The common case shares the header value (no allocation).
-            Send::Same => req.insert_header("x-request-id", ctx.request_id.clone())?,
-            Send::Fresh => req.insert_header("x-request-id", crate::reqid::new())?,
-        }
-        match &route.upstream_host {
-            UpstreamHost::Passthrough => {}
-            UpstreamHost::Member => {
-                if let Some(m) = ctx.member() {
-                    req.insert_header(http::header::HOST, m.label.as_str())?;
-                }
-            }
-            UpstreamHost::Fixed(v) => req.insert_header(http::header::HOST, v.clone())?,
-        }
-        // An HTTP/1.0 request may come without Host; it goes upstream as
-        // HTTP/1.1, which requires one: the member's address (nginx's
-        // `$proxy_host`).
-        if !req.headers.contains_key(http::header::HOST) {
-            if let Some(m) = ctx.member() {
-                req.insert_header(http::header::HOST, m.label.as_str())?;
-            }
-        }
-        if !route.request_headers.is_empty() {
-            filters::apply_request_ops(&route.request_headers, req)?;
-        }
-        Ok(())
+            .map(|a| a.ip());
+        let extra = 4 + route.request_headers.set.len() + route.request_headers.add.len();
+        heads::edit_request(req, extra, |h| forward_headers(h, ctx, &route, client))
     }
 
     async fn upstream_response_filter(

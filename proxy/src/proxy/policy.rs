@@ -59,32 +59,24 @@ impl Ctx {
 impl Policy<'_> {
     /// Apply the policy to a response head about to be sent.
     pub(super) fn apply(&self, resp: &mut ResponseHeader) -> Result<()> {
-        if !self.request_id.is_empty() {
-            resp.insert_header("x-request-id", self.request_id.clone())?;
-        }
-        if let Some(h) = self.hsts {
-            resp.insert_header(http::header::STRICT_TRANSPORT_SECURITY, h.clone())?;
-        }
-        if let Some(ops) = self.rules {
-            apply_rules(ops, resp)?;
-        }
-        Ok(())
+        let extra = 2 + self.rules.map_or(0, |r| r.set.len() + r.add.len());
+        super::heads::edit_response(resp, extra, |h| {
+            if !self.request_id.is_empty() {
+                h.set(&X_REQUEST_ID, self.request_id.clone())?;
+            }
+            if let Some(v) = self.hsts {
+                h.set(&http::header::STRICT_TRANSPORT_SECURITY, v.clone())?;
+            }
+            if let Some(ops) = self.rules {
+                // The same rules, in the same order, as a request's.
+                crate::filters::apply_header_ops(ops, h)?;
+            }
+            Ok(())
+        })
     }
 }
 
-/// A route's `headers.response` rules: remove, then set, then add.
-fn apply_rules(ops: &HeaderOps, resp: &mut ResponseHeader) -> Result<()> {
-    for n in &ops.remove {
-        resp.remove_header(n);
-    }
-    for (n, v) in &ops.set {
-        resp.insert_header(n.clone(), v.clone())?;
-    }
-    for (n, v) in &ops.add {
-        resp.append_header(n.clone(), v.clone())?;
-    }
-    Ok(())
-}
+const X_REQUEST_ID: http::HeaderName = http::HeaderName::from_static("x-request-id");
 
 /// Whether the request came over TLS: its connection has an SSL digest.
 pub(super) fn is_tls(session: &Session) -> bool {
