@@ -75,6 +75,47 @@ fn a_dripping_head_is_closed_at_the_deadline() {
     assert!(t < Duration::from_millis(2500), "{t:?}");
 }
 
+/// A later head on a kept-alive connection has the same deadline: timed
+/// from when its reads first wait, so a head that drips is closed.
+#[test]
+fn a_later_head_that_drips_is_closed_at_the_deadline() {
+    let origin = Origin::start("o");
+    let uf = start(&origin, "client_header_timeout_ms = 1000");
+    let mut s = TcpStream::connect(uf.addr).unwrap();
+    s.write_all(b"GET /first HTTP/1.1\r\nHost: a\r\n\r\n")
+        .unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+    let mut head = [0u8; 12];
+    s.read_exact(&mut head).unwrap();
+    assert_eq!(&head, b"HTTP/1.1 200");
+    let t0 = Instant::now();
+    s.write_all(b"GET /second HTTP/1.1\r\n").unwrap();
+    let writer = {
+        let mut w = s.try_clone().unwrap();
+        std::thread::spawn(move || {
+            for i in 0..25 {
+                std::thread::sleep(Duration::from_millis(200));
+                if w.write_all(format!("X-Drip-{i}: 1\r\n").as_bytes())
+                    .is_err()
+                {
+                    break;
+                }
+            }
+        })
+    };
+    // The rest of the first response, then the close.
+    let closed = closed_after(&mut s, Duration::from_secs(6)).map(|_| t0.elapsed());
+    writer.join().unwrap();
+    let closed = closed.expect("still open after 6 s");
+    assert!(closed >= Duration::from_millis(900), "{closed:?}");
+    assert!(closed < Duration::from_millis(2500), "{closed:?}");
+    assert_eq!(
+        origin.requests(),
+        1,
+        "only the first request reached the origin"
+    );
+}
+
 #[test]
 fn the_deadline_never_cuts_a_slow_response_or_a_kept_alive_wait() {
     let origin = Origin::start("o");

@@ -253,6 +253,10 @@ pub struct HeadDeadline {
     timeout: Duration,
     phase: Phase,
     deadline: Option<Pin<Box<tokio::time::Sleep>>>,
+    /// A later head has begun: its deadline is armed when a read first
+    /// has to wait for it (most heads come whole in one read, and a timer
+    /// made and dropped per request was a tenth of the guard's cost).
+    arm_on_wait: bool,
     first: bool,
     _slot: Slot,
     closed: prometheus::IntCounter,
@@ -382,6 +386,7 @@ impl HeadDeadline {
                 Phase::Head { since_lf: 1 }
             },
             deadline: None,
+            arm_on_wait: false,
             first: true,
             _slot: slot,
             closed,
@@ -431,7 +436,7 @@ impl HeadDeadline {
             self.seen.store(false, Ordering::Relaxed);
             self.head = HeadSize::default();
             self.body().tail = None;
-            self.arm();
+            self.arm_on_wait = true;
         }
         let Phase::Head { mut since_lf } = self.phase else {
             return;
@@ -441,6 +446,7 @@ impl HeadDeadline {
             let Some(n) = head_step(since_lf, b) else {
                 self.phase = Phase::Done { wrote: false };
                 self.deadline = None;
+                self.arm_on_wait = false;
                 let rest = &bytes[i + 1..];
                 let body = self.body();
                 body.tail = (rest.len() <= hold::TAIL_MAX).then(|| rest.to_vec());
@@ -608,6 +614,10 @@ impl AsyncRead for HeadDeadline {
                 Poll::Ready(Ok(()))
             }
             Poll::Pending => {
+                if std::mem::take(&mut self.arm_on_wait) && matches!(self.phase, Phase::Head { .. })
+                {
+                    self.arm();
+                }
                 let fired = self
                     .deadline
                     .as_mut()
@@ -793,6 +803,9 @@ impl Peek for HeadDeadline {
         // Idle between requests is the keepalive timeout's (not counted, as
         // Pingora's own is not); before the first, the head deadline's.
         let first = matches!(self.phase, Phase::Head { .. });
+        if std::mem::take(&mut self.arm_on_wait) && first {
+            self.arm();
+        }
         let mut stash = std::mem::take(&mut self.peeked);
         let read = preface::read_until_decided(&mut self.inner, &mut stash, buf.len());
         let timed_out = match (self.phase, self.deadline.as_mut()) {
