@@ -46,8 +46,8 @@ fn tokens(mut rx: tokio::sync::mpsc::UnboundedReceiver<Event>) -> Vec<u32> {
     out
 }
 
-#[test]
-fn the_reference_runner_batches_like_it_runs_alone_and_agrees_with_the_cpu_runner() {
+/// The real model, loaded, and the engine's config for these tests.
+fn setup() -> (std::path::PathBuf, Arc<generate::Loaded>, EngineConfig) {
     let path = fetch::pull(&SMOLLM2).unwrap();
     let loaded = Arc::new(generate::load(&path).unwrap());
     let cfg = EngineConfig {
@@ -55,6 +55,12 @@ fn the_reference_runner_batches_like_it_runs_alone_and_agrees_with_the_cpu_runne
         max_num_seqs: 8,
         ..EngineConfig::default()
     };
+    (path, loaded, cfg)
+}
+
+#[test]
+fn the_reference_runner_batches_like_it_runs_alone_and_agrees_with_the_cpu_runner() {
+    let (path, loaded, cfg) = setup();
     let runner = ReferenceRunner::load(&path, BLOCKS, cfg.block_size).unwrap();
     assert!(runner.describe().contains("reference"));
     let engine = Engine::start_with(loaded.clone(), cfg.clone(), Box::new(runner), None).unwrap();
@@ -143,13 +149,7 @@ impl ModelRunner for WholeRows {
 /// of the same engine given every row whole.
 #[test]
 fn candidates_from_the_step_sample_the_tokens_of_whole_rows() {
-    let path = fetch::pull(&SMOLLM2).unwrap();
-    let loaded = Arc::new(generate::load(&path).unwrap());
-    let cfg = EngineConfig {
-        num_blocks: BLOCKS,
-        max_num_seqs: 8,
-        ..EngineConfig::default()
-    };
+    let (path, loaded, cfg) = setup();
     let prompt = loaded.codec.encode("The capital of France is").unwrap();
     let sampled = |temperature: f32, top_k: usize, top_p: f32| GenerateRequest {
         sampling: SamplingParams {

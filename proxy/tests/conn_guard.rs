@@ -36,6 +36,22 @@ fn closed_after(s: &mut TcpStream, limit: Duration) -> Option<Duration> {
     None
 }
 
+/// One header line every 200 ms on `s` (25 at most, until a write fails):
+/// each read is quick, the whole head is not.
+fn drip(s: &TcpStream) -> std::thread::JoinHandle<()> {
+    let mut w = s.try_clone().unwrap();
+    std::thread::spawn(move || {
+        for i in 0..25 {
+            std::thread::sleep(Duration::from_millis(200));
+            if w.write_all(format!("X-Drip-{i}: 1\r\n").as_bytes())
+                .is_err()
+            {
+                break;
+            }
+        }
+    })
+}
+
 #[test]
 fn a_dripping_head_is_closed_at_the_deadline() {
     let origin = Origin::start("o");
@@ -43,20 +59,7 @@ fn a_dripping_head_is_closed_at_the_deadline() {
     let mut s = TcpStream::connect(uf.addr).unwrap();
     let t0 = Instant::now();
     s.write_all(b"GET / HTTP/1.1\r\nHost: a\r\n").unwrap();
-    // One header line every 200 ms: each read is quick, the whole is not.
-    let writer = {
-        let mut w = s.try_clone().unwrap();
-        std::thread::spawn(move || {
-            for i in 0..25 {
-                std::thread::sleep(Duration::from_millis(200));
-                if w.write_all(format!("X-Drip-{i}: 1\r\n").as_bytes())
-                    .is_err()
-                {
-                    break;
-                }
-            }
-        })
-    };
+    let writer = drip(&s);
     let closed = closed_after(&mut s, Duration::from_secs(6)).map(|_| t0.elapsed());
     writer.join().unwrap();
     let closed = closed.expect("still open after 6 s");
@@ -90,19 +93,7 @@ fn a_later_head_that_drips_is_closed_at_the_deadline() {
     assert_eq!(&head, b"HTTP/1.1 200");
     let t0 = Instant::now();
     s.write_all(b"GET /second HTTP/1.1\r\n").unwrap();
-    let writer = {
-        let mut w = s.try_clone().unwrap();
-        std::thread::spawn(move || {
-            for i in 0..25 {
-                std::thread::sleep(Duration::from_millis(200));
-                if w.write_all(format!("X-Drip-{i}: 1\r\n").as_bytes())
-                    .is_err()
-                {
-                    break;
-                }
-            }
-        })
-    };
+    let writer = drip(&s);
     // The rest of the first response, then the close.
     let closed = closed_after(&mut s, Duration::from_secs(6)).map(|_| t0.elapsed());
     writer.join().unwrap();
