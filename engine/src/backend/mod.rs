@@ -17,6 +17,7 @@ pub mod cpu;
 pub mod cuda;
 pub mod layout;
 pub mod logits;
+pub mod probe;
 pub mod reference;
 
 use crate::error::{EngineError, Result};
@@ -81,9 +82,9 @@ impl std::fmt::Display for Device {
     }
 }
 
-/// The device a model gets for `want`, or why it cannot have it. The CUDA
-/// runner is not built yet: a found GPU is named and passed over (`auto`)
-/// or refused (`cuda`), so nothing ever claims to run on a GPU it does not.
+/// The device a model gets for `want`, or why it cannot have it: `auto`
+/// takes the first GPU where a driver and a GPU are found (the runner may
+/// still fall back, [`runner_for`]), else the CPU, and logs why.
 pub fn choose_device(want: Device) -> Result<Device> {
     choose_with(want, ultrafast_kernels::cuda::probe)
 }
@@ -94,19 +95,20 @@ fn choose_with(
 ) -> Result<Device> {
     match want {
         Device::Cpu => Ok(Device::Cpu),
-        Device::Auto => {
-            // The CUDA runner has not run on a GPU yet: `auto` keeps the
-            // CPU until the GPU check has passed, and says so.
-            match probe() {
-                Ok(gpus) => log::info!(
-                    "engine: device auto chose cpu: found {}, but the CUDA runner has not passed \
-                     the GPU check yet (device = \"cuda\" runs on it)",
-                    describe_gpus(&gpus)
-                ),
-                Err(why) => log::info!("engine: device auto chose cpu: {why}"),
+        Device::Auto => match probe() {
+            Ok(gpus) if !gpus.is_empty() => {
+                log::info!("engine: device auto found {}", describe_gpus(&gpus));
+                Ok(Device::Cuda(gpus[0].index))
             }
-            Ok(Device::Cpu)
-        }
+            Ok(_) => {
+                log::info!("engine: device auto chose cpu: the driver lists no GPU");
+                Ok(Device::Cpu)
+            }
+            Err(why) => {
+                log::info!("engine: device auto chose cpu: {why}");
+                Ok(Device::Cpu)
+            }
+        },
         Device::Cuda(n) => {
             let gpus = probe().map_err(|why| {
                 EngineError::Invalid(format!("device \"{want}\": no usable GPU: {why}"))
@@ -123,8 +125,11 @@ fn choose_with(
 }
 
 /// The runner for `device` (what [`choose_device`] returned): the CUDA
-/// runner on `Cuda(n)` (an error names what failed: NVRTC, the GPU, the
-/// model's formats), else [`cpu_runner`].
+/// runner on `Cuda(n)` once it agrees with the CPU on a probe prompt
+/// ([`probe`]), else [`cpu_runner`]. Where the CUDA runner cannot start or
+/// disagrees, `fallback` (`device = "auto"`) runs the model on the CPU and
+/// logs why; without it (`cuda`), that is the model's start-up error,
+/// naming what failed (NVRTC, the GPU, the model's formats, the check).
 pub fn runner_for(
     device: Device,
     loaded: &Arc<Loaded>,
@@ -132,17 +137,28 @@ pub fn runner_for(
     block_size: usize,
     kv_dtype: KvDtype,
     init: fn(),
+    fallback: bool,
 ) -> Result<Box<dyn ModelRunner>> {
-    match device {
-        Device::Cuda(n) => {
-            let w = blocks::FileWeights::read(&loaded.path)?;
-            let r =
-                cuda::CudaRunner::new(w, n, num_blocks, block_size, cuda::CudaOptions::from_env())
-                    .map_err(|e| EngineError::Invalid(format!("device \"{device}\": {e}")))?;
-            log::info!("engine: runner {}", r.describe());
+    let Device::Cuda(n) = device else {
+        return cpu_runner(loaded, num_blocks, block_size, kv_dtype, init);
+    };
+    let started = blocks::FileWeights::read(&loaded.path).and_then(|w| {
+        let opts = cuda::CudaOptions::from_env();
+        let mut r = cuda::CudaRunner::new(w, n, num_blocks, block_size, opts)?;
+        let verdict = probe::agrees_with_cpu(&mut r, loaded, block_size, kv_dtype, init);
+        let note = verdict.map_err(EngineError::Invalid)?;
+        Ok((r, note))
+    });
+    match started {
+        Ok((r, note)) => {
+            log::info!("engine: runner {} {note}", r.describe());
             Ok(Box::new(r))
         }
-        _ => cpu_runner(loaded, num_blocks, block_size, kv_dtype, init),
+        Err(e) if fallback => {
+            log::warn!("engine: device auto chose cpu: the CUDA runner on cuda:{n}: {e}");
+            cpu_runner(loaded, num_blocks, block_size, kv_dtype, init)
+        }
+        Err(e) => Err(EngineError::Invalid(format!("device \"{device}\": {e}"))),
     }
 }
 
@@ -368,10 +384,14 @@ mod tests {
     }
 
     #[test]
-    fn auto_takes_the_cpu_and_cuda_takes_the_gpu_or_says_why_not() {
+    fn auto_and_cuda_take_a_gpu_where_one_is_found_or_say_why_not() {
         let none = || Err("no CUDA driver (libcuda.so.1 not found)".to_string());
         assert_eq!(choose_with(Device::Auto, none).ok(), Some(Device::Cpu));
-        assert_eq!(choose_with(Device::Auto, h200).ok(), Some(Device::Cpu));
+        assert_eq!(choose_with(Device::Auto, h200).ok(), Some(Device::Cuda(0)));
+        assert_eq!(
+            choose_with(Device::Auto, || Ok(vec![])).ok(),
+            Some(Device::Cpu)
+        );
         assert_eq!(choose_with(Device::Cpu, h200).ok(), Some(Device::Cpu));
         let e = choose_with(Device::Cuda(0), none).unwrap_err().to_string();
         assert!(
@@ -388,6 +408,6 @@ mod tests {
             Some(Device::Cuda(0))
         );
         // The real probe: whatever this machine has, `auto` never fails.
-        assert_eq!(choose_device(Device::Auto).ok(), Some(Device::Cpu));
+        assert!(choose_device(Device::Auto).is_ok());
     }
 }

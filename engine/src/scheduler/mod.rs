@@ -171,6 +171,7 @@ impl Engine {
             cfg.block_size,
             cfg.kv_dtype,
             threads::lower_this_thread,
+            cfg.device == backend::Device::Auto,
         )?;
         Self::start_with(loaded, cfg, runner, observer)
     }

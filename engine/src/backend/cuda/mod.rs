@@ -12,8 +12,9 @@
 //! largest gets them from the top-k kernel, k pairs copied back; only
 //! samplers that need every logit get a whole row ([`super::logits`]).
 //!
-//! It has not run on a GPU yet: `device = "auto"` does not choose it until
-//! the GPU check has passed; `device = "cuda"` asks for it.
+//! It has not run on a GPU yet: before it serves a model it must agree with
+//! the CPU runner on a probe prompt (`super::probe`; `auto` falls back to
+//! the CPU where it does not).
 
 mod forward;
 
