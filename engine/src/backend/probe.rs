@@ -5,7 +5,9 @@
 //! activations move logits by up to about 1; `engine/tests/reference_runner.rs`).
 //! It catches a device path that computes garbage (a kernel, a driver or a
 //! library that misbehaves), not small numerical drift: that is the GPU
-//! check's business (`benches/scripts/gpu_check.sh`).
+//! check's business (`benches/scripts/gpu_check.sh`). The CPU runner is
+//! built for the check and dropped after it: its repacked weights are held
+//! for that time only (for SmolLM2, about 100 MB for a second or two).
 
 use super::{cpu_runner, KvDtype, ModelRunner};
 use crate::generate::Loaded;
