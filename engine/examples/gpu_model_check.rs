@@ -24,6 +24,7 @@ use std::time::Instant;
 use ultrafast_engine::backend::blocks::{smollm2_shapes, FileWeights};
 use ultrafast_engine::backend::cuda::{CudaOptions, CudaRunner};
 use ultrafast_engine::backend::logits::{Need, Row, StepLogits};
+use ultrafast_engine::backend::probe::agreement;
 use ultrafast_engine::backend::reference::ReferenceRunner;
 use ultrafast_engine::backend::ModelRunner;
 use ultrafast_engine::model::paged::SeqStep;
@@ -32,21 +33,15 @@ use ultrafast_engine::sampling::argmax;
 const BLOCK: usize = 16;
 const BLOCKS: usize = 4096;
 
-/// Largest |a - b|, and the parity verdict at `abs + rel * |b|`.
+/// Largest |a - b| over rows of `vocab`, and the parity verdict at
+/// `abs + rel * |b|` (`probe::agreement` on each row).
 fn compare(gpu: &[f32], reference: &[f32], vocab: usize, abs: f32, rel: f32) -> (f32, bool) {
     let mut worst = 0.0f32;
     let mut ok = gpu.len() == reference.len();
     for (g, r) in gpu.chunks(vocab).zip(reference.chunks(vocab)) {
-        for (a, b) in g.iter().zip(r) {
-            let d = (a - b).abs();
-            worst = worst.max(d);
-            ok &= d <= abs + rel * b.abs();
-        }
-        let mut top: Vec<f32> = r.to_vec();
-        top.sort_by(|x, y| y.total_cmp(x));
-        if top[0] - top[1] >= 0.5 {
-            ok &= argmax(g) == argmax(r);
-        }
+        let (w, verdict) = agreement(g, r, |b| abs + rel * b);
+        worst = worst.max(w);
+        ok &= verdict.is_ok();
     }
     (worst, ok)
 }

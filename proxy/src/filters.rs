@@ -4,12 +4,10 @@
 //! response header rules, belong to the response policy
 //! (`proxy::policy`), which every response passes.
 
-use crate::routing::HeaderOps;
 use crate::upstream::lb::{hash_bytes, HashKey};
 use bytes::Bytes;
 use pingora::http::RequestHeader;
 use pingora::proxy::Session;
-use pingora::Result;
 
 /// Why a request was refused before routing.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -160,23 +158,6 @@ pub fn hash_key(session: &Session, key: &HashKey) -> u64 {
             hash_bytes(value.as_bytes())
         }
     }
-}
-
-/// Apply header rules to a head: remove, then set, then add.
-pub(crate) fn apply_header_ops(
-    ops: &HeaderOps,
-    req: &mut dyn crate::proxy::HeadEdit,
-) -> Result<()> {
-    for n in &ops.remove {
-        req.remove(n);
-    }
-    for (n, v) in &ops.set {
-        req.set(n, v.clone())?;
-    }
-    for (n, v) in &ops.add {
-        req.add(n, v.clone())?;
-    }
-    Ok(())
 }
 
 /// An OpenAI-style error body: `{"error": {"message", "type", "code"}}`.

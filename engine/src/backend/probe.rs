@@ -53,43 +53,38 @@ pub fn agrees_with_cpu(
 
 /// The verdict on one row of logits (see the module's comment).
 pub fn compare(got: &[f32], want: &[f32]) -> Result<String, String> {
+    let (worst, verdict) = agreement(got, want, |_| MAX_DIFF);
+    verdict.map(|_| format!("agrees with the CPU on a probe prompt (max |diff| {worst:.3})"))
+}
+
+/// How one row of logits agrees with `want`'s: the largest |got - want|,
+/// and whether every logit is within `tol(|want|)` (NaN never is) and the
+/// greedy token the same where `want`'s top two are [`CLEAR_MARGIN`] apart.
+pub fn agreement(got: &[f32], want: &[f32], tol: impl Fn(f32) -> f32) -> (f32, Result<(), String>) {
     if got.len() != want.len() || want.len() < 2 {
-        return Err(format!(
-            "{} logits against the CPU's {}",
-            got.len(),
-            want.len()
-        ));
+        let why = format!("{} logits against {}", got.len(), want.len());
+        return (f32::INFINITY, Err(why));
     }
     let mut worst = 0.0f32;
+    let mut verdict = Ok(());
     for (a, b) in got.iter().zip(want) {
         let d = (a - b).abs();
-        if d.is_nan() || d > MAX_DIFF {
-            return Err(format!(
-                "a logit differs by {d} (at most {MAX_DIFF} passes)"
+        if verdict.is_ok() && (d.is_nan() || d > tol(b.abs())) {
+            verdict = Err(format!(
+                "a logit differs by {d} (at most {} passes)",
+                tol(b.abs())
             ));
         }
         worst = worst.max(d);
     }
-    let (best, second) = top_two(want);
+    let top = ultrafast_kernels::reference::top_k(want, 2);
     let (g, w) = (crate::sampling::argmax(got), crate::sampling::argmax(want));
-    if best - second >= CLEAR_MARGIN && g != w {
-        return Err(format!("greedy token {g} where the CPU's is clearly {w}"));
+    if verdict.is_ok() && top[0].1 - top[1].1 >= CLEAR_MARGIN && g != w {
+        verdict = Err(format!(
+            "greedy token {g} where the reference's is clearly {w}"
+        ));
     }
-    Ok(format!(
-        "agrees with the CPU on a probe prompt (max |diff| {worst:.3})"
-    ))
-}
-
-fn top_two(v: &[f32]) -> (f32, f32) {
-    v.iter().fold((f32::MIN, f32::MIN), |(a, b), &x| {
-        if x > a {
-            (x, a)
-        } else if x > b {
-            (a, x)
-        } else {
-            (a, b)
-        }
-    })
+    (worst, verdict)
 }
 
 #[cfg(test)]

@@ -411,32 +411,27 @@ impl Worker {
                 }
             }
         }
-        let steps: Vec<SeqStep> = chunks
+        // Each step's rows, and what its sampler needs: a device runner
+        // copies back only that.
+        let (steps, needs): (Vec<SeqStep>, Vec<Need>) = chunks
             .iter()
             .filter_map(|(i, start, toks)| {
-                let blocks = self.running[*i].blocks.as_ref()?.blocks();
-                Some(SeqStep {
-                    tokens: toks,
-                    start: *start,
-                    blocks,
-                })
-            })
-            .collect();
-        // What each sampler needs: a device runner copies back only that.
-        let needs: Vec<Need> = chunks
-            .iter()
-            .filter(|(i, _, _)| self.running[*i].blocks.is_some())
-            .map(|(i, start, toks)| {
                 let s = &self.running[*i];
-                if start + toks.len() < s.tokens.len() {
+                let need = if start + toks.len() < s.tokens.len() {
                     Need::Nothing
                 } else if guides.iter().any(|(j, _)| j == i) {
                     Need::Full
                 } else {
                     s.sampler_needs_top(MAX_TOP).map_or(Need::Full, Need::Top)
-                }
+                };
+                let step = SeqStep {
+                    tokens: toks,
+                    start: *start,
+                    blocks: s.blocks.as_ref()?.blocks(),
+                };
+                Some((step, need))
             })
-            .collect();
+            .unzip();
         let tokens: usize = steps.iter().map(|s| s.tokens.len()).sum();
         self.stats
             .last_step_seqs

@@ -10,6 +10,7 @@
 //! byte (absolute-form, non-UTF-8) keeps Pingora's head and its methods.
 //! Responses go the same way through the response policy.
 
+use crate::routing::HeaderOps;
 use http::header::{HeaderMap, HeaderName, HeaderValue};
 use pingora::http::{RequestHeader, ResponseHeader};
 use pingora::Result;
@@ -56,6 +57,20 @@ impl HeadEdit for RequestHeader {
     fn remove(&mut self, name: &HeaderName) {
         self.remove_header(name);
     }
+}
+
+/// Apply header rules to a head: remove, then set, then add.
+pub(crate) fn apply_ops(ops: &HeaderOps, req: &mut dyn HeadEdit) -> Result<()> {
+    for n in &ops.remove {
+        req.remove(n);
+    }
+    for (n, v) in &ops.set {
+        req.set(n, v.clone())?;
+    }
+    for (n, v) in &ops.add {
+        req.add(n, v.clone())?;
+    }
+    Ok(())
 }
 
 /// Runs `f` on `req`'s headers with room for `extra` more, as plain `http`

@@ -18,7 +18,6 @@ pub mod upgrade;
 
 use ctx::Tried;
 pub use ctx::{Ctx, InFlight};
-pub(crate) use heads::HeadEdit;
 pub use infer::Front;
 
 use crate::accesslog::{AccessLog, Entry};
@@ -213,7 +212,7 @@ fn forward_headers(
         }
     }
     if !route.request_headers.is_empty() {
-        filters::apply_header_ops(&route.request_headers, h)?;
+        heads::apply_ops(&route.request_headers, h)?;
     }
     Ok(())
 }

@@ -69,7 +69,7 @@ impl Policy<'_> {
             }
             if let Some(ops) = self.rules {
                 // The same rules, in the same order, as a request's.
-                crate::filters::apply_header_ops(ops, h)?;
+                super::heads::apply_ops(ops, h)?;
             }
             Ok(())
         })

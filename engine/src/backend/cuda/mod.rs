@@ -25,6 +25,7 @@ use super::{Device, ModelRunner};
 use crate::error::Result;
 use crate::model::paged::SeqStep;
 use forward::{err, Acts, DevKv, DevLayer, DevMat, DevModel, StepIo};
+use std::collections::hash_map::Entry;
 use std::collections::HashMap;
 use std::path::PathBuf;
 use ultrafast_kernels::gpu::{DeviceBuffer as Buf, Gpu};
@@ -192,25 +193,23 @@ impl CudaRunner {
     /// the logits of its rows are left in the bucket's buffer.
     fn graphed(&mut self, l: &StepLayout, bucket: usize, width: usize) -> Result<()> {
         let g = &self.m.gpu;
-        if !self.buckets.contains_key(&bucket) {
-            let z = |n: usize| g.zeros::<i32>(n).map_err(err("alloc"));
-            let b = Bucket {
-                io: StepIo {
-                    x: g.zeros(bucket * self.m.cfg.dim).map_err(err("alloc"))?,
-                    pos: z(bucket)?,
-                    slots: z(bucket)?,
-                    qseq: z(bucket)?,
-                    tables: z((bucket + 1) * self.max_width)?,
-                },
-                acts: Acts::new(g, bucket, &self.m.cfg)?,
-                logits: g.zeros(bucket * self.m.head.rows).map_err(err("alloc"))?,
-            };
-            self.buckets.insert(bucket, b);
-        }
-        let b = self
-            .buckets
-            .get_mut(&bucket)
-            .ok_or_else(|| err("graph")("no bucket".into()))?;
+        let b = match self.buckets.entry(bucket) {
+            Entry::Occupied(e) => e.into_mut(),
+            Entry::Vacant(e) => {
+                let z = |n: usize| g.zeros::<i32>(n).map_err(err("alloc"));
+                e.insert(Bucket {
+                    io: StepIo {
+                        x: g.zeros(bucket * self.m.cfg.dim).map_err(err("alloc"))?,
+                        pos: z(bucket)?,
+                        slots: z(bucket)?,
+                        qseq: z(bucket)?,
+                        tables: z((bucket + 1) * self.max_width)?,
+                    },
+                    acts: Acts::new(g, bucket, &self.m.cfg)?,
+                    logits: g.zeros(bucket * self.m.head.rows).map_err(err("alloc"))?,
+                })
+            }
+        };
         let io = &mut b.io;
         g.copy_to(&self.host, &mut io.x).map_err(err("copy"))?;
         g.copy_to(&l.positions, &mut io.pos).map_err(err("copy"))?;
@@ -406,26 +405,20 @@ impl ModelRunner for CudaRunner {
         // cuBLAS only for steps with a prompt chunk: decode rows keep the
         // GEMV's exact products, graph or not.
         let gemm = self.opts.gemm && seqs.iter().any(|s| s.tokens.len() > 1);
+        let vocab = self.m.head.rows;
         let ran = self
             .m
-            .layers(&mut self.kv, &mut io, &mut a, n, l.max_blocks, gemm, stop);
-        let done = match ran {
-            Ok(true) => {
-                let mut logits = g
-                    .zeros::<f32>(l.last.len() * self.m.head.rows)
-                    .map_err(err("alloc"))?;
-                self.m.head(&a, &l.last, &mut logits)?;
-                self.acts = Some(a);
-                let vocab = self.m.head.rows;
-                fetch(g, vocab, &mut self.cands, needs, &logits, out)?;
-                true
-            }
-            other => {
-                self.acts = Some(a);
-                other?
-            }
-        };
-        Ok(done)
+            .layers(&mut self.kv, &mut io, &mut a, n, l.max_blocks, gemm, stop)
+            .and_then(|done| {
+                if done {
+                    let mut logits = g.zeros::<f32>(l.last.len() * vocab).map_err(err("alloc"))?;
+                    self.m.head(&a, &l.last, &mut logits)?;
+                    fetch(g, vocab, &mut self.cands, needs, &logits, out)?;
+                }
+                Ok(done)
+            });
+        self.acts = Some(a);
+        ran
     }
 
     fn kv_bytes(&self) -> usize {
