@@ -14,7 +14,12 @@ what production has on: forwarding headers, request ids and the access log
 callgrind_annotate, per function the N2 run less the N1 run, per request.
 
 usage: benches/scripts/instructions_per_request.py [--n1 500] [--n2 3000]
-       [--bin target/release/ultrafast] [--bare target/release/bare-pingora]
+       [--repeat 1] [--bin target/release/ultrafast] [--bare target/release/bare-pingora]
+
+With --repeat R each proxy is measured R times, alternately, and the
+median per-request figure is reported (runs of one build differ by about
+1,000 instructions per request: jemalloc's time-based page purging and
+the event loop's polling under valgrind's slow clock).
 Build first: cargo build --release -p ultrafast -p ultrafast-benches;
 needs valgrind and nginx. Loopback only; every process is stopped by PID.
 """
@@ -91,6 +96,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--n1", type=int, default=500)
     ap.add_argument("--n2", type=int, default=3000)
+    ap.add_argument("--repeat", type=int, default=1, help="measurements per proxy; the median is kept")
     ap.add_argument("--top", type=int, default=25, help="functions of the difference listed")
     ap.add_argument("--bin", default=os.path.join(ROOT, "target/release/ultrafast"))
     ap.add_argument("--bare", default=os.path.join(ROOT, "target/release/bare-pingora"))
@@ -104,14 +110,27 @@ def main():
     tmp = tempfile.mkdtemp(prefix="uf-cg-")
     o, oport = origin(tmp)
     try:
-        per, funcs = {}, {}
-        for kind in [a.only] if a.only else ("bare", "ultrafast"):
-            i1, f1 = one(kind, a, tmp, oport, a.n1)
-            i2, f2 = one(kind, a, tmp, oport, a.n2)
-            per[kind] = (i2 - i1) / (a.n2 - a.n1)
+        per, funcs, runs = {}, {}, {}
+        kinds = [a.only] if a.only else ["bare", "ultrafast"]
+        for r in range(a.repeat):
+            for kind in kinds:
+                i1, f1 = one(kind, a, tmp, oport, a.n1)
+                i2, f2 = one(kind, a, tmp, oport, a.n2)
+                runs.setdefault(kind, []).append(((i2 - i1) / (a.n2 - a.n1), f1, f2))
+                print(f"{kind:9s} I({a.n1}) = {i1:,}  I({a.n2}) = {i2:,}  -> {runs[kind][-1][0]:,.0f} "
+                      f"instructions/request", flush=True)
+                if r + 1 < a.repeat:
+                    # Keep this run's files apart from the next run's.
+                    for f in (f1, f2):
+                        os.replace(f, f"{f}.{r}")
+                    runs[kind][-1] = (runs[kind][-1][0], f"{f1}.{r}", f"{f2}.{r}")
+        for kind in kinds:
+            ordered = sorted(runs[kind])
+            per[kind], f1, f2 = ordered[len(ordered) // 2]
+            if a.repeat > 1:
+                print(f"{kind:9s} median of {a.repeat}: {per[kind]:,.0f} "
+                      f"(runs: {', '.join(f'{x[0]:,.0f}' for x in runs[kind])})", flush=True)
             funcs[kind] = per_request(f1, f2, a.n2 - a.n1)
-            print(f"{kind:9s} I({a.n1}) = {i1:,}  I({a.n2}) = {i2:,}  -> {per[kind]:,.0f} instructions/request",
-                  flush=True)
             if a.keep:
                 os.makedirs(a.keep, exist_ok=True)
                 for f in (f1, f2):

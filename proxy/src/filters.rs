@@ -114,14 +114,18 @@ pub fn has_body(req: &RequestHeader) -> bool {
 
 /// A fresh request id: a UUIDv7 (see `reqid`).
 pub fn new_request_id() -> http::HeaderValue {
-    crate::reqid::header_value()
+    crate::reqid::header_value(std::time::SystemTime::now())
 }
 
-/// The request id: the client's `X-Request-Id` if sane, else a new one.
-pub fn request_id(req: &RequestHeader) -> http::HeaderValue {
-    match req.headers.get("x-request-id") {
-        Some(v) if !v.is_empty() && v.len() <= 128 && v.to_str().is_ok() => v.clone(),
-        _ => new_request_id(),
+const X_REQUEST_ID: http::HeaderName = http::HeaderName::from_static("x-request-id");
+
+/// The request id of a request that came at `at`: the client's
+/// `X-Request-Id` if sane, else a new one (then `true`: the edge's own,
+/// a UUID).
+pub fn request_id(req: &RequestHeader, at: std::time::SystemTime) -> (http::HeaderValue, bool) {
+    match req.headers.get(X_REQUEST_ID) {
+        Some(v) if !v.is_empty() && v.len() <= 128 && v.to_str().is_ok() => (v.clone(), false),
+        _ => (crate::reqid::header_value(at), true),
     }
 }
 

@@ -129,7 +129,7 @@ async fn parse_and_check(data: &[u8]) {
         l.max_headers,
         l.client_max_body_bytes,
     );
-    let _ = filters::request_id(req);
+    let _ = filters::request_id(req, std::time::SystemTime::now());
     let _ = filters::has_body(req);
     if refusal.is_none() {
         let te: Vec<_> = req

@@ -36,9 +36,15 @@ impl Upstream {
 
     /// What to send for a request whose id is `id`.
     pub fn send(self, id: &str) -> Send {
+        self.send_for(matches!(self, Upstream::Forward) && is_uuid(id))
+    }
+
+    /// What to send for a request whose id is a UUID or not (an id the
+    /// edge made is one, without looking).
+    pub fn send_for(self, uuid: bool) -> Send {
         match self {
             Upstream::None => Send::Nothing,
-            Upstream::Forward if is_uuid(id) => Send::Same,
+            Upstream::Forward if uuid => Send::Same,
             Upstream::Forward | Upstream::Uuid => Send::Fresh,
         }
     }
@@ -128,8 +134,11 @@ fn format(b: &[u8; 16]) -> String {
 }
 
 fn now_ms() -> u64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
+    ms(std::time::SystemTime::now())
+}
+
+fn ms(t: std::time::SystemTime) -> u64 {
+    t.duration_since(std::time::UNIX_EPOCH)
         .unwrap_or_default()
         .as_millis() as u64
 }
@@ -139,9 +148,10 @@ pub fn new() -> String {
     format(&bytes(now_ms()))
 }
 
-/// A new UUIDv7 as a header value.
-pub fn header_value() -> http::HeaderValue {
-    http::HeaderValue::from_maybe_shared(Bytes::copy_from_slice(&text(&bytes(now_ms()))))
+/// A new UUIDv7 as a header value, for a request that came at `at` (a
+/// request has read the clock already).
+pub fn header_value(at: std::time::SystemTime) -> http::HeaderValue {
+    http::HeaderValue::from_maybe_shared(Bytes::copy_from_slice(&text(&bytes(ms(at)))))
         .unwrap_or(http::HeaderValue::from_static("0"))
 }
 

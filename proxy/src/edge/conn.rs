@@ -203,29 +203,31 @@ fn guard(stream: Option<&Stream>) -> Option<&HeadDeadline> {
     stream.and_then(|s| s.as_any().downcast_ref::<HeadDeadline>())
 }
 
-/// One byte of a request head: the count of bytes since the last line feed
-/// after it, or `None` when it ends the head (a line feed right after an
-/// empty line; a CR before a line feed does not start a line).
-fn head_step(since_lf: usize, b: u8) -> Option<usize> {
-    match b {
-        b'\n' if since_lf == 0 => None,
-        b'\n' => Some(0),
-        b'\r' => Some(since_lf),
-        _ => Some(since_lf + 1),
+/// Where a request head stands after `bytes`, from `since_lf` (whether
+/// the current line has a byte other than CR: 0 or 1): ended at the byte
+/// at an index (a line feed right after an empty line; a CR before a line
+/// feed does not start a line), or not yet, with the new `since_lf` and
+/// the line feeds seen. One compare per byte in the common case.
+fn head_scan(mut since_lf: usize, bytes: &[u8]) -> Result<usize, (usize, usize)> {
+    let mut lines = 0;
+    for (i, &b) in bytes.iter().enumerate() {
+        if b == b'\n' {
+            if since_lf == 0 {
+                return Ok(i);
+            }
+            since_lf = 0;
+            lines += 1;
+        } else if b != b'\r' {
+            since_lf = 1;
+        }
     }
+    Err((since_lf, lines))
 }
 
 /// Whether `bytes` hold a whole request head, as [`HeadDeadline::saw`]
 /// reads it.
 fn head_ends(bytes: &[u8]) -> bool {
-    let mut since_lf = 1usize;
-    bytes.iter().any(|&b| match head_step(since_lf, b) {
-        Some(n) => {
-            since_lf = n;
-            false
-        }
-        None => true,
-    })
+    head_scan(1, bytes).is_ok()
 }
 
 /// Bytes and lines of the head being read (the request line is a line).
@@ -438,26 +440,25 @@ impl HeadDeadline {
             self.body().tail = None;
             self.arm_on_wait = true;
         }
-        let Phase::Head { mut since_lf } = self.phase else {
+        let Phase::Head { since_lf } = self.phase else {
             return;
         };
-        for (i, &b) in bytes.iter().enumerate() {
-            self.head.bytes += 1;
-            let Some(n) = head_step(since_lf, b) else {
+        match head_scan(since_lf, bytes) {
+            Ok(end) => {
+                self.head.bytes += end + 1;
                 self.phase = Phase::Done { wrote: false };
                 self.deadline = None;
                 self.arm_on_wait = false;
-                let rest = &bytes[i + 1..];
+                let rest = &bytes[end + 1..];
                 let body = self.body();
                 body.tail = (rest.len() <= hold::TAIL_MAX).then(|| rest.to_vec());
-                return;
-            };
-            if b == b'\n' {
-                self.head.lines += 1;
             }
-            since_lf = n;
+            Err((n, lines)) => {
+                self.head.bytes += bytes.len();
+                self.head.lines += lines;
+                self.phase = Phase::Head { since_lf: n };
+            }
         }
-        self.phase = Phase::Head { since_lf };
     }
 
     /// Read the first request head (or enough of it to tell the HTTP/2
@@ -847,6 +848,42 @@ mod tests {
         let slot = Slot { open, gauge };
         // No ALPN and no timeout: watching a head, no deadline armed.
         HeadDeadline::new(Box::new(a), Duration::ZERO, slot, closed)
+    }
+
+    /// `head_scan` against the byte-by-byte rule it replaced (which counted
+    /// the bytes where only none or some matters), on every string of up to
+    /// 7 bytes over `a`, CR and LF, from each start.
+    #[test]
+    fn the_line_feed_scan_agrees_with_the_byte_rule() {
+        fn by_byte(mut since_lf: usize, bytes: &[u8]) -> Result<usize, (usize, usize)> {
+            let mut lines = 0;
+            for (i, &b) in bytes.iter().enumerate() {
+                since_lf = match b {
+                    b'\n' if since_lf == 0 => return Ok(i),
+                    b'\n' => {
+                        lines += 1;
+                        0
+                    }
+                    b'\r' => since_lf,
+                    _ => since_lf + 1,
+                };
+            }
+            Err((since_lf.min(1), lines))
+        }
+        for len in 0..=7u32 {
+            for code in 0..3usize.pow(len) {
+                let bytes: Vec<u8> = (0..len)
+                    .map(|i| b"a\r\n"[code / 3usize.pow(i) % 3])
+                    .collect();
+                for start in [0, 1] {
+                    assert_eq!(
+                        head_scan(start, &bytes),
+                        by_byte(start, &bytes),
+                        "{bytes:?} from {start}"
+                    );
+                }
+            }
+        }
     }
 
     #[test]

@@ -51,6 +51,8 @@ pub struct Ctx {
     pub(super) started: Instant,
     pub(super) started_wall: SystemTime,
     pub(super) request_id: http::HeaderValue,
+    /// The request id is the edge's own (a UUID), not the client's.
+    pub(super) own_id: bool,
     pub(super) route: Option<Arc<Route>>,
     pub(super) lane: usize,
     pub(super) permit: Option<Permit>,

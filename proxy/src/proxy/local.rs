@@ -10,7 +10,7 @@ impl EdgeProxy {
     /// Note what the connection and its listener say about this request
     /// (its id, TLS, HSTS); returns the listener's HTTPS-redirect port.
     pub(super) fn identify(&self, session: &Session, ctx: &mut Ctx, cfg: &Config) -> Option<u16> {
-        ctx.request_id = filters::request_id(session.req_header());
+        (ctx.request_id, ctx.own_id) = filters::request_id(session.req_header(), ctx.started_wall);
         ctx.tls = policy::is_tls(session);
         let local = session.server_addr().and_then(|a| a.as_inet()).copied();
         let rule = cfg.listener_rule(local);

@@ -135,6 +135,32 @@ const X_FORWARDED_PROTO: http::HeaderName = http::HeaderName::from_static("x-for
 const X_REQUEST_ID: http::HeaderName = http::HeaderName::from_static("x-request-id");
 const TRACEPARENT: http::HeaderName = http::HeaderName::from_static("traceparent");
 
+thread_local! {
+    /// The last client address and its `X-Forwarded-For` value: a kept-alive
+    /// connection's requests, one after the other on one thread, share it.
+    static XFF: std::cell::RefCell<Option<(std::net::IpAddr, http::HeaderValue)>> =
+        const { std::cell::RefCell::new(None) };
+}
+
+/// `ip` as a `X-Forwarded-For` value of its own.
+fn client_xff(ip: std::net::IpAddr) -> http::HeaderValue {
+    XFF.with(|c| {
+        let mut c = c.borrow_mut();
+        match &*c {
+            Some((last, v)) if *last == ip => v.clone(),
+            _ => {
+                let mut s = String::with_capacity(40);
+                crate::accesslog::push_ip(&mut s, ip);
+                // Digits, dots, colons and hex: always a valid value.
+                let v = http::HeaderValue::try_from(s)
+                    .unwrap_or_else(|_| http::HeaderValue::from_static("unknown"));
+                *c = Some((ip, v.clone()));
+                v
+            }
+        }
+    })
+}
+
 /// What the upstream request gets: trace context, `X-Forwarded-For` and
 /// `-Proto`, the request id, the upstream Host, the route's rules.
 fn forward_headers(
@@ -150,14 +176,17 @@ fn forward_headers(
         }
     }
     if let Some(ip) = client {
-        let mut xff = String::with_capacity(48);
-        if let Some(prev) = h.get(&X_FORWARDED_FOR).and_then(|v| v.to_str().ok()) {
-            xff.push_str(prev);
-            xff.push_str(", ");
-        }
-        crate::accesslog::push_ip(&mut xff, ip);
-        if let Ok(v) = http::HeaderValue::try_from(xff) {
-            h.set(&X_FORWARDED_FOR, v)?;
+        match h.get(&X_FORWARDED_FOR).and_then(|v| v.to_str().ok()) {
+            Some(prev) => {
+                let mut xff = String::with_capacity(prev.len() + 48);
+                xff.push_str(prev);
+                xff.push_str(", ");
+                crate::accesslog::push_ip(&mut xff, ip);
+                if let Ok(v) = http::HeaderValue::try_from(xff) {
+                    h.set(&X_FORWARDED_FOR, v)?;
+                }
+            }
+            None => h.set(&X_FORWARDED_FOR, client_xff(ip))?,
         }
     }
     let proto = if ctx.tls { "https" } else { "http" };
@@ -180,7 +209,9 @@ fn forward_headers(
     let mode = ctx
         .pool()
         .map_or(Upstream::Forward, |p| p.settings.request_id);
-    match mode.send(ctx.request_id.to_str().unwrap_or("")) {
+    let uuid = mode == Upstream::Forward
+        && (ctx.own_id || crate::reqid::is_uuid(ctx.request_id.to_str().unwrap_or("")));
+    match mode.send_for(uuid) {
         Send::Nothing => h.remove(&X_REQUEST_ID),
         // The common case shares the header value (no allocation).
         Send::Same => h.set(&X_REQUEST_ID, ctx.request_id.clone())?,
@@ -219,20 +250,20 @@ fn forward_headers(
 
 #[async_trait]
 impl ProxyHttp for EdgeProxy {
-    type CTX = Ctx;
+    type CTX = Box<Ctx>;
 
-    fn new_ctx(&self) -> Ctx {
+    fn new_ctx(&self) -> Box<Ctx> {
         let cfg = self.config.load_full();
-        Ctx {
+        // Boxed: Pingora keeps the context in every phase's future and
+        // moves those futures (one `memcpy` per byte under callgrind).
+        Box::new(Ctx {
             deadlines: cfg.limits.deadlines,
             cfg,
             started: Instant::now(),
-            started_wall: if self.log.enabled() {
-                SystemTime::now()
-            } else {
-                SystemTime::UNIX_EPOCH
-            },
+            // The access log's time, and the request id's.
+            started_wall: SystemTime::now(),
             request_id: http::HeaderValue::from_static(""),
+            own_id: false,
             route: None,
             lane: 0,
             permit: None,
@@ -254,10 +285,10 @@ impl ProxyHttp for EdgeProxy {
             tls: false,
             trace: None,
             _inflight: InFlight::new(&self.inflight),
-        }
+        })
     }
 
-    async fn request_filter(&self, session: &mut Session, ctx: &mut Ctx) -> Result<bool> {
+    async fn request_filter(&self, session: &mut Session, ctx: &mut Box<Ctx>) -> Result<bool> {
         // From here every response to this request passes the policy.
         crate::edge::conn::mark_seen(session.as_downstream().stream());
         // Pipelined requests (RFC 9112 9.3.2) are answered in order, one
@@ -335,7 +366,7 @@ impl ProxyHttp for EdgeProxy {
         _session: &mut Session,
         body: &mut Option<Bytes>,
         _end_of_stream: bool,
-        ctx: &mut Ctx,
+        ctx: &mut Box<Ctx>,
     ) -> Result<()> {
         if let Some(b) = body {
             ctx.body_bytes += b.len() as u64;
@@ -351,12 +382,12 @@ impl ProxyHttp for EdgeProxy {
         Ok(())
     }
 
-    fn request_cache_filter(&self, session: &mut Session, ctx: &mut Ctx) -> Result<()> {
+    fn request_cache_filter(&self, session: &mut Session, ctx: &mut Box<Ctx>) -> Result<()> {
         cache::enable(session, ctx);
         Ok(())
     }
 
-    fn cache_key_callback(&self, session: &Session, ctx: &mut Ctx) -> Result<CacheKey> {
+    fn cache_key_callback(&self, session: &Session, ctx: &mut Box<Ctx>) -> Result<CacheKey> {
         cache::key(session, ctx)
     }
 
@@ -364,7 +395,7 @@ impl ProxyHttp for EdgeProxy {
         &self,
         session: &Session,
         resp: &ResponseHeader,
-        ctx: &mut Ctx,
+        ctx: &mut Box<Ctx>,
     ) -> Result<RespCacheable> {
         Ok(cache::cacheable(session, resp, ctx))
     }
@@ -372,7 +403,7 @@ impl ProxyHttp for EdgeProxy {
     fn cache_vary_filter(
         &self,
         meta: &CacheMeta,
-        _ctx: &mut Ctx,
+        _ctx: &mut Box<Ctx>,
         req: &RequestHeader,
     ) -> Option<HashBinary> {
         cache::variance(meta, req)
@@ -381,7 +412,7 @@ impl ProxyHttp for EdgeProxy {
     fn should_serve_stale(
         &self,
         _session: &mut Session,
-        _ctx: &mut Ctx,
+        _ctx: &mut Box<Ctx>,
         error: Option<&Error>,
     ) -> bool {
         // Pingora asks only within the stored response's own
@@ -390,7 +421,11 @@ impl ProxyHttp for EdgeProxy {
         error.is_none_or(|e| e.esource() == &ErrorSource::Upstream)
     }
 
-    async fn upstream_peer(&self, _session: &mut Session, ctx: &mut Ctx) -> Result<Box<HttpPeer>> {
+    async fn upstream_peer(
+        &self,
+        _session: &mut Session,
+        ctx: &mut Box<Ctx>,
+    ) -> Result<Box<HttpPeer>> {
         let Some(pool) = ctx.pool().cloned() else {
             return Error::e_explain(ErrorType::InternalError, "route has no pool");
         };
@@ -419,7 +454,7 @@ impl ProxyHttp for EdgeProxy {
         _peer: &HttpPeer,
         #[cfg(unix)] _fd: std::os::unix::io::RawFd,
         _digest: Option<&pingora::protocols::Digest>,
-        ctx: &mut Ctx,
+        ctx: &mut Box<Ctx>,
     ) -> Result<()> {
         if let Some(pool) = ctx.pool() {
             if reused {
@@ -435,7 +470,7 @@ impl ProxyHttp for EdgeProxy {
         &self,
         session: &mut Session,
         _peer: &HttpPeer,
-        ctx: &mut Ctx,
+        ctx: &mut Box<Ctx>,
         mut e: Box<Error>,
     ) -> Box<Error> {
         if let (Some(pool), Some(m)) = (ctx.pool(), ctx.member()) {
@@ -451,7 +486,7 @@ impl ProxyHttp for EdgeProxy {
         peer: &HttpPeer,
         session: &mut Session,
         e: Box<Error>,
-        ctx: &mut Ctx,
+        ctx: &mut Box<Ctx>,
         _client_reused: bool,
     ) -> Box<Error> {
         let mut e = e.more_context(format!("Peer: {peer}"));
@@ -479,7 +514,7 @@ impl ProxyHttp for EdgeProxy {
         &self,
         session: &mut Session,
         req: &mut RequestHeader,
-        ctx: &mut Ctx,
+        ctx: &mut Box<Ctx>,
     ) -> Result<()> {
         let Some(route) = ctx.route.clone() else {
             return Ok(());
@@ -496,7 +531,7 @@ impl ProxyHttp for EdgeProxy {
         &self,
         _session: &mut Session,
         resp: &mut ResponseHeader,
-        ctx: &mut Ctx,
+        ctx: &mut Box<Ctx>,
     ) -> Result<()> {
         let elapsed = ctx.upstream_start.map(|s| s.elapsed()).unwrap_or_default();
         ctx.upstream_time = Some(elapsed);
@@ -513,7 +548,7 @@ impl ProxyHttp for EdgeProxy {
         &self,
         session: &mut Session,
         resp: &mut ResponseHeader,
-        ctx: &mut Ctx,
+        ctx: &mut Box<Ctx>,
     ) -> Result<()> {
         if let Some(slot) = ctx.upgrade.as_mut() {
             let up = &self.metrics.upgrades;
@@ -542,7 +577,7 @@ impl ProxyHttp for EdgeProxy {
         _session: &mut Session,
         body: &mut Option<Bytes>,
         end_of_stream: bool,
-        ctx: &mut Ctx,
+        ctx: &mut Box<Ctx>,
     ) -> Result<Option<std::time::Duration>> {
         if let Some(enc) = ctx.encoder.as_mut() {
             if body.is_some() || end_of_stream {
@@ -555,7 +590,7 @@ impl ProxyHttp for EdgeProxy {
         Ok(None)
     }
 
-    fn suppress_error_log(&self, _session: &Session, _ctx: &Ctx, e: &Error) -> bool {
+    fn suppress_error_log(&self, _session: &Session, _ctx: &Box<Ctx>, e: &Error) -> bool {
         // A client that hangs up is routine at an edge (nginx logs it at
         // info); it is counted in the access log with status 0.
         e.esource() == &ErrorSource::Downstream
@@ -565,7 +600,12 @@ impl ProxyHttp for EdgeProxy {
             )
     }
 
-    async fn fail_to_proxy(&self, session: &mut Session, e: &Error, ctx: &mut Ctx) -> FailToProxy {
+    async fn fail_to_proxy(
+        &self,
+        session: &mut Session,
+        e: &Error,
+        ctx: &mut Box<Ctx>,
+    ) -> FailToProxy {
         let code = status_for(e);
         ctx.error_status = code;
         if code > 0 && session.response_written().is_none() {
@@ -589,7 +629,7 @@ impl ProxyHttp for EdgeProxy {
         }
     }
 
-    async fn logging(&self, session: &mut Session, e: Option<&Error>, ctx: &mut Ctx) {
+    async fn logging(&self, session: &mut Session, e: Option<&Error>, ctx: &mut Box<Ctx>) {
         if let Some(e) = e.filter(|e| e.esource() == &ErrorSource::Downstream) {
             match e.etype() {
                 ErrorType::ReadTimedout => self.metrics.conns.body_timeout.inc(),
@@ -627,26 +667,30 @@ impl ProxyHttp for EdgeProxy {
             return;
         }
         let req = session.req_header();
-        self.log.log(Entry {
+        let lane = ctx.cfg.lanes.get(ctx.lane).map_or("", |l| l.name.as_str());
+        self.log.log(&Entry {
             time: ctx.started_wall,
-            request_id: ctx.request_id.clone(),
-            config: ctx.cfg.clone(),
-            lane: ctx.lane,
+            request_id: ctx.request_id.to_str().unwrap_or(""),
+            lane,
             queue: ctx.queue_wait,
             client: session
                 .client_addr()
                 .and_then(|a| a.as_inet())
                 .map(|a| a.ip()),
-            method: req.method.clone(),
-            uri: req.uri.path_and_query().cloned(),
-            route: ctx.route.clone(),
+            method: req.method.as_str(),
+            uri: req.uri.path_and_query().map_or("", |p| p.as_str()),
+            route: ctx.route.as_deref().map(|r| r.name.as_str()),
             upstream: ctx.member().map(|m| m.addr),
             status,
             bytes: session.body_bytes_sent(),
             total: ctx.started.elapsed(),
             upstream_time: ctx.upstream_time,
             tries: ctx.tried.len() as u32,
-            user_agent: req.headers.get(http::header::USER_AGENT).cloned(),
+            user_agent: req
+                .headers
+                .get(http::header::USER_AGENT)
+                .and_then(|v| v.to_str().ok())
+                .unwrap_or(""),
         });
     }
 }

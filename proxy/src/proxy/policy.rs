@@ -59,7 +59,12 @@ impl Ctx {
 impl Policy<'_> {
     /// Apply the policy to a response head about to be sent.
     pub(super) fn apply(&self, resp: &mut ResponseHeader) -> Result<()> {
-        let extra = 2 + self.rules.map_or(0, |r| r.set.len() + r.add.len());
+        // Exactly what may be added: a response parsed from an upstream has
+        // a map sized to its headers, and room asked for and not used can
+        // cost a rehash of every header.
+        let extra = usize::from(!self.request_id.is_empty())
+            + usize::from(self.hsts.is_some())
+            + self.rules.map_or(0, |r| r.set.len() + r.add.len());
         super::heads::edit_response(resp, extra, |h| {
             if !self.request_id.is_empty() {
                 h.set(&X_REQUEST_ID, self.request_id.clone())?;
