@@ -206,14 +206,15 @@ fn guard(stream: Option<&Stream>) -> Option<&HeadDeadline> {
 /// Where a request head stands after `bytes`, from `since_lf` (whether
 /// the current line has a byte other than CR: 0 or 1): ended at the byte
 /// at an index (a line feed right after an empty line; a CR before a line
-/// feed does not start a line), or not yet, with the new `since_lf` and
-/// the line feeds seen. One compare per byte in the common case.
-fn head_scan(mut since_lf: usize, bytes: &[u8]) -> Result<usize, (usize, usize)> {
+/// feed does not start a line), or not yet, with the new `since_lf`; and
+/// the line feeds seen before the end. One compare per byte in the common
+/// case.
+fn head_scan(mut since_lf: usize, bytes: &[u8]) -> (Result<usize, usize>, usize) {
     let mut lines = 0;
     for (i, &b) in bytes.iter().enumerate() {
         if b == b'\n' {
             if since_lf == 0 {
-                return Ok(i);
+                return (Ok(i), lines);
             }
             since_lf = 0;
             lines += 1;
@@ -221,13 +222,13 @@ fn head_scan(mut since_lf: usize, bytes: &[u8]) -> Result<usize, (usize, usize)>
             since_lf = 1;
         }
     }
-    Err((since_lf, lines))
+    (Err(since_lf), lines)
 }
 
 /// Whether `bytes` hold a whole request head, as [`HeadDeadline::saw`]
 /// reads it.
 fn head_ends(bytes: &[u8]) -> bool {
-    head_scan(1, bytes).is_ok()
+    head_scan(1, bytes).0.is_ok()
 }
 
 /// Bytes and lines of the head being read (the request line is a line).
@@ -443,7 +444,9 @@ impl HeadDeadline {
         let Phase::Head { since_lf } = self.phase else {
             return;
         };
-        match head_scan(since_lf, bytes) {
+        let (at, lines) = head_scan(since_lf, bytes);
+        self.head.lines += lines;
+        match at {
             Ok(end) => {
                 self.head.bytes += end + 1;
                 self.phase = Phase::Done { wrote: false };
@@ -453,9 +456,8 @@ impl HeadDeadline {
                 let body = self.body();
                 body.tail = (rest.len() <= hold::TAIL_MAX).then(|| rest.to_vec());
             }
-            Err((n, lines)) => {
+            Err(n) => {
                 self.head.bytes += bytes.len();
-                self.head.lines += lines;
                 self.phase = Phase::Head { since_lf: n };
             }
         }
@@ -855,11 +857,11 @@ mod tests {
     /// 7 bytes over `a`, CR and LF, from each start.
     #[test]
     fn the_line_feed_scan_agrees_with_the_byte_rule() {
-        fn by_byte(mut since_lf: usize, bytes: &[u8]) -> Result<usize, (usize, usize)> {
+        fn by_byte(mut since_lf: usize, bytes: &[u8]) -> (Result<usize, usize>, usize) {
             let mut lines = 0;
             for (i, &b) in bytes.iter().enumerate() {
                 since_lf = match b {
-                    b'\n' if since_lf == 0 => return Ok(i),
+                    b'\n' if since_lf == 0 => return (Ok(i), lines),
                     b'\n' => {
                         lines += 1;
                         0
@@ -868,7 +870,7 @@ mod tests {
                     _ => since_lf + 1,
                 };
             }
-            Err((since_lf.min(1), lines))
+            (Err(since_lf.min(1)), lines)
         }
         for len in 0..=7u32 {
             for code in 0..3usize.pow(len) {
@@ -921,6 +923,25 @@ mod tests {
         assert!(head_ends(b"GET / HTTP/1.0\n\nbody"));
         assert!(!head_ends(b"GET / HTTP/1.1\r\nHost: a\r\n"));
         assert!(!head_ends(b""));
+    }
+
+    /// The limits are checked after the head: a head read whole in one
+    /// read counts its lines and bytes as one read a byte at a time does.
+    #[test]
+    fn a_head_read_at_once_counts_every_line() {
+        let head = format!(
+            "GET / HTTP/1.1\r\nHost: a\r\n{}\r\nbody",
+            "x: 1\r\n".repeat(300)
+        );
+        let mut whole = guard();
+        whole.saw(head.as_bytes());
+        let mut drip = guard();
+        for b in head.as_bytes().chunks(1) {
+            drip.saw(b);
+        }
+        assert_eq!(whole.head.lines, 302);
+        assert_eq!(whole.head.bytes, head.len() - 4);
+        assert_eq!((drip.head.lines, drip.head.bytes), (302, head.len() - 4));
     }
 
     #[test]

@@ -297,6 +297,11 @@ impl UpstreamBackend {
         if let Some(tp) = ids.traceparent {
             let _ = head.insert_header("traceparent", tp);
         }
+        // Pingora's client flushes the head on its own: corked, the head
+        // and the body leave in one segment (nginx's one `writev`), so the
+        // member wakes once. On an error the session is dropped corked,
+        // and closing sends what is held.
+        let corked = cork(&s, true);
         s.write_request_header(Box::new(head))
             .await
             .map_err(|e| retry("write", &e))?;
@@ -306,6 +311,9 @@ impl UpstreamBackend {
         s.finish_request_body()
             .await
             .map_err(|e| retry("write", &e))?;
+        if corked {
+            cork(&s, false);
+        }
         s.read_response_header()
             .await
             .map_err(|e| retry("read", &e))?;
@@ -381,6 +389,34 @@ fn body_text(text: &[u8]) -> String {
     match s.char_indices().nth(MAX) {
         Some((i, _)) => format!("{}...", &s[..i]),
         None => s,
+    }
+}
+
+/// Set `TCP_CORK` on the session's socket (Linux; elsewhere, or on a socket
+/// that is not TCP, nothing is done). True when it was set.
+fn cork(s: &HttpSession, on: bool) -> bool {
+    #[cfg(target_os = "linux")]
+    {
+        let Some(stream) = s.stream() else {
+            return false;
+        };
+        // An HTTP/1 session's id is its socket's descriptor (Pingora's
+        // `UniqueID` for TCP and TLS streams).
+        let fd = stream.id();
+        if fd < 0 {
+            return false;
+        }
+        #[allow(unsafe_code)]
+        // SAFETY: `fd` belongs to the stream `s` owns, which is borrowed for
+        // this whole call, so it is open and is that socket; the borrow
+        // ends before this function returns.
+        let fd = unsafe { std::os::fd::BorrowedFd::borrow_raw(fd) };
+        socket2::SockRef::from(&fd).set_tcp_cork(on).is_ok()
+    }
+    #[cfg(not(target_os = "linux"))]
+    {
+        let _ = (s, on);
+        false
     }
 }
 
