@@ -15,7 +15,6 @@ use prometheus::IntCounter;
 use std::cell::RefCell;
 use std::io::Write;
 use std::net::{IpAddr, SocketAddr};
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::mpsc::{sync_channel, Receiver, RecvTimeoutError, SyncSender, TrySendError};
 use std::sync::{Arc, Mutex, Weak};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
@@ -81,18 +80,16 @@ enum Msg {
 }
 
 struct Inner {
-    id: u64,
     format: LogFormat,
     tx: SyncSender<Msg>,
     shards: Mutex<Vec<Shard>>,
     dropped: IntCounter,
 }
 
-static NEXT_ID: AtomicU64 = AtomicU64::new(1);
-
 thread_local! {
-    /// This thread's buffer for each live log (one, outside tests).
-    static MINE: RefCell<Vec<(u64, Weak<Inner>, Shard)>> = const { RefCell::new(Vec::new()) };
+    /// This thread's buffer for each log (one, outside tests), by the log's
+    /// address: the `Weak` keeps that allocation, so no later log has it.
+    static MINE: RefCell<Vec<(Weak<Inner>, Shard)>> = const { RefCell::new(Vec::new()) };
 }
 
 /// A handle for logging; cheap to clone.
@@ -121,7 +118,6 @@ impl AccessLog {
         // Bounded: 64 full buffers (2 MiB) behind is the most held.
         let (tx, rx) = sync_channel(64);
         let inner = Arc::new(Inner {
-            id: NEXT_ID.fetch_add(1, Ordering::Relaxed),
             format,
             tx,
             shards: Mutex::new(Vec::new()),
@@ -141,18 +137,21 @@ impl AccessLog {
         };
         MINE.with(|m| {
             let mut m = m.borrow_mut();
-            let at = match m.iter().position(|(id, _, _)| *id == inner.id) {
+            let at = match m
+                .iter()
+                .position(|(w, _)| std::ptr::eq(w.as_ptr(), &**inner))
+            {
                 Some(at) => at,
                 None => {
                     // First line of this thread: forget buffers of logs gone.
-                    m.retain(|(_, w, _)| w.strong_count() > 0);
+                    m.retain(|(w, _)| w.strong_count() > 0);
                     let s = Shard::default();
                     lock(&inner.shards).push(s.clone());
-                    m.push((inner.id, Arc::downgrade(inner), s));
+                    m.push((Arc::downgrade(inner), s));
                     m.len() - 1
                 }
             };
-            let shard = &m[at].2;
+            let shard = &m[at].1;
             let mut b = lock(shard);
             let Buf {
                 text,

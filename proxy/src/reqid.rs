@@ -34,24 +34,19 @@ impl Upstream {
         }
     }
 
-    /// What to send for a request whose id is `id`.
-    pub fn send(self, id: &str) -> Send {
-        self.send_for(matches!(self, Upstream::Forward) && is_uuid(id))
-    }
-
-    /// What to send for a request whose id is a UUID or not (an id the
-    /// edge made is one, without looking).
-    pub fn send_for(self, uuid: bool) -> Send {
+    /// What to send for a request whose id is `id`; `ours` when the edge
+    /// made it (a UUID, not looked at again).
+    pub fn send(self, id: &str, ours: bool) -> Send {
         match self {
             Upstream::None => Send::Nothing,
-            Upstream::Forward if uuid => Send::Same,
+            Upstream::Forward if ours || is_uuid(id) => Send::Same,
             Upstream::Forward | Upstream::Uuid => Send::Fresh,
         }
     }
 
     /// The id to send for a request whose id is `id` (None: send none).
     pub fn header(self, id: &str) -> Option<String> {
-        match self.send(id) {
+        match self.send(id, false) {
             Send::Nothing => None,
             Send::Same => Some(id.to_string()),
             Send::Fresh => Some(new()),

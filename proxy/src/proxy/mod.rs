@@ -209,9 +209,7 @@ fn forward_headers(
     let mode = ctx
         .pool()
         .map_or(Upstream::Forward, |p| p.settings.request_id);
-    let uuid = mode == Upstream::Forward
-        && (ctx.own_id || crate::reqid::is_uuid(ctx.request_id.to_str().unwrap_or("")));
-    match mode.send_for(uuid) {
+    match mode.send(ctx.request_id.to_str().unwrap_or(""), ctx.own_id) {
         Send::Nothing => h.remove(&X_REQUEST_ID),
         // The common case shares the header value (no allocation).
         Send::Same => h.set(&X_REQUEST_ID, ctx.request_id.clone())?,
