@@ -7,7 +7,7 @@ after another, each on its own connection; per request = (I(N2) - I(N1)) /
 (N2 - N1), which cancels start-up and shutdown. With --top, the functions
 with the largest inclusive cost per request are listed.
 
-usage: benches/scripts/sse_instructions.py [--n1 50] [--n2 250] [--top 0]
+usage: benches/scripts/sse_instructions.py [--n1 50] [--n2 250] [--top 0] [--keep DIR]
 Build first: cargo build --release -p ultrafast -p ultrafast-benches; needs
 valgrind. Loopback only; every process is stopped by PID.
 """
@@ -57,6 +57,7 @@ def main():
     ap.add_argument("--n1", type=int, default=50)
     ap.add_argument("--n2", type=int, default=250)
     ap.add_argument("--top", type=int, default=0)
+    ap.add_argument("--keep", help="copy the two callgrind files into this folder")
     a = ap.parse_args()
     for need in ("valgrind", "callgrind_annotate"):
         if not shutil.which(need):
@@ -75,6 +76,10 @@ def main():
             rows = sorted(((y.get(k, 0) - x.get(k, 0)) / dn, k) for k in y)
             for d, k in reversed(rows[-a.top:]):
                 print(f"{d:10,.0f}  {k}")
+        if a.keep:
+            os.makedirs(a.keep, exist_ok=True)
+            for f in (f1, f2):
+                shutil.copy(f, a.keep)
     finally:
         stop_tree(fake)
         shutil.rmtree(tmp, ignore_errors=True)

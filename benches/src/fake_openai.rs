@@ -10,7 +10,8 @@
 //! first N requests, a stall or malformed SSE after N tokens, a connection
 //! reset (RST) after N streamed tokens, a fraction of slow first tokens.
 //! `GET /stats` reports counters (requests, active, completed, cancelled,
-//! failed, slow, killed, resumed) and the last request body, so tests can
+//! failed, slow, killed, resumed, connections that carried inference
+//! requests) and the last request body, so tests can
 //! see what the proxy sent and cancelled.
 //!
 //! Its text is deterministic: token i is `WORDS[i % WORDS.len()]`. So it can
@@ -101,6 +102,8 @@ struct Stats {
     health_gets: AtomicU64,
     models_gets: AtomicU64,
     metrics_gets: AtomicU64,
+    /// Connections that carried at least one inference request.
+    inference_connections: AtomicU64,
     rng: AtomicU64,
 }
 
@@ -415,6 +418,7 @@ async fn handle(st: Arc<State>, sock: TcpStream) {
     let _ = sock.set_nodelay(true);
     let (r, mut w) = sock.into_split();
     let mut r = BufReader::new(r);
+    let mut counted = false;
     while let Some(req) = read_request(&mut r).await {
         let Request {
             method,
@@ -424,6 +428,10 @@ async fn handle(st: Arc<State>, sock: TcpStream) {
             body,
         } = req;
         let inference = method == "POST" && path.starts_with("/v1/");
+        if inference && !counted {
+            counted = true;
+            st.s.inference_connections.fetch_add(1, Ordering::Relaxed);
+        }
         if inference {
             *lock(&st.last_request_id) = request_id.clone().map_or(Value::Null, Value::from);
             *lock(&st.last_traceparent) = traceparent.map_or(Value::Null, Value::from);
@@ -466,7 +474,8 @@ async fn handle(st: Arc<State>, sock: TcpStream) {
                     "last_request_id": lock(&st.last_request_id).clone(),
                     "last_traceparent": lock(&st.last_traceparent).clone(),
                     "health_gets": c(&s.health_gets), "models_gets": c(&s.models_gets),
-                    "metrics_gets": c(&s.metrics_gets)});
+                    "metrics_gets": c(&s.metrics_gets),
+                    "inference_connections": c(&s.inference_connections)});
                 response(200, "application/json", &v.to_string())
             }
             ("POST", "/control") => control(&st, &body),

@@ -354,6 +354,55 @@ fn pacing_smooths_a_bursty_upstream_without_delaying_the_first_token() {
 }
 
 #[test]
+fn streams_keep_the_client_and_the_upstream_connection() {
+    let fake = Fake::start(&["--tokens", "5", "--itl-ms", "1"]);
+    let uf = Ultrafast::start(&format!(
+        "{INFERENCE_ROUTE}{}",
+        upstream_model("m", &[&fake], "")
+    ));
+    // HTTP/1.1: each stream is chunked, so one connection carries them all.
+    let mut c = Client::connect(uf.addr).unwrap();
+    let json = [("Content-Type", "application/json")];
+    for i in 0..3 {
+        let body = chat_body(5, true);
+        let r = c
+            .request("POST", "/v1/chat/completions", &json, body.as_bytes())
+            .unwrap();
+        assert_eq!(r.status, 200, "stream {i}");
+        assert_eq!(r.header("transfer-encoding"), Some("chunked"), "stream {i}");
+        let text = r.text();
+        assert!(
+            text.trim_end().ends_with("data: [DONE]"),
+            "stream {i}: {text}"
+        );
+        assert!(text.matches("\"content\":\"").count() >= 5, "{text}");
+        // The upstream connection goes back to the pool after the stream.
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    // Kept idle between the streams, one upstream connection served all.
+    assert_eq!(fake.stat("inference_connections"), 1);
+    // HTTP/1.0 knows no chunks: the close ends the body.
+    let body = chat_body(5, true);
+    let mut s = std::net::TcpStream::connect(uf.addr).unwrap();
+    let head = format!(
+        "POST /v1/chat/completions HTTP/1.0\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n",
+        body.len()
+    );
+    std::io::Write::write_all(&mut s, format!("{head}{body}").as_bytes()).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    let mut all = String::new();
+    std::io::Read::read_to_string(&mut s, &mut all).unwrap();
+    let (h, b) = all.split_once("\r\n\r\n").unwrap();
+    assert!(
+        h.starts_with("HTTP/1.0 200") || h.starts_with("HTTP/1.1 200"),
+        "{h}"
+    );
+    assert!(!h.to_ascii_lowercase().contains("transfer-encoding"), "{h}");
+    assert!(b.trim_end().ends_with("data: [DONE]"), "{b}");
+    assert_eq!(fake.stat("inference_connections"), 1);
+}
+
+#[test]
 fn bad_requests_get_openai_errors() {
     let fake = Fake::start(&[]);
     let uf = Ultrafast::start(&format!(

@@ -27,12 +27,37 @@ struct Down<'a> {
     body_follows: bool,
 }
 
+impl Down<'_> {
+    /// Whether `resp`, a head with a body of no stated length, goes out
+    /// chunked: only to an HTTP/1.1 client (HTTP/2 frames its own bodies;
+    /// HTTP/1.0 knows no chunks), and never for a head without a body.
+    fn chunks_unsized(&self, resp: &ResponseHeader) -> bool {
+        let down = self.session.as_downstream();
+        let req = down.req_header();
+        !down.is_http2()
+            && req.version == http::Version::HTTP_11
+            && req.method != http::Method::HEAD
+            && !matches!(resp.status.as_u16(), 100..=199 | 204 | 304)
+            && !resp.headers.contains_key(http::header::CONTENT_LENGTH)
+            && !resp.headers.contains_key(http::header::TRANSFER_ENCODING)
+    }
+}
+
 #[async_trait]
 impl Downstream for Down<'_> {
     async fn head(&mut self, status: u16, headers: &[(&str, &str)]) -> Result<(), Gone> {
         let mut resp = ResponseHeader::build(status, Some(headers.len() + 3)).map_err(|_| Gone)?;
         for (k, v) in headers {
             resp.insert_header(k.to_string(), *v).map_err(|_| Gone)?;
+        }
+        // A body of unknown length (a stream) is chunked for an HTTP/1.1
+        // client, as nginx sends it: delimited by the close instead, the
+        // connection could not be kept, and a client that reuses its
+        // connections (the OpenAI SDKs) would pay a new handshake for every
+        // streamed request.
+        if self.chunks_unsized(&resp) {
+            resp.insert_header(http::header::TRANSFER_ENCODING, "chunked")
+                .map_err(|_| Gone)?;
         }
         // A stream's head whose first bytes are ready waits for them over
         // HTTP/1 (Pingora flushes a head without `Content-Length` at once):

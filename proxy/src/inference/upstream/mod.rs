@@ -1,8 +1,9 @@
 //! Upstream inference pools: OpenAI-compatible servers (vLLM, TGI, SGLang,
 //! Ollama, llama.cpp) behind the same backend seam as the engine.
 //!
-//! Reuses the core's pools (members, health, ejection, TLS, keepalive via
-//! Pingora's connector). Adds: least-outstanding or prefix-affinity choice
+//! Reuses the core's pools (members, health, ejection, TLS; new
+//! connections through Pingora's connector, idle HTTP/1 ones kept in
+//! `idle` without a watcher task). Adds: least-outstanding or prefix-affinity choice
 //! (consistent hash with bounded load on the conversation prefix), retry to
 //! another member only until the first token (never after one reached the
 //! client), the lane passed on as vLLM's `priority`, and parsing of the
@@ -17,6 +18,7 @@
 //! stream that breaks after tokens were sent continues on another member,
 //! as a continuation of the text delivered so far).
 
+mod idle;
 mod open;
 mod relay;
 mod stream;
@@ -132,6 +134,8 @@ pub struct UpstreamBackend {
     ttfts: Arc<Mutex<open::Recent>>,
     /// The hedges' own budget (`max_ratio` of requests).
     hedges: Arc<RetryBudget>,
+    /// Idle HTTP/1 connections to the members.
+    idle: Arc<idle::Idle>,
 }
 
 impl std::fmt::Debug for UpstreamBackend {
@@ -154,6 +158,7 @@ impl UpstreamBackend {
             ring: Arc::new(Mutex::new(None)),
             ttfts: Arc::new(Mutex::new(open::Recent::default())),
             hedges: Arc::new(RetryBudget::new(ratio, 0)),
+            idle: Arc::default(),
         }
     }
 
@@ -365,7 +370,10 @@ impl Backend for UpstreamBackend {
         let mut opened = opened;
         let keep_raw = req.raw_sse.is_some() && self.spec.attempts > 0 && self.resumable(&req);
         let sent = relay::send_leading(&mut opened, &tx, keep_raw);
-        let relay = self.clone().relay(opened, req, prepared, tx, sent);
+        // Boxed where it is made: spawned inline, its state (some 12 KB) was
+        // copied five times on the way into the task and twice more as the
+        // task ended, a fifth of a streamed request's instructions.
+        let relay = Box::pin(self.clone().relay(opened, req, prepared, tx, sent));
         tokio::spawn(async move {
             let _work = work;
             relay.await

@@ -11,7 +11,9 @@ use crate::upstream::{Member, Outstanding};
 use bytes::Bytes;
 use pingora::http::RequestHeader;
 use pingora::protocols::http::client::HttpSession;
+use pingora::protocols::http::v1::client::HttpSession as HttpSessionV1;
 use pingora::upstreams::peer::HttpPeer;
+use pingora::upstreams::peer::Peer;
 use serde_json::Value;
 use std::future::Future;
 use std::pin::Pin;
@@ -281,9 +283,17 @@ impl UpstreamBackend {
         // Boxed: a new connection's state (TCP and TLS handshakes) is some
         // kilobytes, and inline it would size every opening, and the relay
         // task spawned with it, for the usual pooled connection too.
-        let (mut s, _reused) = Box::pin(connector().get_http_session(peer))
-            .await
-            .map_err(|e| retry("connect", &e))?;
+        let keepalive = self.spec.pool.settings.keepalive_idle;
+        let pooled = keepalive.and_then(|k| self.idle.take(peer.reuse_hash(), k));
+        let mut s = match pooled {
+            Some(stream) => HttpSession::H1(HttpSessionV1::new(stream)),
+            None => {
+                Box::pin(connector().get_http_session(peer))
+                    .await
+                    .map_err(|e| retry("connect", &e))?
+                    .0
+            }
+        };
         s.set_read_timeout(Some(self.spec.stall));
         let mut head = RequestHeader::build("POST", path.as_bytes(), Some(6))
             .map_err(|e| retry("request", &e))?;

@@ -9,6 +9,8 @@
 
 use super::open::Opened;
 use super::{connector, UpstreamBackend};
+use pingora::protocols::http::client::HttpSession;
+use pingora::upstreams::peer::Peer;
 use std::time::Duration;
 use tokio::sync::mpsc::UnboundedSender;
 use ultrafast_engine::api::{Event, InferenceRequest, Prepared, Usage};
@@ -222,11 +224,21 @@ impl UpstreamBackend {
             tokio::time::timeout(Duration::from_millis(50), o.session.read_response_body()).await,
             Ok(Ok(None))
         ) || o.session.response_done();
-        let idle = self.spec.pool.settings.keepalive_idle;
-        if ok && idle.is_some() {
-            connector()
-                .release_http_session(o.session, &*o.peer, idle)
-                .await;
+        let Some(idle) = self.spec.pool.settings.keepalive_idle.filter(|_| ok) else {
+            return;
+        };
+        match o.session {
+            HttpSession::H1(mut h1) => {
+                h1.respect_keepalive();
+                if let Some(stream) = h1.reuse().await {
+                    self.idle.put(o.peer.reuse_hash(), stream, idle);
+                }
+            }
+            h2 => {
+                connector()
+                    .release_http_session(h2, &*o.peer, Some(idle))
+                    .await
+            }
         }
     }
 }
