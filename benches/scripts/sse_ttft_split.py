@@ -14,7 +14,7 @@ interleaved request by request, 60 requests/s, 16 tokens from
 `fake-openai --ttft-ms 5 --itl-ms 1`); each request's prompt carries a
 marker so its packets can be told apart on the shared upstream connections.
 
-usage: benches/scripts/sse_ttft_split.py [--rounds 2] [--duration 5] [--rate 60]
+usage: benches/scripts/sse_ttft_split.py [--rounds 2] [--duration 5] [--rate 60] [--bin-dir DIR]
 Build first: cargo build --release -p ultrafast -p ultrafast-benches; needs
 tcpdump and the right to capture on `lo` (root). Loopback only; every
 process started is stopped by PID.
@@ -65,7 +65,10 @@ def main():
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--duration", type=float, default=5)
     ap.add_argument("--rate", type=float, default=60)
+    ap.add_argument("--bin-dir", help="where ultrafast and fake-openai are (default: target/release)")
     a = ap.parse_args()
+    if a.bin_dir:
+        ib.REL = a.bin_dir
     tmp = tempfile.mkdtemp()
     fp, fport = ib.fake(["--tokens", "16", "--itl-ms", "1", "--ttft-ms", "5", "--capacity", "1000"])
     up = np_ = td = None
