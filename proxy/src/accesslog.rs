@@ -1,8 +1,8 @@
 //! Access logging without a hand-over per request. A request formats its
 //! line on its own thread into that thread's buffer (a mutex nobody else
-//! takes but the flusher, ten times a second); a buffer past 32 KiB goes
-//! to the writer thread whole. The writer thread writes those, and every
-//! 100 ms takes what the buffers hold, so a line reaches the file within
+//! takes but the writer thread); a buffer past 32 KiB waits, full, beside
+//! it, and the writer thread is woken to write it. The writer also takes
+//! what the buffers hold every 100 ms, so a line reaches the file within
 //! about 100 ms at low load and in large writes at high load (nginx's
 //! `access_log ... buffer=32k flush=100ms`). A request never blocks on the
 //! file: when the writer is behind, a full buffer is dropped and its lines
@@ -15,7 +15,8 @@ use prometheus::IntCounter;
 use std::cell::RefCell;
 use std::io::Write;
 use std::net::{IpAddr, SocketAddr};
-use std::sync::mpsc::{sync_channel, Receiver, RecvTimeoutError, SyncSender, TrySendError};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::mpsc::{sync_channel, Receiver, RecvTimeoutError, SyncSender};
 use std::sync::{Arc, Mutex, Weak};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
@@ -60,22 +61,30 @@ const CHUNK: usize = 32 * 1024;
 /// How often the writer takes what the buffers hold.
 const FLUSH_EVERY: Duration = Duration::from_millis(100);
 
+/// Full buffers the writer may be behind by, all threads together (2 MiB).
+const BEHIND_MAX: usize = 64;
+
 /// One thread's lines not yet written.
 #[derive(Default)]
 struct Buf {
     text: String,
-    /// An empty buffer the writer gave back, for when `text` goes to it:
-    /// buffers go round between the threads, never allocated again.
-    spare: Option<String>,
+    /// Lines in `text`.
     lines: u64,
+    /// Full buffers, oldest first, all older than `text`: kept here, not
+    /// sent, so that the writer takes a thread's lines in one place and in
+    /// their order.
+    full: Vec<String>,
+    /// Empty buffers the writer gave back, for when `text` is full: buffers
+    /// go round between the threads, never allocated again.
+    spare: Vec<String>,
     memo: Memo,
 }
 
 type Shard = Arc<Mutex<Buf>>;
 
 enum Msg {
-    /// A full buffer, and the buffer it came from (to give it back).
-    Chunk(Shard, String),
+    /// A buffer is full.
+    Wake,
     Flush(SyncSender<()>),
 }
 
@@ -83,6 +92,8 @@ struct Inner {
     format: LogFormat,
     tx: SyncSender<Msg>,
     shards: Mutex<Vec<Shard>>,
+    /// Full buffers not yet written.
+    behind: AtomicUsize,
     dropped: IntCounter,
 }
 
@@ -115,12 +126,13 @@ impl AccessLog {
                     .open(p)?,
             ),
         };
-        // Bounded: 64 full buffers (2 MiB) behind is the most held.
-        let (tx, rx) = sync_channel(64);
+        // One wake pending is enough: the writer takes every full buffer.
+        let (tx, rx) = sync_channel(1);
         let inner = Arc::new(Inner {
             format,
             tx,
             shards: Mutex::new(Vec::new()),
+            behind: AtomicUsize::new(0),
             dropped,
         });
         let weak = Arc::downgrade(&inner);
@@ -151,12 +163,12 @@ impl AccessLog {
                     m.len() - 1
                 }
             };
-            let shard = &m[at].1;
-            let mut b = lock(shard);
+            let mut b = lock(&m[at].1);
             let Buf {
                 text,
-                spare,
                 lines,
+                full,
+                spare,
                 memo,
             } = &mut *b;
             match inner.format {
@@ -164,16 +176,22 @@ impl AccessLog {
                 LogFormat::Combined => combined_line(e, text),
             }
             *lines += 1;
-            if text.len() >= CHUNK {
-                let next = spare.take().unwrap_or_else(new_buf);
-                let full = std::mem::replace(text, next);
-                let n = std::mem::take(lines);
-                drop(b);
-                let msg = Msg::Chunk(shard.clone(), full);
-                if let Err(TrySendError::Full(_)) = inner.tx.try_send(msg) {
-                    inner.dropped.inc_by(n);
-                }
+            if text.len() < CHUNK {
+                return;
             }
+            if inner.behind.fetch_add(1, Ordering::Relaxed) >= BEHIND_MAX {
+                // The writer is behind: these lines go, the buffer stays.
+                inner.behind.fetch_sub(1, Ordering::Relaxed);
+                inner.dropped.inc_by(std::mem::take(lines));
+                text.clear();
+                return;
+            }
+            let next = spare.pop().unwrap_or_else(new_buf);
+            full.push(std::mem::replace(text, next));
+            *lines = 0;
+            drop(b);
+            // A wake already pending does as well.
+            let _ = inner.tx.try_send(Msg::Wake);
         });
     }
 
@@ -204,22 +222,19 @@ fn new_buf() -> String {
 }
 
 fn writer(rx: Receiver<Msg>, mut out: Box<dyn Write + Send>, log: Weak<Inner>) {
-    let mut spare = new_buf();
     let mut drained = Instant::now();
     loop {
         match rx.recv_timeout(FLUSH_EVERY) {
-            Ok(Msg::Chunk(shard, mut c)) => {
-                let _ = out.write_all(c.as_bytes());
-                c.clear();
-                lock(&shard).spare.get_or_insert(c);
-                // Chunks from a busy thread must not hold back the lines
-                // of the quiet ones.
+            Ok(Msg::Wake) => {
+                drain(&log, &mut out, false);
+                // Full buffers from a busy thread must not hold back the
+                // lines of the quiet ones.
                 if drained.elapsed() < FLUSH_EVERY {
                     continue;
                 }
             }
             Ok(Msg::Flush(ack)) => {
-                drain(&log, &mut out, &mut spare);
+                drain(&log, &mut out, true);
                 drained = Instant::now();
                 let _ = ack.send(());
                 continue;
@@ -227,31 +242,45 @@ fn writer(rx: Receiver<Msg>, mut out: Box<dyn Write + Send>, log: Weak<Inner>) {
             Err(RecvTimeoutError::Timeout) => {}
             Err(RecvTimeoutError::Disconnected) => break,
         }
-        drain(&log, &mut out, &mut spare);
+        drain(&log, &mut out, true);
         drained = Instant::now();
     }
-    drain(&log, &mut out, &mut spare);
+    drain(&log, &mut out, true);
 }
 
-/// Write what every thread's buffer holds: each buffer is swapped for the
-/// writer's empty `spare`, written, and becomes the next spare.
-fn drain(log: &Weak<Inner>, out: &mut Box<dyn Write + Send>, spare: &mut String) {
+/// Write every thread's full buffers and, with `partial`, the lines of
+/// the buffers still filling. A thread's buffers are taken under one lock,
+/// so its lines are written in their order; written, they go back to it.
+fn drain(log: &Weak<Inner>, out: &mut Box<dyn Write + Send>, partial: bool) {
     let Some(inner) = log.upgrade() else {
         return;
     };
     let shards: Vec<Shard> = lock(&inner.shards).clone();
     let mut wrote = false;
     for s in shards {
-        {
+        let (mut taken, full) = {
             let mut b = lock(&s);
-            if b.text.is_empty() {
-                continue;
+            let mut taken = std::mem::take(&mut b.full);
+            let full = taken.len();
+            if partial && !b.text.is_empty() {
+                let next = b.spare.pop().unwrap_or_else(new_buf);
+                taken.push(std::mem::replace(&mut b.text, next));
+                b.lines = 0;
             }
-            b.lines = 0;
-            std::mem::swap(&mut b.text, spare);
+            (taken, full)
+        };
+        if taken.is_empty() {
+            continue;
         }
-        let _ = out.write_all(spare.as_bytes());
-        spare.clear();
+        for t in &mut taken {
+            let _ = out.write_all(t.as_bytes());
+            t.clear();
+        }
+        inner.behind.fetch_sub(full, Ordering::Relaxed);
+        // Two spares are enough for a thread; the rest are freed.
+        let mut b = lock(&s);
+        let room = 2usize.saturating_sub(b.spare.len());
+        b.spare.extend(taken.into_iter().take(room));
         wrote = true;
     }
     if wrote {

@@ -117,7 +117,8 @@ pub fn new_request_id() -> http::HeaderValue {
     crate::reqid::header_value(std::time::SystemTime::now())
 }
 
-const X_REQUEST_ID: http::HeaderName = http::HeaderName::from_static("x-request-id");
+/// `X-Request-Id`, the request id header the edge reads, forwards and answers with.
+pub const X_REQUEST_ID: http::HeaderName = http::HeaderName::from_static("x-request-id");
 
 /// The request id of a request that came at `at`: the client's
 /// `X-Request-Id` if sane, else a new one (then `true`: the edge's own,

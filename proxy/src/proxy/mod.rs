@@ -16,6 +16,7 @@ mod local;
 mod policy;
 pub mod upgrade;
 
+use crate::filters::X_REQUEST_ID;
 use ctx::Tried;
 pub use ctx::{Ctx, InFlight};
 pub use infer::Front;
@@ -132,7 +133,6 @@ fn status_for(e: &Error) -> u16 {
 
 const X_FORWARDED_FOR: http::HeaderName = http::HeaderName::from_static("x-forwarded-for");
 const X_FORWARDED_PROTO: http::HeaderName = http::HeaderName::from_static("x-forwarded-proto");
-const X_REQUEST_ID: http::HeaderName = http::HeaderName::from_static("x-request-id");
 const TRACEPARENT: http::HeaderName = http::HeaderName::from_static("traceparent");
 
 thread_local! {

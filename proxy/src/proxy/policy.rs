@@ -26,6 +26,7 @@
 //! every TLS stream (HTTP/1 and HTTP/2 alike), whatever accepted it.
 
 use super::Ctx;
+use crate::filters::X_REQUEST_ID;
 use crate::routing::HeaderOps;
 use bytes::Bytes;
 use pingora::http::ResponseHeader;
@@ -80,8 +81,6 @@ impl Policy<'_> {
         })
     }
 }
-
-const X_REQUEST_ID: http::HeaderName = http::HeaderName::from_static("x-request-id");
 
 /// Whether the request came over TLS: its connection has an SSL digest.
 pub(super) fn is_tls(session: &Session) -> bool {

@@ -3,10 +3,11 @@
 //!
 //! Reuses the core's pools (members, health, ejection, TLS; new
 //! connections through Pingora's connector, idle HTTP/1 ones kept in
-//! `idle` without a watcher task). Adds: least-outstanding or prefix-affinity choice
-//! (consistent hash with bounded load on the conversation prefix), retry to
-//! another member only until the first token (never after one reached the
-//! client), the lane passed on as vLLM's `priority`, and parsing of the
+//! `idle` without a watcher task). Adds: least-outstanding or
+//! prefix-affinity choice (consistent hash with bounded load on the
+//! conversation prefix), retry to another member only until the first
+//! token (never after one reached the client), the lane passed on as
+//! vLLM's `priority`, and parsing of the
 //! upstream's SSE so tokens are counted and timed here. The upstream is
 //! always asked to stream, even for a non-streaming client, so time to first
 //! token is known and a stall is noticed.

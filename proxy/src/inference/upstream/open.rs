@@ -280,13 +280,14 @@ impl UpstreamBackend {
         let retry = |what: &str, e: &dyn std::fmt::Display| {
             TryError::Retry(format!("{} ({}): {what}: {e}", m.label, m.addr))
         };
-        // Boxed: a new connection's state (TCP and TLS handshakes) is some
-        // kilobytes, and inline it would size every opening, and the relay
-        // task spawned with it, for the usual pooled connection too.
         let keepalive = self.spec.pool.settings.keepalive_idle;
         let pooled = keepalive.and_then(|k| self.idle.take(peer.reuse_hash(), k));
         let mut s = match pooled {
             Some(stream) => HttpSession::H1(HttpSessionV1::new(stream)),
+            // Boxed: a new connection's state (TCP and TLS handshakes) is
+            // some kilobytes, and inline it would size every opening, and
+            // the relay task spawned with it, for the usual pooled
+            // connection too.
             None => {
                 Box::pin(connector().get_http_session(peer))
                     .await
