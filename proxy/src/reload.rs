@@ -241,6 +241,7 @@ impl Manager {
             .collect();
         crate::cache::retain(&caching);
         self.shared.store(Arc::new(new));
+        crate::config::swapped();
         if let Some((f, staged)) = staged {
             diff.models = staged.changes.clone();
             f.engines.commit(staged, &self.metrics.inference);
@@ -436,31 +437,41 @@ pub struct DnsRefresher {
     pub metrics: Arc<Metrics>,
 }
 
+impl DnsRefresher {
+    /// One round: the pools' names that are due, with a resolver for the
+    /// current `[dns]` settings.
+    async fn refresh(&self, cfg: &crate::config::Config, resolver: &mut Option<Resolver>) {
+        if resolver.as_ref().is_none_or(|r| r.settings != cfg.dns) {
+            match Resolver::new(cfg.dns.clone()) {
+                Ok(r) => *resolver = Some(r),
+                Err(e) => {
+                    log::error!("DNS resolver: {e}");
+                    return;
+                }
+            }
+        }
+        let Some(r) = resolver.as_ref() else { return };
+        for pool in cfg.pools.values() {
+            crate::upstream::dns::refresh(pool, r, &self.metrics).await;
+        }
+    }
+}
+
 #[async_trait]
 impl BackgroundService for DnsRefresher {
     async fn start(&self, mut shutdown: ShutdownWatch) {
         let mut resolver: Option<Resolver> = None;
         loop {
-            tokio::select! {
-                _ = shutdown.changed() => return,
-                _ = tokio::time::sleep(Duration::from_millis(100)) => {}
-            }
+            let seen = crate::config::reloads();
             let cfg = self.shared.load_full();
-            if !cfg.pools.values().any(|p| p.dns.is_some()) {
-                continue;
+            let busy = cfg.pools.values().any(|p| p.dns.is_some());
+            if busy {
+                self.refresh(&cfg, &mut resolver).await;
             }
-            if resolver.as_ref().is_none_or(|r| r.settings != cfg.dns) {
-                match Resolver::new(cfg.dns.clone()) {
-                    Ok(r) => resolver = Some(r),
-                    Err(e) => {
-                        log::error!("DNS resolver: {e}");
-                        continue;
-                    }
-                }
-            }
-            let Some(r) = &resolver else { continue };
-            for pool in cfg.pools.values() {
-                crate::upstream::dns::refresh(pool, r, &self.metrics).await;
+            drop(cfg);
+            let every = Duration::from_millis(100);
+            if !crate::upstream::next_round(busy, every, seen, &mut shutdown).await {
+                return;
             }
         }
     }

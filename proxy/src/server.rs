@@ -58,8 +58,14 @@ fn server_conf(cfg: &Config) -> ServerConf {
         // read they guarded ended long before (a 60 s body or send timeout
         // per request); under load they pile up and pin allocator pages
         // well after it. Tokio's timer frees a cancelled entry at once, so
-        // every timeout past a second goes there.
-        fast_timeout_to_tokio_threshold_seconds: Some(1),
+        // every timeout of a second or more goes there. It also keeps
+        // Pingora's timer thread from starting (the first upstream
+        // connect's 1 s timeout started it): once started, it woke every
+        // 10 ms for the life of the process, and such a ticker costs a
+        // request sharing its CPU tens of microseconds on these VMs
+        // (benches/RESULTS.md section 15). Only a timeout set below a
+        // second still uses the fast timer.
+        fast_timeout_to_tokio_threshold_seconds: Some(0),
         ..ServerConf::default()
     }
 }

@@ -252,3 +252,70 @@ fn serve_with_a_broken_config_exits_1_with_the_location() {
     );
     let _ = std::fs::remove_dir_all(dir);
 }
+
+/// Voluntary context switches of the server's thread whose name starts
+/// with `name` (Linux `/proc`), or None while there is no such thread.
+fn thread_switches(pid: u32, name: &str) -> Option<u64> {
+    for t in std::fs::read_dir(format!("/proc/{pid}/task")).ok()? {
+        let dir = t.ok()?.path();
+        let comm = std::fs::read_to_string(dir.join("comm")).unwrap_or_default();
+        if comm.starts_with(name) {
+            let status = std::fs::read_to_string(dir.join("status")).ok()?;
+            return status
+                .lines()
+                .find_map(|l| l.strip_prefix("voluntary_ctxt_switches:"))
+                .and_then(|v| v.trim().parse().ok());
+        }
+    }
+    None
+}
+
+#[test]
+fn idle_background_loops_sleep_until_a_reload_gives_them_work() {
+    let a = Origin::start("a");
+    let uf = Ultrafast::start(&format!("{}{}", pool_toml("p", &[&a], ""), route("p")));
+    let pid = uf.child.id();
+    // The loops that have nothing configured: no health check, no
+    // queue-aware pool, no host names, no SLA watchdog. Before, each woke
+    // every 50-100 ms (10-20 switches a second).
+    let loops = ["BG health", "BG load", "BG dns", "BG slo"];
+    assert!(
+        eventually(Duration::from_secs(5), || loops
+            .iter()
+            .all(|l| thread_switches(pid, l).is_some())),
+        "the background threads {loops:?} did not start"
+    );
+    std::thread::sleep(Duration::from_millis(300));
+    let before: Vec<u64> = loops
+        .iter()
+        .map(|l| thread_switches(pid, l).unwrap_or(0))
+        .collect();
+    std::thread::sleep(Duration::from_secs(2));
+    for (l, b) in loops.iter().zip(&before) {
+        let after = thread_switches(pid, l).unwrap_or(0);
+        assert!(
+            after - b <= 3,
+            "{l} woke {} times in 2 s with nothing to do",
+            after - b
+        );
+    }
+    // A reload that adds a health check starts it at once, not after the
+    // idle loop's minute: the failing member is taken out within seconds.
+    a.state.health_status.store(503, Ordering::SeqCst);
+    uf.write_config(&format!(
+        "{}{}",
+        pool_toml(
+            "p",
+            &[&a],
+            "health_check = { path = \"/health\", interval_ms = 100 }"
+        ),
+        route("p")
+    ));
+    assert_eq!(uf.reload().status, 200);
+    assert!(
+        eventually(Duration::from_secs(5), || uf.metrics().lines().any(|l| l
+            .starts_with("ultrafast_upstream_member_healthy{")
+            && l.ends_with(" 0"))),
+        "the health check added by the reload did not mark the failing member within 5 s"
+    );
+}

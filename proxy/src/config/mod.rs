@@ -27,6 +27,24 @@ use std::sync::Arc;
 /// The live config, swapped whole on reload.
 pub type Shared = Arc<ArcSwap<Config>>;
 
+/// Told each time a reload swaps the live config: the background loops
+/// that sleep while the config gives them nothing to do (health checks,
+/// load scrapes, DNS refresh, the SLA watchdog) wake on it.
+pub static RELOADED: tokio::sync::Notify = tokio::sync::Notify::const_new();
+
+static RELOADS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+
+/// How many times a reload has swapped the live config.
+pub fn reloads() -> u64 {
+    RELOADS.load(std::sync::atomic::Ordering::Acquire)
+}
+
+/// Count a swap of the live config and wake the loops waiting for one.
+pub fn swapped() {
+    RELOADS.fetch_add(1, std::sync::atomic::Ordering::AcqRel);
+    RELOADED.notify_waiters();
+}
+
 /// One problem in a config file, with where it is.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ConfigError {

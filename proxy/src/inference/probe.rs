@@ -36,9 +36,12 @@ pub struct WatchdogService {
 impl BackgroundService for WatchdogService {
     async fn start(&self, mut shutdown: ShutdownWatch) {
         loop {
-            tokio::select! {
-                _ = shutdown.changed() => return,
-                _ = tokio::time::sleep(TICK) => {}
+            let seen = crate::config::reloads();
+            let cfg = self.shared.load_full();
+            let busy = super::watchdog::watches(&cfg);
+            drop(cfg);
+            if !crate::upstream::next_round(busy, TICK, seen, &mut shutdown).await {
+                return;
             }
             let cfg = self.shared.load_full();
             let probes = self

@@ -392,6 +392,12 @@ impl Watchdog {
 }
 
 /// Every watched (model, lane) of `cfg` with its watchdog and targets.
+/// Whether `cfg` has a lane the watchdog judges (its background loop
+/// sleeps until a reload otherwise).
+pub fn watches(cfg: &Config) -> bool {
+    watched(cfg).next().is_some()
+}
+
 fn watched(
     cfg: &Config,
 ) -> impl Iterator<

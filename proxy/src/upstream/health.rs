@@ -37,18 +37,20 @@ pub type Streaks = HashMap<(String, String), (u32, u32)>;
 impl BackgroundService for HealthChecker {
     async fn start(&self, mut shutdown: ShutdownWatch) {
         let mut streaks: Streaks = HashMap::new();
-        let mut tick = tokio::time::interval(Duration::from_millis(50));
         loop {
-            tokio::select! {
-                _ = shutdown.changed() => return,
-                _ = tick.tick() => {}
-            }
+            let seen = crate::config::reloads();
             let cfg = self.config.load_full();
+            let mut busy = false;
             for pool in cfg.pools.values() {
                 let Some(h) = &pool.health else { continue };
+                busy = true;
                 if super::take_due(&pool.health_due_ms, h.interval) {
                     check_pool(pool.clone(), &mut streaks).await;
                 }
+            }
+            drop(cfg);
+            if !super::next_round(busy, Duration::from_millis(50), seen, &mut shutdown).await {
+                return;
             }
         }
     }

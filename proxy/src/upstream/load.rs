@@ -227,21 +227,23 @@ impl LoadScraper {
 #[async_trait]
 impl BackgroundService for LoadScraper {
     async fn start(&self, mut shutdown: ShutdownWatch) {
-        let mut tick = tokio::time::interval(Duration::from_millis(50));
         loop {
-            tokio::select! {
-                _ = shutdown.changed() => return,
-                _ = tick.tick() => {}
-            }
+            let seen = crate::config::reloads();
             let cfg = self.config.load_full();
+            let mut busy = false;
             for pool in cfg.pools.values() {
                 let super::LbSpec::QueueAware(spec) = &pool.lb else {
                     continue;
                 };
+                busy = true;
                 if super::take_due(&pool.scrape_due_ms, spec.interval) {
                     // Off this loop: a slow member must not delay other pools.
                     tokio::spawn(scrape_pool(pool.clone(), spec.clone()));
                 }
+            }
+            drop(cfg);
+            if !super::next_round(busy, Duration::from_millis(50), seen, &mut shutdown).await {
+                return;
             }
         }
     }
