@@ -17,7 +17,8 @@ rate) for a bounded duration, latency counts from the planned start, so a
 slow server cannot slow the load down (no coordinated omission). Every
 process started is stopped at the end.
 
-usage: benches/scripts/inference_bench.py [--rounds 3] [--duration 8]
+usage: benches/scripts/inference_bench.py [--rounds 3] [--duration 8] [--only pass,mixed,cadence] [--bare]
+(--bare: (1) also through a bare Pingora proxy, benches/src/bare_pingora.rs)
 Build first: cargo build --release -p ultrafast -p ultrafast-benches
 """
 import argparse, asyncio, json, os, statistics, subprocess, sys, tempfile, time
@@ -123,30 +124,39 @@ def chat(max_tokens, content="hi"):
     return {"model": "m", "messages": [{"role": "user", "content": content}], "max_tokens": max_tokens, "stream": True}
 
 
-def passthrough(tmp, rounds, duration):
+def passthrough(tmp, rounds, duration, bare=False):
     fp, fport = fake(["--tokens", "16", "--itl-ms", "1", "--ttft-ms", "5", "--capacity", "1000"])
     up, uport = ultrafast(tmp, "pass", f"[pools.f]\nmembers = [{{ addr = \"127.0.0.1:{fport}\" }}]\nkeepalive_idle_s = 60\n"
                                        "[models.m]\nbackend = \"upstream\"\npool = \"f\"\nmax_concurrency = 0\n"
                                        "[lanes.standard]\nrank = 1\npace = \"off\"\n")
     np_, nport = nginx(tmp, fport)
+    bp = None
     try:
         # The three paths interleaved in one load (request i goes to path
         # i mod 3), so that they share the VM's moments: measured one after
         # the other, a path's p99 moved by milliseconds with whatever else
         # the machine did in its seconds (benches/RESULTS.md section 15).
         paths = {"direct": fport, "ultrafast": uport, "nginx": nport}
+        if bare:
+            # Pingora by itself (benches/src/bare_pingora.rs, nothing but
+            # `upstream_peer`): what any proxy on it starts from.
+            bport = free_port()
+            bp = spawn([os.path.join(REL, "bare-pingora"), f"127.0.0.1:{bport}", f"127.0.0.1:{fport}", "1"],
+                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            wait_port(bport)
+            paths["bare Pingora"] = bport
         names = list(paths)
         rows = {k: [] for k in names}
         pooled = {k: [] for k in names}
         for _ in range(rounds):
-            res = asyncio.run(load(paths, 60, duration, lambda i: (chat(16), {}, names[i % 3])))
+            res = asyncio.run(load(paths, 20 * len(names), duration, lambda i: (chat(16), {}, names[i % len(names)])))
             for name in names:
                 ok = [r["ttft"] for r in res[name] if r["ttft"] is not None]
                 pooled[name].extend(ok)
                 rows[name].append((pct_ms(ok, 0.5), pct_ms(ok, 0.99), len(res[name]) - len(ok)))
         med = {k: (statistics.median(v[0] for v in rs), statistics.median(v[1] for v in rs), sum(v[2] for v in rs)) for k, rs in rows.items()}
-        print("\n(1) SSE pass-through, 60 req/s interleaved over the three paths (20 each), 16 tokens,"
-              " medians of", rounds, "rounds")
+        print(f"\n(1) SSE pass-through, {20 * len(names)} req/s interleaved over the {len(names)} paths (20 each), "
+              "16 tokens, medians of", rounds, "rounds")
         print("| path | TTFT p50 ms | TTFT p99 ms | added p50 ms | added p99 ms | failed |")
         print("|---|---|---|---|---|---|")
         for k in names:
@@ -154,12 +164,13 @@ def passthrough(tmp, rounds, duration):
             print(f"| {k} | {p50:.3f} | {p99:.3f} | {p50 - med['direct'][0]:+.3f} | {p99 - med['direct'][1]:+.3f} | {f} |")
         d99 = pct_ms(pooled["direct"], 0.99)
         print(f"\nAll rounds pooled ({len(pooled['direct'])} requests per path): p99 direct {d99:.3f} ms, "
-              + ", ".join(f"{k} {pct_ms(pooled[k], 0.99) - d99:+.3f}" for k in ("ultrafast", "nginx"))
+              + ", ".join(f"{k} {pct_ms(pooled[k], 0.99) - d99:+.3f}" for k in names[1:])
               + f"; ultrafast's added p99 over nginx's: "
               f"{pct_ms(pooled['ultrafast'], 0.99) - pct_ms(pooled['nginx'], 0.99):+.3f} ms")
     finally:
-        for p in (fp, up, np_):
-            stop_tree(p)
+        for p in (fp, up, np_, bp):
+            if p:
+                stop_tree(p)
 
 
 def mixed(tmp, rounds, duration):
@@ -231,6 +242,7 @@ def main():
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--duration", type=float, default=8)
     ap.add_argument("--only", default="pass,mixed,cadence")
+    ap.add_argument("--bare", action="store_true", help="(1) also through a bare Pingora proxy")
     a = ap.parse_args()
     for b in ("ultrafast", "fake-openai"):
         if not os.path.exists(os.path.join(REL, b)):
@@ -238,7 +250,7 @@ def main():
     with tempfile.TemporaryDirectory() as tmp:
         only = a.only.split(",")
         if "pass" in only:
-            passthrough(tmp, a.rounds, a.duration)
+            passthrough(tmp, a.rounds, a.duration, a.bare)
         if "mixed" in only:
             mixed(tmp, a.rounds, a.duration)
         if "cadence" in only:

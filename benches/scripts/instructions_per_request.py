@@ -15,6 +15,12 @@ callgrind_annotate, per function the N2 run less the N1 run, per request.
 
 usage: benches/scripts/instructions_per_request.py [--n1 500] [--n2 3000]
        [--repeat 1] [--bin target/release/ultrafast] [--bare target/release/bare-pingora]
+       [--featured]
+
+With --featured, the bare proxy is also measured with the least of what
+the target keeps on (forwarding headers, request id, access log; see
+benches/src/bare_pingora.rs): what those features cost by themselves on
+Pingora's filter API.
 
 With --repeat R each proxy is measured R times, alternately, and the
 median per-request figure is reported (runs of one build differ by about
@@ -42,6 +48,8 @@ def origin(tmp):
 def proxy_cmd(kind, a, tmp, port, oport):
     if kind == "bare":
         return [a.bare, f"127.0.0.1:{port}", f"127.0.0.1:{oport}", "1"]
+    if kind == "featured":
+        return [a.bare, f"127.0.0.1:{port}", f"127.0.0.1:{oport}", "1", f"{tmp}/bare-access-{port}.log"]
     cfg = os.path.join(tmp, f"uf-{port}.toml")
     with open(cfg, "w") as f:
         f.write(f'[server]\nthreads = 1\npid_file = "{tmp}/uf-{port}.pid"\nupgrade_sock = "{tmp}/uf-{port}.sock"\n'
@@ -102,7 +110,10 @@ def main():
     ap.add_argument("--bare", default=os.path.join(ROOT, "target/release/bare-pingora"))
     ap.add_argument("--keep", help="keep the callgrind files in this folder, and list ultrafast's "
                     "own functions by inclusive instructions per request")
-    ap.add_argument("--only", choices=("bare", "ultrafast"), help="measure one proxy")
+    ap.add_argument("--only", choices=("bare", "ultrafast", "featured"), help="measure one proxy")
+    ap.add_argument("--featured", action="store_true",
+                    help="also measure the bare proxy with the least of ultrafast's features (forwarding "
+                    "headers, request id, access log) written directly on Pingora's API")
     a = ap.parse_args()
     for need in ("valgrind", "nginx", "callgrind_annotate"):
         if not shutil.which(need):
@@ -111,7 +122,7 @@ def main():
     o, oport = origin(tmp)
     try:
         per, funcs, runs = {}, {}, {}
-        kinds = [a.only] if a.only else ["bare", "ultrafast"]
+        kinds = [a.only] if a.only else ["bare", "ultrafast"] + (["featured"] if a.featured else [])
         for r in range(a.repeat):
             for kind in kinds:
                 i1, f1 = one(kind, a, tmp, oport, a.n1)
@@ -147,6 +158,9 @@ def main():
         print(f"\n| proxy | instructions per request | vs bare Pingora |\n|---|---|---|")
         print(f"| bare Pingora | {per['bare']:,.0f} | 1.00x |")
         print(f"| ultrafast | {per['ultrafast']:,.0f} | {per['ultrafast'] / per['bare']:.2f}x |")
+        if "featured" in per:
+            print(f"| bare Pingora + forwarding headers, request id, access log | {per['featured']:,.0f} | "
+                  f"{per['featured'] / per['bare']:.2f}x |")
         u, b = funcs["ultrafast"], funcs["bare"]
         diff = sorted(((u.get(k, 0) - b.get(k, 0), k) for k in set(u) | set(b)), reverse=True)
         print(f"\n| function (exclusive, inlined callees included) | ultrafast | bare | difference |\n|---|---|---|---|")

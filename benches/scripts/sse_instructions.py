@@ -8,6 +8,9 @@ after another, each on its own connection; per request = (I(N2) - I(N1)) /
 with the largest inclusive cost per request are listed.
 
 usage: benches/scripts/sse_instructions.py [--n1 50] [--n2 250] [--top 0] [--keep DIR]
+       [--proxy ultrafast|bare|floor]
+(--proxy bare: the bare Pingora proxy, benches/src/bare_pingora.rs; floor:
+the least a Tokio program does to pass the stream, benches/src/tokio_floor.rs)
 Build first: cargo build --release -p ultrafast -p ultrafast-benches; needs
 valgrind. Loopback only; every process is stopped by PID.
 """
@@ -17,7 +20,7 @@ from benchlib import ROOT, callgrind, callgrind_costs, callgrind_stop, free_port
 REL = os.path.join(ROOT, "target/release")
 
 
-def run(n, tmp, fport):
+def run(n, tmp, fport, proxy="ultrafast"):
     port, admin = free_port(), free_port()
     conf = os.path.join(tmp, f"uf-{n}.toml")
     with open(conf, "w") as f:
@@ -29,7 +32,10 @@ def run(n, tmp, fport):
                 '[models.m]\nbackend = "upstream"\npool = "f"\nmax_concurrency = 0\n'
                 '[lanes.standard]\nrank = 1\npace = "off"\n')
     out = os.path.join(tmp, f"cg-{n}.out")
-    p = callgrind([os.path.join(REL, "ultrafast"), "serve", "-c", conf], out, os.path.join(tmp, f"vg-{n}.log"))
+    cmd = {"ultrafast": [os.path.join(REL, "ultrafast"), "serve", "-c", conf],
+           "bare": [os.path.join(REL, "bare-pingora"), f"127.0.0.1:{port}", f"127.0.0.1:{fport}", "1"],
+           "floor": [os.path.join(REL, "tokio-floor"), f"127.0.0.1:{port}", f"127.0.0.1:{fport}"]}[proxy]
+    p = callgrind(cmd, out, os.path.join(tmp, f"vg-{n}.log"))
     try:
         wait_port(port, limit=120)
         body = json.dumps({"model": "m", "messages": [{"role": "user", "content": "hi"}],
@@ -58,6 +64,8 @@ def main():
     ap.add_argument("--n2", type=int, default=250)
     ap.add_argument("--top", type=int, default=0)
     ap.add_argument("--keep", help="copy the two callgrind files into this folder")
+    ap.add_argument("--proxy", choices=("ultrafast", "bare", "floor"), default="ultrafast",
+                    help="bare: the bare Pingora proxy; floor: the least a Tokio program does (tokio-floor)")
     a = ap.parse_args()
     for need in ("valgrind", "callgrind_annotate"):
         if not shutil.which(need):
@@ -67,8 +75,8 @@ def main():
                   "--capacity", "1000"], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     try:
         fport = int(fake.stdout.readline().strip().rsplit(":", 1)[1])
-        i1, f1 = run(a.n1, tmp, fport)
-        i2, f2 = run(a.n2, tmp, fport)
+        i1, f1 = run(a.n1, tmp, fport, a.proxy)
+        i2, f2 = run(a.n2, tmp, fport, a.proxy)
         dn = a.n2 - a.n1
         print(f"I({a.n1}) = {i1:,}  I({a.n2}) = {i2:,}  -> {(i2 - i1) / dn:,.0f} instructions per streamed request")
         if a.top:

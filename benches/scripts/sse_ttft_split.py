@@ -66,28 +66,46 @@ def main():
     ap.add_argument("--duration", type=float, default=5)
     ap.add_argument("--rate", type=float, default=60)
     ap.add_argument("--bin-dir", help="where ultrafast and fake-openai are (default: target/release)")
+    ap.add_argument("--bare", action="store_true",
+                    help="a bare Pingora proxy (benches/src/bare_pingora.rs) as another path")
+    ap.add_argument("--floor", action="store_true",
+                    help="the least a Tokio program does to pass a stream through (benches/src/tokio_floor.rs) "
+                    "as another path")
     a = ap.parse_args()
     if a.bin_dir:
         ib.REL = a.bin_dir
     tmp = tempfile.mkdtemp()
     fp, fport = ib.fake(["--tokens", "16", "--itl-ms", "1", "--ttft-ms", "5", "--capacity", "1000"])
-    up = np_ = td = None
+    up = np_ = td = bp = tf = None
     try:
         up, uport = ib.ultrafast(tmp, "pass", f"[pools.f]\nmembers = [{{ addr = \"127.0.0.1:{fport}\" }}]\n"
                                  "keepalive_idle_s = 60\n[models.m]\nbackend = \"upstream\"\npool = \"f\"\n"
                                  "max_concurrency = 0\n[lanes.standard]\nrank = 1\npace = \"off\"\n")
         np_, nport = ib.nginx(tmp, fport)
+        proxies = {"ultrafast": uport, "nginx": nport}
+        if a.bare:
+            bport = ib.free_port()
+            bp = ib.spawn([os.path.join(ib.REL, "bare-pingora"), f"127.0.0.1:{bport}", f"127.0.0.1:{fport}", "1"],
+                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            ib.wait_port(bport)
+            proxies["bare"] = bport
+        if a.floor:
+            tport = ib.free_port()
+            tf = ib.spawn([os.path.join(ib.REL, "tokio-floor"), f"127.0.0.1:{tport}", f"127.0.0.1:{fport}"],
+                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            ib.wait_port(tport)
+            proxies["tokio floor"] = tport
         pcap = os.path.join(tmp, "lo.pcap")
         td = subprocess.Popen(["tcpdump", "-i", "lo", "-s", "400", "-w", pcap, "-U", "--time-stamp-precision=nano",
-                               f"tcp port {fport} or tcp port {uport} or tcp port {nport}"],
+                               f"tcp port {fport} or " + " or ".join(f"tcp port {v}" for v in proxies.values())],
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         time.sleep(1.0)
-        paths = {"direct": fport, "ultrafast": uport, "nginx": nport}
+        paths = {"direct": fport, **proxies}
         names = list(paths)
         ttft = {k: [] for k in names}
         for r in range(a.rounds):
             res = asyncio.run(ib.load(paths, a.rate, a.duration,
-                                      lambda i: (ib.chat(16, f"m{r:02d}{i:05d}"), {}, names[i % 3])))
+                                      lambda i: (ib.chat(16, f"m{r:02d}{i:05d}"), {}, names[i % len(names)])))
             for k in names:
                 ttft[k].extend(x["ttft"] for x in res[k] if x["ttft"] is not None)
         time.sleep(0.5)
@@ -95,34 +113,35 @@ def main():
         if td:
             td.terminate()
             td.wait()
-        for p in (fp, up, np_):
+        for p in (fp, up, np_, bp, tf):
             if p:
                 stop_tree(p)
     pk = packets(pcap)
     asked, sent = {}, {}
+    by_port = {v: k for k, v in proxies.items()}
     for t, sp, dp, pl in pk:
         m = MARK.search(pl)
         if not m:
             continue
         key = m.group(1)
-        if dp in (uport, nport) and key not in asked:
-            asked[key] = ("ultrafast" if dp == uport else "nginx", t, sp)
-        elif dp == fport and sp not in (uport, nport) and key not in sent:
+        if dp in by_port and key not in asked:
+            asked[key] = (by_port[dp], t, sp)
+        elif dp == fport and sp not in by_port and key not in sent:
             sent[key] = (t, sp)
-    rows = {"ultrafast": [], "nginx": []}
+    rows = {k: [] for k in proxies}
     for key, (proxy, t0, client) in asked.items():
         if key not in sent:
             continue
         t1, conn = sent[key]
         t2 = first_content(pk, t1, fport, conn)
-        t3 = first_content(pk, t1, uport if proxy == "ultrafast" else nport, client)
+        t3 = first_content(pk, t1, proxies[proxy], client)
         if t2 is not None and t3 is not None:
             rows[proxy].append(((t1 - t0) * 1e6, (t3 - t2) * 1e6))
     d50 = statistics.median(ttft["direct"])
-    print(f"SSE pass-through, {a.rate:g} requests/s over three paths, {a.rounds} x {a.duration:g} s")
+    print(f"SSE pass-through, {a.rate:g} requests/s over {len(paths)} paths, {a.rounds} x {a.duration:g} s")
     print("| proxy | requests | request side us p50 / p90 / p99 | token side us p50 / p90 / p99 | TTFT added p50 ms |")
     print("|---|---|---|---|---|")
-    for k in ("ultrafast", "nginx"):
+    for k in proxies:
         r = sorted(x[0] for x in rows[k])
         t = sorted(x[1] for x in rows[k])
         if not r:
