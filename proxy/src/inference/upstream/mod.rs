@@ -19,6 +19,7 @@
 //! stream that breaks after tokens were sent continues on another member,
 //! as a continuation of the text delivered so far).
 
+mod body;
 mod idle;
 mod open;
 mod relay;
@@ -31,7 +32,6 @@ use bytes::Bytes;
 use parking_lot::Mutex;
 use pingora::connectors::http::Connector;
 use prometheus::IntCounter;
-use serde_json::{json, Value};
 use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 use ultrafast_engine::api::{
@@ -235,62 +235,50 @@ impl UpstreamBackend {
         prepared: &Prepared,
         resume: Option<(&str, usize)>,
     ) -> (String, Bytes) {
-        let mut o = serde_json::Map::new();
-        o.insert("model".into(), json!(self.spec.upstream_model));
+        use body::{Concat, IncludeUsage, Messages, UpstreamBody};
         let (sent, done) = resume.unwrap_or(("", 0));
-        let path = match &req.prompt {
+        let (path, messages, prompt) = match &req.prompt {
             Prompt::Chat(m) => {
-                let mut msgs = json!(m);
-                if resume.is_some() {
-                    // vLLM continues the final (assistant) message instead
-                    // of opening a new turn.
-                    if let Some(a) = msgs.as_array_mut() {
-                        a.push(json!({"role": "assistant", "content": sent}));
-                    }
-                    o.insert("continue_final_message".into(), json!(true));
-                    o.insert("add_generation_prompt".into(), json!(false));
-                }
-                o.insert("messages".into(), msgs);
-                "/v1/chat/completions"
+                let m = Messages {
+                    messages: m,
+                    resumed: resume.map(|_| sent),
+                };
+                ("/v1/chat/completions", Some(m), None)
             }
-            Prompt::Text(t) => {
-                o.insert("prompt".into(), json!(format!("{t}{sent}")));
-                "/v1/completions"
-            }
+            Prompt::Text(t) => ("/v1/completions", None, Some(Concat(t, sent))),
         };
-        // Always the size admission reserved (less what was delivered): an
-        // upstream left to its own default could generate far more.
-        let left = prepared.max_tokens.saturating_sub(done).max(1);
-        o.insert("max_tokens".into(), json!(left));
+        // vLLM continues the final (assistant) message of a resumed chat
+        // instead of opening a new turn.
+        let resumed_chat = (resume.is_some() && messages.is_some()).then_some(());
         // Only what this kind of server accepts (see `upstream::dialect`).
         let caps = self.spec.pool.settings.dialect.caps();
         let s = &req.sampling;
-        o.insert("temperature".into(), json!(s.temperature));
-        o.insert("top_p".into(), json!(s.top_p));
-        if s.top_k > 0 && caps.top_k {
-            o.insert("top_k".into(), json!(s.top_k));
-        }
-        if let Some(seed) = s.seed.filter(|_| caps.seed) {
-            o.insert("seed".into(), json!(seed));
-        }
-        if !req.stop.is_empty() {
-            o.insert("stop".into(), json!(req.stop));
-        }
-        if let Some(u) = &req.user {
-            o.insert("user".into(), json!(u));
-        }
-        if self.spec.priority == PriorityField::Vllm && caps.priority {
-            o.insert("priority".into(), json!(req.lane_rank));
-        }
-        // Structured outputs and tools, exactly as the client sent them.
-        for (k, v) in &req.passthrough {
-            o.insert(k.clone(), v.clone());
-        }
-        o.insert("stream".into(), json!(true));
-        if caps.stream_options {
-            o.insert("stream_options".into(), json!({"include_usage": true}));
-        }
-        (path.to_string(), Bytes::from(Value::Object(o).to_string()))
+        let b = UpstreamBody {
+            model: &self.spec.upstream_model,
+            continue_final_message: resumed_chat.map(|()| true),
+            add_generation_prompt: resumed_chat.map(|()| false),
+            messages,
+            prompt,
+            // Always the size admission reserved (less what was delivered):
+            // an upstream left to its own default could generate far more.
+            max_tokens: prepared.max_tokens.saturating_sub(done).max(1),
+            temperature: f64::from(s.temperature),
+            top_p: f64::from(s.top_p),
+            top_k: (s.top_k > 0 && caps.top_k).then_some(s.top_k),
+            seed: s.seed.filter(|_| caps.seed),
+            stop: &req.stop,
+            user: req.user.as_deref(),
+            priority: (self.spec.priority == PriorityField::Vllm && caps.priority)
+                .then_some(req.lane_rank),
+            passthrough: &req.passthrough,
+            stream: true,
+            stream_options: caps.stream_options.then_some(IncludeUsage {
+                include_usage: true,
+            }),
+        };
+        // Serializing borrowed strings, numbers and `Value`s cannot fail.
+        let json = serde_json::to_vec(&b).unwrap_or_default();
+        (path.to_string(), Bytes::from(json))
     }
 }
 
