@@ -1,0 +1,141 @@
+#!/usr/bin/env python3
+"""Instructions each proxy runs on the request side of a streamed
+completion only: from the client's new connection to the request written
+upstream. The upstream (`fake-openai --ttft-ms 1500`) holds its first token
+for 1.5 s; callgrind's counters are zeroed before a request and dumped
+0.8 s after it, when the proxy has forwarded the request and waits. The
+same window without a request (the proxy's timers and background threads)
+is measured before each request and subtracted; medians of N. After three
+warm-up requests, so pooled upstream connections are reused as in steady
+state.
+
+Proxies: ultrafast (the pass-through route of inference_bench.py), nginx
+(one process: `master_process off`), the bare Pingora proxy
+(benches/src/bare_pingora.rs) and the Tokio floor (benches/src/tokio_floor.rs).
+
+usage: benches/scripts/request_side_instructions.py [--n 6] [--only NAME,...]
+Build first: cargo build --release -p ultrafast -p ultrafast-benches; needs
+valgrind and nginx. Loopback only; every process is stopped by PID.
+"""
+import argparse, glob, json, os, shutil, signal, socket, subprocess, sys, tempfile, time
+import inference_bench as ib
+from benchlib import free_port, spawn, stop_tree, wait_port
+
+REL = ib.REL
+
+
+def command(which, tmp, port, fport):
+    if which == "ultrafast":
+        conf = os.path.join(tmp, "uf.toml")
+        with open(conf, "w") as f:
+            f.write(f'[server]\nthreads = 1\npid_file = "{tmp}/uf.pid"\nupgrade_sock = "{tmp}/uf.sock"\n'
+                    f'[admin]\nlisten = "127.0.0.1:{free_port()}"\n[log]\naccess_log = "off"\n'
+                    f'[[listeners]]\nname = "http"\naddress = "127.0.0.1:{port}"\n'
+                    '[[routes]]\nname = "openai"\npath = "/v1/"\ninference = true\n'
+                    f'[pools.f]\nmembers = [{{ addr = "127.0.0.1:{fport}" }}]\nkeepalive_idle_s = 60\n'
+                    '[models.m]\nbackend = "upstream"\npool = "f"\nmax_concurrency = 0\n'
+                    '[lanes.standard]\nrank = 1\npace = "off"\n')
+        return [os.path.join(REL, "ultrafast"), "serve", "-c", conf]
+    if which == "nginx":
+        d = os.path.join(tmp, "nginx")
+        os.makedirs(d, exist_ok=True)
+        conf = os.path.join(d, "nginx.conf")
+        with open(conf, "w") as f:
+            f.write(f"daemon off; master_process off; pid {d}/nginx.pid; error_log {d}/error.log warn; "
+                    f"user root; worker_processes 1;\nevents {{}} http {{ access_log off; upstream up {{ "
+                    f"server 127.0.0.1:{fport}; keepalive 64; }}\nserver {{ listen 127.0.0.1:{port}; location / {{ "
+                    "proxy_pass http://up; proxy_http_version 1.1;\nproxy_set_header Connection \"\"; "
+                    "proxy_buffering off; } } }\n")
+        return ["nginx", "-p", d, "-c", conf]
+    if which == "bare":
+        return [os.path.join(REL, "bare-pingora"), f"127.0.0.1:{port}", f"127.0.0.1:{fport}", "1"]
+    return [os.path.join(REL, "tokio-floor"), f"127.0.0.1:{port}", f"127.0.0.1:{fport}"]
+
+
+def send(port):
+    body = json.dumps({"model": "m", "messages": [{"role": "user", "content": "hi"}],
+                       "max_tokens": 2, "stream": True}).encode()
+    s = socket.create_connection(("127.0.0.1", port), 30)
+    s.settimeout(30)
+    s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+              b"Content-Length: %d\r\nConnection: close\r\n\r\n" % len(body) + body)
+    return s
+
+
+def finish(s):
+    buf = b""
+    while b"[DONE]" not in buf:
+        c = s.recv(65536)
+        if not c:
+            sys.exit("the stream ended before [DONE]")
+        buf += c
+    s.close()
+
+
+def measure(which, n, fport):
+    tmp = tempfile.mkdtemp(prefix="uf-req-side-")
+    port = free_port()
+    p = spawn(["valgrind", "--tool=callgrind", "--dump-line=no", f"--callgrind-out-file={tmp}/cg.out",
+               *command(which, tmp, port, fport)], stdout=subprocess.DEVNULL, stderr=open(f"{tmp}/vg.log", "w"),
+              cwd=tmp, env={**os.environ, "RUST_LOG": "warn"})
+
+    def ctl(flag):
+        subprocess.run(["callgrind_control", flag, str(p.pid)], stdout=subprocess.DEVNULL,
+                       stderr=subprocess.DEVNULL, check=True)
+
+    def window(request):
+        ctl("--zero")
+        s = send(port) if request else None
+        time.sleep(0.8)
+        ctl("--dump")
+        time.sleep(0.3)
+        newest = max(glob.glob(f"{tmp}/cg.out.*"), key=os.path.getmtime)
+        with open(newest) as f:
+            total = next(int(l.split()[1]) for l in f if l.startswith(("summary:", "totals:")))
+        os.remove(newest)
+        if s:
+            finish(s)
+        return total
+
+    try:
+        wait_port(port, limit=120)
+        for _ in range(3):
+            finish(send(port))
+        idle, busy = [], []
+        for _ in range(n):
+            idle.append(window(False))
+            busy.append(window(True))
+    finally:
+        try:
+            os.kill(p.pid, signal.SIGINT)
+            p.wait(timeout=60)
+        except Exception:
+            pass
+        stop_tree(p)
+        shutil.rmtree(tmp, ignore_errors=True)
+    idle.sort()
+    busy.sort()
+    return busy[n // 2] - idle[n // 2], busy[n // 2], idle[n // 2]
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--n", type=int, default=6)
+    ap.add_argument("--only", default="nginx,floor,bare,ultrafast")
+    a = ap.parse_args()
+    for need in ("valgrind", "callgrind_control", "nginx"):
+        if not shutil.which(need):
+            sys.exit(f"needs {need}")
+    fp, fport = ib.fake(["--tokens", "2", "--itl-ms", "1", "--ttft-ms", "1500", "--capacity", "1000"])
+    try:
+        print("| proxy | request side, instructions | window with a request | without |")
+        print("|---|---|---|---|")
+        for which in a.only.split(","):
+            d, b, i = measure(which, a.n, fport)
+            print(f"| {which} | {d:,} | {b:,} | {i:,} |", flush=True)
+    finally:
+        stop_tree(fp)
+
+
+if __name__ == "__main__":
+    main()

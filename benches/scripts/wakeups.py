@@ -1,0 +1,105 @@
+#!/usr/bin/env python3
+"""Wake-ups and CPU time per streamed completion, per proxy and per thread:
+voluntary context switches (each one a sleep and a wake) and time on CPU
+from /proc (`schedstat`), over N streamed completions (16 tokens from
+`fake-openai --ttft-ms 5 --itl-ms 1`), one every 50 ms on a new connection,
+as in inference_bench.py's pass-through. Background threads that wake on
+their own (timers, periodic loops) show here per request, where they cost
+the request sharing their CPU.
+
+usage: benches/scripts/wakeups.py [--n 200] [--only ultrafast,nginx,bare,floor] [--bin-dir DIR]
+Build first: cargo build --release -p ultrafast -p ultrafast-benches; needs
+nginx and Linux /proc. Loopback only; every process is stopped by PID.
+"""
+import argparse, glob, json, os, socket, subprocess, sys, tempfile, time
+import inference_bench as ib
+from benchlib import free_port, spawn, stop_tree, wait_port
+
+
+def threads(pid):
+    """{thread name and id: (voluntary switches, ns on CPU)}."""
+    out = {}
+    for t in glob.glob(f"/proc/{pid}/task/*"):
+        try:
+            name = open(f"{t}/comm").read().strip()
+            vol = next(int(l.split()[1]) for l in open(f"{t}/status") if l.startswith("voluntary_ctxt_switches"))
+            ns = int(open(f"{t}/schedstat").read().split()[0])
+        except (OSError, StopIteration):
+            continue
+        out[f"{name} ({t.rsplit('/', 1)[1]})"] = (vol, ns)
+    return out
+
+
+def request(port):
+    body = json.dumps({"model": "m", "messages": [{"role": "user", "content": "hi"}],
+                       "max_tokens": 16, "stream": True}).encode()
+    s = socket.create_connection(("127.0.0.1", port), 10)
+    s.settimeout(10)
+    s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+              b"Content-Length: %d\r\nConnection: close\r\n\r\n" % len(body) + body)
+    buf = b""
+    while b"[DONE]" not in buf:
+        c = s.recv(65536)
+        if not c:
+            sys.exit("the stream ended before [DONE]")
+        buf += c
+    s.close()
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--n", type=int, default=200)
+    ap.add_argument("--only", default="ultrafast,nginx,bare,floor")
+    ap.add_argument("--bin-dir", help="where ultrafast, fake-openai, bare-pingora and tokio-floor are "
+                    "(default: target/release)")
+    a = ap.parse_args()
+    if a.bin_dir:
+        ib.REL = a.bin_dir
+    tmp = tempfile.mkdtemp(prefix="uf-wakeups-")
+    fp, fport = ib.fake(["--tokens", "16", "--itl-ms", "1", "--ttft-ms", "5", "--capacity", "1000"])
+    procs = [fp]
+    try:
+        for which in a.only.split(","):
+            if which == "ultrafast":
+                p, port = ib.ultrafast(tmp, "uf", f"[pools.f]\nmembers = [{{ addr = \"127.0.0.1:{fport}\" }}]\n"
+                                       "keepalive_idle_s = 60\n[models.m]\nbackend = \"upstream\"\npool = \"f\"\n"
+                                       "max_concurrency = 0\n[lanes.standard]\nrank = 1\npace = \"off\"\n")
+                pid = p.pid
+            elif which == "nginx":
+                p, port = ib.nginx(tmp, fport)
+                kids = subprocess.run(["pgrep", "-P", str(p.pid)], capture_output=True, text=True).stdout.split()
+                pid = int(kids[0])  # the one worker
+            else:
+                port = free_port()
+                cmd = {"bare": [os.path.join(ib.REL, "bare-pingora"), f"127.0.0.1:{port}", f"127.0.0.1:{fport}", "1"],
+                       "floor": [os.path.join(ib.REL, "tokio-floor"), f"127.0.0.1:{port}", f"127.0.0.1:{fport}"]}[which]
+                p = spawn(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                wait_port(port)
+                pid = p.pid
+            procs.append(p)
+            for _ in range(20):
+                request(port)
+            before = threads(pid)
+            for _ in range(a.n):
+                request(port)
+                time.sleep(0.05)
+            after = threads(pid)
+            rows = []
+            for k, (vol, ns) in after.items():
+                v0, n0 = before.get(k, (0, 0))
+                rows.append(((vol - v0) / a.n, (ns - n0) / a.n / 1000, k))
+            sw = sum(r[0] for r in rows)
+            cpu = sum(r[1] for r in rows)
+            busy = ", ".join(f"{k} {s:.1f} / {c:.0f}" for s, c, k in sorted(rows, key=lambda r: -r[1]) if c >= 5)
+            print(f"| {which} | {sw:.1f} | {cpu:.0f} | {busy} |", flush=True)
+            stop_tree(p)
+            procs.remove(p)
+    finally:
+        for p in procs:
+            stop_tree(p)
+
+
+if __name__ == "__main__":
+    print("| proxy | voluntary switches per request | CPU us per request | threads (switches / CPU us) |")
+    print("|---|---|---|---|")
+    main()
