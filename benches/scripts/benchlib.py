@@ -109,3 +109,28 @@ def callgrind_costs(out, inclusive=False):
         # counts add up; inclusive counts of the same function do not.
         res[name] = max(res.get(name, 0), n) if inclusive else res.get(name, 0) + n
     return res
+
+
+def stream_chat(port, max_tokens):
+    """Send one streamed chat completion for model `m` on a new connection
+    (`Connection: close`); returns the socket, to be read by
+    `read_stream`."""
+    import json
+    body = json.dumps({"model": "m", "messages": [{"role": "user", "content": "hi"}],
+                       "max_tokens": max_tokens, "stream": True}).encode()
+    s = socket.create_connection(("127.0.0.1", port), 30)
+    s.settimeout(30)
+    s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+              b"Content-Length: %d\r\nConnection: close\r\n\r\n" % len(body) + body)
+    return s
+
+
+def read_stream(s):
+    """Read a stream sent by `stream_chat` to its `[DONE]`, then close."""
+    buf = b""
+    while b"[DONE]" not in buf:
+        c = s.recv(65536)
+        if not c:
+            sys.exit("the stream ended before [DONE]")
+        buf += c
+    s.close()

@@ -17,9 +17,9 @@ usage: benches/scripts/request_side_instructions.py [--n 6] [--only NAME,...]
 Build first: cargo build --release -p ultrafast -p ultrafast-benches; needs
 valgrind and nginx. Loopback only; every process is stopped by PID.
 """
-import argparse, glob, json, os, shutil, signal, socket, subprocess, sys, tempfile, time
+import argparse, glob, os, shutil, signal, subprocess, sys, tempfile, time
 import inference_bench as ib
-from benchlib import free_port, spawn, stop_tree, wait_port
+from benchlib import free_port, read_stream, spawn, stop_tree, stream_chat, wait_port
 
 REL = ib.REL
 
@@ -52,26 +52,6 @@ def command(which, tmp, port, fport):
     return [os.path.join(REL, "tokio-floor"), f"127.0.0.1:{port}", f"127.0.0.1:{fport}"]
 
 
-def send(port):
-    body = json.dumps({"model": "m", "messages": [{"role": "user", "content": "hi"}],
-                       "max_tokens": 2, "stream": True}).encode()
-    s = socket.create_connection(("127.0.0.1", port), 30)
-    s.settimeout(30)
-    s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-              b"Content-Length: %d\r\nConnection: close\r\n\r\n" % len(body) + body)
-    return s
-
-
-def finish(s):
-    buf = b""
-    while b"[DONE]" not in buf:
-        c = s.recv(65536)
-        if not c:
-            sys.exit("the stream ended before [DONE]")
-        buf += c
-    s.close()
-
-
 def measure(which, n, fport):
     tmp = tempfile.mkdtemp(prefix="uf-req-side-")
     port = free_port()
@@ -85,7 +65,7 @@ def measure(which, n, fport):
 
     def window(request):
         ctl("--zero")
-        s = send(port) if request else None
+        s = stream_chat(port, 2) if request else None
         time.sleep(0.8)
         ctl("--dump")
         time.sleep(0.3)
@@ -94,13 +74,13 @@ def measure(which, n, fport):
             total = next(int(l.split()[1]) for l in f if l.startswith(("summary:", "totals:")))
         os.remove(newest)
         if s:
-            finish(s)
+            read_stream(s)
         return total
 
     try:
         wait_port(port, limit=120)
         for _ in range(3):
-            finish(send(port))
+            read_stream(stream_chat(port, 2))
         idle, busy = [], []
         for _ in range(n):
             idle.append(window(False))

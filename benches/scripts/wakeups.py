@@ -11,9 +11,9 @@ usage: benches/scripts/wakeups.py [--n 200] [--only ultrafast,nginx,bare,floor] 
 Build first: cargo build --release -p ultrafast -p ultrafast-benches; needs
 nginx and Linux /proc. Loopback only; every process is stopped by PID.
 """
-import argparse, glob, json, os, socket, subprocess, sys, tempfile, time
+import argparse, glob, os, subprocess, tempfile, time
 import inference_bench as ib
-from benchlib import free_port, spawn, stop_tree, wait_port
+from benchlib import free_port, read_stream, spawn, stop_tree, stream_chat, wait_port
 
 
 def threads(pid):
@@ -28,22 +28,6 @@ def threads(pid):
             continue
         out[f"{name} ({t.rsplit('/', 1)[1]})"] = (vol, ns)
     return out
-
-
-def request(port):
-    body = json.dumps({"model": "m", "messages": [{"role": "user", "content": "hi"}],
-                       "max_tokens": 16, "stream": True}).encode()
-    s = socket.create_connection(("127.0.0.1", port), 10)
-    s.settimeout(10)
-    s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-              b"Content-Length: %d\r\nConnection: close\r\n\r\n" % len(body) + body)
-    buf = b""
-    while b"[DONE]" not in buf:
-        c = s.recv(65536)
-        if not c:
-            sys.exit("the stream ended before [DONE]")
-        buf += c
-    s.close()
 
 
 def main():
@@ -78,10 +62,10 @@ def main():
                 pid = p.pid
             procs.append(p)
             for _ in range(20):
-                request(port)
+                read_stream(stream_chat(port, 16))
             before = threads(pid)
             for _ in range(a.n):
-                request(port)
+                read_stream(stream_chat(port, 16))
                 time.sleep(0.05)
             after = threads(pid)
             rows = []
