@@ -14,8 +14,9 @@ the least a Tokio program does to pass the stream, benches/src/tokio_floor.rs)
 Build first: cargo build --release -p ultrafast -p ultrafast-benches; needs
 valgrind. Loopback only; every process is stopped by PID.
 """
-import argparse, json, os, socket, subprocess, sys, tempfile, shutil
-from benchlib import ROOT, callgrind, callgrind_costs, callgrind_stop, free_port, spawn, stop_tree, wait_port
+import argparse, os, subprocess, sys, tempfile, shutil
+from benchlib import (ROOT, callgrind, callgrind_costs, callgrind_stop, free_port, read_stream, spawn,
+                      stop_tree, stream_chat, wait_port)
 
 REL = os.path.join(ROOT, "target/release")
 
@@ -38,21 +39,8 @@ def run(n, tmp, fport, proxy="ultrafast"):
     p = callgrind(cmd, out, os.path.join(tmp, f"vg-{n}.log"))
     try:
         wait_port(port, limit=120)
-        body = json.dumps({"model": "m", "messages": [{"role": "user", "content": "hi"}],
-                           "max_tokens": 16, "stream": True}).encode()
-        head = (b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                b"Content-Length: %d\r\nConnection: close\r\n\r\n" % len(body))
         for _ in range(n):
-            s = socket.create_connection(("127.0.0.1", port), 30)
-            s.settimeout(30)
-            s.sendall(head + body)
-            buf = b""
-            while b"data: [DONE]" not in buf:
-                c = s.recv(65536)
-                if not c:
-                    sys.exit("the stream ended before [DONE]")
-                buf += c
-            s.close()
+            read_stream(stream_chat(port, 16))
     finally:
         total = callgrind_stop(p, out)
     return total, out
