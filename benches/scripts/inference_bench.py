@@ -34,7 +34,9 @@ def fake(args):
     return p, port
 
 
-def ultrafast(tmp, name, body):
+def ultrafast_conf(tmp, name, body):
+    """Write a one-worker config with an inference route `/v1/` and `body`
+    (pools, models, lanes); returns (its path, the listener's port)."""
     port, admin = free_port(), free_port()
     conf = os.path.join(tmp, f"{name}.toml")
     with open(conf, "w") as f:
@@ -42,21 +44,60 @@ def ultrafast(tmp, name, body):
 [admin]\nlisten = "127.0.0.1:{admin}"\n[log]\naccess_log = "off"\n
 [[listeners]]\nname = "http"\naddress = "127.0.0.1:{port}"\n
 [[routes]]\nname = "openai"\npath = "/v1/"\ninference = true\n\n{body}\n""")
+    return conf, port
+
+
+def ultrafast(tmp, name, body):
+    conf, port = ultrafast_conf(tmp, name, body)
     p = spawn([os.path.join(REL, "ultrafast"), "serve", "-c", conf], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     wait_port(port)
     return p, port
 
 
-def nginx(tmp, upstream_port):
+def pass_body(upstream_port):
+    """The pass-through case: model `m` on the fake at `upstream_port`,
+    lane `standard` unpaced, no concurrency limit."""
+    return (f"[pools.f]\nmembers = [{{ addr = \"127.0.0.1:{upstream_port}\" }}]\nkeepalive_idle_s = 60\n"
+            "[models.m]\nbackend = \"upstream\"\npool = \"f\"\nmax_concurrency = 0\n"
+            "[lanes.standard]\nrank = 1\npace = \"off\"\n")
+
+
+def reference_cmd(which, port, upstream_port):
+    """A reference proxy on `port` in front of `upstream_port`: `bare`, the
+    bare Pingora proxy (benches/src/bare_pingora.rs, one thread), or
+    `floor`, the least a Tokio program does (benches/src/tokio_floor.rs)."""
+    addrs = [f"127.0.0.1:{port}", f"127.0.0.1:{upstream_port}"]
+    if which == "bare":
+        return [os.path.join(REL, "bare-pingora"), *addrs, "1"]
+    return [os.path.join(REL, "tokio-floor"), *addrs]
+
+
+def reference(which, upstream_port):
+    """Start `reference_cmd(which, ...)` on a free port: (process, port)."""
+    port = free_port()
+    p = spawn(reference_cmd(which, port, upstream_port), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    wait_port(port)
+    return p, port
+
+
+def nginx_cmd(tmp, upstream_port, single=False):
+    """nginx streaming to `upstream_port` with one worker (with `single`,
+    in one process: `master_process off`); returns (its command, its port)."""
     port = free_port()
     d = os.path.join(tmp, "nginx"); os.makedirs(d, exist_ok=True)
     conf = os.path.join(d, "nginx.conf")
+    master = "master_process off; " if single else ""
     with open(conf, "w") as f:
-        f.write(f"daemon off; pid {d}/nginx.pid; error_log {d}/error.log warn; user root; worker_processes 1;\n"
+        f.write(f"daemon off; {master}pid {d}/nginx.pid; error_log {d}/error.log warn; user root; worker_processes 1;\n"
                 f"events {{}} http {{ access_log off; upstream up {{ server 127.0.0.1:{upstream_port}; keepalive 64; }}\n"
                 f"server {{ listen 127.0.0.1:{port}; location / {{ proxy_pass http://up; proxy_http_version 1.1;\n"
                 f"proxy_set_header Connection \"\"; proxy_buffering off; }} }} }}\n")
-    p = spawn(["nginx", "-p", d, "-c", conf], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    return ["nginx", "-p", d, "-c", conf], port
+
+
+def nginx(tmp, upstream_port):
+    cmd, port = nginx_cmd(tmp, upstream_port)
+    p = spawn(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     wait_port(port)
     return p, port
 
@@ -126,9 +167,7 @@ def chat(max_tokens, content="hi"):
 
 def passthrough(tmp, rounds, duration, bare=False):
     fp, fport = fake(["--tokens", "16", "--itl-ms", "1", "--ttft-ms", "5", "--capacity", "1000"])
-    up, uport = ultrafast(tmp, "pass", f"[pools.f]\nmembers = [{{ addr = \"127.0.0.1:{fport}\" }}]\nkeepalive_idle_s = 60\n"
-                                       "[models.m]\nbackend = \"upstream\"\npool = \"f\"\nmax_concurrency = 0\n"
-                                       "[lanes.standard]\nrank = 1\npace = \"off\"\n")
+    up, uport = ultrafast(tmp, "pass", pass_body(fport))
     np_, nport = nginx(tmp, fport)
     bp = None
     try:
@@ -140,11 +179,7 @@ def passthrough(tmp, rounds, duration, bare=False):
         if bare:
             # Pingora by itself (benches/src/bare_pingora.rs, nothing but
             # `upstream_peer`): what any proxy on it starts from.
-            bport = free_port()
-            bp = spawn([os.path.join(REL, "bare-pingora"), f"127.0.0.1:{bport}", f"127.0.0.1:{fport}", "1"],
-                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-            wait_port(bport)
-            paths["bare Pingora"] = bport
+            bp, paths["bare Pingora"] = reference("bare", fport)
         names = list(paths)
         rows = {k: [] for k in names}
         pooled = {k: [] for k in names}

@@ -24,39 +24,21 @@ from benchlib import free_port, read_stream, spawn, stop_tree, stream_chat, wait
 REL = ib.REL
 
 
-def command(which, tmp, port, fport):
+def command(which, tmp, fport):
+    """The proxy's command and port."""
     if which == "ultrafast":
-        conf = os.path.join(tmp, "uf.toml")
-        with open(conf, "w") as f:
-            f.write(f'[server]\nthreads = 1\npid_file = "{tmp}/uf.pid"\nupgrade_sock = "{tmp}/uf.sock"\n'
-                    f'[admin]\nlisten = "127.0.0.1:{free_port()}"\n[log]\naccess_log = "off"\n'
-                    f'[[listeners]]\nname = "http"\naddress = "127.0.0.1:{port}"\n'
-                    '[[routes]]\nname = "openai"\npath = "/v1/"\ninference = true\n'
-                    f'[pools.f]\nmembers = [{{ addr = "127.0.0.1:{fport}" }}]\nkeepalive_idle_s = 60\n'
-                    '[models.m]\nbackend = "upstream"\npool = "f"\nmax_concurrency = 0\n'
-                    '[lanes.standard]\nrank = 1\npace = "off"\n')
-        return [os.path.join(REL, "ultrafast"), "serve", "-c", conf]
+        conf, port = ib.ultrafast_conf(tmp, "uf", ib.pass_body(fport))
+        return [os.path.join(REL, "ultrafast"), "serve", "-c", conf], port
     if which == "nginx":
-        d = os.path.join(tmp, "nginx")
-        os.makedirs(d, exist_ok=True)
-        conf = os.path.join(d, "nginx.conf")
-        with open(conf, "w") as f:
-            f.write(f"daemon off; master_process off; pid {d}/nginx.pid; error_log {d}/error.log warn; "
-                    f"user root; worker_processes 1;\nevents {{}} http {{ access_log off; upstream up {{ "
-                    f"server 127.0.0.1:{fport}; keepalive 64; }}\nserver {{ listen 127.0.0.1:{port}; location / {{ "
-                    "proxy_pass http://up; proxy_http_version 1.1;\nproxy_set_header Connection \"\"; "
-                    "proxy_buffering off; } } }\n")
-        return ["nginx", "-p", d, "-c", conf]
-    if which == "bare":
-        return [os.path.join(REL, "bare-pingora"), f"127.0.0.1:{port}", f"127.0.0.1:{fport}", "1"]
-    return [os.path.join(REL, "tokio-floor"), f"127.0.0.1:{port}", f"127.0.0.1:{fport}"]
+        return ib.nginx_cmd(tmp, fport, single=True)
+    port = free_port()
+    return ib.reference_cmd(which, port, fport), port
 
 
 def measure(which, n, fport):
     tmp = tempfile.mkdtemp(prefix="uf-req-side-")
-    port = free_port()
-    p = spawn(["valgrind", "--tool=callgrind", "--dump-line=no", f"--callgrind-out-file={tmp}/cg.out",
-               *command(which, tmp, port, fport)], stdout=subprocess.DEVNULL, stderr=open(f"{tmp}/vg.log", "w"),
+    cmd, port = command(which, tmp, fport)
+    p = spawn(["valgrind", "--tool=callgrind", "--dump-line=no", f"--callgrind-out-file={tmp}/cg.out", *cmd], stdout=subprocess.DEVNULL, stderr=open(f"{tmp}/vg.log", "w"),
               cwd=tmp, env={**os.environ, "RUST_LOG": "warn"})
 
     def ctl(flag):

@@ -14,28 +14,22 @@ the least a Tokio program does to pass the stream, benches/src/tokio_floor.rs)
 Build first: cargo build --release -p ultrafast -p ultrafast-benches; needs
 valgrind. Loopback only; every process is stopped by PID.
 """
-import argparse, os, subprocess, sys, tempfile, shutil
-from benchlib import (ROOT, callgrind, callgrind_costs, callgrind_stop, free_port, read_stream, spawn,
-                      stop_tree, stream_chat, wait_port)
+import argparse, os, sys, tempfile, shutil
+import inference_bench as ib
+from benchlib import (callgrind, callgrind_costs, callgrind_stop, free_port, read_stream, stop_tree,
+                      stream_chat, wait_port)
 
-REL = os.path.join(ROOT, "target/release")
+REL = ib.REL
 
 
 def run(n, tmp, fport, proxy="ultrafast"):
-    port, admin = free_port(), free_port()
-    conf = os.path.join(tmp, f"uf-{n}.toml")
-    with open(conf, "w") as f:
-        f.write(f'[server]\nthreads = 1\npid_file = "{tmp}/uf-{n}.pid"\nupgrade_sock = "{tmp}/uf-{n}.sock"\n'
-                f'[admin]\nlisten = "127.0.0.1:{admin}"\n[log]\naccess_log = "off"\n'
-                f'[[listeners]]\nname = "http"\naddress = "127.0.0.1:{port}"\n'
-                '[[routes]]\nname = "openai"\npath = "/v1/"\ninference = true\n'
-                f'[pools.f]\nmembers = [{{ addr = "127.0.0.1:{fport}" }}]\nkeepalive_idle_s = 60\n'
-                '[models.m]\nbackend = "upstream"\npool = "f"\nmax_concurrency = 0\n'
-                '[lanes.standard]\nrank = 1\npace = "off"\n')
+    if proxy == "ultrafast":
+        conf, port = ib.ultrafast_conf(tmp, f"uf-{n}", ib.pass_body(fport))
+        cmd = [os.path.join(REL, "ultrafast"), "serve", "-c", conf]
+    else:
+        port = free_port()
+        cmd = ib.reference_cmd(proxy, port, fport)
     out = os.path.join(tmp, f"cg-{n}.out")
-    cmd = {"ultrafast": [os.path.join(REL, "ultrafast"), "serve", "-c", conf],
-           "bare": [os.path.join(REL, "bare-pingora"), f"127.0.0.1:{port}", f"127.0.0.1:{fport}", "1"],
-           "floor": [os.path.join(REL, "tokio-floor"), f"127.0.0.1:{port}", f"127.0.0.1:{fport}"]}[proxy]
     p = callgrind(cmd, out, os.path.join(tmp, f"vg-{n}.log"))
     try:
         wait_port(port, limit=120)
@@ -59,10 +53,8 @@ def main():
         if not shutil.which(need):
             sys.exit(f"needs {need}")
     tmp = tempfile.mkdtemp(prefix="uf-sse-cg-")
-    fake = spawn([os.path.join(REL, "fake-openai"), "--tokens", "16", "--itl-ms", "1", "--ttft-ms", "5",
-                  "--capacity", "1000"], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    fake, fport = ib.fake(["--tokens", "16", "--itl-ms", "1", "--ttft-ms", "5", "--capacity", "1000"])
     try:
-        fport = int(fake.stdout.readline().strip().rsplit(":", 1)[1])
         i1, f1 = run(a.n1, tmp, fport, a.proxy)
         i2, f2 = run(a.n2, tmp, fport, a.proxy)
         dn = a.n2 - a.n1

@@ -78,23 +78,13 @@ def main():
     fp, fport = ib.fake(["--tokens", "16", "--itl-ms", "1", "--ttft-ms", "5", "--capacity", "1000"])
     up = np_ = td = bp = tf = None
     try:
-        up, uport = ib.ultrafast(tmp, "pass", f"[pools.f]\nmembers = [{{ addr = \"127.0.0.1:{fport}\" }}]\n"
-                                 "keepalive_idle_s = 60\n[models.m]\nbackend = \"upstream\"\npool = \"f\"\n"
-                                 "max_concurrency = 0\n[lanes.standard]\nrank = 1\npace = \"off\"\n")
+        up, uport = ib.ultrafast(tmp, "pass", ib.pass_body(fport))
         np_, nport = ib.nginx(tmp, fport)
         proxies = {"ultrafast": uport, "nginx": nport}
         if a.bare:
-            bport = ib.free_port()
-            bp = ib.spawn([os.path.join(ib.REL, "bare-pingora"), f"127.0.0.1:{bport}", f"127.0.0.1:{fport}", "1"],
-                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-            ib.wait_port(bport)
-            proxies["bare"] = bport
+            bp, proxies["bare"] = ib.reference("bare", fport)
         if a.floor:
-            tport = ib.free_port()
-            tf = ib.spawn([os.path.join(ib.REL, "tokio-floor"), f"127.0.0.1:{tport}", f"127.0.0.1:{fport}"],
-                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-            ib.wait_port(tport)
-            proxies["tokio floor"] = tport
+            tf, proxies["tokio floor"] = ib.reference("floor", fport)
         pcap = os.path.join(tmp, "lo.pcap")
         td = subprocess.Popen(["tcpdump", "-i", "lo", "-s", "400", "-w", pcap, "-U", "--time-stamp-precision=nano",
                                f"tcp port {fport} or " + " or ".join(f"tcp port {v}" for v in proxies.values())],

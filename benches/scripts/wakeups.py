@@ -11,9 +11,9 @@ usage: benches/scripts/wakeups.py [--n 200] [--only ultrafast,nginx,bare,floor] 
 Build first: cargo build --release -p ultrafast -p ultrafast-benches; needs
 nginx and Linux /proc. Loopback only; every process is stopped by PID.
 """
-import argparse, glob, os, subprocess, tempfile, time
+import argparse, glob, subprocess, tempfile, time
 import inference_bench as ib
-from benchlib import free_port, read_stream, spawn, stop_tree, stream_chat, wait_port
+from benchlib import read_stream, stop_tree, stream_chat
 
 
 def threads(pid):
@@ -45,20 +45,14 @@ def main():
     try:
         for which in a.only.split(","):
             if which == "ultrafast":
-                p, port = ib.ultrafast(tmp, "uf", f"[pools.f]\nmembers = [{{ addr = \"127.0.0.1:{fport}\" }}]\n"
-                                       "keepalive_idle_s = 60\n[models.m]\nbackend = \"upstream\"\npool = \"f\"\n"
-                                       "max_concurrency = 0\n[lanes.standard]\nrank = 1\npace = \"off\"\n")
+                p, port = ib.ultrafast(tmp, "uf", ib.pass_body(fport))
                 pid = p.pid
             elif which == "nginx":
                 p, port = ib.nginx(tmp, fport)
                 kids = subprocess.run(["pgrep", "-P", str(p.pid)], capture_output=True, text=True).stdout.split()
                 pid = int(kids[0])  # the one worker
             else:
-                port = free_port()
-                cmd = {"bare": [os.path.join(ib.REL, "bare-pingora"), f"127.0.0.1:{port}", f"127.0.0.1:{fport}", "1"],
-                       "floor": [os.path.join(ib.REL, "tokio-floor"), f"127.0.0.1:{port}", f"127.0.0.1:{fport}"]}[which]
-                p = spawn(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-                wait_port(port)
+                p, port = ib.reference(which, fport)
                 pid = p.pid
             procs.append(p)
             for _ in range(20):

@@ -8,6 +8,9 @@
 //! until the chunked body's last chunk, and keep the upstream connection. No
 //! header is parsed beyond that, nothing is checked: it is a measuring
 //! stick, not a proxy.
+//!
+//! With `FLOOR_TICK_MS=N` a thread beside it sleeps N ms in a loop, the
+//! shape of Pingora's timer thread (benches/RESULTS.md section 15).
 
 use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
@@ -32,6 +35,14 @@ fn content_length(head: &[u8]) -> usize {
         .unwrap_or(0)
 }
 
+/// Append what `s` has to `buf`; false at its end.
+async fn read_more(s: &mut TcpStream, buf: &mut Vec<u8>) -> std::io::Result<bool> {
+    let mut chunk = [0u8; 4096];
+    let n = s.read(&mut chunk).await?;
+    buf.extend_from_slice(&chunk[..n]);
+    Ok(n > 0)
+}
+
 async fn serve(mut client: TcpStream, upstream: SocketAddr, idle: Idle) -> std::io::Result<()> {
     let mut buf = Vec::with_capacity(16 * 1024);
     loop {
@@ -40,21 +51,15 @@ async fn serve(mut client: TcpStream, upstream: SocketAddr, idle: Idle) -> std::
             if let Some(i) = memchr::memmem::find(&buf, b"\r\n\r\n") {
                 break i + 4;
             }
-            let mut chunk = [0u8; 4096];
-            let n = client.read(&mut chunk).await?;
-            if n == 0 {
+            if !read_more(&mut client, &mut buf).await? {
                 return Ok(());
             }
-            buf.extend_from_slice(&chunk[..n]);
         };
         let want = end + content_length(&buf[..end]);
         while buf.len() < want {
-            let mut chunk = [0u8; 4096];
-            let n = client.read(&mut chunk).await?;
-            if n == 0 {
+            if !read_more(&mut client, &mut buf).await? {
                 return Ok(());
             }
-            buf.extend_from_slice(&chunk[..n]);
         }
         let pooled = idle.lock().ok().and_then(|mut v| v.pop());
         let mut up = match pooled {

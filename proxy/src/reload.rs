@@ -470,7 +470,7 @@ impl BackgroundService for DnsRefresher {
             }
             drop(cfg);
             let every = Duration::from_millis(100);
-            if !crate::upstream::next_round(busy, every, seen, &mut shutdown).await {
+            if !crate::config::next_round(busy, every, seen, &mut shutdown).await {
                 return;
             }
         }

@@ -40,7 +40,7 @@ impl BackgroundService for WatchdogService {
             let cfg = self.shared.load_full();
             let busy = super::watchdog::watches(&cfg);
             drop(cfg);
-            if !crate::upstream::next_round(busy, TICK, seen, &mut shutdown).await {
+            if !crate::config::next_round(busy, TICK, seen, &mut shutdown).await {
                 return;
             }
             let cfg = self.shared.load_full();

@@ -49,7 +49,9 @@ impl BackgroundService for HealthChecker {
                 }
             }
             drop(cfg);
-            if !super::next_round(busy, Duration::from_millis(50), seen, &mut shutdown).await {
+            if !crate::config::next_round(busy, Duration::from_millis(50), seen, &mut shutdown)
+                .await
+            {
                 return;
             }
         }

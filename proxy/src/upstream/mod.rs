@@ -257,35 +257,6 @@ pub(crate) fn take_due(due: &AtomicU64, every: Duration) -> bool {
     true
 }
 
-/// Wait before a periodic background loop's next round (health checks,
-/// load scrapes, DNS refresh, the SLA watchdog): `every` while the config
-/// gives the loop work (`busy`), otherwise until a reload swaps the config
-/// (or a minute). Idle loops that ticked every 50-100 ms woke a CPU about
-/// 60 times a second for nothing; on these VMs a wake costs tens of
-/// microseconds, and the caches of whatever request shares that CPU
-/// (benches/RESULTS.md section 15). `seen` is [`crate::config::reloads`]
-/// read before the round read the config, so a reload during the round is
-/// not missed. False once the server shuts down.
-pub(crate) async fn next_round(
-    busy: bool,
-    every: Duration,
-    seen: u64,
-    shutdown: &mut pingora::server::ShutdownWatch,
-) -> bool {
-    const IDLE: Duration = Duration::from_secs(60);
-    let reloaded = crate::config::RELOADED.notified();
-    tokio::pin!(reloaded);
-    reloaded.as_mut().enable();
-    if !busy && crate::config::reloads() != seen {
-        return true;
-    }
-    tokio::select! {
-        _ = shutdown.changed() => false,
-        _ = tokio::time::sleep(if busy { every } else { IDLE }) => true,
-        _ = reloaded, if !busy => true,
-    }
-}
-
 /// Milliseconds on a process-wide monotonic clock.
 pub fn now_ms() -> u64 {
     static START: std::sync::OnceLock<Instant> = std::sync::OnceLock::new();

@@ -234,7 +234,7 @@ impl UpstreamBackend {
         req: &InferenceRequest,
         prepared: &Prepared,
         resume: Option<(&str, usize)>,
-    ) -> (String, Bytes) {
+    ) -> (&'static str, Bytes) {
         use body::{Concat, IncludeUsage, Messages, UpstreamBody};
         let (sent, done) = resume.unwrap_or(("", 0));
         let (path, messages, prompt) = match &req.prompt {
@@ -249,14 +249,14 @@ impl UpstreamBackend {
         };
         // vLLM continues the final (assistant) message of a resumed chat
         // instead of opening a new turn.
-        let resumed_chat = (resume.is_some() && messages.is_some()).then_some(());
+        let resumed_chat = resume.is_some() && messages.is_some();
         // Only what this kind of server accepts (see `upstream::dialect`).
         let caps = self.spec.pool.settings.dialect.caps();
         let s = &req.sampling;
         let b = UpstreamBody {
             model: &self.spec.upstream_model,
-            continue_final_message: resumed_chat.map(|()| true),
-            add_generation_prompt: resumed_chat.map(|()| false),
+            continue_final_message: resumed_chat.then_some(true),
+            add_generation_prompt: resumed_chat.then_some(false),
             messages,
             prompt,
             // Always the size admission reserved (less what was delivered):
@@ -278,7 +278,7 @@ impl UpstreamBackend {
         };
         // Serializing borrowed strings, numbers and `Value`s cannot fail.
         let json = serde_json::to_vec(&b).unwrap_or_default();
-        (path.to_string(), Bytes::from(json))
+        (path, Bytes::from(json))
     }
 }
 
@@ -346,7 +346,7 @@ impl Backend for UpstreamBackend {
         let (path, body) = self.body(&req, &prepared, None);
         let opened = self
             .first_token(
-                &path,
+                path,
                 &body,
                 open::Ids::of(&req),
                 prepared.prefix_hash,

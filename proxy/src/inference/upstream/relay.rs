@@ -156,7 +156,7 @@ impl UpstreamBackend {
             // Boxed: inline, the opening's state would be part of every
             // relay task, copied whole when the task is spawned.
             let next = Box::pin(self.first_token(
-                &path,
+                path,
                 &body,
                 ids,
                 prepared.prefix_hash,
