@@ -274,6 +274,19 @@ pub enum Readiness {
     Failed(String),
 }
 
+/// What a backend knows of a prompt's size before tokenizing it, so that
+/// a prompt whose byte count alone proves it cannot fit is refused before
+/// any work grows with it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PromptBound {
+    /// The model's context in tokens.
+    pub context: usize,
+    /// The most bytes of text one token covers (the longest token of the
+    /// vocabulary), when the vocabulary is known: a prompt of `n` bytes is
+    /// then at least `n / max_token_bytes` tokens.
+    pub max_token_bytes: Option<usize>,
+}
+
 /// The events of one running request. Dropping it cancels the work.
 pub type EventStream = tokio::sync::mpsc::UnboundedReceiver<Event>;
 
@@ -293,6 +306,11 @@ pub trait Backend: Send + Sync {
     }
     /// Tokenize (or estimate) and check that the request can ever fit.
     fn prepare(&self, req: &InferenceRequest) -> Result<Prepared, BackendError>;
+    /// What bounds a prompt's token count before it is tokenized (None:
+    /// nothing known, e.g. before the model is loaded).
+    fn prompt_bound(&self) -> Option<PromptBound> {
+        None
+    }
     /// The backend's own measured step cost, if it measures one (the
     /// engine does; upstreams are modelled by the front from their streams).
     fn step_cost(&self) -> Option<crate::scheduler::StepCost> {

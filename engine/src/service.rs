@@ -268,6 +268,16 @@ impl Backend for EngineService {
             .map(|e| (e.device().to_string(), e.runner().to_string()))
     }
 
+    fn prompt_bound(&self) -> Option<crate::api::PromptBound> {
+        self.engine().map(|e| {
+            let l: &Loaded = e.loaded();
+            crate::api::PromptBound {
+                context: l.model.max_positions(),
+                max_token_bytes: Some(l.codec.max_token_bytes),
+            }
+        })
+    }
+
     fn step_cost(&self) -> Option<crate::scheduler::StepCost> {
         self.engine()
             .map(|e| e.step_cost())

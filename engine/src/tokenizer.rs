@@ -84,6 +84,12 @@ pub struct TextCodec {
     template: Option<String>,
     bos_text: String,
     eos_text: String,
+    /// The most bytes of text one token stands for: a byte-level token
+    /// spells each byte as one character (of one or two UTF-8 bytes), so
+    /// its character count; control and user-defined tokens are their own
+    /// text, so their UTF-8 length. (SmolLM2's longest: a newline and 80
+    /// spaces, 81 bytes.)
+    pub max_token_bytes: usize,
 }
 
 fn err(e: impl std::fmt::Display) -> EngineError {
@@ -161,6 +167,7 @@ impl TextCodec {
         };
         tok.with_pre_tokenizer(Some(pre_tok));
         tok.with_decoder(Some(ByteLevelDecoder::default()));
+        let mut max_token_bytes = tokens.iter().map(|t| t.chars().count()).max().unwrap_or(1);
         if let Some(types) = ct
             .metadata
             .get("tokenizer.ggml.token_type")
@@ -180,6 +187,9 @@ impl TextCodec {
             };
             tok.add_special_tokens(&added(3, true));
             tok.add_tokens(&added(4, false));
+            for t in added(3, true).iter().chain(&added(4, false)) {
+                max_token_bytes = max_token_bytes.max(t.content.len());
+            }
         }
         let id = |k: &str| ct.metadata.get(k).and_then(|v| v.to_u32().ok());
         let mut eos: Vec<u32> = id("tokenizer.ggml.eos_token_id").into_iter().collect();
@@ -197,6 +207,7 @@ impl TextCodec {
                 .unwrap_or_default()
         };
         Ok(TextCodec {
+            max_token_bytes,
             tok,
             bos_text: text_of(bos),
             eos_text: text_of(id("tokenizer.ggml.eos_token_id")),

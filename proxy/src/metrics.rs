@@ -476,6 +476,16 @@ impl Metrics {
                 m.state.metrics.in_flight.set(m.outstanding() as i64);
             }
         }
+        // The latency models' correction factors of the lanes with a
+        // target (read here: a scrape, not every request, pays for them).
+        for (name, model) in &cfg.models {
+            for lane in cfg.lanes.iter().filter(|l| l.ttft_slo.is_some()) {
+                self.inference
+                    .ttft_correction
+                    .with_label_values(&[name, &lane.name])
+                    .set(model.latency.correction(lane.rank));
+            }
+        }
     }
 
     /// Every family, with the scrape-time engine gauges read first.

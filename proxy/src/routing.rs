@@ -102,6 +102,8 @@ pub struct Route {
     pub metrics: RouteMetrics,
     /// Default lane (index in rank order).
     pub lane: usize,
+    /// Lanes (indices) a request without an API key may use; None = all.
+    pub anonymous_lanes: Option<Vec<usize>>,
     /// Rate limits checked for every request.
     pub limiters: Vec<Arc<crate::admission::ratelimit::Limiter>>,
     /// Token budgets of the route's rate limits (reserve before running an
@@ -285,6 +287,7 @@ mod tests {
             upstream_host: UpstreamHost::Passthrough,
             metrics: Metrics::new().route(name, "none"),
             lane: 0,
+            anonymous_lanes: None,
             limiters: Vec::new(),
             budgets: Vec::new(),
             request_buffering: true,

@@ -107,6 +107,7 @@ pub fn serve(path: &Path, opts: ServeOptions) -> anyhow::Result<()> {
             Duration::from_secs(cfg.file.inference.async_ttl_s),
         ),
         watchdog: Default::default(),
+        tokenizing: Default::default(),
     });
     if let Some(c) = crate::cluster::get() {
         // A `DELETE` taken by another instance reaches the job here.

@@ -304,3 +304,70 @@ fn a_paced_stream_whose_client_leaves_is_cancelled_at_once() {
         uf.metrics()
     );
 }
+
+#[test]
+fn a_megabyte_ultra_prompt_flood_leaves_ordinary_requests_served() {
+    // The attack: two connections looping 1 MiB `ultra` prompts with
+    // `max_tokens` 1. Each is refused by its byte count alone (it cannot
+    // fit the 8192-token context), before it claims a place in the ledger
+    // or reaches the tokenizer, so ordinary requests keep being served.
+    let uf = Ultrafast::start(&engine(
+        "[limits]\nclient_max_body_bytes = 4194304\n\n\
+         [lanes.ultra]\nrank = 0\nttft_slo_ms = 1500\n\n\
+         [lanes.standard]\nrank = 1\nttft_slo_ms = 10000\nmax_wait_ms = 60000\n",
+    ));
+    uf.wait_models_ready(Duration::from_secs(300));
+    let addr = uf.addr;
+    let huge = chat(&"a ".repeat(512 * 1024), 1, false);
+    assert!(huge.len() > 1 << 20);
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let attackers: Vec<_> = (0..2)
+        .map(|_| {
+            let (huge, stop) = (huge.clone(), stop.clone());
+            std::thread::spawn(move || {
+                let mut seen = Vec::new();
+                // Bounded in count; stopped when the ordinary requests end.
+                for _ in 0..5000 {
+                    if stop.load(std::sync::atomic::Ordering::Relaxed) {
+                        break;
+                    }
+                    let s = post(addr, &huge, &[("X-Request-Priority", "ultra")]);
+                    seen.push((s.status, s.body));
+                }
+                seen
+            })
+        })
+        .collect();
+    std::thread::sleep(Duration::from_millis(300));
+    let ordinary: Vec<Seen> = (0..12)
+        .map(|i| {
+            post(
+                addr,
+                &chat(&format!("What is {i} plus {i}?"), 8, false),
+                &[],
+            )
+        })
+        .collect();
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    let attacks: Vec<(u16, String)> = attackers
+        .into_iter()
+        .flat_map(|h| h.join().unwrap())
+        .collect();
+    assert!(
+        attacks.len() >= 4,
+        "the attack did not run: {}",
+        attacks.len()
+    );
+    for (status, body) in &attacks {
+        assert_eq!(*status, 400, "{body}");
+        let v: serde_json::Value = serde_json::from_str(body).unwrap();
+        assert_eq!(v["error"]["code"], "context_length_exceeded", "{v}");
+    }
+    let served = ordinary.iter().filter(|s| s.status == 200).count();
+    assert_eq!(served, ordinary.len(), "{ordinary:?}");
+    // Nothing was tokenized or claimed for the attack: no slo shed.
+    assert_eq!(
+        uf.metric("ultrafast_admission_shed_total", &["reason=\"slo\""]),
+        0.0
+    );
+}

@@ -9,6 +9,7 @@
 //! burst = 10
 //! tokens_per_min = 20000               # optional token budget, with `burst_tokens`
 //! burst_tokens = 4000
+//! lanes = ["standard", "batch"]        # optional: the lanes it may use; absent = all
 //! ```
 //!
 //! Parsing is serde with `deny_unknown_fields`; validation collects every
@@ -48,6 +49,7 @@ struct KeySpec {
     burst: Option<u32>,
     tokens_per_min: Option<f64>,
     burst_tokens: Option<u64>,
+    lanes: Option<Vec<String>>,
 }
 
 /// The limits of one key.
@@ -70,6 +72,8 @@ pub struct ValidKey {
     pub models: Option<Vec<String>>,
     /// Its own limits.
     pub limits: KeyLimits,
+    /// Lanes it may use; None = all.
+    pub lanes: Option<Vec<String>>,
 }
 
 /// Why a key file could not be loaded.
@@ -169,6 +173,11 @@ pub fn parse(path: &Path, text: &str) -> Result<Vec<ValidKey>, Vec<ConfigError>>
                 errs.push((at.k("models").i(m), "must be a model name".into()));
             }
         }
+        for (l, name) in k.lanes.iter().flatten().enumerate() {
+            if name.trim().is_empty() {
+                errs.push((at.k("lanes").i(l), "must be a lane name".into()));
+            }
+        }
         let limits = limits(k, &at, &mut errs);
         if let (Some(digest), true) = (digest, errs.len() == before) {
             out.push(ValidKey {
@@ -176,6 +185,7 @@ pub fn parse(path: &Path, text: &str) -> Result<Vec<ValidKey>, Vec<ConfigError>>
                 digest,
                 models,
                 limits,
+                lanes: k.lanes.clone(),
             });
         }
     }

@@ -25,6 +25,8 @@ pub struct KeyEntry {
     pub name: String,
     /// Models it may use; None = all.
     pub models: Option<Vec<String>>,
+    /// Lanes it may use; None = all.
+    pub lanes: Option<Vec<String>>,
     /// Its limits as configured.
     pub limits: KeyLimits,
     /// Its request rate limit, if it has one.
@@ -145,6 +147,7 @@ impl KeyStore {
                     KeyEntry {
                         name: k.name,
                         models: k.models,
+                        lanes: k.lanes,
                         limits: k.limits,
                         limiter: o.limiter.clone(),
                         budget: o.budget.clone(),
@@ -203,6 +206,7 @@ fn fresh(k: ValidKey, clock: &Arc<dyn Clock>) -> KeyEntry {
     KeyEntry {
         name: k.name,
         models: k.models,
+        lanes: k.lanes,
         limits: k.limits,
         limiter,
         budget,

@@ -153,6 +153,7 @@ pub fn default_lanes() -> Vec<LaneSpec> {
             } else {
                 OnMiss::Reject
             },
+            on_forbidden: OnMiss::Reject,
         }
     };
     vec![

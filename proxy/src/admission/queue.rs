@@ -83,6 +83,10 @@ pub struct LaneSpec {
     /// What happens to a request that cannot meet the target even on an
     /// idle backend.
     pub on_miss: OnMiss,
+    /// What happens to a request for this lane from a key (or an
+    /// anonymous request on a route) not granted it: refused (403
+    /// `lane_not_allowed`) or moved to the next lower lane it is granted.
+    pub on_forbidden: OnMiss,
 }
 
 /// What a lane does with a request that could never meet its target.
@@ -334,6 +338,7 @@ mod tests {
             sjf_us_per_unit: 1000,
             ttft_slo: None,
             on_miss: OnMiss::Reject,
+            on_forbidden: OnMiss::Reject,
         };
         vec![l("standard", 1, 4, 0.0, false), l("ultra", 0, 4, 0.5, true)]
     }

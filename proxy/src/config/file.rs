@@ -154,6 +154,9 @@ pub struct ModelSection {
     pub prefill_tokens_per_s: f64,
     /// Upstream: prior single-stream decode speed (tokens/s), likewise.
     pub decode_tokens_per_s: f64,
+    /// Seconds of recent first tokens the latency model calibrates its
+    /// predictions by (see the README's "How the model corrects itself").
+    pub calibration_window_s: u64,
     /// Another `[models.*]` that takes a lane's new requests while the
     /// watchdog holds this model's lane `violated` (empty: none).
     pub fallback: String,
@@ -256,6 +259,7 @@ impl Default for ModelSection {
             max_queued: 0,
             prefill_tokens_per_s: 2000.0,
             decode_tokens_per_s: 30.0,
+            calibration_window_s: 60,
             fallback: String::new(),
             watchdog: None,
             hedge: None,
@@ -276,6 +280,9 @@ pub struct InferenceSection {
     pub async_max_bytes: usize,
     /// SSE comment heartbeat interval while a stream waits (ms).
     pub heartbeat_ms: u64,
+    /// Prompt bytes tokenized at once, at most; a request over it is
+    /// refused with 503 `tokenizer_overloaded`.
+    pub tokenize_max_bytes: usize,
 }
 
 impl Default for InferenceSection {
@@ -285,6 +292,7 @@ impl Default for InferenceSection {
             async_max_entries: 1024,
             async_max_bytes: 64 << 20,
             heartbeat_ms: 1000,
+            tokenize_max_bytes: 4 << 20,
         }
     }
 }
@@ -376,6 +384,10 @@ pub struct LaneSection {
     pub on_miss: String,
     /// The lane's inter-token latency target for the watchdog (ms; 0 = not judged).
     pub itl_slo_ms: u64,
+    /// A request for this lane from a key (or an anonymous request on a
+    /// route) not granted it: `reject` (403 `lane_not_allowed`) or
+    /// `downgrade` (to the next lower lane it is granted).
+    pub on_forbidden: String,
 }
 
 impl Default for LaneSection {
@@ -394,6 +406,7 @@ impl Default for LaneSection {
             ttft_slo_ms: 0,
             on_miss: "reject".into(),
             itl_slo_ms: 0,
+            on_forbidden: "reject".into(),
         }
     }
 }
@@ -747,6 +760,9 @@ pub struct RouteSection {
     pub upstream_host: String,
     /// Lane of requests without `X-Request-Priority` (default `standard`).
     pub lane: String,
+    /// Lanes an inference request without an API key may use on this
+    /// route (absent: all, as before keys existed).
+    pub anonymous_lanes: Option<Vec<String>>,
     /// Names of `[rate_limits.*]` applied to this route.
     pub rate_limits: Vec<String>,
     /// Serve the OpenAI-compatible API (`/v1/chat/completions`,

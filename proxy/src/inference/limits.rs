@@ -128,6 +128,30 @@ impl Front {
         }
     }
 
+    /// The lane `lane` grants this request (see `admit::grant`): its key's
+    /// `lanes`, or the route's `anonymous_lanes` for a request without a
+    /// key.
+    pub fn granted_lane(&self, inc: &Incoming, lane: usize) -> Result<usize, BackendError> {
+        let lanes = &inc.cfg.lanes;
+        match &inc.key {
+            Some(k) => match &k.lanes {
+                None => Ok(lane),
+                Some(names) => {
+                    let ok = |l: usize| names.iter().any(|n| *n == lanes[l].name);
+                    let who = format!("The API key `{}`", k.name);
+                    super::admit::grant(lanes, lane, Some(&ok), &who)
+                }
+            },
+            None => match &inc.route.anonymous_lanes {
+                None => Ok(lane),
+                Some(allowed) => {
+                    let ok = |l: usize| allowed.contains(&l);
+                    super::admit::grant(lanes, lane, Some(&ok), "A request without an API key")
+                }
+            },
+        }
+    }
+
     /// Reserve `tokens` (prompt plus `max_tokens`) from every token budget
     /// of the route and of the key; all or nothing, one decision.
     pub async fn reserve(

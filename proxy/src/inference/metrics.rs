@@ -35,6 +35,10 @@ pub struct InferenceMetrics {
     /// |predicted - actual| time to first token, by lane and direction
     /// (`over`: predicted more than it took; `under`: less).
     pub prediction_error: HistogramVec,
+    /// The latency model's correction factor by model and lane: admission
+    /// multiplies raw predictions by it (the recent p99 of actual over
+    /// predicted time to first token; read at scrape time).
+    pub ttft_correction: GaugeVec,
     /// Delivered inter-token interval (at the socket write), by lane and backend.
     pub itl: HistogramVec,
     /// End to end, by lane and backend.
@@ -148,6 +152,11 @@ impl InferenceMetrics {
                 "Admission's TTFT prediction error |predicted - actual|, by direction (over, under).",
                 &["lane", "direction"],
                 LAT,
+            ),
+            ttft_correction: gv(
+                "ultrafast_inference_ttft_correction_factor",
+                "The factor admission multiplies raw TTFT predictions by: the recent p99 of actual over predicted time to first token, by model and lane.",
+                &["model", "lane"],
             ),
             itl: hv(
                 "ultrafast_inference_inter_token_seconds",

@@ -29,6 +29,7 @@ mod run;
 pub mod shape;
 pub mod sinks;
 pub mod sse;
+pub mod tokenize;
 mod trace;
 pub mod upstream;
 pub mod vllm;
@@ -75,6 +76,8 @@ pub struct Front {
     pub jobs: jobs::Store,
     /// Windows and states of the watched lanes.
     pub watchdog: watchdog::Watchdog,
+    /// The tokenization gate (bytes and threads).
+    pub tokenizing: tokenize::Tokenizing,
 }
 
 impl std::fmt::Debug for Front {

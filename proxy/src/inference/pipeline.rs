@@ -316,6 +316,7 @@ impl Front {
         let lanes = &inc.cfg.lanes;
         let lane = admit::lane(lanes, header, parsed.priority.as_deref(), inc.route.lane)
             .map_err(reject)?;
+        let lane = self.granted_lane(inc, lane).map_err(reject)?;
         let Some(model) = inc.cfg.models.get(&parsed.model).cloned() else {
             return Err(reject(not_found_model(&parsed.model)));
         };
@@ -348,8 +349,12 @@ impl Front {
         };
         // A backend too busy for even a one-token prompt refuses before
         // the prompt is tokenized: a flood is shed at the cost of parsing.
+        // A prompt whose bytes alone prove it too long for the context is
+        // refused before it claims anything or is tokenized.
+        let bound = backend.prompt_bound();
+        admit::prove_too_long(&req.prompt, bound).map_err(reject)?;
         let live = backend.step_cost().map(super::live_cost);
-        let estimate = admit::estimate_tokens(&req.prompt);
+        let estimate = admit::estimate_tokens(&req.prompt, bound);
         let max_out = req.max_tokens.unwrap_or(CLAIM_MAX_TOKENS);
         let claim =
             admit::precheck(lanes, lane, &model.latency, live, estimate, max_out).map_err(|m| {
@@ -357,13 +362,19 @@ impl Front {
                 m.failure(lanes)
             })?;
         // The engine tokenizes and renders the template here: off the
-        // request runtime, so a long prompt never stalls other requests.
+        // request runtime, so a long prompt never stalls other requests,
+        // and bounded in bytes and threads (see `tokenize`).
         let prepared = if backend.kind() == "engine" {
-            let (b, r) = (backend.clone(), req.clone());
-            match tokio::task::spawn_blocking(move || b.prepare(&r)).await {
-                Ok(p) => p,
-                Err(_) => Err(BackendError::unavailable("tokenization failed".into())),
-            }
+            let cap = inc.cfg.file.inference.tokenize_max_bytes;
+            let bytes = admit::prompt_bytes(&req.prompt);
+            let Some(_held) = self.tokenizing.hold(bytes, cap) else {
+                metrics.shed(&lanes[lane].name, "tokenizer");
+                let mut f = error(&super::tokenize::overloaded());
+                f.headers.push(("retry-after", "1".into()));
+                f.headers.push(("x-ultrafast-shed", "tokenizer".into()));
+                return Err(f);
+            };
+            self.tokenizing.prepare(backend.clone(), req.clone()).await
         } else {
             backend.prepare(&req)
         };
@@ -380,6 +391,7 @@ impl Front {
             prepared.prompt_tokens,
             prepared.max_tokens,
             claim,
+            inc.arrived.elapsed(),
         )
         .map_err(|m| {
             let reason = match m {

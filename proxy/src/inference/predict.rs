@@ -15,19 +15,31 @@
 //! The ledger holds every request admitted and not finished: lane rank,
 //! prompt, expected output (its `max_tokens` times the learned share of
 //! `max_tokens` that requests really generate), tokens generated so far,
-//! and whether the backend has started it. A prediction replays the
-//! backend's batching over it (`predict_sim`). Lower lanes are not
-//! counted: the engine pauses them while a better lane prefills, and the
-//! gate serves better lanes first. Prediction and entry into the ledger
-//! happen under one lock, so concurrent arrivals see each other; a request
-//! claims its place before it is tokenized, so arrivals meanwhile see it
-//! too. The replay is monotone in the work ahead up to one step
+//! and whether the backend has started it, kept in books (`predict_book`)
+//! where every change is O(1) and the view of the work ahead is bounded
+//! whatever the number of requests (decoders grouped by output left, at
+//! most 64 waiting requests listed; the module states the error). A
+//! prediction replays the backend's batching over that view
+//! (`predict_sim`). Lower lanes are not counted: the engine pauses them
+//! while a better lane prefills, and the gate serves better lanes first.
+//! The view is taken under the lock, the replay runs outside it, and the
+//! request enters the ledger under the lock only if no other request
+//! entered meanwhile (else it views and replays again), so concurrent
+//! arrivals see each other while the lock is held for microseconds; a
+//! request claims its place before it is tokenized, so arrivals meanwhile
+//! see it too. The replay is monotone in the work ahead up to one step
 //! (property-tested; see `predict_tests::grain`).
+//!
+//! Admission decides on the calibrated prediction: the raw replay times
+//! the lane's correction factor, the p99 of how late recent first tokens
+//! came against their raw predictions (`calibrate`), so the target holds
+//! on a machine slower (or faster) than the fit believes.
 
+use book::{rank_index, Books, Entry, RANKS};
+use calibrate::Calibration;
 use parking_lot::Mutex;
-use std::collections::BTreeMap;
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 /// The step model of a backend, in seconds.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -61,6 +73,10 @@ pub struct Work {
     pub output: f64,
     /// Holds a backend slot (dispatched).
     pub running: bool,
+    /// Requests alike it stands for (the ledger groups decoders; see
+    /// `predict_book`): decoders hold a slot each, prompts replay as one
+    /// prompt of all their tokens.
+    pub count: usize,
 }
 
 /// An exponentially weighted least-squares fit of `y = a + c x`.
@@ -142,18 +158,8 @@ impl Fit {
 }
 
 #[derive(Debug)]
-struct Entry {
-    rank: u32,
-    prompt: usize,
-    max_out: usize,
-    generated: usize,
-    first_token: bool,
-    running: bool,
-}
-
-#[derive(Debug)]
 struct Ledger {
-    entries: BTreeMap<u64, Entry>,
+    books: Books,
     next: u64,
     /// Share of `max_tokens` that requests really generate.
     output_share: f64,
@@ -162,12 +168,17 @@ struct Ledger {
     /// Upstream prefill seconds per prompt token.
     prefill_per_token_s: f64,
     /// When each lane rank (0..8) last sent a request.
-    last_seen: [Option<std::time::Instant>; 8],
+    last_seen: [Option<Instant>; RANKS],
 }
 
 /// How long a better lane counts as active after its last request: while
 /// it is, the slots it reserves are not counted for worse lanes.
 const ACTIVE_FOR: Duration = Duration::from_secs(10);
+
+/// How often a decision replays again because another request arrived
+/// while it replayed outside the lock; after that it decides on what it
+/// has (at most that many concurrent arrivals then miss each other).
+const RETRIES: usize = 3;
 
 /// What admission learns from a prediction.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -186,6 +197,20 @@ pub struct Latency {
     slots: usize,
     chunk: Option<usize>,
     ledger: Mutex<Ledger>,
+    calibration: Calibration,
+}
+
+/// What one decision asks of the ledger.
+struct Ask<'a> {
+    live: Option<Cost>,
+    rank: u32,
+    /// Prompt tokens the prediction is for.
+    prompt: usize,
+    target: Option<Duration>,
+    reserved: &'a [(u32, f64)],
+    /// The entry to enter when admitted (its id: the claim's, or new).
+    entry: Entry,
+    claim: Option<Ticket>,
 }
 
 impl Latency {
@@ -206,13 +231,14 @@ impl Latency {
             slots: slots.max(1),
             chunk,
             ledger: Mutex::new(Ledger {
-                entries: BTreeMap::new(),
+                books: Books::default(),
                 next: 0,
                 output_share: 1.0,
-                last_seen: [None; 8],
+                last_seen: [None; RANKS],
                 decode: Fit::seeded(a, 0.0, 1.0, slots.max(2) as f64, 4.0),
                 prefill_per_token_s: 1.0 / prior_prefill_tps.max(1e-3),
             }),
+            calibration: Calibration::default(),
         }
     }
 
@@ -233,19 +259,35 @@ impl Latency {
         }
     }
 
+    /// The same model calibrated over samples of the last `window`
+    /// (default one minute; see `calibrate`).
+    pub fn calibrated_over(mut self, window: Duration) -> Self {
+        self.calibration = Calibration::new(window);
+        self
+    }
+
     /// Concurrent sequences of the backend.
     pub fn slots(&self) -> usize {
         self.slots
     }
 
-    /// Predicted TTFT on an idle backend.
+    /// The correction factor admission multiplies lane `rank`'s raw
+    /// predictions by (see `calibrate`).
+    pub fn correction(&self, rank: u32) -> f64 {
+        self.calibration.factor(rank)
+    }
+
+    /// Predicted TTFT on an idle backend, raw: what the step model says
+    /// the prompt alone costs. Not calibrated: it decides the hard 422
+    /// (`slo_unattainable`), and a conservative factor there would refuse
+    /// for good what is only refused for now under load.
     pub fn idle(&self, live: Option<Cost>, prompt: usize) -> Duration {
         secs(predict(&self.cost(live), self.slots, &[], 0, prompt))
     }
 
-    /// Predict, and take a place in the ledger when the prediction is
-    /// within `target` (always, without a target). Atomic with respect to
-    /// other arrivals.
+    /// Predict (calibrated), and take a place in the ledger when the
+    /// prediction is within `target` (always, without a target). Atomic
+    /// with respect to other arrivals (see [`RETRIES`]).
     /// `reserved` lists the better lanes' (rank, `reserved_share`): while
     /// such a lane is active (a request in the last ten seconds), the
     /// share of the slots it keeps for itself is not counted for this one,
@@ -264,39 +306,19 @@ impl Latency {
         reserved: &[(u32, f64)],
         claim: Option<Ticket>,
     ) -> (Verdict, Option<Ticket>) {
-        let cost = self.cost(live);
-        let mut l = self.ledger.lock();
-        // The claim stands for this very request: not work ahead of it.
-        if let Some(t) = &claim {
-            l.entries.remove(&t.id);
+        let ask = Ask {
+            live,
+            rank,
+            prompt,
+            target,
+            reserved,
+            entry: entry(rank, prompt, max_out, target),
+            claim,
+        };
+        match self.decide(ask) {
+            Ok((p, t)) => (Verdict::Admit(p), Some(t)),
+            Err(p) => (Verdict::Busy(p), None),
         }
-        let place = claim.as_ref().map_or(l.next, |t| t.id);
-        let p = self.forecast(&mut l, &cost, rank, prompt, reserved, place);
-        if target.is_some_and(|t| p > t) {
-            // The claim (if any) is dropped after the lock: its entry is
-            // already gone.
-            drop(l);
-            return (Verdict::Busy(p), None);
-        }
-        let ticket = claim.unwrap_or_else(|| {
-            l.next += 1;
-            Ticket {
-                model: self.clone(),
-                id: l.next - 1,
-            }
-        });
-        l.entries.insert(
-            ticket.id,
-            Entry {
-                rank,
-                prompt,
-                max_out,
-                generated: 0,
-                first_token: false,
-                running: false,
-            },
-        );
-        (Verdict::Admit(p), Some(ticket))
     }
 
     /// Before the prompt is tokenized: the prediction for the smallest
@@ -304,7 +326,8 @@ impl Latency {
     /// the prompt). Beyond `target`: `Err(prediction)`, the request can be
     /// refused before any work that grows with it. Within: the request
     /// takes a place in the ledger at once, sized by `estimate` (its
-    /// prompt's likely token count), so that requests arriving while it is
+    /// prompt's likely token count, which the caller bounds by what the
+    /// request can really cost), so that requests arriving while it is
     /// tokenized count it ahead of them, as they would had it been
     /// tokenized in no time; [`admit`](Self::admit) settles it. Without
     /// the place, a flood's first hundred requests all passed this check
@@ -320,47 +343,77 @@ impl Latency {
         target: Duration,
         reserved: &[(u32, f64)],
     ) -> Result<Ticket, Duration> {
-        let cost = self.cost(live);
-        let mut l = self.ledger.lock();
-        let place = l.next;
-        let p = self.forecast(&mut l, &cost, rank, 1, reserved, place);
-        if p > target {
-            return Err(p);
-        }
-        let id = l.next;
-        l.next += 1;
-        l.entries.insert(
-            id,
-            Entry {
-                rank,
-                prompt: estimate.max(1),
-                max_out,
-                generated: 0,
-                first_token: false,
-                running: false,
-            },
-        );
-        Ok(Ticket {
-            model: self.clone(),
-            id,
-        })
+        let mut e = entry(rank, estimate.max(1), max_out, Some(target));
+        // A claim's own prediction is not one to learn from.
+        e.predicted_s = 0.0;
+        let ask = Ask {
+            live,
+            rank,
+            prompt: 1,
+            target: Some(target),
+            reserved,
+            entry: e,
+            claim: None,
+        };
+        self.decide(ask).map(|(_, t)| t)
     }
 
-    /// Predict against the ledger as it is, counting out the slots of
-    /// active better lanes, and mark this lane active.
-    fn forecast(
-        &self,
-        l: &mut Ledger,
-        cost: &Cost,
-        rank: u32,
-        prompt: usize,
-        reserved: &[(u32, f64)],
-        place: u64,
-    ) -> Duration {
-        let now = std::time::Instant::now();
+    /// One decision: view the work ahead under the lock, replay it outside
+    /// the lock, and enter the request under the lock if no other arrival
+    /// came meanwhile (else again, up to [`RETRIES`] times).
+    fn decide(self: &Arc<Self>, ask: Ask<'_>) -> Result<(Duration, Ticket), Duration> {
+        let cost = self.cost(ask.live);
+        let mut tries = 0;
+        loop {
+            let (ahead, seen, slots) = {
+                let mut l = self.ledger.lock();
+                let place = ask.claim.as_ref().map_or(l.next, |t| t.id);
+                let slots = self.slots_for(&mut l, ask.rank, ask.reserved);
+                let share = l.output_share;
+                (
+                    l.books.view(ask.rank, place, share),
+                    l.books.arrivals,
+                    slots,
+                )
+            };
+            let raw = predict(&cost, slots, &ahead, ask.rank, ask.prompt);
+            // Calibrated (see `calibrate`): the floor counts on both sides.
+            let factor = self.calibration.factor_for(ask.rank, ahead.is_empty());
+            let p = secs(raw.max(ask.entry.floor_s) * factor);
+            let mut l = self.ledger.lock();
+            if l.books.arrivals != seen && tries < RETRIES {
+                tries += 1;
+                continue;
+            }
+            if ask.target.is_some_and(|t| p > t) {
+                // The claim (if any) leaves the ledger when dropped, after
+                // the lock.
+                drop(l);
+                return Err(p);
+            }
+            let ticket = ask.claim.unwrap_or_else(|| {
+                l.next += 1;
+                Ticket {
+                    model: self.clone(),
+                    id: l.next - 1,
+                }
+            });
+            let mut e = ask.entry;
+            if e.predicted_s > 0.0 {
+                e.predicted_s = raw;
+            }
+            l.books.insert(ticket.id, e);
+            return Ok((p, ticket));
+        }
+    }
+
+    /// The slots this lane may count on, leaving out those of active
+    /// better lanes' reserves; marks the lane active.
+    fn slots_for(&self, l: &mut Ledger, rank: u32, reserved: &[(u32, f64)]) -> usize {
+        let now = Instant::now();
+        let last = l.last_seen;
         let active = |r: u32| {
-            l.last_seen[(r as usize).min(7)]
-                .is_some_and(|t| now.saturating_duration_since(t) < ACTIVE_FOR)
+            last[rank_index(r)].is_some_and(|t| now.saturating_duration_since(t) < ACTIVE_FOR)
         };
         let held_share: f64 = reserved
             .iter()
@@ -368,28 +421,31 @@ impl Latency {
             .map(|(_, s)| s)
             .sum();
         let held = (held_share.clamp(0.0, 1.0) * self.slots as f64).ceil() as usize;
-        let slots = self.slots.saturating_sub(held).max(1);
-        l.last_seen[(rank as usize).min(7)] = Some(now);
-        let share = l.output_share;
-        // Queued requests of this lane that arrived later (their claims
-        // were made while this one was tokenized) wait behind it.
-        let ahead: Vec<Work> = l
-            .entries
-            .iter()
-            .filter(|(id, e)| e.running || e.rank < rank || **id < place)
-            .map(|(_, e)| Work {
-                rank: e.rank,
-                prefill: if e.first_token { 0 } else { e.prompt },
-                output: (e.max_out as f64 * share - e.generated as f64).max(1.0),
-                running: e.running,
-            })
-            .collect();
-        secs(predict(cost, slots, &ahead, rank, prompt))
+        l.last_seen[rank_index(rank)] = Some(now);
+        self.slots.saturating_sub(held).max(1)
     }
 
     /// Requests in the ledger (admitted, not finished).
     pub fn in_ledger(&self) -> usize {
-        self.ledger.lock().entries.len()
+        self.ledger.lock().books.len()
+    }
+}
+
+/// A new ledger entry; its raw prediction is filled in when admitted (a
+/// positive placeholder marks entries whose first token is a calibration
+/// sample).
+fn entry(rank: u32, prompt: usize, max_out: usize, target: Option<Duration>) -> Entry {
+    Entry {
+        rank,
+        prompt,
+        max_out,
+        generated: 0,
+        decoding: false,
+        running: false,
+        admitted: Instant::now(),
+        predicted_s: 1.0,
+        // Small predictions divide by 1/20 of the target (see `calibrate`).
+        floor_s: target.map_or(0.05, |t| t.as_secs_f64() / 20.0),
     }
 }
 
@@ -407,42 +463,44 @@ pub struct Ticket {
 impl Ticket {
     /// The backend took the request (it holds a slot now).
     pub fn dispatched(&self) {
-        if let Some(e) = self.model.ledger.lock().entries.get_mut(&self.id) {
-            e.running = true;
-        }
+        self.model.ledger.lock().books.dispatched(self.id);
     }
 
     /// A token arrived; `gap` is the time since the previous one (None for
     /// the first, with `ttft` the time from dispatch when nothing was
-    /// ahead, for upstream learning).
+    /// ahead, for upstream learning). O(1): the running count is kept, not
+    /// recounted. The first token is a calibration sample.
     pub fn token(&self, gap: Option<Duration>, ttft_alone: Option<Duration>) {
         let m = &self.model;
         let mut l = m.ledger.lock();
-        let running = l.entries.values().filter(|e| e.running).count();
-        let Some(e) = l.entries.get_mut(&self.id) else {
+        let running = l.books.running();
+        let Some(before) = l.books.token(self.id) else {
             return;
         };
-        e.generated += 1;
-        e.first_token = true;
-        let prompt = e.prompt;
-        if !m.learn {
-            return;
+        if m.learn {
+            if let Some(g) = gap {
+                l.decode.observe(running as f64, g.as_secs_f64());
+            }
+            if let Some(t) = ttft_alone {
+                let (a, _) = l.decode.line();
+                let per = ((t.as_secs_f64() - a) / before.prompt.max(1) as f64).max(0.0);
+                l.prefill_per_token_s = 0.8 * l.prefill_per_token_s + 0.2 * per;
+            }
         }
-        if let Some(g) = gap {
-            l.decode.observe(running as f64, g.as_secs_f64());
-        }
-        if let Some(t) = ttft_alone {
-            let (a, _) = l.decode.line();
-            let per = ((t.as_secs_f64() - a) / prompt.max(1) as f64).max(0.0);
-            l.prefill_per_token_s = 0.8 * l.prefill_per_token_s + 0.2 * per;
+        drop(l);
+        if !before.decoding && before.predicted_s > 0.0 {
+            let now = Instant::now();
+            let actual = now.saturating_duration_since(before.admitted).as_secs_f64();
+            m.calibration
+                .sample(before.rank, before.predicted_s, before.floor_s, actual, now);
         }
     }
 
     /// The request finished having generated `completion` tokens.
     pub fn finish(self, completion: usize) {
         let mut l = self.model.ledger.lock();
-        if let Some(e) = l.entries.get(&self.id) {
-            let share = (completion as f64 / e.max_out.max(1) as f64).clamp(0.05, 1.0);
+        if let Some(max_out) = l.books.get(self.id).map(|e| e.max_out) {
+            let share = (completion as f64 / max_out.max(1) as f64).clamp(0.05, 1.0);
             l.output_share = 0.9 * l.output_share + 0.1 * share;
         }
     }
@@ -450,10 +508,14 @@ impl Ticket {
 
 impl Drop for Ticket {
     fn drop(&mut self) {
-        self.model.ledger.lock().entries.remove(&self.id);
+        self.model.ledger.lock().books.remove(self.id);
     }
 }
 
+#[path = "predict_book.rs"]
+mod book;
+#[path = "calibrate.rs"]
+mod calibrate;
 #[path = "predict_sim.rs"]
 mod sim;
 pub use sim::predict;

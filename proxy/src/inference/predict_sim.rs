@@ -13,6 +13,13 @@
 //! prompt finishing, a decoder finishing and freeing its slot for the next
 //! queued request) every step is the same, so the replay jumps from event
 //! to event: its cost grows with the number of requests, not of steps.
+//!
+//! A [`Work`] may stand for several requests alike (`count`): the ledger
+//! groups decoding requests by how much output they have left, so the
+//! replay's cost is bounded by the number of groups, not of streams (see
+//! `predict_book`). A group of decoders holds `count` slots and adds
+//! `count` sequences to each step; it is split where only part of it finds
+//! free slots.
 
 use super::{Cost, Work};
 
@@ -22,6 +29,8 @@ use super::{Cost, Work};
 struct Seq {
     prefill: f64,
     output: f64,
+    /// Requests it stands for (slots it holds, decoders it adds).
+    n: usize,
 }
 
 /// Float slack so that `ceil` of an exact quotient is not one step more.
@@ -53,13 +62,24 @@ pub fn predict(cost: &Cost, slots: usize, ahead: &[Work], rank: u32, prompt: usi
         .filter(counted)
         .filter(|w| w.running)
         .chain(queued)
-        .map(|w| Seq {
-            prefill: w.prefill as f64,
-            output: w.output,
+        .map(|w| match w.prefill {
+            // Alike decoders hold a slot each.
+            0 => Seq {
+                prefill: 0.0,
+                output: w.output,
+                n: w.count.max(1),
+            },
+            // Alike prompts replay as one prompt of all their tokens.
+            p => Seq {
+                prefill: (p * w.count.max(1)) as f64,
+                output: w.output,
+                n: 1,
+            },
         })
         .chain(std::iter::once(Seq {
             prefill: prompt.max(1) as f64,
             output: 1.0,
+            n: 1,
         }))
         .collect();
     in_flight(cost, slots, ahead) + replay(cost, slots, seqs)
@@ -68,20 +88,24 @@ pub fn predict(cost: &Cost, slots: usize, ahead: &[Work], rank: u32, prompt: usi
 /// The step in flight when the request arrives (idle: none): all running
 /// sequences, or a whole budget if a prompt is being prefilled.
 fn in_flight(cost: &Cost, slots: usize, ahead: &[Work]) -> f64 {
-    let running: Vec<&Work> = ahead.iter().filter(|w| w.running).collect();
-    if running.is_empty() {
+    let running: usize = ahead
+        .iter()
+        .filter(|w| w.running)
+        .map(|w| w.count.max(1))
+        .sum();
+    if running == 0 {
         return 0.0;
     }
-    let seqs = cost.step(running.len().min(slots));
+    let seqs = cost.step(running.min(slots));
     match cost.chunk {
-        Some(c) if running.iter().any(|w| w.prefill > 0) => seqs.max(cost.step(c)),
+        Some(c) if ahead.iter().any(|w| w.running && w.prefill > 0) => seqs.max(cost.step(c)),
         _ => seqs,
     }
 }
 
 /// Seconds until the last of `seqs` has its prompt prefilled (its first
 /// token), replaying `slots` slots from an idle start.
-fn replay(cost: &Cost, slots: usize, seqs: Vec<Seq>) -> f64 {
+fn replay(cost: &Cost, slots: usize, mut seqs: Vec<Seq>) -> f64 {
     let me = seqs.len() - 1;
     // Slot holders as (index, state), in slot order; `next` is the first
     // request still queued.
@@ -90,15 +114,34 @@ fn replay(cost: &Cost, slots: usize, seqs: Vec<Seq>) -> f64 {
     // 80 us) per prediction.
     let mut active: Vec<(usize, Seq)> = Vec::with_capacity(slots.min(seqs.len()));
     let mut next = 0;
+    let mut used = 0;
     let mut t = 0.0;
-    // Each round ends at least one prompt or one decoder, so 2n rounds end
-    // everything; the bound only guards against a float surprise.
-    for _ in 0..2 * seqs.len() + 2 {
-        while active.len() < slots && next < seqs.len() {
-            active.push((next, seqs[next]));
+    // Each round ends at least one prompt or one group of decoders, and a
+    // group split for want of slots adds one more, so three rounds per
+    // request stood for end everything; the bound only guards against a
+    // float surprise.
+    let members: usize = seqs.iter().map(|s| s.n).sum();
+    for _ in 0..3 * members + 2 {
+        while used < slots && next < seqs.len() {
+            let free = slots - used;
+            let s = &mut seqs[next];
+            if s.n > free {
+                // Part of a group of alike requests takes the free slots;
+                // the rest waits in its place.
+                s.n -= free;
+                active.push((next, Seq { n: free, ..*s }));
+                used += free;
+                break;
+            }
+            used += s.n;
+            active.push((next, *s));
             next += 1;
         }
-        let decoders = active.iter().filter(|(_, s)| s.prefill <= 0.0).count();
+        let decoders: usize = active
+            .iter()
+            .filter(|(_, s)| s.prefill <= 0.0)
+            .map(|(_, s)| s.n)
+            .sum();
         let pending: f64 = active.iter().map(|(_, s)| s.prefill.max(0.0)).sum();
         // Prompt tokens per step: what the decodes leave of the budget (at
         // least one: the planner always moves a prompt), all of it without
@@ -155,7 +198,13 @@ fn replay(cost: &Cost, slots: usize, seqs: Vec<Seq>) -> f64 {
                 }
             }
         }
-        active.retain(|(_, s)| s.prefill > 0.0 || s.output > EPS);
+        active.retain(|(_, s)| {
+            let keep = s.prefill > 0.0 || s.output > EPS;
+            if !keep {
+                used -= s.n;
+            }
+            keep
+        });
     }
     t
 }

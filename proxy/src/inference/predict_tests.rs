@@ -36,6 +36,7 @@ fn full_slots_wait_for_the_first_to_finish() {
         prefill: 0,
         output: out,
         running: true,
+        count: 1,
     };
     let ahead = [busy(100.0), busy(10.0)];
     let t = predict(&c, 2, &ahead, 1, 10);
@@ -63,6 +64,7 @@ fn prompts_that_start_decoding_slow_the_prompts_behind_them() {
         prefill: 100,
         output: 128.0,
         running: false,
+        count: 1,
     };
     let ahead = vec![queued; 11];
     let t = predict(&c, 16, &ahead, 1, 100);
@@ -153,6 +155,68 @@ fn learned_upstream_follows_its_streams() {
     t.finish(50);
 }
 
+#[test]
+fn first_tokens_calibrate_their_lane() {
+    let m = live(4);
+    assert_eq!(m.correction(1), calibrate::PRIOR);
+    for _ in 0..calibrate::MIN_SAMPLES + 5 {
+        let (_, t) = m.admit(Some(cpu()), 1, 30, 8, None, &[], None);
+        let t = t.unwrap();
+        t.dispatched();
+        // The first token at once: far sooner than predicted (which is
+        // above the 50 ms floor of a lane without a target).
+        t.token(None, None);
+        t.token(Some(Duration::from_millis(1)), None);
+    }
+    assert!(m.correction(1) < 1.0, "{}", m.correction(1));
+    assert_eq!(m.correction(0), calibrate::PRIOR);
+    // A calibrated prediction is the raw one times the factor.
+    let (v, _) = m.admit(Some(cpu()), 1, 30, 8, None, &[], None);
+    let Verdict::Admit(p) = v else {
+        panic!("{v:?}")
+    };
+    let raw = predict(&cpu(), 4, &[], 1, 30);
+    assert!((p.as_secs_f64() - raw * m.correction(1)).abs() < 1e-6);
+}
+
+#[test]
+fn thousands_of_streams_replay_as_a_bounded_view() {
+    let m = Arc::new(Latency::new(true, 1 << 20, None, 2000.0, 30.0));
+    let mut exact = Vec::new();
+    let held: Vec<Ticket> = (0..5000usize)
+        .map(|i| {
+            let max_out = 100 + (i * 7919) % 900;
+            let (_, t) = m.admit(Some(cpu()), 1, 50, max_out, None, &[], None);
+            let t = t.unwrap();
+            t.dispatched();
+            t.token(None, None);
+            exact.push(Work {
+                rank: 1,
+                prefill: 0,
+                output: (max_out - 1) as f64,
+                running: true,
+                count: 1,
+            });
+            t
+        })
+        .collect();
+    let view = m.ledger.lock().books.view(1, u64::MAX, 1.0);
+    assert!(view.len() < 100, "{}", view.len());
+    assert_eq!(view.iter().map(|w| w.count).sum::<usize>(), 5000);
+    // Decoders' output only rounded up (by at most a quarter).
+    let out = |v: &[Work]| v.iter().map(|w| w.output * w.count as f64).sum::<f64>();
+    assert!(out(&view) >= out(&exact) && out(&view) <= 1.25 * out(&exact));
+    let c = cpu();
+    let a = predict(&c, 1 << 20, &exact, 1, 200);
+    let b = predict(&c, 1 << 20, &view, 1, 200);
+    assert!(b + grain(&c, 1 << 20) >= a && b <= 1.25 * a, "{a} vs {b}");
+    // Tokens keep the counts: running stays 5000, and leaving empties it.
+    assert_eq!(m.ledger.lock().books.running(), 5000);
+    drop(held);
+    assert_eq!(m.in_ledger(), 0);
+    assert_eq!(m.ledger.lock().books.running(), 0);
+}
+
 fn work() -> impl Strategy<Value = Work> {
     (0u32..3, 0usize..600, 0.0f64..300.0, any::<bool>()).prop_map(
         |(rank, prefill, output, running)| Work {
@@ -160,6 +224,7 @@ fn work() -> impl Strategy<Value = Work> {
             prefill,
             output,
             running,
+            count: 1,
         },
     )
 }
@@ -200,6 +265,28 @@ proptest! {
         prop_assert!(after + grain(&c, slots) >= before, "{} < {}", after, before);
         // A longer own prompt never predicts sooner either.
         prop_assert!(predict(&c, slots, &ahead, rank, prompt + 1) + 1e-9 >= before);
+    }
+
+    /// A group of alike decoders replays exactly as that many single ones,
+    /// also where it needs more slots than are free.
+    #[test]
+    fn a_group_of_decoders_is_its_members(
+        n in 1usize..40,
+        output in 1.0f64..200.0,
+        slots in 1usize..40,
+        prompt in 1usize..300,
+        chunk in proptest::option::of(1usize..300),
+        rest in proptest::collection::vec(work(), 0..10),
+    ) {
+        let c = Cost { chunk, ..cpu() };
+        let one = Work { rank: 1, prefill: 0, output, running: true, count: 1 };
+        let mut singles = vec![one; n];
+        singles.extend(rest.iter().copied());
+        let mut grouped = vec![Work { count: n, ..one }];
+        grouped.extend(rest.iter().copied());
+        let a = predict(&c, slots, &singles, 1, prompt);
+        let b = predict(&c, slots, &grouped, 1, prompt);
+        prop_assert!((a - b).abs() <= 1e-9 * a.max(1.0), "{} vs {}", a, b);
     }
 
     /// The ledger never admits a request whose prediction exceeds its target.

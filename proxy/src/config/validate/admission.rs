@@ -44,9 +44,21 @@ pub(super) fn lanes(f: &FileConfig, errs: &mut Errors) -> Vec<LaneSpec> {
                 OnMiss::Reject
             }
         };
+        let on_forbidden = match l.on_forbidden.as_str() {
+            "reject" => OnMiss::Reject,
+            "downgrade" => OnMiss::Downgrade,
+            other => {
+                errs.push(
+                    at.k("on_forbidden"),
+                    format!("`{other}` is not one of reject, downgrade"),
+                );
+                OnMiss::Reject
+            }
+        };
         out.push(LaneSpec {
             ttft_slo: ms(l.ttft_slo_ms),
             on_miss,
+            on_forbidden,
             name: name.clone(),
             rank: l.rank,
             queue_len: l.queue_len.max(1),

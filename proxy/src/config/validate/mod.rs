@@ -786,6 +786,19 @@ fn routes(
                 errs.push(at.k("lane"), format!("unknown lane `{lane_name}`"));
                 0
             });
+        let anonymous_lanes = r.anonymous_lanes.as_ref().map(|names| {
+            names
+                .iter()
+                .enumerate()
+                .filter_map(|(j, n)| {
+                    let i = lanes.iter().position(|l| &l.name == n);
+                    if i.is_none() {
+                        errs.push(at.k("anonymous_lanes").i(j), format!("unknown lane `{n}`"));
+                    }
+                    i
+                })
+                .collect::<Vec<usize>>()
+        });
         let mut route_limiters = Vec::new();
         let mut budgets = Vec::new();
         for (j, name) in r.rate_limits.iter().enumerate() {
@@ -821,6 +834,7 @@ fn routes(
             response_headers,
             upstream_host,
             lane,
+            anonymous_lanes,
             limiters: route_limiters,
             budgets,
             request_buffering: r.request_buffering.unwrap_or(f.limits.request_buffering),

@@ -67,6 +67,9 @@ pub(super) fn inference(f: &FileConfig, errs: &mut Errors) {
     if i.async_ttl_s == 0 {
         errs.push(at.k("async_ttl_s"), "must be > 0");
     }
+    if i.tokenize_max_bytes < 4096 {
+        errs.push(at.k("tokenize_max_bytes"), "must be at least 4096");
+    }
 }
 
 fn sha256(v: &str, at: &FieldPath, errs: &mut Errors) -> Option<String> {
@@ -309,6 +312,7 @@ fn latency_model(backend: &ModelBackend, m: &ModelSection) -> Latency {
     } else {
         m.max_concurrency
     };
+    let window = Duration::from_secs(m.calibration_window_s.max(1));
     match backend {
         ModelBackend::Engine(_) => Latency::new(
             false,
@@ -325,6 +329,7 @@ fn latency_model(backend: &ModelBackend, m: &ModelSection) -> Latency {
             m.decode_tokens_per_s,
         ),
     }
+    .calibrated_over(window)
 }
 
 pub(super) fn models(

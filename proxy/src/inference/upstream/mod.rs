@@ -301,6 +301,17 @@ impl Backend for UpstreamBackend {
         }
     }
 
+    fn prompt_bound(&self) -> Option<ultrafast_engine::api::PromptBound> {
+        // The context when configured; the server's vocabulary is unknown,
+        // so no byte count proves a prompt too long here.
+        self.spec
+            .max_model_len
+            .map(|context| ultrafast_engine::api::PromptBound {
+                context,
+                max_token_bytes: None,
+            })
+    }
+
     fn prepare(&self, req: &InferenceRequest) -> Result<Prepared, BackendError> {
         // Token counts are estimated (about 4 bytes per token): they only
         // size the request for admission; the upstream reports real usage.

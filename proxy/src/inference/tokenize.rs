@@ -1,0 +1,138 @@
+//! Tokenization, bounded: what a prompt costs before the engine sees it.
+//!
+//! Tokenizing and rendering a chat template is work that grows with the
+//! body and happens before the latency model knows the prompt's size, so
+//! a client sending long prompts could otherwise make it the bottleneck of
+//! every request, and starve the engine: the engine's threads run under
+//! `SCHED_IDLE` (so that the proxy's work always goes first), and any
+//! number of tokenizations at normal priority would take every core from
+//! them. Two bounds:
+//!
+//! - **Bytes**: the prompt bytes being tokenized at once are capped
+//!   (`[inference] tokenize_max_bytes`); a request that would go over is
+//!   refused at once with 503 `tokenizer_overloaded` and `Retry-After`,
+//!   before any work. Each request's bytes are already bounded by its
+//!   model's context (a prompt whose byte count alone proves it cannot fit
+//!   is refused before this; see `admit::prove_too_long`).
+//! - **Threads**: at most half the cores (at least one) tokenize at once;
+//!   the rest wait their turn (their bytes already counted), so the engine
+//!   keeps the other half whatever the load.
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use tokio::sync::Semaphore;
+use ultrafast_engine::api::{Backend, BackendError, InferenceRequest, Prepared};
+
+/// The tokenization gate of the process.
+#[derive(Debug)]
+pub struct Tokenizing {
+    bytes: AtomicUsize,
+    threads: Semaphore,
+}
+
+impl Default for Tokenizing {
+    fn default() -> Self {
+        let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+        Self::new((cores / 2).max(1))
+    }
+}
+
+/// Bytes counted while a request is tokenized; uncounted on drop.
+#[derive(Debug)]
+pub struct Held<'a> {
+    gate: &'a Tokenizing,
+    bytes: usize,
+}
+
+impl Drop for Held<'_> {
+    fn drop(&mut self) {
+        self.gate.bytes.fetch_sub(self.bytes, Ordering::AcqRel);
+    }
+}
+
+/// The refusal of a request over the byte cap.
+pub fn overloaded() -> BackendError {
+    BackendError {
+        status: 503,
+        kind: "server_error",
+        code: "tokenizer_overloaded",
+        param: None,
+        message: "too many prompt bytes are being tokenized right now; retry shortly".into(),
+    }
+}
+
+impl Tokenizing {
+    /// A gate letting `threads` tokenizations run at once.
+    pub fn new(threads: usize) -> Self {
+        Tokenizing {
+            bytes: AtomicUsize::new(0),
+            threads: Semaphore::new(threads.max(1)),
+        }
+    }
+
+    /// Count `bytes` if that keeps the total within `cap` (a request alone
+    /// larger than the cap passes when nothing else is counted, so a cap
+    /// below one prompt still serves one at a time).
+    pub fn hold(&self, bytes: usize, cap: usize) -> Option<Held<'_>> {
+        let mut now = self.bytes.load(Ordering::Acquire);
+        loop {
+            if now > 0 && now.saturating_add(bytes) > cap {
+                return None;
+            }
+            match self.bytes.compare_exchange_weak(
+                now,
+                now + bytes,
+                Ordering::AcqRel,
+                Ordering::Acquire,
+            ) {
+                Ok(_) => return Some(Held { gate: self, bytes }),
+                Err(seen) => now = seen,
+            }
+        }
+    }
+
+    /// Bytes counted now.
+    pub fn bytes(&self) -> usize {
+        self.bytes.load(Ordering::Acquire)
+    }
+
+    /// Tokenize `req` on a blocking thread once a tokenizer thread is
+    /// free.
+    pub async fn prepare(
+        &self,
+        backend: Arc<dyn Backend>,
+        req: InferenceRequest,
+    ) -> Result<Prepared, BackendError> {
+        let _turn = self
+            .threads
+            .acquire()
+            .await
+            .map_err(|_| BackendError::unavailable("tokenization failed".into()))?;
+        match tokio::task::spawn_blocking(move || backend.prepare(&req)).await {
+            Ok(p) => p,
+            Err(_) => Err(BackendError::unavailable("tokenization failed".into())),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn bytes_are_capped_and_given_back() {
+        let g = Tokenizing::new(1);
+        let a = g.hold(600, 1000).unwrap();
+        assert!(g.hold(500, 1000).is_none());
+        let b = g.hold(400, 1000).unwrap();
+        assert_eq!(g.bytes(), 1000);
+        drop(a);
+        drop(b);
+        assert_eq!(g.bytes(), 0);
+        // Alone, a prompt larger than the cap still passes.
+        let c = g.hold(5000, 1000).unwrap();
+        assert!(g.hold(1, 1000).is_none());
+        drop(c);
+        assert_eq!(overloaded().status, 503);
+    }
+}
