@@ -16,6 +16,18 @@ right after /readyz.
      clients wait out Retry-After, at most 2 s) with ultra requests open
      loop at 1/s -> ultra TTFT p50/p99, ratio to the unloaded p50, against
      the ultra target.
+ (attack) the 1 MiB `ultra` attack (#42): two connections looping
+     `X-Request-Priority: ultra` chats with a 1 MiB user message and
+     max_tokens 1 for --attack-s seconds, beside one closed-loop client of
+     ordinary standard chats (short prompt, max_tokens 16): share of the
+     ordinary requests served and their TTFT p50/p99 against the standard
+     target, the attackers' answers by status and code.
+ --hog: a second process (a busy loop at normal priority) takes one core
+     from before the server starts until the scenario ends: the cold flood
+     on a deliberately slowed engine (its warm-up fit sees the slower
+     machine; the correction factor starts at its conservative prior).
+     --hog-at ready starts it right after /readyz instead, so the fit
+     believes the machine is twice as fast as it is.
  (c) predictor error over the admitted requests of (a) and (b):
      |predicted_ttft_ms - ttft_ms| from each stream's `ultrafast_timing`.
 
@@ -90,7 +102,7 @@ def sub1(pattern, repl, text):
     return new
 
 
-def make_conf(tmp, name, legacy, lanes, slo, fake_port=None, with_slo_key=True):
+def make_conf(tmp, name, legacy, lanes, slo, fake_port=None, with_slo_key=True, extra_toml=""):
     """conf/ultrafast.toml with ephemeral ports and private paths; legacy:
     the default lanes written out with every ttft_slo_ms = 0."""
     text = open(CONF).read()
@@ -115,6 +127,7 @@ def make_conf(tmp, name, legacy, lanes, slo, fake_port=None, with_slo_key=True):
             text = re.sub(r"^(\[lanes\.[^\]]+\]\n)", r"\1ttft_slo_ms = 0\n" if with_slo_key else r"\1", text, flags=re.M)
         else:
             text += "\n# legacy: the default lanes, every TTFT target off\n" + legacy_lanes_toml(lanes, slo, with_slo_key)
+    text += extra_toml
     path = os.path.join(tmp, f"{name}.toml")
     with open(path, "w") as f:
         f.write(text)
@@ -181,9 +194,10 @@ def wait_quiet(limit_s, threshold=0.25):
 class Server:
     """One ultrafast on a generated config, stopped by PID on exit."""
 
-    def __init__(self, a, tmp, name, legacy, env):
+    def __init__(self, a, tmp, name, legacy, env, extra_toml=""):
         self.a, self.tmp, self.name = a, tmp, name
-        self.conf, self.port, self.admin, self.model = make_conf(tmp, name, legacy, a.lanes, a.slo, a.fake_port, not a.no_slo_key)
+        self.conf, self.port, self.admin, self.model = make_conf(tmp, name, legacy, a.lanes, a.slo, a.fake_port,
+                                                                 not a.no_slo_key, extra_toml)
         self.log = os.path.join(tmp, f"{name}.log")
         self.env = env
 
@@ -257,8 +271,27 @@ def cpu_rows(cpu, tokens):
             "client CPU s": cpu["client"], "other CPU s on the machine": cpu["other"]}
 
 
+class Hog:
+    """A busy loop at normal priority taking one core (bounded: it exits by
+    itself after an hour), stopped by PID."""
+
+    def __init__(self, on):
+        self.on = on
+
+    def __enter__(self):
+        if self.on:
+            self.p = spawn([sys.executable, "-c", "import time\nend = time.time() + 3600\nwhile time.time() < end: pass"],
+                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        return self
+
+    def __exit__(self, *exc):
+        if self.on:
+            stop_tree(self.p)
+
+
 def cold(a, tmp, name, legacy, env, rnd):
-    with Server(a, tmp, f"cold-{name}-{rnd}", legacy, env) as srv:
+    early, late = a.hog and a.hog_at == "start", a.hog and a.hog_at == "ready"
+    with Hog(early), Server(a, tmp, f"cold-{name}-{rnd}", legacy, env) as srv, Hog(late):
         g = {"name": "flood", "concurrency": a.flood_n, "count": a.flood_n, "lane": "standard", "prompt": a.prompt,
              "max_tokens": a.flood_tokens, "timeout_ms": a.request_timeout * 1000, "extra": a.extra}
         recs, cpu = flood(a, srv, tmp, f"cold-{name}-{rnd}", [g], a.request_timeout + 10)
@@ -315,6 +348,30 @@ def ultra(a, tmp, name, legacy, env, rnd):
         "(b) ultra alone": pred_pairs(base), "(b) ultra during the flood": pred_pairs(ur), "(b) standard flood": pred_pairs(sr)}
 
 
+def attack(a, tmp, name, legacy, env, rnd):
+    big = "[limits]\nclient_max_body_bytes = 4194304\n"
+    with Server(a, tmp, f"attack-{name}-{rnd}", legacy, env, big) as srv:
+        atk = {"name": "attack", "concurrency": 2, "count": 1_000_000, "duration_s": a.attack_s, "lane": "ultra",
+               "prompt": "a " * (512 * 1024), "max_tokens": 1, "timeout_ms": 60000, "extra": a.extra}
+        ordinary = {"name": "ordinary", "concurrency": 1, "count": 1_000_000, "duration_s": a.attack_s, "lane": "standard",
+                    "prompt": a.ultra_prompt, "max_tokens": 16, "timeout_ms": 60000, "start_delay_ms": 500, "extra": a.extra}
+        recs, cpu = flood(a, srv, tmp, f"attack-{name}-{rnd}", [atk, ordinary], a.attack_s + 70)
+    orr = [r for r in recs if r["group"] == "ordinary"]
+    ar = [r for r in recs if r["group"] == "attack"]
+    ot = [r["ttft_ms"] for r in orr if r["status"] == 200 and r["ttft_ms"] is not None]
+    served = sum(1 for r in orr if r["status"] == 200)
+    row = {"ordinary sent": len(orr), "ordinary served (200)": served,
+           "ordinary served %": 100 * served / len(orr) if orr else float("nan"),
+           "ordinary TTFT p50 ms": pct(ot, 0.5), "ordinary TTFT p99 ms": pct(ot, 0.99),
+           f"ordinary over the standard target ({a.targets.get('standard', 0)} ms)":
+               sum(1 for t in ot if a.targets.get("standard") and t > a.targets["standard"]),
+           "attack requests": len(ar), "attack answered 400": sum(1 for r in ar if r["status"] == 400),
+           "attack time-to-answer p99 ms": pct([r["e2e_ms"] for r in ar if r["status"] >= 400], 0.99)}
+    row.update(cpu_rows(cpu, sum(r["completion_tokens"] for r in recs if r["status"] == 200)))
+    return row, Counter(f'{r["group"]}: {reason(r)}' for r in recs if r["status"] != 200), {
+        "(attack) ordinary standard": pred_pairs(orr)}
+
+
 def fmt(vals):
     vals = [v for v in vals if v == v]  # drop nan
     if not vals:
@@ -363,6 +420,11 @@ def verdicts(a, res):
         t = a.targets.get("standard", 0)
         print(f"- (a) admitted TTFT p99 {ttft:.0f} ms vs standard target {t} ms: {'met' if t and ttft <= t else 'MISSED'}")
         print(f"- (a) tokens/s {tps:.1f} vs legacy {fifo:.1f} ({tps / fifo if fifo else float('nan'):.2f}x): {'met' if tps >= fifo else 'MISSED'}")
+    if res["attack"]["sla"]:
+        share, p99 = med("sla", "attack", "ordinary served %"), med("sla", "attack", "ordinary TTFT p99 ms")
+        t = a.targets.get("standard", 0)
+        print(f"- (attack) ordinary served {share:.1f}% (target >= 99): {'met' if share >= 99 else 'MISSED'}; "
+              f"TTFT p99 {p99:.0f} ms vs standard target {t} ms: {'met' if t and p99 <= t else 'MISSED'}")
     if res["ultra"]["sla"]:
         p99, ratio, t = med("sla", "ultra", "ultra TTFT p99 ms"), med("sla", "ultra", "ultra p99 / unloaded p50"), a.targets.get("ultra", 0)
         print(f"- (b) ultra TTFT p99 {p99:.0f} ms vs ultra target {t} ms: {'met' if t and p99 <= t else 'MISSED'}; "
@@ -389,6 +451,10 @@ def main():
     ap.add_argument("--quiet-wait", type=float, default=30, help="seconds to wait at most for a quiet machine")
     ap.add_argument("--bin-dir", default=os.path.join(ROOT, "target", "release"))
     ap.add_argument("--fake", action="store_true", help="smoke-test the harness: model served by fake-openai")
+    ap.add_argument("--hog", action="store_true", help="(a) a busy loop takes one core from before the server starts")
+    ap.add_argument("--hog-at", choices=("start", "ready"), default="start",
+                    help="when the busy loop starts: before the server (its warm-up sees the slower machine) or right after /readyz (the fit does not)")
+    ap.add_argument("--attack-s", type=float, default=15, help="(attack) seconds of the attack")
     ap.add_argument("--no-slo-key", action="store_true", help="legacy config without ttft_slo_ms (servers that predate it)")
     ap.add_argument("--save", help="directory to keep every request's JSON line in")
     ap.add_argument("--verbose", action="store_true")
@@ -432,8 +498,8 @@ def main():
             ok, out = check_conf(a.exe, conf)
             if not ok:
                 sys.exit(f"`ultrafast check` refuses the legacy config ({'try --no-slo-key' if 'ttft_slo_ms' in out else ''}):\n{out}")
-            res = {s: {"sla": [], "legacy": []} for s in ("cold", "ultra")}
-            reasons = {s: {"sla": [], "legacy": []} for s in ("cold", "ultra")}
+            res = {s: {"sla": [], "legacy": []} for s in ("cold", "ultra", "attack")}
+            reasons = {s: {"sla": [], "legacy": []} for s in ("cold", "ultra", "attack")}
             preds = {"sla": {}, "legacy": {}}
             for rnd in range(a.rounds):
                 order = ("sla", "legacy") if rnd % 2 == 0 else ("legacy", "sla")
@@ -442,7 +508,7 @@ def main():
                     for mode in order:
                         busy = wait_quiet(a.quiet_wait)
                         print(f"round {rnd + 1}: {scen} / {mode} (machine busy before: {busy:.0%} of {os.cpu_count()} CPUs)", file=sys.stderr)
-                        fn = cold if scen == "cold" else ultra
+                        fn = {"cold": cold, "ultra": ultra, "attack": attack}[scen]
                         row, why, pairs = fn(a, tmp, mode, mode == "legacy", env, rnd)
                         for k, v in pairs.items():
                             preds[mode].setdefault(k, []).extend(v)
@@ -458,6 +524,9 @@ def main():
         table(f"(b) ultra during a standard flood: {a.ultra_n} sequential ultra alone, then standard concurrency {a.flood_c}"
               f" x {a.flood_s:.0f} s (max_tokens {a.flood_tokens}) with ultra at {a.ultra_rate}/s (max_tokens {a.ultra_tokens})",
               res["ultra"], reasons["ultra"])
+    if res["attack"]["sla"] or res["attack"]["legacy"]:
+        table(f"(attack) two connections looping 1 MiB ultra prompts (max_tokens 1) for {a.attack_s:.0f} s beside one"
+              " client of ordinary standard chats", res["attack"], reasons["attack"])
     predictor_table(preds)
     verdicts(a, res)
     print(f"\nload average after: {os.getloadavg()}")

@@ -367,18 +367,22 @@ impl Front {
         let prepared = if backend.kind() == "engine" {
             let cap = inc.cfg.file.inference.tokenize_max_bytes;
             let bytes = admit::prompt_bytes(&req.prompt);
-            let Some(_held) = self.tokenizing.hold(bytes, cap) else {
-                metrics.shed(&lanes[lane].name, "tokenizer");
-                let mut f = error(&super::tokenize::overloaded());
-                f.headers.push(("retry-after", "1".into()));
-                f.headers.push(("x-ultrafast-shed", "tokenizer".into()));
-                return Err(f);
-            };
-            self.tokenizing.prepare(backend.clone(), req.clone()).await
+            self.tokenizing
+                .prepare(backend.clone(), req.clone(), bytes, cap)
+                .await
         } else {
             backend.prepare(&req)
         };
-        let prepared = prepared.map_err(reject)?;
+        let prepared = prepared.map_err(|e| {
+            if e.code != "tokenizer_overloaded" {
+                return reject(e);
+            }
+            metrics.shed(&lanes[lane].name, "tokenizer");
+            let mut f = error(&e);
+            f.headers.push(("retry-after", "1".into()));
+            f.headers.push(("x-ultrafast-shed", "tokenizer".into()));
+            f
+        })?;
         let tokens = (prepared.prompt_tokens + prepared.max_tokens) as u64;
         let budget = self
             .reserve(metrics, inc, &lanes[lane].name, tokens)

@@ -17,17 +17,21 @@
 //! - **Threads**: at most half the cores (at least one) tokenize at once;
 //!   the rest wait their turn (their bytes already counted), so the engine
 //!   keeps the other half whatever the load.
+//!
+//! Both are held by the blocking task itself, not by the request's future:
+//! a client that leaves while its prompt is tokenized frees neither bytes
+//! nor thread until the tokenizer is really done.
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
-use tokio::sync::Semaphore;
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use ultrafast_engine::api::{Backend, BackendError, InferenceRequest, Prepared};
 
 /// The tokenization gate of the process.
 #[derive(Debug)]
 pub struct Tokenizing {
-    bytes: AtomicUsize,
-    threads: Semaphore,
+    bytes: Arc<AtomicUsize>,
+    threads: Arc<Semaphore>,
 }
 
 impl Default for Tokenizing {
@@ -39,14 +43,14 @@ impl Default for Tokenizing {
 
 /// Bytes counted while a request is tokenized; uncounted on drop.
 #[derive(Debug)]
-pub struct Held<'a> {
-    gate: &'a Tokenizing,
+pub struct Held {
+    counted: Arc<AtomicUsize>,
     bytes: usize,
 }
 
-impl Drop for Held<'_> {
+impl Drop for Held {
     fn drop(&mut self) {
-        self.gate.bytes.fetch_sub(self.bytes, Ordering::AcqRel);
+        self.counted.fetch_sub(self.bytes, Ordering::AcqRel);
     }
 }
 
@@ -65,15 +69,15 @@ impl Tokenizing {
     /// A gate letting `threads` tokenizations run at once.
     pub fn new(threads: usize) -> Self {
         Tokenizing {
-            bytes: AtomicUsize::new(0),
-            threads: Semaphore::new(threads.max(1)),
+            bytes: Arc::new(AtomicUsize::new(0)),
+            threads: Arc::new(Semaphore::new(threads.max(1))),
         }
     }
 
     /// Count `bytes` if that keeps the total within `cap` (a request alone
     /// larger than the cap passes when nothing else is counted, so a cap
     /// below one prompt still serves one at a time).
-    pub fn hold(&self, bytes: usize, cap: usize) -> Option<Held<'_>> {
+    pub fn hold(&self, bytes: usize, cap: usize) -> Option<Held> {
         let mut now = self.bytes.load(Ordering::Acquire);
         loop {
             if now > 0 && now.saturating_add(bytes) > cap {
@@ -85,7 +89,12 @@ impl Tokenizing {
                 Ordering::AcqRel,
                 Ordering::Acquire,
             ) {
-                Ok(_) => return Some(Held { gate: self, bytes }),
+                Ok(_) => {
+                    return Some(Held {
+                        counted: self.bytes.clone(),
+                        bytes,
+                    })
+                }
                 Err(seen) => now = seen,
             }
         }
@@ -96,19 +105,28 @@ impl Tokenizing {
         self.bytes.load(Ordering::Acquire)
     }
 
-    /// Tokenize `req` on a blocking thread once a tokenizer thread is
-    /// free.
+    /// Tokenize `req` (`bytes` of prompt) on a blocking thread once a
+    /// tokenizer thread is free; [`overloaded`] at once when its bytes
+    /// would go over `cap`.
     pub async fn prepare(
         &self,
         backend: Arc<dyn Backend>,
         req: InferenceRequest,
+        bytes: usize,
+        cap: usize,
     ) -> Result<Prepared, BackendError> {
-        let _turn = self
+        let held = self.hold(bytes, cap).ok_or_else(overloaded)?;
+        let turn: OwnedSemaphorePermit = self
             .threads
-            .acquire()
+            .clone()
+            .acquire_owned()
             .await
             .map_err(|_| BackendError::unavailable("tokenization failed".into()))?;
-        match tokio::task::spawn_blocking(move || backend.prepare(&req)).await {
+        let work = move || {
+            let _held = (held, turn);
+            backend.prepare(&req)
+        };
+        match tokio::task::spawn_blocking(work).await {
             Ok(p) => p,
             Err(_) => Err(BackendError::unavailable("tokenization failed".into())),
         }
