@@ -50,16 +50,6 @@ fn messages_and_responses_on_an_upstream_pool() {
     check("responses", &uf, "m", stats);
 }
 
-/// `POST path` with JSON `body` and `headers`.
-fn post(uf: &Ultrafast, path: &str, body: &str, headers: &[(&str, &str)]) -> Resp {
-    let mut h = vec![("Content-Type", "application/json")];
-    h.extend_from_slice(headers);
-    Client::connect(uf.addr)
-        .unwrap()
-        .request("POST", path, &h, body.as_bytes())
-        .unwrap()
-}
-
 #[test]
 fn x_api_key_authenticates_and_refusals_are_in_anthropic_shape() {
     let fake = Fake::start(&["--tokens", "4"]);
@@ -72,7 +62,7 @@ fn x_api_key_authenticates_and_refusals_are_in_anthropic_shape() {
         upstream_model("m", &[&fake], "")
     ));
     let body = r#"{"model":"m","max_tokens":4,"messages":[{"role":"user","content":"hi"}]}"#;
-    let ok = post(
+    let ok = post_to(
         &uf,
         "/v1/messages",
         body,
@@ -83,7 +73,7 @@ fn x_api_key_authenticates_and_refusals_are_in_anthropic_shape() {
     );
     assert_eq!(ok.status, 200, "{}", ok.text());
     assert_eq!(ok.json()["type"], "message");
-    let bearer = post(
+    let bearer = post_to(
         &uf,
         "/v1/messages",
         body,
@@ -91,7 +81,7 @@ fn x_api_key_authenticates_and_refusals_are_in_anthropic_shape() {
     );
     assert_eq!(bearer.status, 200, "{}", bearer.text());
     for h in [vec![], vec![("x-api-key", "sk-wrong")]] {
-        let r = post(&uf, "/v1/messages", body, &h);
+        let r = post_to(&uf, "/v1/messages", body, &h);
         assert_eq!(r.status, 401, "{}", r.text());
         let j = r.json();
         assert_eq!(j["type"], "error", "{}", r.text());
@@ -99,7 +89,7 @@ fn x_api_key_authenticates_and_refusals_are_in_anthropic_shape() {
         assert!(r.header("x-request-id").is_some());
     }
     // The same refusal on chat completions keeps OpenAI's shape.
-    let r = post(
+    let r = post_to(
         &uf,
         "/v1/chat/completions",
         r#"{"model":"m","messages":[{"role":"user","content":"hi"}]}"#,

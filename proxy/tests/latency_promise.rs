@@ -41,15 +41,6 @@ fn messages() -> String {
     .to_string()
 }
 
-fn post_path(uf: &Ultrafast, path: &str, headers: &[(&str, &str)], body: &str) -> Resp {
-    let mut h = vec![("Content-Type", "application/json")];
-    h.extend_from_slice(headers);
-    Client::connect(uf.addr)
-        .unwrap()
-        .request("POST", path, &h, body.as_bytes())
-        .unwrap()
-}
-
 #[test]
 fn lanes_are_granted_per_key() {
     let fake = Fake::start(&["--tokens", "4", "--itl-ms", "1"]);
@@ -80,11 +71,11 @@ fn lanes_are_granted_per_key() {
     let r = post_as(&uf, "sk-limited", &body.to_string(), &[]);
     assert_eq!(r.status, 403, "{}", r.text());
     // In Anthropic's dialect, Anthropic's error shape.
-    let r = post_path(
+    let r = post_to(
         &uf,
         "/v1/messages",
-        &[("x-api-key", "sk-limited"), ("X-Request-Priority", "ultra")],
         &messages(),
+        &[("x-api-key", "sk-limited"), ("X-Request-Priority", "ultra")],
     );
     assert_eq!(r.status, 403, "{}", r.text());
     assert_eq!(r.json()["type"], "error", "{}", r.text());
@@ -121,25 +112,25 @@ fn anonymous_lanes_bound_requests_without_a_key() {
     let uf = Ultrafast::start(&conf("reject"));
     // The route's default lane (standard) is not granted to anonymous
     // requests.
-    let r = post_path(&uf, "/v1/chat/completions", &[], &chat(false));
+    let r = post_to(&uf, "/v1/chat/completions", &chat(false), &[]);
     assert_eq!(r.status, 403, "{}", r.text());
     assert_eq!(r.json()["error"]["code"], "lane_not_allowed");
     assert!(r.json()["error"]["message"]
         .as_str()
         .unwrap()
         .contains("without an API key"));
-    let r = post_path(
+    let r = post_to(
         &uf,
         "/v1/chat/completions",
-        &[("X-Request-Priority", "batch")],
         &chat(false),
+        &[("X-Request-Priority", "batch")],
     );
     assert_eq!(r.status, 200, "{}", r.text());
     assert_eq!(r.header("x-ultrafast-lane"), Some("batch"));
     // Downgrade moves it to `batch`.
     uf.write_config(&conf("downgrade"));
     assert_eq!(uf.reload().status, 200);
-    let r = post_path(&uf, "/v1/chat/completions", &[], &chat(false));
+    let r = post_to(&uf, "/v1/chat/completions", &chat(false), &[]);
     assert_eq!(r.status, 200, "{}", r.text());
     assert_eq!(r.header("x-ultrafast-lane"), Some("batch"));
     // An unknown lane in `anonymous_lanes` is a config error naming the
@@ -148,7 +139,7 @@ fn anonymous_lanes_bound_requests_without_a_key() {
     let r = uf.reload();
     assert_ne!(r.status, 200);
     assert!(r.text().contains("anonymous_lanes"), "{}", r.text());
-    let r = post_path(&uf, "/v1/chat/completions", &[], &chat(false));
+    let r = post_to(&uf, "/v1/chat/completions", &chat(false), &[]);
     assert_eq!(r.status, 200, "{}", r.text());
 }
 

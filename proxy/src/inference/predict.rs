@@ -435,18 +435,9 @@ impl Latency {
 /// positive placeholder marks entries whose first token is a calibration
 /// sample).
 fn entry(rank: u32, prompt: usize, max_out: usize, target: Option<Duration>) -> Entry {
-    Entry {
-        rank,
-        prompt,
-        max_out,
-        generated: 0,
-        decoding: false,
-        running: false,
-        admitted: Instant::now(),
-        predicted_s: 1.0,
-        // Small predictions divide by 1/20 of the target (see `calibrate`).
-        floor_s: target.map_or(0.05, |t| t.as_secs_f64() / 20.0),
-    }
+    // Times under 1/20 of the target count as that floor (see `calibrate`).
+    let floor_s = target.map_or(0.05, |t| t.as_secs_f64() / 20.0);
+    Entry::new(rank, prompt, max_out, 1.0, floor_s)
 }
 
 fn secs(s: f64) -> Duration {

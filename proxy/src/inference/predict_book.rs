@@ -82,6 +82,21 @@ pub struct Entry {
 }
 
 impl Entry {
+    /// A request just admitted: nothing generated, not yet dispatched.
+    pub fn new(rank: u32, prompt: usize, max_out: usize, predicted_s: f64, floor_s: f64) -> Self {
+        Entry {
+            rank,
+            prompt,
+            max_out,
+            generated: 0,
+            decoding: false,
+            running: false,
+            admitted: Instant::now(),
+            predicted_s,
+            floor_s,
+        }
+    }
+
     fn left(&self) -> usize {
         self.max_out.saturating_sub(self.generated)
     }
@@ -316,17 +331,7 @@ mod tests {
     }
 
     fn entry(rank: u32, prompt: usize, max_out: usize) -> Entry {
-        Entry {
-            rank,
-            prompt,
-            max_out,
-            generated: 0,
-            decoding: false,
-            running: false,
-            admitted: Instant::now(),
-            predicted_s: 0.0,
-            floor_s: 0.0,
-        }
+        Entry::new(rank, prompt, max_out, 0.0, 0.0)
     }
 
     #[test]

@@ -122,6 +122,16 @@ pub fn post_as(uf: &Ultrafast, key: &str, body: &str, extra: &[(&str, &str)]) ->
         .unwrap()
 }
 
+/// `POST path` with JSON `body` and `headers`.
+pub fn post_to(uf: &Ultrafast, path: &str, body: &str, headers: &[(&str, &str)]) -> Resp {
+    let mut h = vec![("Content-Type", "application/json")];
+    h.extend_from_slice(headers);
+    Client::connect(uf.addr)
+        .unwrap()
+        .request("POST", path, &h, body.as_bytes())
+        .unwrap()
+}
+
 /// `GET path` as API key `key`.
 pub fn get_as(uf: &Ultrafast, key: &str, path: &str) -> Resp {
     let auth = format!("Bearer {key}");
