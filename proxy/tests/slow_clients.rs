@@ -229,10 +229,13 @@ fn a_trickled_body_is_closed_by_client_body_timeout() {
     let max = counts.iter().map(|c| c.1).max().unwrap_or(0);
     assert!(max >= 100, "the attack held only {max} connections");
     assert!(max <= 210, "held {max} for 200 attack connections");
-    // Request buffering: a body still arriving holds no origin connection
-    // (the normal client's requests keep one or two in the pool).
+    // Request buffering: a body still arriving holds no origin connection.
+    // The normal client's requests keep one or two in the pool, a few more
+    // when the machine is loaded (6 seen once on two busy cores, where a
+    // reused connection came back to the pool after the next probe had
+    // opened another); 200 slow bodies holding theirs would be ~200.
     let up = upstream.iter().copied().max().unwrap_or(0);
-    assert!(up <= 3, "the origin held {up} connections for slow bodies");
+    assert!(up <= 10, "the origin held {up} connections for slow bodies");
     let closed = uf.metric(
         "ultrafast_downstream_connections_closed_total",
         &["body_timeout"],

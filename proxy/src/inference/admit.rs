@@ -39,12 +39,10 @@ pub fn lane(
 pub fn grant(
     lanes: &[LaneSpec],
     lane: usize,
-    granted: Option<&dyn Fn(usize) -> bool>,
+    granted: Option<&[bool]>,
     who: &str,
 ) -> Result<usize, BackendError> {
-    let Some(ok) = granted else {
-        return Ok(lane);
-    };
+    let ok = |l: usize| granted.is_none_or(|g| g.get(l).copied().unwrap_or(false));
     if ok(lane) {
         return Ok(lane);
     }
@@ -270,6 +268,8 @@ pub fn prove_too_long(prompt: &Prompt, bound: Option<PromptBound>) -> Result<(),
 /// target of `lane`, moving down lanes that say so. `live` is the
 /// backend's own cost model, if it has one. `spent`: the time since the
 /// request arrived (parsing, tokenizing), already gone from its target.
+/// `granted`: the lanes the request may use (None: all); a move down skips
+/// the others.
 #[allow(clippy::too_many_arguments)]
 pub fn slo(
     lanes: &[LaneSpec],
@@ -280,7 +280,9 @@ pub fn slo(
     max_out: usize,
     claim: Option<Ticket>,
     spent: Duration,
+    granted: Option<&[bool]>,
 ) -> Result<Passed, Missed> {
+    let ok = |l: usize| granted.is_none_or(|g| g.get(l).copied().unwrap_or(false));
     let mut claim = claim;
     let mut l = lane;
     loop {
@@ -288,8 +290,9 @@ pub fn slo(
         if let Some(target) = spec.ttft_slo {
             let idle = latency.idle(live, prompt);
             if idle > target {
-                if spec.on_miss == OnMiss::Downgrade && l + 1 < lanes.len() {
-                    l += 1;
+                let lower = (l + 1..lanes.len()).find(|&m| ok(m));
+                if let (OnMiss::Downgrade, Some(m)) = (spec.on_miss, lower) {
+                    l = m;
                     continue;
                 }
                 return Err(Missed::Unattainable {
@@ -347,7 +350,17 @@ mod tests {
         let m = Arc::new(Latency::new(false, 2, Some(32), 1.0, 1.0));
         let mut held = Vec::new();
         let refused = loop {
-            match slo(&lanes, 1, &m, Some(cpu()), 40, 128, None, Duration::ZERO) {
+            match slo(
+                &lanes,
+                1,
+                &m,
+                Some(cpu()),
+                40,
+                128,
+                None,
+                Duration::ZERO,
+                None,
+            ) {
                 Ok(p) => {
                     assert!(p.predicted.unwrap() <= lanes[1].ttft_slo.unwrap());
                     held.push(p.ticket.unwrap());
@@ -378,7 +391,18 @@ mod tests {
         assert!(matches!(pre, Missed::Busy { lane: 1, .. }), "{pre:?}");
         // Better lanes do not count the standard backlog.
         assert!(precheck(&lanes, 0, &m, Some(cpu()), 40, 16).is_ok());
-        let ultra = slo(&lanes, 0, &m, Some(cpu()), 40, 16, None, Duration::ZERO).unwrap();
+        let ultra = slo(
+            &lanes,
+            0,
+            &m,
+            Some(cpu()),
+            40,
+            16,
+            None,
+            Duration::ZERO,
+            None,
+        )
+        .unwrap();
         assert_eq!(ultra.lane, 0);
     }
 
@@ -417,6 +441,7 @@ mod tests {
                     128,
                     Some(c),
                     Duration::ZERO,
+                    None,
                 )
                 .ok()
             })
@@ -448,15 +473,60 @@ mod tests {
         let mut lanes = default_lanes();
         let m = Arc::new(Latency::new(false, 8, Some(32), 1.0, 1.0));
         // 400 prompt tokens: ~2.4 s idle, over ultra's 1.5 s target.
-        let p = slo(&lanes, 0, &m, Some(cpu()), 400, 16, None, Duration::ZERO).unwrap();
+        let p = slo(
+            &lanes,
+            0,
+            &m,
+            Some(cpu()),
+            400,
+            16,
+            None,
+            Duration::ZERO,
+            None,
+        )
+        .unwrap();
         assert_eq!((p.lane, p.downgraded), (1, true));
         lanes[0].on_miss = OnMiss::Reject;
-        let e = slo(&lanes, 0, &m, Some(cpu()), 400, 16, None, Duration::ZERO).unwrap_err();
+        let e = slo(
+            &lanes,
+            0,
+            &m,
+            Some(cpu()),
+            400,
+            16,
+            None,
+            Duration::ZERO,
+            None,
+        )
+        .unwrap_err();
         let f = e.failure(&lanes);
         assert_eq!(f.status, 422);
         let v: serde_json::Value = serde_json::from_slice(&f.body).unwrap();
         assert_eq!(v["error"]["code"], "slo_unattainable");
         assert_eq!(v["lane"], "ultra");
         assert!(v["error"]["message"].as_str().unwrap().contains("1500 ms"));
+    }
+
+    #[test]
+    fn moves_down_skip_lanes_not_granted() {
+        let mut lanes = default_lanes();
+        let m = Arc::new(Latency::new(false, 8, Some(32), 1.0, 1.0));
+        // Standard is not granted: a prompt too long for ultra's target
+        // moves past it to batch.
+        let granted = [true, false, true];
+        let g = Some(&granted[..]);
+        let p = slo(&lanes, 0, &m, Some(cpu()), 400, 16, None, Duration::ZERO, g).unwrap();
+        assert_eq!((p.lane, p.downgraded), (2, true));
+        // A lane not granted: refused, or moved to the next granted one.
+        let e = grant(&lanes, 1, g, "The API key `k`").unwrap_err();
+        assert_eq!(
+            (e.status, e.code, e.param),
+            (403, "lane_not_allowed", Some("priority"))
+        );
+        assert!(e.message.contains("`standard`"), "{}", e.message);
+        lanes[1].on_forbidden = OnMiss::Downgrade;
+        assert_eq!(grant(&lanes, 1, g, "k").unwrap(), 2);
+        assert_eq!(grant(&lanes, 0, g, "k").unwrap(), 0);
+        assert_eq!(grant(&lanes, 1, None, "k").unwrap(), 1);
     }
 }

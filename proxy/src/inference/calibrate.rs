@@ -63,6 +63,9 @@ pub const QUANTILE: f64 = 0.99;
 pub struct Calibration {
     samples: Mutex<[VecDeque<(Instant, f64)>; RANKS]>,
     factor: [AtomicU64; RANKS],
+    /// When each lane's newest sample came, in ms after `epoch`.
+    newest_ms: [AtomicU64; RANKS],
+    epoch: Instant,
     /// Samples kept per lane (whether the prior still holds).
     kept: [AtomicUsize; RANKS],
     window: Duration,
@@ -80,14 +83,25 @@ impl Calibration {
         Calibration {
             samples: Mutex::new(Default::default()),
             factor: std::array::from_fn(|_| AtomicU64::new(PRIOR.to_bits())),
+            newest_ms: std::array::from_fn(|_| AtomicU64::new(0)),
+            epoch: Instant::now(),
             kept: std::array::from_fn(|_| AtomicUsize::new(0)),
             window,
         }
     }
 
-    /// The correction factor of lane `rank` now.
+    /// The correction factor of lane `rank` now. When even its newest
+    /// sample is older than the window, at most [`PRIOR`]: a high factor
+    /// that refuses every request of a lane would otherwise never see the
+    /// samples that bring it down.
     pub fn factor(&self, rank: u32) -> f64 {
-        f64::from_bits(self.factor[super::book::rank_index(rank)].load(Ordering::Relaxed))
+        let r = super::book::rank_index(rank);
+        let f = f64::from_bits(self.factor[r].load(Ordering::Relaxed));
+        let newest = Duration::from_millis(self.newest_ms[r].load(Ordering::Relaxed));
+        if f > PRIOR && self.epoch.elapsed().saturating_sub(newest) > self.window {
+            return PRIOR;
+        }
+        f
     }
 
     /// The factor for a prediction with nothing ahead (`idle`) or not:
@@ -118,6 +132,8 @@ impl Calibration {
         let f = factor_of(s, now, self.window);
         self.factor[r].store(f.to_bits(), Ordering::Relaxed);
         self.kept[r].store(s.len(), Ordering::Relaxed);
+        let at = now.saturating_duration_since(self.epoch).as_millis() as u64;
+        self.newest_ms[r].store(at, Ordering::Relaxed);
     }
 
     /// Samples of lane `rank` kept now.
@@ -210,5 +226,13 @@ mod tests {
         }
         assert_eq!(c.factor(2), MAX_FACTOR);
         assert_eq!(c.samples(2), KEEP);
+        // With no sample within the window, a high factor falls back to
+        // the prior.
+        let old = Calibration::new(Duration::from_millis(1));
+        for i in 0..MIN_SAMPLES as u64 {
+            old.sample(1, 0.5, 0.1, 5.0, Instant::now() + Duration::from_millis(i));
+        }
+        std::thread::sleep(Duration::from_millis(30));
+        assert_eq!(old.factor(1), PRIOR);
     }
 }

@@ -131,24 +131,33 @@ impl Front {
     /// The lane `lane` grants this request (see `admit::grant`): its key's
     /// `lanes`, or the route's `anonymous_lanes` for a request without a
     /// key.
-    pub fn granted_lane(&self, inc: &Incoming, lane: usize) -> Result<usize, BackendError> {
+    pub fn granted_lane(
+        &self,
+        inc: &Incoming,
+        lane: usize,
+        granted: Option<&[bool]>,
+    ) -> Result<usize, BackendError> {
+        let who = match &inc.key {
+            Some(k) => format!("The API key `{}`", k.name),
+            None => "A request without an API key".into(),
+        };
+        super::admit::grant(&inc.cfg.lanes, lane, granted, &who)
+    }
+
+    /// Which lanes (by index) this request may use: its key's `lanes`, or
+    /// the route's `anonymous_lanes` without a key; None: all.
+    pub fn granted_lanes(&self, inc: &Incoming) -> Option<Vec<bool>> {
         let lanes = &inc.cfg.lanes;
         match &inc.key {
-            Some(k) => match &k.lanes {
-                None => Ok(lane),
-                Some(names) => {
-                    let ok = |l: usize| names.iter().any(|n| *n == lanes[l].name);
-                    let who = format!("The API key `{}`", k.name);
-                    super::admit::grant(lanes, lane, Some(&ok), &who)
-                }
-            },
-            None => match &inc.route.anonymous_lanes {
-                None => Ok(lane),
-                Some(allowed) => {
-                    let ok = |l: usize| allowed.contains(&l);
-                    super::admit::grant(lanes, lane, Some(&ok), "A request without an API key")
-                }
-            },
+            Some(k) => k
+                .lanes
+                .as_ref()
+                .map(|names| lanes.iter().map(|l| names.contains(&l.name)).collect()),
+            None => inc
+                .route
+                .anonymous_lanes
+                .as_ref()
+                .map(|allowed| (0..lanes.len()).map(|l| allowed.contains(&l)).collect()),
         }
     }
 

@@ -316,7 +316,10 @@ impl Front {
         let lanes = &inc.cfg.lanes;
         let lane = admit::lane(lanes, header, parsed.priority.as_deref(), inc.route.lane)
             .map_err(reject)?;
-        let lane = self.granted_lane(inc, lane).map_err(reject)?;
+        let granted = self.granted_lanes(inc);
+        let lane = self
+            .granted_lane(inc, lane, granted.as_deref())
+            .map_err(reject)?;
         let Some(model) = inc.cfg.models.get(&parsed.model).cloned() else {
             return Err(reject(not_found_model(&parsed.model)));
         };
@@ -396,6 +399,7 @@ impl Front {
             prepared.max_tokens,
             claim,
             inc.arrived.elapsed(),
+            granted.as_deref(),
         )
         .map_err(|m| {
             let reason = match m {

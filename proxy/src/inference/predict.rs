@@ -499,7 +499,20 @@ impl Ticket {
 
 impl Drop for Ticket {
     fn drop(&mut self) {
-        self.model.ledger.lock().books.remove(self.id);
+        let gone = self.model.ledger.lock().books.remove(self.id);
+        // A request that leaves before its first token, already later than
+        // predicted (its client gave up, the gate timed it out), is a
+        // sample too: its time so far is a lower bound of its TTFT, and
+        // leaving these out would bias the factor low where it matters.
+        if let Some(e) = gone.filter(|e| !e.decoding && e.predicted_s > 0.0) {
+            let now = Instant::now();
+            let waited = now.saturating_duration_since(e.admitted).as_secs_f64();
+            if waited > e.predicted_s.max(e.floor_s) * self.model.calibration.factor(e.rank) {
+                self.model
+                    .calibration
+                    .sample(e.rank, e.predicted_s, e.floor_s, waited, now);
+            }
+        }
     }
 }
 

@@ -17,8 +17,12 @@
 //! decode steps those requests would add between their prompts, so it
 //! errs early by at most their count of decoders for the remaining
 //! prefill steps; with that many requests ahead, a lane with a target
-//! refuses long before). The view's cost: at most `RANKS * BUCKETS`
-//! counters read and [`LISTED`] entries visited.
+//! refuses long before). In the request's own lane the view also looks at
+//! up to [`LISTED`] requests after it (they count only if running); any
+//! further ones fall into the summed rest, an over-count that errs late.
+//! The request's own claim never counts, wherever it sits. The view's
+//! cost: at most `RANKS * BUCKETS` counters read and `2 * LISTED`
+//! entries visited.
 
 use super::Work;
 use std::collections::{BTreeSet, HashMap};
@@ -247,17 +251,34 @@ impl Books {
         for r in 0..=top {
             let (mut prompt_left, mut max_left) = self.waiting_sums[r];
             let mut n_left = self.waiting[r].len();
-            for id in self.waiting[r].iter() {
-                if listed == LISTED {
-                    break;
-                }
+            // In its own lane, those before it within the shared budget,
+            // then up to as many after it (they count only if running);
+            // past both, the rest counts whole (an over-count, erring
+            // late). The request itself never counts: its claim may sit in
+            // a better lane it was moved down from.
+            let (before, after) = if r == top {
+                (
+                    self.waiting[r].range(..place),
+                    self.waiting[r].range(place..),
+                )
+            } else {
+                (self.waiting[r].range(..), self.waiting[r].range(0..0))
+            };
+            let mut own_seen = false;
+            for id in before.take(LISTED - listed).chain(after.take(LISTED)) {
                 let Some(e) = self.entries.get(id) else {
                     continue;
                 };
-                listed += 1;
+                if r < top || *id < place {
+                    listed += 1;
+                }
                 prompt_left = prompt_left.saturating_sub(e.prompt as u64);
                 max_left = max_left.saturating_sub(e.max_out as u64);
                 n_left -= 1;
+                if *id == place {
+                    own_seen = true;
+                    continue;
+                }
                 if e.running || e.rank < rank || *id < place {
                     out.push(Work {
                         rank: e.rank,
@@ -267,6 +288,15 @@ impl Books {
                         count: 1,
                     });
                 }
+            }
+            let own = self
+                .entries
+                .get(&place)
+                .filter(|e| !own_seen && !e.decoding && rank_index(e.rank) == r && n_left > 0);
+            if let Some(e) = own {
+                prompt_left = prompt_left.saturating_sub(e.prompt as u64);
+                max_left = max_left.saturating_sub(e.max_out as u64);
+                n_left -= 1;
             }
             if n_left > 0 {
                 // The rest of the rank as one prompt (see the module doc).
@@ -367,6 +397,19 @@ mod tests {
         assert_eq!(v.len(), LISTED + 1);
         let tokens: usize = v.iter().map(|w| w.prefill * w.count).sum();
         assert_eq!(tokens, 10_000);
+        // A request in the middle counts those before it, itself never,
+        // and of those after it all but the ones it looked at (itself and
+        // the next LISTED - 1): the rest is the stated over-count.
+        let v = b.view(1, 500, 1.0);
+        let tokens: usize = v.iter().map(|w| w.prefill * w.count).sum();
+        assert_eq!(tokens, 10 * (1000 - LISTED));
+        // Its claim in a better lane it was moved down from is not ahead
+        // of it either.
+        let mut c = Books::default();
+        c.insert(7, entry(0, 300, 20));
+        c.insert(3, entry(0, 40, 20));
+        let v = c.view(1, 7, 1.0);
+        assert_eq!(v.iter().map(|w| w.prefill).sum::<usize>(), 40);
         // Worse lanes are not counted; a later arrival's own lane is.
         assert!(b.view(0, 0, 1.0).is_empty());
     }
