@@ -14,19 +14,9 @@ use std::time::Instant;
 use ultrafast::admission::ratelimit::{KeyInput, KeySource, Limiter};
 use ultrafast::admission::shared::check_rates;
 
-fn arg(name: &str) -> Option<String> {
-    let a: Vec<String> = std::env::args().collect();
-    a.iter()
-        .position(|x| x == name)
-        .and_then(|i| a.get(i + 1).cloned())
-}
-
-fn summary(mut us: Vec<f64>) -> serde_json::Value {
-    us.sort_by(f64::total_cmp);
-    let q = |p: f64| us[((us.len() as f64 - 1.0) * p).round() as usize];
-    let mean = us.iter().sum::<f64>() / us.len() as f64;
-    serde_json::json!({"p50_us": q(0.5), "p99_us": q(0.99), "mean_us": mean, "n": us.len()})
-}
+#[path = "bench_util.rs"]
+mod bench_util;
+use bench_util::{arg, summary};
 
 async fn run(limiters: &[Arc<Limiter>], n: usize) -> Vec<f64> {
     let headers = http::HeaderMap::new();

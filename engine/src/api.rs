@@ -159,6 +159,24 @@ pub enum Prompt {
     Text(String),
 }
 
+impl Prompt {
+    /// The request field it came in (`messages` or `prompt`), for errors.
+    pub fn param(&self) -> &'static str {
+        match self {
+            Prompt::Chat(_) => "messages",
+            Prompt::Text(_) => "prompt",
+        }
+    }
+
+    /// Bytes of its text: the messages' contents, or the prompt.
+    pub fn text_bytes(&self) -> usize {
+        match self {
+            Prompt::Chat(m) => m.iter().map(|m| m.content.len()).sum(),
+            Prompt::Text(t) => t.len(),
+        }
+    }
+}
+
 /// A validated inference request as the front hands it to a backend.
 #[derive(Debug, Clone)]
 pub struct InferenceRequest {

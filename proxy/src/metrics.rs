@@ -476,8 +476,11 @@ impl Metrics {
                 m.state.metrics.in_flight.set(m.outstanding() as i64);
             }
         }
-        // The latency models' correction factors of the lanes with a
-        // target (read here: a scrape, not every request, pays for them).
+    }
+
+    /// The latency models' correction factors of the lanes with a target,
+    /// read at a scrape (not paid for by every request).
+    pub fn refresh_latency(&self, cfg: &crate::config::Config) {
         for (name, model) in &cfg.models {
             for lane in cfg.lanes.iter().filter(|l| l.ttft_slo.is_some()) {
                 self.inference

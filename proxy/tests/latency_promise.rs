@@ -241,17 +241,7 @@ fn calibration_follows_a_backend_that_turns_slower_then_faster() {
     // The backend's speed halves (first tokens and the gaps between
     // tokens take twice as long).
     let control = |ttft: u64, itl: u64| {
-        let body = format!("{{\"ttft_ms\": {ttft}, \"itl_ms\": {itl}}}");
-        let r = Client::connect(fake.addr)
-            .unwrap()
-            .request(
-                "POST",
-                "/control",
-                &[("Content-Type", "application/json")],
-                body.as_bytes(),
-            )
-            .unwrap();
-        assert_eq!(r.status, 200, "{}", r.text());
+        fake.control(&format!("{{\"ttft_ms\": {ttft}, \"itl_ms\": {itl}}}"));
     };
     control(240, 8);
     let phase2 = load(&uf, 3, Duration::from_secs(6));

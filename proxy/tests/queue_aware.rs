@@ -11,14 +11,6 @@ use common::infer::*;
 use common::*;
 use std::time::Duration;
 
-fn control(f: &Fake, body: &str) {
-    let r = Client::connect(f.addr)
-        .unwrap()
-        .request("POST", "/control", &[], body.as_bytes())
-        .unwrap();
-    assert_eq!(r.status, 200, "{}", r.text());
-}
-
 fn chat(uf: &Ultrafast, stream: bool) -> Resp {
     let body = format!(
         r#"{{"model":"qa","messages":[{{"role":"user","content":"hi"}}],"max_tokens":3,"stream":{stream}}}"#
@@ -78,17 +70,17 @@ fn requests_go_where_fewest_wait_and_the_kv_cache_has_room() {
     let a = Fake::start(&["--name", "qa", "--tokens", "3", "--ttft-ms", "1"]);
     let b = Fake::start(&["--name", "qa", "--tokens", "3", "--ttft-ms", "1"]);
     let uf = pool(&a, &b);
-    control(&a, r#"{"vllm_waiting": 40}"#);
-    control(&b, r#"{"vllm_waiting": 0}"#);
+    a.control(r#"{"vllm_waiting": 40}"#);
+    b.control(r#"{"vllm_waiting": 0}"#);
     scraped(&[&a, &b]);
     assert_eq!(spread(&uf, &[&a, &b], 10), vec![0, 10]);
-    control(&a, r#"{"vllm_waiting": 0}"#);
-    control(&b, r#"{"vllm_waiting": 40}"#);
+    a.control(r#"{"vllm_waiting": 0}"#);
+    b.control(r#"{"vllm_waiting": 40}"#);
     scraped(&[&a, &b]);
     assert_eq!(spread(&uf, &[&a, &b], 10), vec![10, 0]);
     // Queues equal: the fuller KV cache loses.
-    control(&a, r#"{"vllm_waiting": 0, "vllm_kv_usage": 0.95}"#);
-    control(&b, r#"{"vllm_waiting": 0, "vllm_kv_usage": 0.1}"#);
+    a.control(r#"{"vllm_waiting": 0, "vllm_kv_usage": 0.95}"#);
+    b.control(r#"{"vllm_waiting": 0, "vllm_kv_usage": 0.1}"#);
     scraped(&[&a, &b]);
     assert_eq!(spread(&uf, &[&a, &b], 10), vec![0, 10]);
 }
@@ -98,13 +90,13 @@ fn stale_figures_fall_back_to_least_outstanding() {
     let a = Fake::start(&["--name", "qa", "--tokens", "3", "--ttft-ms", "1"]);
     let b = Fake::start(&["--name", "qa", "--tokens", "3", "--ttft-ms", "1"]);
     let uf = pool(&a, &b);
-    control(&b, r#"{"vllm_waiting": 40}"#);
+    b.control(r#"{"vllm_waiting": 40}"#);
     scraped(&[&a, &b]);
     assert_eq!(spread(&uf, &[&a, &b], 6), vec![6, 0]);
     // A's metrics stop answering: its figures go stale after three
     // intervals, and the pool spreads by requests in flight, so B (which
     // still says 40 wait) gets its share rather than none.
-    control(&a, r#"{"metrics": false}"#);
+    a.control(r#"{"metrics": false}"#);
     std::thread::sleep(Duration::from_millis(600));
     let got = spread(&uf, &[&a, &b], 10);
     assert!(got[0] >= 3 && got[1] >= 3, "{got:?}");

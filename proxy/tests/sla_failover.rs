@@ -18,14 +18,6 @@ fn words(n: usize) -> String {
     (0..n).map(|i| W[i % W.len()]).collect()
 }
 
-fn control(f: &Fake, body: &str) {
-    let r = Client::connect(f.addr)
-        .unwrap()
-        .request("POST", "/control", &[], body.as_bytes())
-        .unwrap();
-    assert_eq!(r.status, 200, "{}", r.text());
-}
-
 fn post(uf: &Ultrafast, body: &str) -> Resp {
     Client::connect(uf.addr)
         .unwrap()
@@ -98,7 +90,7 @@ fn a_slow_member_violates_the_lane_the_fallback_serves_and_the_lane_recovers() {
     let spare_before = spare.stat("requests");
     // The member turns slow: 800 ms to the first token against 300.
     let turned = Instant::now();
-    control(&slow, r#"{"ttft_ms": 800}"#);
+    slow.control(r#"{"ttft_ms": 800}"#);
     assert!(
         eventually(Duration::from_secs(20), || slo_state(&uf, "m")
             == "violated"),
@@ -121,7 +113,7 @@ fn a_slow_member_violates_the_lane_the_fallback_serves_and_the_lane_recovers() {
     assert_eq!(lane["fallback_active"], true, "{lane}");
     assert!(lane["windows"]["1m"]["ttft"]["p99_ms"].as_f64().unwrap() >= 700.0);
     // Fast again: the probes bring the lane back, and traffic with it.
-    control(&slow, r#"{"ttft_ms": 10}"#);
+    slow.control(r#"{"ttft_ms": 10}"#);
     let healed = Instant::now();
     assert!(
         eventually(Duration::from_secs(20), || slo_state(&uf, "m") == "ok"),

@@ -309,7 +309,9 @@ impl ServeHttp for AdminApp {
             "/admin/stats" => self.stats(),
             "/status" => self.status_page(),
             "/metrics" => {
-                self.metrics.refresh_pools(&self.manager.shared().load());
+                let cfg = self.manager.shared().load();
+                self.metrics.refresh_pools(&cfg);
+                self.metrics.refresh_latency(&cfg);
                 reply(200, "text/plain; version=0.0.4", self.metrics.render())
             }
             "/healthz" => reply(200, "text/plain", b"ok\n".to_vec()),

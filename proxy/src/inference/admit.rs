@@ -40,9 +40,9 @@ pub fn grant(
     lanes: &[LaneSpec],
     lane: usize,
     granted: Option<&[bool]>,
-    who: &str,
+    who: impl FnOnce() -> String,
 ) -> Result<usize, BackendError> {
-    let ok = |l: usize| granted.is_none_or(|g| g.get(l).copied().unwrap_or(false));
+    let ok = |l: usize| is_granted(granted, l);
     if ok(lane) {
         return Ok(lane);
     }
@@ -56,8 +56,13 @@ pub fn grant(
         kind: "invalid_request_error",
         code: "lane_not_allowed",
         param: Some("priority"),
-        message: format!("{who} may not use the lane `{}`.", lanes[lane].name),
+        message: format!("{} may not use the lane `{}`.", who(), lanes[lane].name),
     })
+}
+
+/// Whether lane `l` is among `granted` (None: every lane is).
+fn is_granted(granted: Option<&[bool]>, l: usize) -> bool {
+    granted.is_none_or(|g| g.get(l).copied().unwrap_or(false))
 }
 
 /// A request that passed the SLO check.
@@ -225,12 +230,13 @@ pub fn estimate_tokens(prompt: &Prompt, bound: Option<PromptBound>) -> usize {
     bound.map_or(e, |b| e.min(b.context.max(1)))
 }
 
-/// The prompt text's bytes (what tokenizing it reads).
+/// The prompt's bytes as tokenizing reads them (roles too).
 pub fn prompt_bytes(prompt: &Prompt) -> usize {
-    match prompt {
-        Prompt::Text(t) => t.len(),
-        Prompt::Chat(m) => m.iter().map(|m| m.content.len() + m.role.len()).sum(),
-    }
+    let roles = match prompt {
+        Prompt::Chat(m) => m.iter().map(|m| m.role.len()).sum(),
+        Prompt::Text(_) => 0,
+    };
+    prompt.text_bytes() + roles
 }
 
 /// Refuse, before any claim or tokenization, a prompt whose byte count
@@ -245,21 +251,14 @@ pub fn prove_too_long(prompt: &Prompt, bound: Option<PromptBound>) -> Result<(),
     else {
         return Ok(());
     };
-    let bytes = match prompt {
-        Prompt::Text(t) => t.len(),
-        Prompt::Chat(m) => m.iter().map(|m| m.content.len()).sum(),
-    };
+    let bytes = prompt.text_bytes();
     let least = bytes.div_ceil(per.max(1));
     if least < context {
         return Ok(());
     }
-    let param = match prompt {
-        Prompt::Text(_) => "prompt",
-        Prompt::Chat(_) => "messages",
-    };
     Err(BackendError::invalid(
         "context_length_exceeded",
-        Some(param),
+        Some(prompt.param()),
         format!("This model's maximum context length is {context} tokens. However, your prompt of {bytes} bytes has at least {least} tokens."),
     ))
 }
@@ -282,7 +281,6 @@ pub fn slo(
     spent: Duration,
     granted: Option<&[bool]>,
 ) -> Result<Passed, Missed> {
-    let ok = |l: usize| granted.is_none_or(|g| g.get(l).copied().unwrap_or(false));
     let mut claim = claim;
     let mut l = lane;
     loop {
@@ -290,7 +288,7 @@ pub fn slo(
         if let Some(target) = spec.ttft_slo {
             let idle = latency.idle(live, prompt);
             if idle > target {
-                let lower = (l + 1..lanes.len()).find(|&m| ok(m));
+                let lower = (l + 1..lanes.len()).find(|&m| is_granted(granted, m));
                 if let (OnMiss::Downgrade, Some(m)) = (spec.on_miss, lower) {
                     l = m;
                     continue;
@@ -334,6 +332,29 @@ mod tests {
     use crate::admission::default_lanes;
     use crate::inference::predict::tests::cpu;
 
+    /// `slo` on the CPU-like cost model, nothing spent yet, every lane
+    /// granted.
+    fn slo_now(
+        lanes: &[LaneSpec],
+        lane: usize,
+        m: &Arc<Latency>,
+        prompt: usize,
+        max_out: usize,
+        claim: Option<Ticket>,
+    ) -> Result<Passed, Missed> {
+        slo(
+            lanes,
+            lane,
+            m,
+            Some(cpu()),
+            prompt,
+            max_out,
+            claim,
+            Duration::ZERO,
+            None,
+        )
+    }
+
     #[test]
     fn lane_header_then_body_then_default() {
         let lanes = default_lanes();
@@ -350,17 +371,7 @@ mod tests {
         let m = Arc::new(Latency::new(false, 2, Some(32), 1.0, 1.0));
         let mut held = Vec::new();
         let refused = loop {
-            match slo(
-                &lanes,
-                1,
-                &m,
-                Some(cpu()),
-                40,
-                128,
-                None,
-                Duration::ZERO,
-                None,
-            ) {
+            match slo_now(&lanes, 1, &m, 40, 128, None) {
                 Ok(p) => {
                     assert!(p.predicted.unwrap() <= lanes[1].ttft_slo.unwrap());
                     held.push(p.ticket.unwrap());
@@ -391,18 +402,7 @@ mod tests {
         assert!(matches!(pre, Missed::Busy { lane: 1, .. }), "{pre:?}");
         // Better lanes do not count the standard backlog.
         assert!(precheck(&lanes, 0, &m, Some(cpu()), 40, 16).is_ok());
-        let ultra = slo(
-            &lanes,
-            0,
-            &m,
-            Some(cpu()),
-            40,
-            16,
-            None,
-            Duration::ZERO,
-            None,
-        )
-        .unwrap();
+        let ultra = slo_now(&lanes, 0, &m, 40, 16, None).unwrap();
         assert_eq!(ultra.lane, 0);
     }
 
@@ -431,20 +431,7 @@ mod tests {
         // prompts: refused, they leave the ledger.
         let passed: Vec<Passed> = claims
             .into_iter()
-            .filter_map(|c| {
-                slo(
-                    &lanes,
-                    1,
-                    &m,
-                    Some(cpu()),
-                    110,
-                    128,
-                    Some(c),
-                    Duration::ZERO,
-                    None,
-                )
-                .ok()
-            })
+            .filter_map(|c| slo_now(&lanes, 1, &m, 110, 128, Some(c)).ok())
             .collect();
         assert!(
             passed.len() + 2 >= n && !passed.is_empty(),
@@ -473,32 +460,10 @@ mod tests {
         let mut lanes = default_lanes();
         let m = Arc::new(Latency::new(false, 8, Some(32), 1.0, 1.0));
         // 400 prompt tokens: ~2.4 s idle, over ultra's 1.5 s target.
-        let p = slo(
-            &lanes,
-            0,
-            &m,
-            Some(cpu()),
-            400,
-            16,
-            None,
-            Duration::ZERO,
-            None,
-        )
-        .unwrap();
+        let p = slo_now(&lanes, 0, &m, 400, 16, None).unwrap();
         assert_eq!((p.lane, p.downgraded), (1, true));
         lanes[0].on_miss = OnMiss::Reject;
-        let e = slo(
-            &lanes,
-            0,
-            &m,
-            Some(cpu()),
-            400,
-            16,
-            None,
-            Duration::ZERO,
-            None,
-        )
-        .unwrap_err();
+        let e = slo_now(&lanes, 0, &m, 400, 16, None).unwrap_err();
         let f = e.failure(&lanes);
         assert_eq!(f.status, 422);
         let v: serde_json::Value = serde_json::from_slice(&f.body).unwrap();
@@ -518,15 +483,15 @@ mod tests {
         let p = slo(&lanes, 0, &m, Some(cpu()), 400, 16, None, Duration::ZERO, g).unwrap();
         assert_eq!((p.lane, p.downgraded), (2, true));
         // A lane not granted: refused, or moved to the next granted one.
-        let e = grant(&lanes, 1, g, "The API key `k`").unwrap_err();
+        let e = grant(&lanes, 1, g, || "The API key `k`".into()).unwrap_err();
         assert_eq!(
             (e.status, e.code, e.param),
             (403, "lane_not_allowed", Some("priority"))
         );
         assert!(e.message.contains("`standard`"), "{}", e.message);
         lanes[1].on_forbidden = OnMiss::Downgrade;
-        assert_eq!(grant(&lanes, 1, g, "k").unwrap(), 2);
-        assert_eq!(grant(&lanes, 0, g, "k").unwrap(), 0);
-        assert_eq!(grant(&lanes, 1, None, "k").unwrap(), 1);
+        assert_eq!(grant(&lanes, 1, g, String::new).unwrap(), 2);
+        assert_eq!(grant(&lanes, 0, g, String::new).unwrap(), 0);
+        assert_eq!(grant(&lanes, 1, None, String::new).unwrap(), 1);
     }
 }

@@ -137,11 +137,12 @@ impl Front {
         lane: usize,
         granted: Option<&[bool]>,
     ) -> Result<usize, BackendError> {
-        let who = match &inc.key {
+        // Named only for the refusal: no allocation on the way through.
+        let who = || match &inc.key {
             Some(k) => format!("The API key `{}`", k.name),
             None => "A request without an API key".into(),
         };
-        super::admit::grant(&inc.cfg.lanes, lane, granted, &who)
+        super::admit::grant(&inc.cfg.lanes, lane, granted, who)
     }
 
     /// Which lanes (by index) this request may use: its key's `lanes`, or

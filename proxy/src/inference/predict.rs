@@ -211,6 +211,9 @@ struct Ask<'a> {
     /// The entry to enter when admitted (its id: the claim's, or new).
     entry: Entry,
     claim: Option<Ticket>,
+    /// Whether its first token is a calibration sample (an admission; a
+    /// claim predicts for a one-token stand-in, nothing to learn from).
+    learns: bool,
 }
 
 impl Latency {
@@ -314,6 +317,7 @@ impl Latency {
             reserved,
             entry: entry(rank, prompt, max_out, target),
             claim,
+            learns: true,
         };
         match self.decide(ask) {
             Ok((p, t)) => (Verdict::Admit(p), Some(t)),
@@ -343,9 +347,7 @@ impl Latency {
         target: Duration,
         reserved: &[(u32, f64)],
     ) -> Result<Ticket, Duration> {
-        let mut e = entry(rank, estimate.max(1), max_out, Some(target));
-        // A claim's own prediction is not one to learn from.
-        e.predicted_s = 0.0;
+        let e = entry(rank, estimate.max(1), max_out, Some(target));
         let ask = Ask {
             live,
             rank,
@@ -354,6 +356,7 @@ impl Latency {
             reserved,
             entry: e,
             claim: None,
+            learns: false,
         };
         self.decide(ask).map(|(_, t)| t)
     }
@@ -399,8 +402,8 @@ impl Latency {
                 }
             });
             let mut e = ask.entry;
-            if e.predicted_s > 0.0 {
-                e.predicted_s = raw;
+            if ask.learns {
+                e.predicted_s = Some(raw);
             }
             l.books.insert(ticket.id, e);
             return Ok((p, ticket));
@@ -431,13 +434,11 @@ impl Latency {
     }
 }
 
-/// A new ledger entry; its raw prediction is filled in when admitted (a
-/// positive placeholder marks entries whose first token is a calibration
-/// sample).
+/// A new ledger entry (its raw prediction is filled in when admitted).
 fn entry(rank: u32, prompt: usize, max_out: usize, target: Option<Duration>) -> Entry {
     // Times under 1/20 of the target count as that floor (see `calibrate`).
     let floor_s = target.map_or(0.05, |t| t.as_secs_f64() / 20.0);
-    Entry::new(rank, prompt, max_out, 1.0, floor_s)
+    Entry::new(rank, prompt, max_out, floor_s)
 }
 
 fn secs(s: f64) -> Duration {
@@ -479,11 +480,11 @@ impl Ticket {
             }
         }
         drop(l);
-        if !before.decoding && before.predicted_s > 0.0 {
+        if let Some(predicted) = before.predicted_s.filter(|_| !before.decoding) {
             let now = Instant::now();
             let actual = now.saturating_duration_since(before.admitted).as_secs_f64();
             m.calibration
-                .sample(before.rank, before.predicted_s, before.floor_s, actual, now);
+                .sample(before.rank, predicted, before.floor_s, actual, now);
         }
     }
 
@@ -504,13 +505,16 @@ impl Drop for Ticket {
         // predicted (its client gave up, the gate timed it out), is a
         // sample too: its time so far is a lower bound of its TTFT, and
         // leaving these out would bias the factor low where it matters.
-        if let Some(e) = gone.filter(|e| !e.decoding && e.predicted_s > 0.0) {
+        let Some(e) = gone.filter(|e| !e.decoding) else {
+            return;
+        };
+        if let Some(predicted) = e.predicted_s {
             let now = Instant::now();
             let waited = now.saturating_duration_since(e.admitted).as_secs_f64();
-            if waited > e.predicted_s.max(e.floor_s) * self.model.calibration.factor(e.rank) {
+            if waited > predicted.max(e.floor_s) * self.model.calibration.factor(e.rank) {
                 self.model
                     .calibration
-                    .sample(e.rank, e.predicted_s, e.floor_s, waited, now);
+                    .sample(e.rank, predicted, e.floor_s, waited, now);
             }
         }
     }

@@ -76,18 +76,18 @@ pub struct Entry {
     pub decoding: bool,
     /// Whether the backend holds it.
     pub running: bool,
-    /// When it was admitted, with the raw prediction then (seconds) and
-    /// the smallest prediction its calibration sample divides by.
+    /// When it was admitted.
     pub admitted: Instant,
-    /// The raw (uncalibrated) prediction.
-    pub predicted_s: f64,
-    /// Floor of the sample's divisor.
+    /// The raw (uncalibrated) prediction it was admitted on, in seconds;
+    /// None for a claim before tokenizing (no sample to learn from).
+    pub predicted_s: Option<f64>,
+    /// Times under this count as it in its calibration sample.
     pub floor_s: f64,
 }
 
 impl Entry {
     /// A request just admitted: nothing generated, not yet dispatched.
-    pub fn new(rank: u32, prompt: usize, max_out: usize, predicted_s: f64, floor_s: f64) -> Self {
+    pub fn new(rank: u32, prompt: usize, max_out: usize, floor_s: f64) -> Self {
         Entry {
             rank,
             prompt,
@@ -96,7 +96,7 @@ impl Entry {
             decoding: false,
             running: false,
             admitted: Instant::now(),
-            predicted_s,
+            predicted_s: None,
             floor_s,
         }
     }
@@ -361,7 +361,7 @@ mod tests {
     }
 
     fn entry(rank: u32, prompt: usize, max_out: usize) -> Entry {
-        Entry::new(rank, prompt, max_out, 0.0, 0.0)
+        Entry::new(rank, prompt, max_out, 0.0)
     }
 
     #[test]

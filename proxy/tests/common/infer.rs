@@ -79,6 +79,15 @@ impl Fake {
         get(self.addr, "/stats", &[]).json()
     }
 
+    /// `POST /control`: new settings for the requests that start from now.
+    pub fn control(&self, body: &str) {
+        let r = Client::connect(self.addr)
+            .unwrap()
+            .request("POST", "/control", &[], body.as_bytes())
+            .unwrap();
+        assert_eq!(r.status, 200, "{}", r.text());
+    }
+
     pub fn stat(&self, k: &str) -> u64 {
         self.stats()[k].as_u64().unwrap()
     }

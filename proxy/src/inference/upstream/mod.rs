@@ -197,10 +197,7 @@ impl UpstreamBackend {
         let Some(ctx) = self.spec.max_model_len else {
             return Ok(req.max_tokens.unwrap_or(256));
         };
-        let param = match req.prompt {
-            Prompt::Chat(_) => "messages",
-            Prompt::Text(_) => "prompt",
-        };
+        let param = req.prompt.param();
         if prompt >= ctx {
             return Err(BackendError::invalid(
                 "context_length_exceeded",
