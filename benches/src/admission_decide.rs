@@ -11,6 +11,7 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 use ultrafast::inference::predict::{Cost, Latency, Verdict};
+use ultrafast_engine::fair::Tenant;
 
 #[path = "bench_util.rs"]
 mod bench_util;
@@ -39,7 +40,16 @@ fn main() {
             x ^= x >> 7;
             x ^= x << 17;
             let max_out = 64 + (x % 1024) as usize;
-            let (_, t) = m.admit(Some(cost), 2, 200, max_out, None, &[], None);
+            let (_, t) = m.admit(
+                Some(cost),
+                2,
+                200,
+                max_out,
+                None,
+                &[],
+                None,
+                &Tenant::anonymous(),
+            );
             let Some(t) = t else { continue };
             t.dispatched();
             for _ in 0..(x % 64) {
@@ -52,7 +62,16 @@ fn main() {
         let mut token = Vec::with_capacity(n);
         for i in 0..n {
             let t0 = Instant::now();
-            let (v, t) = m.admit(Some(cost), 2, 200, 256, target, &[], None);
+            let (v, t) = m.admit(
+                Some(cost),
+                2,
+                200,
+                256,
+                target,
+                &[],
+                None,
+                &Tenant::anonymous(),
+            );
             decide.push(t0.elapsed().as_secs_f64() * 1e6);
             assert!(matches!(v, Verdict::Admit(_)));
             drop(t);

@@ -45,6 +45,7 @@ fn req(p: Vec<u32>, max_tokens: usize) -> GenerateRequest {
         },
         stop: Vec::new(),
         lane_rank: 1,
+        tenant: None,
         guide: None,
     }
 }

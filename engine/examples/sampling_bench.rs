@@ -52,6 +52,7 @@ fn decode_tok_s(e: &Engine, l: &generate::Loaded, sampling: SamplingParams) -> f
             sampling,
             stop: Vec::new(),
             lane_rank: 1,
+            tenant: None,
             guide: None,
         })
         .unwrap();

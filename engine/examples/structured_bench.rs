@@ -45,6 +45,7 @@ fn run(e: &Engine, l: &generate::Loaded, constrained: bool) -> Vec<Vec<Instant>>
                 },
                 stop: Vec::new(),
                 lane_rank: 1,
+                tenant: None,
                 guide,
             })
             .unwrap()

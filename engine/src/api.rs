@@ -19,6 +19,9 @@ pub struct GenerateRequest {
     pub stop: Vec<String>,
     /// Lane rank: lower runs first and may preempt higher ranks.
     pub lane_rank: u32,
+    /// Whose request it is: fair shares inside a lane go by tenant (None:
+    /// the anonymous tenant).
+    pub tenant: Option<crate::fair::Tenant>,
     /// The grammar its output must follow (structured outputs, tool calls).
     pub guide: Option<crate::guide::Guide>,
 }
@@ -194,6 +197,8 @@ pub struct InferenceRequest {
     pub lane: String,
     /// Lane rank: lower is more urgent.
     pub lane_rank: u32,
+    /// The tenant it is served for (fair shares inside its lane).
+    pub tenant: Option<crate::fair::Tenant>,
     /// Request id, passed on to upstreams.
     pub request_id: String,
     /// W3C `traceparent` to send an upstream server (its parent span).

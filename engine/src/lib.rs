@@ -10,6 +10,7 @@
 pub mod api;
 pub mod backend;
 pub mod error;
+pub mod fair;
 pub mod fetch;
 pub mod generate;
 pub mod guide;

@@ -174,6 +174,7 @@ fn warm(engine: &Engine, lens: &[usize]) -> Result<(), String> {
             },
             stop: Vec::new(),
             lane_rank: 0,
+            tenant: None,
             guide: None,
         };
         finish(engine.submit(req).map_err(|e| format!("warm-up: {e}"))?)?;
@@ -193,6 +194,7 @@ fn warm(engine: &Engine, lens: &[usize]) -> Result<(), String> {
                 },
                 stop: Vec::new(),
                 lane_rank: 0,
+                tenant: None,
                 guide: None,
             };
             engine.submit(req).map_err(|e| format!("warm-up: {e}"))
@@ -396,6 +398,7 @@ impl Backend for EngineService {
                 sampling: req.sampling,
                 stop: req.stop,
                 lane_rank: req.lane_rank,
+                tenant: req.tenant,
                 guide: prepared.guide,
             })
             .map_err(|e| BackendError::invalid("invalid_request", None, e.to_string()))

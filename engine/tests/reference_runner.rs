@@ -29,6 +29,7 @@ fn greedy(prompt: Vec<u32>, max_tokens: usize) -> GenerateRequest {
         },
         stop: vec![],
         lane_rank: 1,
+        tenant: None,
         guide: None,
     }
 }

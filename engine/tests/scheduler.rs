@@ -44,6 +44,7 @@ fn req(p: Vec<u32>, max_tokens: usize, lane: u32) -> GenerateRequest {
         },
         stop: vec![],
         lane_rank: lane,
+        tenant: None,
         guide: None,
     }
 }

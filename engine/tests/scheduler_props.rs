@@ -103,6 +103,7 @@ proptest! {
                 sampling: SamplingParams { temperature: 0.0, ..SamplingParams::default() },
                 stop: Vec::new(),
                 lane_rank: r.lane,
+                tenant: None,
                 guide: None,
             };
             // 40 prompt tokens + 4 fit in 16 blocks of 4: never refused.

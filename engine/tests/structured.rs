@@ -38,6 +38,7 @@ fn req(q: &str, s: Option<&Structure>, max_tokens: usize) -> GenerateRequest {
         },
         stop: vec![],
         lane_rank: 1,
+        tenant: None,
         guide: s.map(|s| l.guides.as_ref().unwrap().compile(s).unwrap()),
     }
 }

@@ -481,6 +481,7 @@ impl Metrics {
     /// The latency models' correction factors of the lanes with a target,
     /// read at a scrape (not paid for by every request).
     pub fn refresh_latency(&self, cfg: &crate::config::Config) {
+        self.inference.refresh_fair(cfg);
         for (name, model) in &cfg.models {
             for lane in cfg.lanes.iter().filter(|l| l.ttft_slo.is_some()) {
                 self.inference

@@ -17,6 +17,7 @@
 //! (`cost`) that the proxy reads to predict time to first token.
 
 mod cost;
+mod fairq;
 mod plan;
 mod seq;
 mod threads;
@@ -25,6 +26,7 @@ use crate::api::{Event, GenerateRequest};
 use crate::backend::logits::{Need, StepLogits, MAX_TOP};
 use crate::backend::{self, ModelRunner};
 use crate::error::{EngineError, Result};
+use crate::fair::{self, Share, Vtc};
 use crate::generate::Loaded;
 use crate::kv::{BlockPool, PoolStats};
 use crate::model::paged::SeqStep;
@@ -60,6 +62,9 @@ pub struct EngineConfig {
     pub kv_dtype: backend::KvDtype,
     /// Where the model runs.
     pub device: backend::Device,
+    /// What prompt and output tokens cost a tenant (fair shares inside a
+    /// lane; see [`crate::fair`]).
+    pub fair: fair::Costs,
 }
 
 impl Default for EngineConfig {
@@ -72,6 +77,7 @@ impl Default for EngineConfig {
             aging_ms_per_token: 10,
             kv_dtype: backend::KvDtype::default(),
             device: backend::Device::default(),
+            fair: fair::Costs::default(),
         }
     }
 }
@@ -147,6 +153,7 @@ pub struct Engine {
     arrivals: Arc<Arrivals>,
     device: backend::Device,
     runner_desc: String,
+    shares: Arc<fairq::Published>,
 }
 
 impl Engine {
@@ -191,7 +198,10 @@ impl Engine {
         let shared_cost = Arc::new(cost::SharedCost::default());
         let (device, runner_desc) = (runner.device(), runner.describe());
         let arrivals: Arc<Arrivals> = Arc::new(Default::default());
+        let shares = Arc::new(fairq::Published::default());
         let worker = Worker {
+            fair: (0..RANKS).map(|_| Vtc::new(cfg.fair)).collect(),
+            shares: shares.clone(),
             arrivals: arrivals.clone(),
             guard_step: false,
             gave_way: 0,
@@ -226,6 +236,7 @@ impl Engine {
             arrivals,
             device,
             runner_desc,
+            shares,
         })
     }
 
@@ -307,6 +318,12 @@ impl Engine {
     pub fn stats(&self) -> &EngineStats {
         &self.stats
     }
+
+    /// The tenants of each lane rank served most, with their virtual
+    /// counters (as of the last publication, at most a second old).
+    pub fn fair_shares(&self) -> Vec<(u32, Share)> {
+        self.shares.get()
+    }
 }
 
 struct Worker {
@@ -329,6 +346,10 @@ struct Worker {
     arrivals: Arc<Arrivals>,
     /// The planned step is a guard step (never stopped for a better lane).
     guard_step: bool,
+    /// Virtual token counters per lane rank (fair shares inside a lane).
+    fair: Vec<Vtc>,
+    /// Where the counters are published for metrics.
+    shares: Arc<fairq::Published>,
     /// Steps with worse-lane work given up in a row: at
     /// [`MAX_HELD_STEPS`] the next one runs to its end, so a stream of
     /// better-lane arrivals cannot stall the worse lanes.
@@ -360,13 +381,13 @@ impl Worker {
                 // would stand until the next request.
                 self.publish_counts();
                 match self.rx.recv() {
-                    Ok(Cmd::Submit(s)) => self.waiting.push(*s),
+                    Ok(Cmd::Submit(s)) => self.enqueue(*s),
                     Err(_) => return,
                 }
             }
             loop {
                 match self.rx.try_recv() {
-                    Ok(Cmd::Submit(s)) => self.waiting.push(*s),
+                    Ok(Cmd::Submit(s)) => self.enqueue(*s),
                     Err(TryRecvError::Empty) => break,
                     Err(TryRecvError::Disconnected) => {
                         if self.running.is_empty() && self.waiting.is_empty() {
@@ -376,8 +397,7 @@ impl Worker {
                     }
                 }
             }
-            self.running.retain(|s| !s.cancelled());
-            self.waiting.retain(|s| !s.cancelled());
+            self.drop_cancelled();
             let plan = self.plan();
             self.publish_counts();
             if plan.is_empty() {
@@ -475,7 +495,7 @@ impl Worker {
             for (i, _, _) in &chunks {
                 self.running[*i].fail(&e.to_string());
             }
-            self.running.retain(|s| !s.finished);
+            self.drop_finished();
             return;
         }
         let vocab = self.loaded.model.cfg.vocab.max(1);
@@ -496,12 +516,13 @@ impl Worker {
                     s.fail("the step returned no logits for this sequence");
                     continue;
                 };
+                self.fair[s.rank()].produced(s.tenant, 1);
                 if let Outcome::Finished = s.advance(row, &self.loaded.codec, mask) {
                     s.finished = true;
                 }
             }
         }
-        self.running.retain(|s| !s.finished);
+        self.drop_finished();
     }
 
     /// When the step about to run gives way: a request of a lane better than

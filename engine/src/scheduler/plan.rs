@@ -25,7 +25,9 @@
 //!   sharing what is left.
 //!
 //! Slots are strict priority across lanes: a worse lane waits while better
-//! lanes fill every slot, as it always did for KV blocks.
+//! lanes fill every slot, as it always did for KV blocks. Inside a lane the
+//! next to start is the request of the backlogged tenant with the smallest
+//! virtual counter (`fairq`), in the order above among that tenant's.
 
 use super::seq::Seq;
 use super::Worker;
@@ -47,6 +49,7 @@ impl Worker {
     /// Pick this step's work, in plan order.
     pub(super) fn plan(&mut self) -> Vec<Planned> {
         self.sort_queues();
+        self.fair_front();
         let max_seqs = self.cfg.max_num_seqs.max(1);
         let mut budget = self.cfg.max_batched_tokens.max(1);
         let guard = self.held_steps >= MAX_HELD_STEPS;
@@ -152,7 +155,9 @@ impl Worker {
                 s.computed = blocks.cached_tokens;
                 s.cached_tokens = blocks.cached_tokens;
                 s.blocks = Some(blocks);
+                self.started(&mut s);
                 self.running.insert(at, s);
+                self.fair_front();
                 return true;
             }
             // The last running sequence is the worst; one of a worse lane
@@ -193,6 +198,7 @@ impl Worker {
         s.blocks = None; // frees the blocks
         s.computed = 0; // recompute prompt + generated tokens on return
         self.stats.preemptions.fetch_add(1, Ordering::Relaxed);
+        self.fair[s.rank()].requeue(s.tenant);
         self.waiting.push(s);
     }
 }

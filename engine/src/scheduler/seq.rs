@@ -37,11 +37,21 @@ pub(super) struct Seq {
     /// The output's grammar, if constrained (taken out by the scheduler
     /// while it computes the mask beside the forward pass).
     pub guide: Option<Guide>,
+    /// Its tenant's id (the anonymous tenant's when the request names none).
+    pub tenant: u64,
+    /// Its prompt was charged to the tenant (it was granted a slot once;
+    /// a preempted sequence back in the queue is not charged again).
+    pub charged: bool,
 }
 
 impl Seq {
     pub fn new(mut req: GenerateRequest, tx: UnboundedSender<Event>) -> Self {
         Seq {
+            tenant: req
+                .tenant
+                .as_ref()
+                .map_or_else(|| crate::fair::Tenant::anonymous().id, |t| t.id),
+            charged: false,
             guide: req.guide.take(),
             tokens: req.prompt.clone(),
             prompt_len: req.prompt.len(),
@@ -58,6 +68,11 @@ impl Seq {
             req,
             tx,
         }
+    }
+
+    /// Its lane rank as an index of the per-rank state.
+    pub fn rank(&self) -> usize {
+        (self.req.lane_rank as usize).min(super::RANKS - 1)
     }
 
     /// The client is gone (its receiver was dropped).

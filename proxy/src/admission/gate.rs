@@ -11,15 +11,20 @@
 //! rate (completions per second while requests are queued) feeds the
 //! expected-wait refusal and `Retry-After`.
 
-use super::queue::{LaneQueue, LaneSpec, Offer, Reason};
+use super::queue::{LaneQueue, LaneSpec, Offer, Reason, Who};
 use crate::upstream::lb::mix64;
 use parking_lot::Mutex;
 use prometheus::{Histogram, IntCounter, IntGauge};
 use std::future::Future;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 use tokio::sync::oneshot;
+use ultrafast_engine::fair::{Costs, Share};
+
+/// Output tokens a permit counts before charging them to its tenant (one
+/// lock per this many tokens; the counters lag by at most this many).
+const CHARGE_EVERY: u32 = 8;
 
 /// Metric handles of one gate, one entry per lane (by rank).
 #[derive(Clone)]
@@ -35,7 +40,8 @@ pub struct GateMetrics {
 }
 
 struct Inner {
-    q: LaneQueue<oneshot::Sender<Permit>>,
+    /// Each waiter's channel and tenant.
+    q: LaneQueue<(oneshot::Sender<Permit>, u64)>,
     last_release: Option<Instant>,
     avg_gap_s: f64,
 }
@@ -68,12 +74,45 @@ pub enum Denied {
 pub struct Permit {
     gate: Arc<Gate>,
     lane: usize,
+    /// The tenant it was granted to.
+    tenant: u64,
+    /// Output tokens not yet charged to the tenant.
+    pending: AtomicU32,
+}
+
+impl Permit {
+    fn new(gate: Arc<Gate>, lane: usize, tenant: u64) -> Self {
+        Permit {
+            gate,
+            lane,
+            tenant,
+            pending: AtomicU32::new(0),
+        }
+    }
+
+    /// The request produced an output token: charged to its tenant's
+    /// counter (in batches of [`CHARGE_EVERY`]).
+    pub fn produced(&self) {
+        let n = self.pending.fetch_add(1, Ordering::Relaxed) + 1;
+        if n >= CHARGE_EVERY {
+            self.flush();
+        }
+    }
+
+    fn flush(&self) {
+        let n = self.pending.swap(0, Ordering::Relaxed);
+        if n > 0 {
+            let mut g = self.gate.inner.lock();
+            g.q.produced(self.lane, self.tenant, n as usize);
+        }
+    }
 }
 
 impl Drop for Permit {
     fn drop(&mut self) {
+        self.flush();
         let gate = self.gate.clone();
-        gate.release(self.lane);
+        gate.release(self.lane, self.tenant);
     }
 }
 
@@ -107,9 +146,20 @@ impl Gate {
         max_queued: usize,
         metrics: GateMetrics,
     ) -> Self {
+        Self::with_costs(lanes, capacity, max_queued, metrics, Costs::default())
+    }
+
+    /// A gate whose fair shares between tenants charge `costs`.
+    pub fn with_costs(
+        lanes: Vec<LaneSpec>,
+        capacity: usize,
+        max_queued: usize,
+        metrics: GateMetrics,
+        costs: Costs,
+    ) -> Self {
         Gate {
             inner: Mutex::new(Inner {
-                q: LaneQueue::new(lanes, capacity, max_queued),
+                q: LaneQueue::with_costs(lanes, capacity, max_queued, costs),
                 last_release: None,
                 avg_gap_s: 0.0,
             }),
@@ -142,14 +192,24 @@ impl Gate {
         }
     }
 
-    fn update_depths(&self, q: &LaneQueue<oneshot::Sender<Permit>>) {
+    fn update_depths(&self, q: &LaneQueue<(oneshot::Sender<Permit>, u64)>) {
         for (l, g) in self.metrics.depth.iter().enumerate() {
             g.set(q.depth(l) as i64);
         }
         self.metrics.in_use.set(q.in_use() as i64);
     }
 
-    fn release(self: &Arc<Self>, lane: usize) {
+    /// Per lane (name), up to `n` tenants served most, with their
+    /// virtual counters.
+    pub fn shares(&self, n: usize) -> Vec<(String, Vec<Share>)> {
+        let g = self.inner.lock();
+        let lanes = g.q.lanes();
+        (0..lanes.len())
+            .map(|l| (lanes[l].name.clone(), g.q.shares(l, n)))
+            .collect()
+    }
+
+    fn release(self: &Arc<Self>, lane: usize, tenant: u64) {
         // Permits that found no receiver are dropped after the lock is let
         // go: their own drop releases (and re-locks).
         let mut orphans: Vec<Permit> = Vec::new();
@@ -167,11 +227,8 @@ impl Gate {
                 }
             }
             g.last_release = Some(now);
-            for (_, granted_lane, tx) in g.q.release(lane) {
-                let permit = Permit {
-                    gate: self.clone(),
-                    lane: granted_lane,
-                };
+            for (_, granted_lane, (tx, t)) in g.q.release_for(lane, tenant) {
+                let permit = Permit::new(self.clone(), granted_lane, t);
                 if let Err(p) = tx.send(permit) {
                     orphans.push(p);
                 }
@@ -200,14 +257,29 @@ impl Gate {
         work: Option<u64>,
         gone: impl Future<Output = ()>,
     ) -> Result<(Permit, Duration), Denied> {
+        self.acquire_as(&Who::anonymous(), lane, work, gone).await
+    }
+
+    /// [`acquire`](Self::acquire) for `who`: inside its lane, slots go by
+    /// fair share between tenants; the permit charges the tenant's output.
+    pub async fn acquire_as(
+        self: &Arc<Self>,
+        who: &Who,
+        lane: usize,
+        work: Option<u64>,
+        gone: impl Future<Output = ()>,
+    ) -> Result<(Permit, Duration), Denied> {
         let start = Instant::now();
         let id = self.ids.fetch_add(1, Ordering::Relaxed);
         let (tx, rx) = oneshot::channel();
+        let tenant = who.tenant.id;
         let (offer, max_wait) = {
             let mut g = self.inner.lock();
             let now_us = self.epoch.elapsed().as_micros() as u64;
             let drain = Self::drain(&g);
-            let offer = g.q.offer(id, lane, work, now_us, self.draw(), drain, tx);
+            let draw = self.draw();
+            let offer =
+                g.q.offer_as(who, id, lane, work, now_us, draw, drain, (tx, tenant));
             let max_wait = g.q.lanes()[lane].max_wait;
             if let Offer::Refused(r) = offer {
                 return Err(Denied::Shed(r, Self::retry_after(&g, lane)));
@@ -218,13 +290,7 @@ impl Gate {
         if offer == Offer::Granted {
             self.metrics.admitted[lane].inc();
             self.metrics.wait[lane].observe(0.0);
-            return Ok((
-                Permit {
-                    gate: self.clone(),
-                    lane,
-                },
-                Duration::ZERO,
-            ));
+            return Ok((Permit::new(self.clone(), lane, tenant), Duration::ZERO));
         }
         let mut rx = rx;
         let mut guard = CancelOnDrop {

@@ -10,6 +10,7 @@
 //! tokens_per_min = 20000               # optional token budget, with `burst_tokens`
 //! burst_tokens = 4000
 //! lanes = ["standard", "batch"]        # optional: the lanes it may use; absent = all
+//! weight = 3                           # optional share against other tenants in a lane; default 1
 //! ```
 //!
 //! Parsing is serde with `deny_unknown_fields`; validation collects every
@@ -50,6 +51,7 @@ struct KeySpec {
     tokens_per_min: Option<f64>,
     burst_tokens: Option<u64>,
     lanes: Option<Vec<String>>,
+    weight: Option<f64>,
 }
 
 /// The limits of one key.
@@ -74,6 +76,8 @@ pub struct ValidKey {
     pub limits: KeyLimits,
     /// Lanes it may use; None = all.
     pub lanes: Option<Vec<String>>,
+    /// Its share of a lane against other tenants (fair shares; default 1).
+    pub weight: f64,
 }
 
 /// Why a key file could not be loaded.
@@ -178,6 +182,10 @@ pub fn parse(path: &Path, text: &str) -> Result<Vec<ValidKey>, Vec<ConfigError>>
                 errs.push((at.k("lanes").i(l), "must be a lane name".into()));
             }
         }
+        let weight = k.weight.unwrap_or(1.0);
+        if !(weight.is_finite() && (0.001..=1000.0).contains(&weight)) {
+            errs.push((at.k("weight"), "must be a number from 0.001 to 1000".into()));
+        }
         let limits = limits(k, &at, &mut errs);
         if let (Some(digest), true) = (digest, errs.len() == before) {
             out.push(ValidKey {
@@ -186,6 +194,7 @@ pub fn parse(path: &Path, text: &str) -> Result<Vec<ValidKey>, Vec<ConfigError>>
                 models,
                 limits,
                 lanes: k.lanes.clone(),
+                weight,
             });
         }
     }

@@ -27,6 +27,8 @@ pub struct KeyEntry {
     pub models: Option<Vec<String>>,
     /// Lanes it may use; None = all.
     pub lanes: Option<Vec<String>>,
+    /// Its weight against other tenants in a lane.
+    pub weight: f64,
     /// Its limits as configured.
     pub limits: KeyLimits,
     /// Its request rate limit, if it has one.
@@ -148,6 +150,7 @@ impl KeyStore {
                         name: k.name,
                         models: k.models,
                         lanes: k.lanes,
+                        weight: k.weight,
                         limits: k.limits,
                         limiter: o.limiter.clone(),
                         budget: o.budget.clone(),
@@ -207,6 +210,7 @@ fn fresh(k: ValidKey, clock: &Arc<dyn Clock>) -> KeyEntry {
         name: k.name,
         models: k.models,
         lanes: k.lanes,
+        weight: k.weight,
         limits: k.limits,
         limiter,
         budget,

@@ -7,11 +7,15 @@
 //!   into the unused reservation of a lane ranked above it: a lower lane can
 //!   never use a higher lane's reserved slots, a higher lane may borrow any
 //!   idle slot.
-//! - Dequeue is strict priority between lanes; within a lane, ordered by a
-//!   key: arrival time plus `work * sjf_us_per_unit`, i.e. shortest work first
-//!   with aging (a long request's key is fixed at arrival, so newer short
-//!   ones stop overtaking it once their arrival time passes its key); FIFO
-//!   when the work is unknown or `sjf_us_per_unit` is 0.
+//! - Dequeue is strict priority between lanes; within a lane, fair shares
+//!   between tenants (virtual token counters, `ultrafast_engine::fair`):
+//!   the next slot goes to the backlogged tenant with the smallest
+//!   counter, and among its requests by a key: arrival time plus
+//!   `work * sjf_us_per_unit`, i.e. shortest work first with aging (a long
+//!   request's key is fixed at arrival, so newer short ones stop
+//!   overtaking it once their arrival time passes its key); FIFO when the
+//!   work is unknown or `sjf_us_per_unit` is 0. One tenant alone is served
+//!   in key order.
 //! - Refusals at the door: lane queue full; pool-wide queue full (unless the
 //!   lane may preempt, in which case the newest waiter of the lowest lower
 //!   lane is evicted instead); above the high watermark, refused with a
@@ -20,6 +24,7 @@
 
 use std::collections::{BTreeMap, HashMap};
 use std::time::Duration;
+use ultrafast_engine::fair::{Costs, Share, Tenant, Vtc};
 
 /// Why a request was refused.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -122,7 +127,77 @@ pub enum Offer {
 #[derive(Debug)]
 struct Waiter<T> {
     id: u64,
+    /// Prompt tokens, charged to its tenant when granted.
+    prompt: usize,
     payload: T,
+}
+
+/// Who a request is for and what its grant charges.
+#[derive(Debug, Clone)]
+pub struct Who {
+    /// Its tenant.
+    pub tenant: Tenant,
+    /// Its prompt tokens.
+    pub prompt: usize,
+}
+
+impl Who {
+    /// A request of the anonymous tenant (plain proxied requests).
+    pub fn anonymous() -> Who {
+        Who {
+            tenant: Tenant::anonymous(),
+            prompt: 0,
+        }
+    }
+}
+
+/// One lane's waiters.
+#[derive(Debug)]
+struct Lane<T> {
+    /// Every waiter by (key, seq): the order `ahead_of` and eviction read.
+    order: BTreeMap<(u64, u64), (u64, u64)>,
+    /// Per tenant: its waiters by (key, seq).
+    by_tenant: HashMap<u64, BTreeMap<(u64, u64), Waiter<T>>>,
+    /// The lane's virtual token counters.
+    fair: Vtc,
+}
+
+impl<T> Lane<T> {
+    fn new(costs: Costs) -> Self {
+        Lane {
+            order: BTreeMap::new(),
+            by_tenant: HashMap::new(),
+            fair: Vtc::new(costs),
+        }
+    }
+
+    fn len(&self) -> usize {
+        self.order.len()
+    }
+
+    fn is_empty(&self) -> bool {
+        self.order.is_empty()
+    }
+
+    fn remove(&mut self, tenant: u64, at: (u64, u64)) -> Option<Waiter<T>> {
+        self.order.remove(&at)?;
+        let q = self.by_tenant.get_mut(&tenant)?;
+        let w = q.remove(&at);
+        if q.is_empty() {
+            self.by_tenant.remove(&tenant);
+        }
+        w
+    }
+
+    /// The next waiter by fair share, out of the lane, charged to its
+    /// tenant.
+    fn pop(&mut self) -> Option<(u64, Waiter<T>)> {
+        let tenant = self.fair.next()?;
+        let at = *self.by_tenant.get(&tenant)?.keys().next()?;
+        let w = self.remove(tenant, at)?;
+        self.fair.start(tenant, w.prompt);
+        Some((tenant, w))
+    }
 }
 
 /// A pool's lanes, slots and waiters.
@@ -134,16 +209,26 @@ pub struct LaneQueue<T> {
     max_queued: usize,
     in_use: usize,
     in_use_lane: Vec<usize>,
-    /// Per lane: (key, seq) -> waiter.
-    waiting: Vec<BTreeMap<(u64, u64), Waiter<T>>>,
-    /// id -> (lane, key, seq), for O(log n) removal.
-    index: HashMap<u64, (usize, u64, u64)>,
+    /// Per lane, its waiters.
+    waiting: Vec<Lane<T>>,
+    /// id -> (lane, tenant, key, seq), for O(log n) removal.
+    index: HashMap<u64, (usize, u64, u64, u64)>,
     seq: u64,
 }
 
 impl<T> LaneQueue<T> {
     /// A queue with `capacity` slots; `lanes` in any order.
-    pub fn new(mut lanes: Vec<LaneSpec>, capacity: usize, max_queued: usize) -> Self {
+    pub fn new(lanes: Vec<LaneSpec>, capacity: usize, max_queued: usize) -> Self {
+        Self::with_costs(lanes, capacity, max_queued, Costs::default())
+    }
+
+    /// A queue whose fair shares charge `costs`.
+    pub fn with_costs(
+        mut lanes: Vec<LaneSpec>,
+        capacity: usize,
+        max_queued: usize,
+        costs: Costs,
+    ) -> Self {
         lanes.sort_by_key(|l| l.rank);
         let reserved = lanes
             .iter()
@@ -157,7 +242,7 @@ impl<T> LaneQueue<T> {
             max_queued,
             in_use: 0,
             in_use_lane: vec![0; n],
-            waiting: (0..n).map(|_| BTreeMap::new()).collect(),
+            waiting: (0..n).map(|_| Lane::new(costs)).collect(),
             index: HashMap::new(),
             seq: 0,
         }
@@ -198,6 +283,21 @@ impl<T> LaneQueue<T> {
         self.capacity
     }
 
+    /// Up to `n` tenants of `lane`, served most first, with their counters.
+    pub fn shares(&self, lane: usize, n: usize) -> Vec<Share> {
+        self.waiting[lane].fair.top(n)
+    }
+
+    /// The virtual counter of `tenant` in `lane`.
+    pub fn counter(&self, lane: usize, tenant: u64) -> Option<f64> {
+        self.waiting[lane].fair.counter(tenant)
+    }
+
+    /// A granted request of `tenant` in `lane` produced `n` tokens.
+    pub fn produced(&mut self, lane: usize, tenant: u64, n: usize) {
+        self.waiting[lane].fair.produced(tenant, n);
+    }
+
     fn can_take(&self, lane: usize) -> bool {
         if self.in_use >= self.capacity {
             return false;
@@ -217,7 +317,7 @@ impl<T> LaneQueue<T> {
     /// Requests that would be served before one with `key` in `lane`.
     pub fn ahead_of(&self, lane: usize, key: u64) -> usize {
         let higher: usize = self.waiting[..lane].iter().map(|w| w.len()).sum();
-        higher + self.waiting[lane].range(..(key, u64::MAX)).count()
+        higher + self.waiting[lane].order.range(..(key, u64::MAX)).count()
     }
 
     /// Offer request `id` to `lane`. `work` is its expected size if known,
@@ -234,8 +334,29 @@ impl<T> LaneQueue<T> {
         drain_per_s: Option<f64>,
         payload: T,
     ) -> Offer {
+        let who = Who::anonymous();
+        self.offer_as(&who, id, lane, work, now_us, draw, drain_per_s, payload)
+    }
+
+    /// [`offer`](Self::offer) for `who`: a grant (now or later) charges
+    /// its prompt to its tenant; a slot released must name the tenant.
+    #[allow(clippy::too_many_arguments)]
+    pub fn offer_as(
+        &mut self,
+        who: &Who,
+        id: u64,
+        lane: usize,
+        work: Option<u64>,
+        now_us: u64,
+        draw: f64,
+        drain_per_s: Option<f64>,
+        payload: T,
+    ) -> Offer {
         if self.waiting[lane].is_empty() && self.can_take(lane) {
             self.take(lane);
+            let fair = &mut self.waiting[lane].fair;
+            fair.arrive(&who.tenant);
+            fair.start(who.tenant.id, who.prompt);
             return Offer::Granted;
         }
         let spec = &self.lanes[lane];
@@ -266,9 +387,10 @@ impl<T> LaneQueue<T> {
             // Evict the newest waiter of the lowest lane ranked below us.
             let victim = (lane + 1..self.lanes.len()).rev().find_map(|l| {
                 self.waiting[l]
+                    .order
                     .iter()
                     .max_by_key(|(k, _)| k.1)
-                    .map(|(_, w)| w.id)
+                    .map(|(_, w)| w.0)
             });
             match victim {
                 Some(v) => evicted = Some(v),
@@ -279,8 +401,17 @@ impl<T> LaneQueue<T> {
             self.cancel(v);
         }
         self.seq += 1;
-        self.waiting[lane].insert((key, self.seq), Waiter { id, payload });
-        self.index.insert(id, (lane, key, self.seq));
+        let (t, at) = (who.tenant.id, (key, self.seq));
+        let w = &mut self.waiting[lane];
+        w.order.insert(at, (id, t));
+        let waiter = Waiter {
+            id,
+            prompt: who.prompt,
+            payload,
+        };
+        w.by_tenant.entry(t).or_default().insert(at, waiter);
+        w.fair.arrive(&who.tenant);
+        self.index.insert(id, (lane, t, key, self.seq));
         match evicted {
             Some(evicted) => Offer::QueuedEvicting { ahead, evicted },
             None => Offer::Queued { ahead },
@@ -290,19 +421,30 @@ impl<T> LaneQueue<T> {
     /// Remove waiter `id` (gave up, disconnected, evicted). Returns its
     /// payload, or None if it is not waiting (already granted or gone).
     pub fn cancel(&mut self, id: u64) -> Option<T> {
-        let (lane, key, seq) = self.index.remove(&id)?;
-        self.waiting[lane].remove(&(key, seq)).map(|w| w.payload)
+        let (lane, tenant, key, seq) = self.index.remove(&id)?;
+        let w = &mut self.waiting[lane];
+        let waiter = w.remove(tenant, (key, seq))?;
+        w.fair.withdraw(tenant);
+        Some(waiter.payload)
     }
 
-    /// A slot of `lane` was released. Returns the waiters granted a slot
-    /// now (id, lane and payload), in grant order.
+    /// A slot of `lane` held for the anonymous tenant was released (see
+    /// [`release_for`](Self::release_for)).
     pub fn release(&mut self, lane: usize) -> Vec<(u64, usize, T)> {
+        self.release_for(lane, Tenant::anonymous().id)
+    }
+
+    /// A slot of `lane` held for `tenant` was released. Returns the
+    /// waiters granted a slot now (id, lane and payload), in grant order.
+    pub fn release_for(&mut self, lane: usize, tenant: u64) -> Vec<(u64, usize, T)> {
         self.in_use = self.in_use.saturating_sub(1);
         self.in_use_lane[lane] = self.in_use_lane[lane].saturating_sub(1);
+        self.waiting[lane].fair.finish(tenant);
         self.grant()
     }
 
-    /// Give free slots to waiters, best lane first: (id, lane, payload).
+    /// Give free slots to waiters, best lane first, inside a lane by fair
+    /// share: (id, lane, payload).
     pub fn grant(&mut self) -> Vec<(u64, usize, T)> {
         let mut out = Vec::new();
         'outer: loop {
@@ -310,7 +452,7 @@ impl<T> LaneQueue<T> {
                 if self.waiting[l].is_empty() || !self.can_take(l) {
                     continue;
                 }
-                if let Some((_, w)) = self.waiting[l].pop_first() {
+                if let Some((_, w)) = self.waiting[l].pop() {
                     self.index.remove(&w.id);
                     self.take(l);
                     out.push((w.id, l, w.payload));
@@ -363,6 +505,45 @@ mod tests {
         ));
         let granted: Vec<u64> = q.release(s).into_iter().map(|(id, _, _)| id).collect();
         assert_eq!(granted, vec![6]);
+    }
+
+    #[test]
+    fn a_tenant_with_ten_times_the_queue_gets_no_more_slots_while_both_wait() {
+        let mut ls = lanes();
+        ls[0].queue_len = 100; // standard
+        let mut q: LaneQueue<u64> = LaneQueue::new(ls, 1, 100);
+        let s = q.lane("standard").unwrap();
+        let (a, b) = (Tenant::named("a", 1.0), Tenant::named("b", 1.0));
+        let who = |t: &Tenant| Who {
+            tenant: t.clone(),
+            prompt: 100,
+        };
+        assert_eq!(
+            q.offer_as(&who(&a), 0, s, None, 0, 0.0, None, 0),
+            Offer::Granted
+        );
+        for id in 1..=10 {
+            q.offer_as(&who(&a), id, s, None, id, 0.0, None, id);
+        }
+        for id in 11..=12 {
+            q.offer_as(&who(&b), id, s, None, id, 0.0, None, id);
+        }
+        let mut holder = a.id;
+        let mut order = Vec::new();
+        for _ in 0..12 {
+            let (id, _, p) = q.release_for(s, holder).pop().unwrap();
+            q.produced(s, if id <= 10 { a.id } else { b.id }, 10);
+            holder = if p <= 10 { a.id } else { b.id };
+            order.push(id);
+        }
+        // b (lifted to a's counter on arrival) alternates with a: both of
+        // its requests are among the first four grants, not the last two.
+        let b_early = order[..4].iter().filter(|&&id| id > 10).count();
+        assert_eq!(b_early, 2, "{order:?}");
+        // a's own requests keep their order.
+        let a_order: Vec<u64> = order.iter().copied().filter(|&id| id <= 10).collect();
+        assert_eq!(a_order, (1..=10).collect::<Vec<_>>());
+        assert!(q.counter(s, a.id) > q.counter(s, b.id));
     }
 
     #[test]
@@ -433,7 +614,12 @@ mod props {
 
     #[derive(Debug, Clone)]
     enum Op {
-        Arrive { ultra: bool, work: u64, draw: f64 },
+        Arrive {
+            ultra: bool,
+            work: u64,
+            draw: f64,
+            tenant: usize,
+        },
         Complete(usize),
         Cancel(usize),
         Tick(u64),
@@ -441,7 +627,7 @@ mod props {
 
     fn op() -> impl Strategy<Value = Op> {
         prop_oneof![
-            4 => (any::<bool>(), 0u64..5000, 0.0f64..1.0).prop_map(|(ultra, work, draw)| Op::Arrive { ultra, work, draw }),
+            4 => (any::<bool>(), 0u64..5000, 0.0f64..1.0, 0usize..3).prop_map(|(ultra, work, draw, tenant)| Op::Arrive { ultra, work, draw, tenant }),
             3 => (0usize..64).prop_map(Op::Complete),
             1 => (0usize..64).prop_map(Op::Cancel),
             1 => (1u64..1_000_000).prop_map(Op::Tick),
@@ -452,53 +638,73 @@ mod props {
         #![proptest_config(ProptestConfig { cases: 300, ..ProptestConfig::default() })]
 
         /// Under any interleaving: nothing lost, nothing served twice, bounds
-        /// hold, and grants follow lane priority then key order.
+        /// hold, and grants follow lane priority, then inside a lane the
+        /// tenant with the smallest counter, then key order among its own.
         #[test]
         fn queue_invariants(ops in proptest::collection::vec(op(), 1..200), capacity in 1usize..6, max_queued in 1usize..10) {
             let mut ls = lanes();
             ls[0].high_watermark = 0.75;
-            let mut q: LaneQueue<()> = LaneQueue::new(ls, capacity, max_queued);
+            let mut q: LaneQueue<u64> = LaneQueue::new(ls, capacity, max_queued);
             let lane_ids = [q.lane("ultra").unwrap(), q.lane("standard").unwrap()];
             let mut now = 0u64;
             let mut next = 0u64;
-            let mut in_flight: Map<u64, usize> = Map::new();
-            let mut waiting: Map<u64, (usize, u64)> = Map::new();
+            let tenants: Vec<Tenant> = (0..3).map(|i| Tenant::named(&format!("t{i}"), 1.0 + i as f64)).collect();
+            // id -> (lane, tenant)
+            let mut in_flight: Map<u64, (usize, usize)> = Map::new();
+            // id -> (lane, key, tenant)
+            let mut waiting: Map<u64, (usize, u64, usize)> = Map::new();
             let mut done: HashSet<u64> = HashSet::new();
-            let check_grants = |granted: Vec<(u64, usize, ())>, waiting: &mut Map<u64, (usize, u64)>, in_flight: &mut Map<u64, usize>| -> Result<(), TestCaseError> {
-                for (id, granted_lane, ()) in granted {
-                    let (lane, key) = waiting.remove(&id).ok_or_else(|| TestCaseError::fail("granted a request that was not waiting"))?;
+            // Counters as they were before each grant (a grant charges).
+            let check_grants = |q: &LaneQueue<u64>, before: &[Vec<Option<f64>>], granted: Vec<(u64, usize, u64)>, waiting: &mut Map<u64, (usize, u64, usize)>, in_flight: &mut Map<u64, (usize, usize)>| -> Result<(), TestCaseError> {
+                let _ = q;
+                for (id, granted_lane, payload) in granted {
+                    prop_assert_eq!(id, payload);
+                    let (lane, key, t) = waiting.remove(&id).ok_or_else(|| TestCaseError::fail("granted a request that was not waiting"))?;
                     prop_assert_eq!(granted_lane, lane, "grant names the waiter's own lane");
-                    for (_, (l, k)) in waiting.iter() {
+                    for (_, (l, k, u)) in waiting.iter() {
                         prop_assert!(*l >= lane, "a higher lane was still waiting");
-                        if *l == lane { prop_assert!(*k >= key, "lane order broken"); }
+                        if *l == lane && *u == t { prop_assert!(*k >= key, "a tenant's own order broken"); }
+                        if *l == lane && *u != t && before.len() == 1 {
+                            prop_assert!(before[0][*u] >= before[0][t], "not the smallest counter");
+                        }
                     }
-                    prop_assert!(in_flight.insert(id, lane).is_none());
+                    prop_assert!(in_flight.insert(id, (lane, t)).is_none());
                 }
                 Ok(())
             };
             for op in ops {
                 match op {
-                    Op::Arrive { ultra, work, draw } => {
+                    Op::Arrive { ultra, work, draw, tenant } => {
                         let lane = lane_ids[ultra as usize];
                         let id = next; next += 1;
                         let key = now + work * q.lanes()[lane].sjf_us_per_unit;
-                        match q.offer(id, lane, Some(work), now, draw, None, ()) {
-                            Offer::Granted => { in_flight.insert(id, lane); }
-                            Offer::Queued { .. } => { waiting.insert(id, (lane, key)); }
+                        let who = Who { tenant: tenants[tenant].clone(), prompt: work as usize };
+                        match q.offer_as(&who, id, lane, Some(work), now, draw, None, id) {
+                            Offer::Granted => { in_flight.insert(id, (lane, tenant)); }
+                            Offer::Queued { .. } => { waiting.insert(id, (lane, key, tenant)); }
                             Offer::QueuedEvicting { evicted, .. } => {
-                                let (el, _) = waiting.remove(&evicted).ok_or_else(|| TestCaseError::fail("evicted a non-waiter"))?;
+                                let (el, _, _) = waiting.remove(&evicted).ok_or_else(|| TestCaseError::fail("evicted a non-waiter"))?;
                                 prop_assert!(el > lane, "evicted an equal or higher lane");
-                                waiting.insert(id, (lane, key));
+                                waiting.insert(id, (lane, key, tenant));
                             }
                             Offer::Refused(_) => {}
                         }
                     }
                     Op::Complete(k) => {
-                        if let Some((&id, &lane)) = in_flight.iter().nth(k % in_flight.len().max(1)) {
+                        if let Some((&id, &(lane, t))) = in_flight.iter().nth(k % in_flight.len().max(1)) {
                             in_flight.remove(&id);
                             prop_assert!(done.insert(id), "served twice");
-                            let g = q.release(lane);
-                            check_grants(g, &mut waiting, &mut in_flight)?;
+                            // Counters before the release's grants, when
+                            // at most one grant can follow (one slot).
+                            let before: Vec<Vec<Option<f64>>> = if capacity == 1 {
+                                q.produced(lane, tenants[t].id, 3);
+                                let l = waiting.values().map(|w| w.0).min().unwrap_or(lane);
+                                vec![tenants.iter().map(|x| q.counter(l, x.id)).collect()]
+                            } else {
+                                Vec::new()
+                            };
+                            let g = q.release_for(lane, tenants[t].id);
+                            check_grants(&q, &before, g, &mut waiting, &mut in_flight)?;
                         }
                     }
                     Op::Cancel(k) => {

@@ -283,6 +283,14 @@ pub struct InferenceSection {
     /// Prompt bytes tokenized at once, at most; a request over it is
     /// refused with 503 `tokenizer_overloaded`.
     pub tokenize_max_bytes: usize,
+    /// Who a request without an API key is served for, for fair shares
+    /// inside a lane (a key's request is its key's): `client_ip`, `user`
+    /// (the body's end-user field) or `header:NAME`.
+    pub tenant: String,
+    /// What a prompt token costs a tenant (fair shares).
+    pub fair_input_cost: f64,
+    /// What an output token costs a tenant (fair shares).
+    pub fair_output_cost: f64,
 }
 
 impl Default for InferenceSection {
@@ -293,6 +301,9 @@ impl Default for InferenceSection {
             async_max_bytes: 64 << 20,
             heartbeat_ms: 1000,
             tokenize_max_bytes: 4 << 20,
+            tenant: "client_ip".into(),
+            fair_input_cost: 1.0,
+            fair_output_cost: 2.0,
         }
     }
 }

@@ -17,6 +17,7 @@ use crate::admission::{refusal, select_lane};
 use std::sync::Arc;
 use std::time::Duration;
 use ultrafast_engine::api::{BackendError, Prompt, PromptBound};
+use ultrafast_engine::fair::Tenant;
 
 /// The lane of a request: the `X-Request-Priority` header, else the body's
 /// `priority`, else the route's default.
@@ -171,6 +172,7 @@ pub fn precheck(
     live: Option<Cost>,
     estimate: usize,
     max_out: usize,
+    tenant: &Tenant,
 ) -> Result<Option<Ticket>, Missed> {
     let Some(target) = lanes[lane].ttft_slo else {
         return Ok(None);
@@ -178,7 +180,7 @@ pub fn precheck(
     let reserved = reserved_above(lanes, lane);
     let rank = lanes[lane].rank;
     let estimate = within_target(latency, live, estimate, target);
-    match latency.claim(live, rank, estimate, max_out, target, &reserved) {
+    match latency.claim(live, rank, estimate, max_out, target, &reserved, tenant) {
         Ok(claim) => Ok(Some(claim)),
         Err(predicted) => Err(Missed::Busy {
             lane,
@@ -280,6 +282,7 @@ pub fn slo(
     claim: Option<Ticket>,
     spent: Duration,
     granted: Option<&[bool]>,
+    tenant: &Tenant,
 ) -> Result<Passed, Missed> {
     let mut claim = claim;
     let mut l = lane;
@@ -305,7 +308,9 @@ pub fn slo(
         let reserved = reserved_above(lanes, l);
         let claim = claim.take();
         let left = spec.ttft_slo.map(|t| t.saturating_sub(spent));
-        return match latency.admit(live, spec.rank, prompt, max_out, left, &reserved, claim) {
+        return match latency.admit(
+            live, spec.rank, prompt, max_out, left, &reserved, claim, tenant,
+        ) {
             (Verdict::Admit(p), ticket) => Ok(Passed {
                 lane: l,
                 downgraded: l != lane,
@@ -352,6 +357,7 @@ mod tests {
             claim,
             Duration::ZERO,
             None,
+            &Tenant::anonymous(),
         )
     }
 
@@ -398,10 +404,10 @@ mod tests {
         let v: serde_json::Value = serde_json::from_slice(&f.body).unwrap();
         assert_eq!(v["predicted_ttft_ms"], predicted.as_millis() as u64);
         // Before tokenizing: too busy even for a one-token prompt.
-        let pre = precheck(&lanes, 1, &m, Some(cpu()), 40, 128).unwrap_err();
+        let pre = precheck(&lanes, 1, &m, Some(cpu()), 40, 128, &Tenant::anonymous()).unwrap_err();
         assert!(matches!(pre, Missed::Busy { lane: 1, .. }), "{pre:?}");
         // Better lanes do not count the standard backlog.
-        assert!(precheck(&lanes, 0, &m, Some(cpu()), 40, 16).is_ok());
+        assert!(precheck(&lanes, 0, &m, Some(cpu()), 40, 16, &Tenant::anonymous()).is_ok());
         let ultra = slo_now(&lanes, 0, &m, 40, 16, None).unwrap();
         assert_eq!(ultra.lane, 0);
     }
@@ -415,7 +421,7 @@ mod tests {
         // the target, without a single prompt tokenized.
         let mut claims = Vec::new();
         let refused = loop {
-            match precheck(&lanes, 1, &m, Some(cpu()), 110, 128) {
+            match precheck(&lanes, 1, &m, Some(cpu()), 110, 128, &Tenant::anonymous()) {
                 Ok(c) => claims.push(c.expect("standard has a target")),
                 Err(e) => break e,
             }
@@ -449,7 +455,7 @@ mod tests {
         // leaves the ledger when dropped.
         drop(passed);
         assert_eq!(m.in_ledger(), 0);
-        let c = precheck(&lanes, 1, &m, Some(cpu()), 110, 128).unwrap();
+        let c = precheck(&lanes, 1, &m, Some(cpu()), 110, 128, &Tenant::anonymous()).unwrap();
         assert_eq!(m.in_ledger(), 1);
         drop(c);
         assert_eq!(m.in_ledger(), 0);
@@ -480,7 +486,19 @@ mod tests {
         // moves past it to batch.
         let granted = [true, false, true];
         let g = Some(&granted[..]);
-        let p = slo(&lanes, 0, &m, Some(cpu()), 400, 16, None, Duration::ZERO, g).unwrap();
+        let p = slo(
+            &lanes,
+            0,
+            &m,
+            Some(cpu()),
+            400,
+            16,
+            None,
+            Duration::ZERO,
+            g,
+            &Tenant::anonymous(),
+        )
+        .unwrap();
         assert_eq!((p.lane, p.downgraded), (2, true));
         // A lane not granted: refused, or moved to the next granted one.
         let e = grant(&lanes, 1, g, || "The API key `k`".into()).unwrap_err();

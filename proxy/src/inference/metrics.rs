@@ -21,6 +21,9 @@ fn must<T>(r: prometheus::Result<T>) -> T {
     r.expect("static metric definition")
 }
 
+/// Tenants per model and lane in the fair-share gauges.
+pub const FAIR_TENANTS: usize = 32;
+
 const LAT: &[f64] = &[
     0.001, 0.0025, 0.005, 0.01, 0.02, 0.035, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 1.0, 2.5, 5.0,
     10.0, 30.0,
@@ -39,6 +42,13 @@ pub struct InferenceMetrics {
     /// multiplies raw predictions by it (the recent p99 of actual over
     /// predicted time to first token; read at scrape time).
     pub ttft_correction: GaugeVec,
+    /// Fair shares: each tenant's virtual token counter, by model, lane
+    /// and tenant (the tenants served most, at most
+    /// [`FAIR_TENANTS`] per model and lane; read at scrape time).
+    pub fair_counter: GaugeVec,
+    /// Fair shares: tokens served (prompt and output) per tenant, same
+    /// labels and bound.
+    pub fair_served: GaugeVec,
     /// Delivered inter-token interval (at the socket write), by lane and backend.
     pub itl: HistogramVec,
     /// End to end, by lane and backend.
@@ -157,6 +167,16 @@ impl InferenceMetrics {
                 "ultrafast_inference_ttft_correction_factor",
                 "The factor admission multiplies raw TTFT predictions by: the recent p99 of actual over predicted time to first token, by model and lane.",
                 &["model", "lane"],
+            ),
+            fair_counter: gv(
+                "ultrafast_inference_fair_counter",
+                "Fair shares inside a lane: a tenant's virtual token counter (prompt and output tokens, weighted, divided by its weight), by model, lane and tenant; the tenants served most.",
+                &["model", "lane", "tenant"],
+            ),
+            fair_served: gv(
+                "ultrafast_inference_fair_served_tokens",
+                "Fair shares inside a lane: prompt and output tokens served to a tenant since it was first seen, by model, lane and tenant; the tenants served most.",
+                &["model", "lane", "tenant"],
             ),
             itl: hv(
                 "ultrafast_inference_inter_token_seconds",
@@ -326,6 +346,41 @@ impl InferenceMetrics {
             let _ = self
                 .device
                 .remove_label_values(&[model, d.as_str(), r.as_str()]);
+        }
+    }
+
+    /// Fill the fair-share gauges from every model's gate and engine
+    /// (called on scrape; rewritten whole, so a tenant no longer among
+    /// the most served leaves the exposition).
+    pub fn refresh_fair(&self, cfg: &crate::config::Config) {
+        self.fair_counter.reset();
+        self.fair_served.reset();
+        let lane_of = |rank: u32| {
+            cfg.lanes
+                .iter()
+                .find(|l| l.rank == rank)
+                .map_or_else(|| rank.to_string(), |l| l.name.clone())
+        };
+        let set = |model: &str, lane: &str, s: &ultrafast_engine::fair::Share| {
+            let labels = [model, lane, &*s.name];
+            self.fair_counter.with_label_values(&labels).set(s.counter);
+            self.fair_served
+                .with_label_values(&labels)
+                .set(s.served as f64);
+        };
+        for (name, model) in &cfg.models {
+            let Some(gate) = &model.gate else { continue };
+            for (lane, shares) in gate.shares(FAIR_TENANTS) {
+                for s in &shares {
+                    set(name, &lane, s);
+                }
+            }
+        }
+        for (svc, name, _, _) in self.engines.lock().iter() {
+            let Some(e) = svc.engine() else { continue };
+            for (rank, s) in e.fair_shares() {
+                set(name, &lane_of(rank), &s);
+            }
         }
     }
 

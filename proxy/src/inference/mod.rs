@@ -29,6 +29,7 @@ mod run;
 pub mod shape;
 pub mod sinks;
 pub mod sse;
+pub mod tenant;
 pub mod tokenize;
 mod trace;
 pub mod upstream;
@@ -47,7 +48,7 @@ pub use registry::Engines;
 pub enum ModelBackend {
     /// By the in-process engine (started at `serve`; a reload that changes
     /// its section starts a new one beside it, see `registry`).
-    Engine(ServiceSpec),
+    Engine(Box<ServiceSpec>),
     /// By an upstream pool.
     Upstream(Arc<upstream::UpstreamBackend>),
 }

@@ -331,7 +331,9 @@ impl Front {
                 model.name
             ))));
         };
+        let tenant = super::tenant::tenant_of(inc, parsed.user.as_deref());
         let req = InferenceRequest {
+            tenant: Some(tenant.clone()),
             model: parsed.model.clone(),
             prompt: parsed.prompt.clone(),
             max_tokens: parsed.max_tokens,
@@ -359,11 +361,19 @@ impl Front {
         let live = backend.step_cost().map(super::live_cost);
         let estimate = admit::estimate_tokens(&req.prompt, bound);
         let max_out = req.max_tokens.unwrap_or(CLAIM_MAX_TOKENS);
-        let claim =
-            admit::precheck(lanes, lane, &model.latency, live, estimate, max_out).map_err(|m| {
-                metrics.shed(&lanes[m.lane()].name, "slo");
-                m.failure(lanes)
-            })?;
+        let claim = admit::precheck(
+            lanes,
+            lane,
+            &model.latency,
+            live,
+            estimate,
+            max_out,
+            &tenant,
+        )
+        .map_err(|m| {
+            metrics.shed(&lanes[m.lane()].name, "slo");
+            m.failure(lanes)
+        })?;
         // The engine tokenizes and renders the template here: off the
         // request runtime, so a long prompt never stalls other requests,
         // and bounded in bytes and threads (see `tokenize`).
@@ -400,6 +410,7 @@ impl Front {
             claim,
             inc.arrived.elapsed(),
             granted.as_deref(),
+            &tenant,
         )
         .map_err(|m| {
             let reason = match m {

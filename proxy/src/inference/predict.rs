@@ -35,11 +35,12 @@
 //! came against their raw predictions (`calibrate`), so the target holds
 //! on a machine slower (or faster) than the fit believes.
 
-use book::{rank_index, Books, Entry, RANKS};
+use book::{rank_index, Books, Entry, Viewer, RANKS};
 use calibrate::Calibration;
 use parking_lot::Mutex;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
+use ultrafast_engine::fair::Tenant;
 
 /// The step model of a backend, in seconds.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -308,6 +309,7 @@ impl Latency {
         target: Option<Duration>,
         reserved: &[(u32, f64)],
         claim: Option<Ticket>,
+        tenant: &Tenant,
     ) -> (Verdict, Option<Ticket>) {
         let ask = Ask {
             live,
@@ -315,7 +317,7 @@ impl Latency {
             prompt,
             target,
             reserved,
-            entry: entry(rank, prompt, max_out, target),
+            entry: entry(rank, prompt, max_out, target).of(tenant),
             claim,
             learns: true,
         };
@@ -346,8 +348,9 @@ impl Latency {
         max_out: usize,
         target: Duration,
         reserved: &[(u32, f64)],
+        tenant: &Tenant,
     ) -> Result<Ticket, Duration> {
-        let e = entry(rank, estimate.max(1), max_out, Some(target));
+        let e = entry(rank, estimate.max(1), max_out, Some(target)).of(tenant);
         let ask = Ask {
             live,
             rank,
@@ -372,12 +375,15 @@ impl Latency {
                 let mut l = self.ledger.lock();
                 let place = ask.claim.as_ref().map_or(l.next, |t| t.id);
                 let slots = self.slots_for(&mut l, ask.rank, ask.reserved);
-                let share = l.output_share;
-                (
-                    l.books.view(ask.rank, place, share),
-                    l.books.arrivals,
-                    slots,
-                )
+                let viewer = Viewer {
+                    rank: ask.rank,
+                    place,
+                    share: l.output_share,
+                    tenant: ask.entry.tenant,
+                    weight: ask.entry.weight,
+                    prompt: ask.prompt,
+                };
+                (l.books.view(viewer), l.books.arrivals, slots)
             };
             let raw = predict(&cost, slots, &ahead, ask.rank, ask.prompt);
             // Calibrated (see `calibrate`): the floor counts on both sides.

@@ -3,6 +3,11 @@
 use super::*;
 use proptest::prelude::*;
 
+/// The anonymous tenant.
+fn anon() -> Tenant {
+    Tenant::anonymous()
+}
+
 /// A CPU-like step model for tests here and in `admit`.
 pub(crate) fn cpu() -> Cost {
     Cost {
@@ -88,7 +93,7 @@ fn ledger_admits_until_the_target_then_refuses() {
     let mut held = Vec::new();
     let mut refused = 0;
     for _ in 0..10 {
-        match m.admit(Some(cpu()), 1, 30, 128, target, &[], None) {
+        match m.admit(Some(cpu()), 1, 30, 128, target, &[], None, &anon()) {
             (Verdict::Admit(p), Some(t)) => {
                 assert!(p <= limit);
                 t.dispatched();
@@ -115,7 +120,7 @@ fn a_better_lanes_reserve_counts_only_while_it_is_active() {
     let fill = |n: usize| -> Vec<Ticket> {
         (0..n)
             .map(|_| {
-                let (_, t) = m.admit(Some(cpu()), 1, 30, 100, None, &reserve, None);
+                let (_, t) = m.admit(Some(cpu()), 1, 30, 100, None, &reserve, None, &anon());
                 let t = t.unwrap();
                 t.dispatched();
                 t
@@ -123,11 +128,15 @@ fn a_better_lanes_reserve_counts_only_while_it_is_active() {
             .collect()
     };
     let held = fill(2);
-    let idle_ultra = m.admit(Some(cpu()), 1, 30, 100, None, &reserve, None).0;
+    let idle_ultra = m
+        .admit(Some(cpu()), 1, 30, 100, None, &reserve, None, &anon())
+        .0;
     // An ultra request marks its lane active: now two of the four
     // slots are its, and the standard request waits for a slot.
-    drop(m.admit(Some(cpu()), 0, 10, 4, None, &[], None));
-    let busy_ultra = m.admit(Some(cpu()), 1, 30, 100, None, &reserve, None).0;
+    drop(m.admit(Some(cpu()), 0, 10, 4, None, &[], None, &anon()));
+    let busy_ultra = m
+        .admit(Some(cpu()), 1, 30, 100, None, &reserve, None, &anon())
+        .0;
     let p = |v: Verdict| match v {
         Verdict::Admit(p) | Verdict::Busy(p) => p,
     };
@@ -142,7 +151,7 @@ fn a_better_lanes_reserve_counts_only_while_it_is_active() {
 fn learned_upstream_follows_its_streams() {
     let m = Arc::new(Latency::new(true, 4, None, 1000.0, 10.0));
     assert!((m.cost(None).step(1) - 0.1).abs() < 0.01);
-    let (_, t) = m.admit(None, 1, 100, 50, None, &[], None);
+    let (_, t) = m.admit(None, 1, 100, 50, None, &[], None, &anon());
     let t = t.unwrap();
     t.dispatched();
     t.token(None, Some(Duration::from_millis(300)));
@@ -160,7 +169,7 @@ fn first_tokens_calibrate_their_lane() {
     let m = live(4);
     assert_eq!(m.correction(1), calibrate::PRIOR);
     for _ in 0..calibrate::MIN_SAMPLES + 5 {
-        let (_, t) = m.admit(Some(cpu()), 1, 30, 8, None, &[], None);
+        let (_, t) = m.admit(Some(cpu()), 1, 30, 8, None, &[], None, &anon());
         let t = t.unwrap();
         t.dispatched();
         // The first token at once: far sooner than predicted (which is
@@ -171,7 +180,7 @@ fn first_tokens_calibrate_their_lane() {
     assert!(m.correction(1) < 1.0, "{}", m.correction(1));
     assert_eq!(m.correction(0), calibrate::PRIOR);
     // A calibrated prediction is the raw one times the factor.
-    let (v, _) = m.admit(Some(cpu()), 1, 30, 8, None, &[], None);
+    let (v, _) = m.admit(Some(cpu()), 1, 30, 8, None, &[], None, &anon());
     let Verdict::Admit(p) = v else {
         panic!("{v:?}")
     };
@@ -186,7 +195,7 @@ fn thousands_of_streams_replay_as_a_bounded_view() {
     let held: Vec<Ticket> = (0..5000usize)
         .map(|i| {
             let max_out = 100 + (i * 7919) % 900;
-            let (_, t) = m.admit(Some(cpu()), 1, 50, max_out, None, &[], None);
+            let (_, t) = m.admit(Some(cpu()), 1, 50, max_out, None, &[], None, &anon());
             let t = t.unwrap();
             t.dispatched();
             t.token(None, None);
@@ -200,7 +209,11 @@ fn thousands_of_streams_replay_as_a_bounded_view() {
             t
         })
         .collect();
-    let view = m.ledger.lock().books.view(1, u64::MAX, 1.0);
+    let view = m
+        .ledger
+        .lock()
+        .books
+        .view(super::book::Viewer::plain(1, u64::MAX, 1.0));
     assert!(view.len() < 100, "{}", view.len());
     assert_eq!(view.iter().map(|w| w.count).sum::<usize>(), 5000);
     // Decoders' output only rounded up (by at most a quarter).
@@ -299,7 +312,7 @@ proptest! {
         let mut held = Vec::new();
         for (rank, prompt, max_out, target_ms, dispatch) in reqs {
             let target = Duration::from_millis(target_ms);
-            match m.admit(Some(cpu()), rank, prompt, max_out, Some(target), &[], None) {
+            match m.admit(Some(cpu()), rank, prompt, max_out, Some(target), &[], None, &anon()) {
                 (Verdict::Admit(p), Some(t)) => {
                     prop_assert!(p <= target);
                     if dispatch { t.dispatched(); }

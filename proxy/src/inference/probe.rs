@@ -79,6 +79,7 @@ async fn send(front: &Front, cfg: &crate::config::Config, p: &Probe) {
         stop: Vec::new(),
         lane: "probe".into(),
         lane_rank: p.rank,
+        tenant: None,
         request_id: format!("probe-{}", super::jobs::random_id()),
         traceparent: None,
         user: None,

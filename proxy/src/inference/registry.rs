@@ -41,7 +41,7 @@ impl Engines {
         let mut out = HashMap::new();
         for (name, m) in models {
             if let ModelBackend::Engine(spec) = &m.backend {
-                let svc = EngineService::start(spec.clone(), Some(metrics.steps()));
+                let svc = EngineService::start((**spec).clone(), Some(metrics.steps()));
                 metrics.watch(name, svc.clone());
                 out.insert(name.clone(), svc);
             }
@@ -126,7 +126,7 @@ impl Engines {
                 continue;
             };
             match live.get(name) {
-                Some(s) if s.spec() == spec => {
+                Some(s) if s.spec() == &**spec => {
                     map.insert(name.clone(), s.clone());
                     changes.insert(name.clone(), "settings".into());
                 }
@@ -136,7 +136,7 @@ impl Engines {
                     } else {
                         "added"
                     };
-                    let svc = EngineService::start(spec.clone(), Some(metrics.steps()));
+                    let svc = EngineService::start((**spec).clone(), Some(metrics.steps()));
                     started.push((name.clone(), svc.clone()));
                     map.insert(name.clone(), svc);
                     changes.insert(name.clone(), what.into());

@@ -8,10 +8,12 @@ use super::drive::{self, Delivery, Failure, Finished, Gone, OnText, Sink, Timing
 use super::pacer::PaceSpec;
 use super::pipeline::{error, Call, Incoming};
 use crate::admission::gate::{Denied, Permit};
+use crate::admission::queue::Who;
 use crate::admission::refusal;
 use crate::metrics::Metrics;
 use std::time::Instant;
 use ultrafast_engine::api::{Prepared, Usage};
+use ultrafast_engine::fair::Tenant;
 
 /// How a stage ended the request early (the sink has been told).
 enum Stop {
@@ -46,7 +48,7 @@ pub(super) async fn run<S: Sink + ?Sized>(
     timing.predicted = call.passed.predicted;
     let queued_at = Instant::now();
     let permit = gate(metrics, inc, &call, sink).await;
-    let _permit = match permit {
+    let permit = match permit {
         Ok(p) => p,
         Err(Stop::Gone) => {
             outcome("client_gone");
@@ -117,7 +119,7 @@ pub(super) async fn run<S: Sink + ?Sized>(
         &mut timing,
         &mut delivery,
         observe,
-        produced(inc, vllm.as_ref()),
+        produced(inc, vllm.as_ref(), permit.as_ref()),
     )
     .await;
     let so_far = (call.prepared.prompt_tokens + delivery.tokens) as u64;
@@ -180,7 +182,11 @@ async fn gate<S: Sink + ?Sized>(
         return Ok(None);
     };
     let work = (call.prepared.prompt_tokens + call.prepared.max_tokens) as u64;
-    let acquire = gate.acquire(call.lane, Some(work), std::future::pending());
+    let who = Who {
+        tenant: call.req.tenant.clone().unwrap_or_else(Tenant::anonymous),
+        prompt: call.prepared.prompt_tokens,
+    };
+    let acquire = gate.acquire_as(&who, call.lane, Some(work), std::future::pending());
     match drive::wait(sink, inc.heartbeat(), acquire).await {
         Err(Gone) | Ok(Err(Denied::Gone)) => Err(Stop::Gone),
         Ok(Ok((p, _))) => Ok(Some(p)),
@@ -240,11 +246,19 @@ fn observer<'a>(
     }
 }
 
-/// What each token the backend produced tells vLLM's histograms: as vLLM
-/// measures them, in the engine's own time, before cadence pacing (the
-/// `ultrafast_*` families above time delivery).
-fn produced<'a>(inc: &'a Incoming, vllm: Option<&'a super::vllm::VllmRequest>) -> impl OnText + 'a {
+/// What each token the backend produced tells vLLM's histograms (as vLLM
+/// measures them, in the engine's own time, before cadence pacing; the
+/// `ultrafast_*` families above time delivery) and the gate's fair shares
+/// (the tenant's counter).
+fn produced<'a>(
+    inc: &'a Incoming,
+    vllm: Option<&'a super::vllm::VllmRequest>,
+    permit: Option<&'a Permit>,
+) -> impl OnText + 'a {
     move |at: Instant, prev: Option<Instant>| {
+        if let Some(p) = permit {
+            p.produced();
+        }
         let Some(v) = vllm else { return };
         match prev {
             None => v.ttft(at.saturating_duration_since(inc.arrived)),

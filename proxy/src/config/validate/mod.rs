@@ -47,6 +47,7 @@ fn gate(
     max_concurrency: usize,
     max_queued: usize,
     metrics: &Metrics,
+    fair: ultrafast_engine::fair::Costs,
 ) -> Option<Arc<Gate>> {
     (max_concurrency > 0).then(|| {
         let names: Vec<String> = lanes.iter().map(|l| l.name.clone()).collect();
@@ -54,11 +55,12 @@ fn gate(
             0 => lanes.iter().map(|l| l.queue_len).sum(),
             n => n,
         };
-        Arc::new(Gate::new(
+        Arc::new(Gate::with_costs(
             lanes.to_vec(),
             max_concurrency,
             max_queued,
             metrics.gate(name, &names),
+            fair,
         ))
     })
 }

@@ -4,11 +4,13 @@
 use super::*;
 use crate::inference::pacer::{PaceMode, PaceSpec};
 use crate::inference::predict::Latency;
+use crate::inference::tenant::TenantSource;
 use crate::inference::upstream::{
     HedgeAfter, HedgeSpec, PriorityField, UpstreamBackend, UpstreamSpec,
 };
 use crate::inference::{Model, ModelBackend};
 use ultrafast_engine::backend::{Device, KvDtype};
+use ultrafast_engine::fair::Costs;
 use ultrafast_engine::fetch::Source;
 use ultrafast_engine::scheduler::EngineConfig;
 use ultrafast_engine::service::ServiceSpec;
@@ -70,6 +72,17 @@ pub(super) fn inference(f: &FileConfig, errs: &mut Errors) {
     if i.tokenize_max_bytes < 4096 {
         errs.push(at.k("tokenize_max_bytes"), "must be at least 4096");
     }
+    if TenantSource::parse(&i.tenant).is_none() {
+        errs.push(at.k("tenant"), "must be client_ip, user or header:NAME");
+    }
+    for (k, v) in [
+        ("fair_input_cost", i.fair_input_cost),
+        ("fair_output_cost", i.fair_output_cost),
+    ] {
+        if !(v.is_finite() && v > 0.0 && v <= 1000.0) {
+            errs.push(at.k(k), "must be a number above 0, at most 1000");
+        }
+    }
 }
 
 fn sha256(v: &str, at: &FieldPath, errs: &mut Errors) -> Option<String> {
@@ -82,9 +95,18 @@ fn sha256(v: &str, at: &FieldPath, errs: &mut Errors) -> Option<String> {
     Some(v.to_ascii_lowercase())
 }
 
+/// What tokens cost a tenant, as `[inference]` says.
+fn fair_costs(f: &FileConfig) -> Costs {
+    Costs {
+        input: f.inference.fair_input_cost,
+        output: f.inference.fair_output_cost,
+    }
+}
+
 fn engine_spec(
     name: &str,
     m: &ModelSection,
+    fair: Costs,
     at: &FieldPath,
     errs: &mut Errors,
 ) -> Option<ServiceSpec> {
@@ -132,6 +154,7 @@ fn engine_spec(
             max_batched_tokens: m.max_batched_tokens.max(1),
             kv_dtype,
             device,
+            fair,
             ..EngineConfig::default()
         },
         warmup: m.warmup_prompt_lens.clone(),
@@ -344,7 +367,8 @@ pub(super) fn models(
         let at = FieldPath::key("models").k(name);
         let before = errs.0.len();
         let backend = match m.backend.as_str() {
-            "engine" => engine_spec(name, m, &at, errs).map(ModelBackend::Engine),
+            "engine" => engine_spec(name, m, fair_costs(f), &at, errs)
+                .map(|s| ModelBackend::Engine(Box::new(s))),
             "upstream" => upstream_spec(name, m, &at, pools, f, ctx, errs)
                 .map(|s| ModelBackend::Upstream(Arc::new(UpstreamBackend::new(s)))),
             other => {
@@ -392,6 +416,7 @@ pub(super) fn models(
             m.max_concurrency,
             m.max_queued,
             ctx.metrics,
+            fair_costs(f),
         );
         // The ledger of admitted work outlives a changed section: requests
         // admitted before the reload still occupy the same backend.

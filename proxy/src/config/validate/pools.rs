@@ -246,7 +246,10 @@ pub(super) fn pool(
     if errs.0.len() != before {
         return None;
     }
-    let gate = super::gate(name, lanes, p.max_concurrency, p.max_queued, metrics);
+    // Plain proxied requests are all the anonymous tenant's: the costs
+    // never matter.
+    let costs = ultrafast_engine::fair::Costs::default();
+    let gate = super::gate(name, lanes, p.max_concurrency, p.max_queued, metrics, costs);
     let dns = (!targets.is_empty()).then(|| {
         let fraction = ctx.prefetch_fraction;
         PoolDns::new(static_members.clone(), targets, answers, fraction)
