@@ -21,6 +21,12 @@
 //! anyway are forgotten first (no information lost), then the oldest
 //! (they come back lifted to the smallest active counter instead of
 //! their own: at most the service they had above it is forgiven).
+//!
+//! Several instances share counters through a store (the proxy's
+//! `[cluster]`): each hands over what it charged since the last exchange
+//! ([`Vtc::drain_unsynced`]) and takes in what the others charged
+//! ([`Vtc::absorb`]), which raises counters only, so every rule above
+//! holds on each instance.
 
 use std::collections::{BTreeSet, HashMap};
 use std::sync::Arc;
@@ -104,6 +110,8 @@ struct Acct {
     served: u64,
     /// When it last became idle (a change count), for eviction.
     idle_since: u64,
+    /// Counter charged here and not yet handed to other instances.
+    unsynced: f64,
 }
 
 impl Acct {
@@ -217,6 +225,7 @@ impl Vtc {
                     running: 0,
                     served: 0,
                     idle_since: 0,
+                    unsynced: 0.0,
                 },
             );
         }
@@ -249,7 +258,9 @@ impl Vtc {
         self.change(id, |a| {
             a.waiting = a.waiting.saturating_sub(1);
             a.running += 1;
-            a.counter += prompt_tokens as f64 * cost / a.weight;
+            let c = prompt_tokens as f64 * cost / a.weight;
+            a.counter += c;
+            a.unsynced += c;
             a.served += prompt_tokens as u64;
         });
     }
@@ -281,7 +292,9 @@ impl Vtc {
     pub fn produced(&mut self, id: u64, n: usize) {
         let cost = self.costs.output;
         self.change(id, |a| {
-            a.counter += n as f64 * cost / a.weight;
+            let c = n as f64 * cost / a.weight;
+            a.counter += c;
+            a.unsynced += c;
             a.served += n as u64;
         });
     }
@@ -289,6 +302,32 @@ impl Vtc {
     /// A running request of `id` ended.
     pub fn finish(&mut self, id: u64) {
         self.change(id, |a| a.running = a.running.saturating_sub(1));
+    }
+
+    /// What was charged here since the last call, for at most `max`
+    /// tenants (those charged, then the other active ones with 0, so that
+    /// their counters learn what others charged): (id, name, amount).
+    pub fn drain_unsynced(&mut self, max: usize) -> Vec<(u64, Arc<str>, f64)> {
+        let mut out: Vec<(u64, Arc<str>, f64)> = Vec::new();
+        for (id, a) in self.accts.iter_mut() {
+            if out.len() >= max {
+                break;
+            }
+            if a.unsynced > 0.0 || a.active() {
+                out.push((*id, a.name.clone(), a.unsynced));
+                a.unsynced = 0.0;
+            }
+        }
+        out
+    }
+
+    /// Other instances charged `id` by `amount` (counter units): its
+    /// counter rises by it (never falls). Unknown tenants are ignored: they
+    /// are lifted when they come.
+    pub fn absorb(&mut self, id: u64, amount: f64) {
+        if amount.is_finite() && amount > 0.0 {
+            self.change(id, |a| a.counter += amount);
+        }
     }
 
     /// The counter of `id`.

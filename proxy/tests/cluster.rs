@@ -511,3 +511,59 @@ fn an_async_request_outlives_a_store_outage() {
     let all = events(a, "sk-beta", &loc, None);
     assert!(all.len() >= 150, "{}", all.len());
 }
+
+/// Fair shares across instances: a tenant served on one instance counts
+/// on the other, so on the other a tenant it competes with gets most of
+/// the slots (on its own each instance would split them 1:1); with
+/// `fair_on_store_error = "closed"`, a store that stops answering refuses
+/// inference requests (503 `store_unavailable`), and they pass again when
+/// it returns.
+#[test]
+fn a_tenant_served_on_one_instance_counts_on_the_others() {
+    let redis = Redis::start();
+    let fake = Fake::start(&["--tokens", "6", "--itl-ms", "25"]);
+    let body = |closed: &str| {
+        format!(
+            "{}fair_on_store_error = \"{closed}\"\n\n[inference]\ntenant = \"header:x-tenant\"\n\n{INFERENCE_ROUTE}{}",
+            cluster(&redis, "fair"),
+            upstream_model("m", &[&fake], "max_concurrency = 1"),
+        )
+    };
+    let a = Ultrafast::start(&body("local"));
+    let b = Ultrafast::start(&body("closed"));
+    // heavy keeps `a` busy alone while it competes with light on `b`.
+    let a_addr = a.addr;
+    let on_a =
+        std::thread::spawn(move || closed_loops(a_addr, &[(header("x-tenant", "heavy"), 6)], 6));
+    let on_b = closed_loops(
+        b.addr,
+        &[
+            (header("x-tenant", "heavy"), 6),
+            (header("x-tenant", "light"), 6),
+        ],
+        6,
+    );
+    let on_a = on_a.join().unwrap();
+    eprintln!("served: heavy on a {on_a:?}; heavy, light on b {on_b:?}");
+    assert!(on_a[0] >= 10, "heavy on a: {on_a:?}");
+    let (heavy, light) = (on_b[0] as f64, on_b[1] as f64);
+    assert!(
+        light >= 0.7 * (heavy + light),
+        "on b heavy {heavy}, light {light}: heavy's service on a did not count"
+    );
+    // The store stops answering: b refuses, within its timeout.
+    redis.signal("-STOP");
+    let chat = r#"{"model":"m","messages":[{"role":"user","content":"hi"}],"max_tokens":2}"#;
+    let refused = eventually(Duration::from_secs(5), || {
+        let r = post_to(&b, "/v1/chat/completions", chat, &[]);
+        r.status == 503 && r.text().contains("store")
+    });
+    assert!(refused, "b kept serving with the store down");
+    // a (local) keeps serving.
+    assert_eq!(post_to(&a, "/v1/chat/completions", chat, &[]).status, 200);
+    redis.signal("-CONT");
+    let back = eventually(Duration::from_secs(5), || {
+        post_to(&b, "/v1/chat/completions", chat, &[]).status == 200
+    });
+    assert!(back, "b did not serve again when the store returned");
+}

@@ -9,63 +9,8 @@
 mod common;
 use common::infer::*;
 use common::*;
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
-use std::sync::Arc;
-use std::time::Duration;
 
 const TOKENS: usize = 6;
-
-fn chat() -> String {
-    serde_json::json!({"model": "m", "messages": [{"role": "user", "content": "hi"}],
-        "max_tokens": TOKENS})
-    .to_string()
-}
-
-/// `clients` closed loops per (headers, counter), all for `secs` seconds;
-/// each counts its tenant's completed requests.
-fn load(uf: &Ultrafast, tenants: &[(Vec<(String, String)>, usize)], secs: u64) -> Vec<usize> {
-    let stop = Arc::new(AtomicBool::new(false));
-    let counts: Vec<Arc<AtomicUsize>> = tenants.iter().map(|_| Arc::default()).collect();
-    let refused = Arc::new(AtomicUsize::new(0));
-    let mut threads = Vec::new();
-    for ((headers, clients), count) in tenants.iter().zip(&counts) {
-        for _ in 0..*clients {
-            let (stop, count, refused) = (stop.clone(), count.clone(), refused.clone());
-            let (addr, headers) = (uf.addr, headers.clone());
-            threads.push(std::thread::spawn(move || {
-                let mut h: Vec<(&str, &str)> = vec![("Content-Type", "application/json")];
-                h.extend(headers.iter().map(|(k, v)| (k.as_str(), v.as_str())));
-                // Bounded: at most this many requests per client.
-                for _ in 0..1000 {
-                    if stop.load(Ordering::Relaxed) {
-                        break;
-                    }
-                    let r = Client::connect(addr)
-                        .unwrap()
-                        .request("POST", "/v1/chat/completions", &h, chat().as_bytes())
-                        .unwrap();
-                    if r.status == 200 && !stop.load(Ordering::Relaxed) {
-                        count.fetch_add(1, Ordering::Relaxed);
-                    } else if r.status != 200 {
-                        refused.fetch_add(1, Ordering::Relaxed);
-                        std::thread::sleep(Duration::from_millis(20));
-                    }
-                }
-            }));
-        }
-    }
-    std::thread::sleep(Duration::from_secs(secs));
-    stop.store(true, Ordering::Relaxed);
-    for t in threads {
-        t.join().unwrap();
-    }
-    assert_eq!(refused.load(Ordering::Relaxed), 0, "requests were refused");
-    counts.iter().map(|c| c.load(Ordering::Relaxed)).collect()
-}
-
-fn header(name: &str, v: &str) -> Vec<(String, String)> {
-    vec![(name.to_string(), v.to_string())]
-}
 
 #[test]
 fn ten_times_the_load_gets_the_same_service_and_weights_divide_it() {
@@ -76,14 +21,15 @@ fn ten_times_the_load_gets_the_same_service_and_weights_divide_it() {
         "[inference]\ntenant = \"header:x-tenant\"\n\n{INFERENCE_ROUTE}{model}"
     ));
     // 10 clients of "heavy" against 1 of "light", both always waiting.
-    let got = load(
-        &uf,
+    let got = closed_loops(
+        uf.addr,
         &[
             (header("x-tenant", "heavy"), 10),
             (header("x-tenant", "light"), 1),
         ],
         5,
     );
+    eprintln!("served heavy, light: {got:?}");
     let (heavy, light) = (got[0] as f64, got[1] as f64);
     assert!(heavy + light >= 20.0, "too little served: {got:?}");
     // First come first served would give light 1/11 of the slots.
@@ -118,14 +64,15 @@ fn ten_times_the_load_gets_the_same_service_and_weights_divide_it() {
         "[api_keys]\nfile = \"{}\"\n\n{INFERENCE_ROUTE}{model}",
         keys.display()
     ));
-    let got = load(
-        &uf,
+    let got = closed_loops(
+        uf.addr,
         &[
             (header("Authorization", "Bearer sk-three"), 10),
             (header("Authorization", "Bearer sk-one"), 10),
         ],
         5,
     );
+    eprintln!("served weight 3, weight 1: {got:?}");
     let ratio = got[0] as f64 / got[1].max(1) as f64;
     assert!((2.3..=3.9).contains(&ratio), "weights 3:1 served {got:?}");
 }

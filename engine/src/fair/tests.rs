@@ -46,6 +46,33 @@ fn a_tenant_back_from_idle_is_lifted_and_keeps_a_higher_counter() {
 }
 
 #[test]
+fn charges_are_handed_over_once_and_others_charges_only_raise() {
+    let mut v = Vtc::default();
+    let (a, b) = (t("a"), Tenant::named("b", 2.0));
+    v.arrive(&a);
+    v.arrive(&b);
+    v.start(a.id, 10);
+    v.start(b.id, 10);
+    v.produced(b.id, 3);
+    let mut got = v.drain_unsynced(10);
+    got.sort_by(|x, y| x.1.cmp(&y.1));
+    assert_eq!(got.len(), 2);
+    assert_eq!((got[0].0, got[0].2), (a.id, 10.0));
+    assert_eq!((got[1].0, got[1].2), (b.id, 8.0)); // (10 + 3*2) / 2
+                                                   // Nothing new: active tenants are listed with 0.
+    assert!(v.drain_unsynced(10).iter().all(|x| x.2 == 0.0));
+    v.absorb(a.id, 100.0);
+    v.absorb(a.id, -50.0);
+    v.absorb(a.id, f64::NAN);
+    assert_eq!(v.counter(a.id), Some(110.0));
+    v.arrive(&a);
+    v.arrive(&b);
+    assert_eq!(v.next(), Some(b.id), "a's service elsewhere counts here");
+    // Absorbed service is not handed back.
+    assert!(v.drain_unsynced(10).iter().all(|x| x.2 == 0.0));
+}
+
+#[test]
 fn idle_tenants_are_bounded() {
     let mut v = Vtc::default();
     let keep = t("busy");

@@ -15,7 +15,7 @@
 use super::seq::Seq;
 use super::Worker;
 use crate::fair::{Share, Tenant};
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 /// Tenants per rank published for metrics.
@@ -23,22 +23,44 @@ const PUBLISHED: usize = 32;
 /// How often the counters are published.
 const EVERY: Duration = Duration::from_millis(500);
 
+/// Tenants per rank whose charges one exchange hands over.
+const EXCHANGED: usize = 256;
+
+/// A charge of one tenant in one lane rank: (rank, tenant id, name,
+/// counter units).
+pub type Charge = (u32, u64, Arc<str>, f64);
+
 /// When the counters were last published, and what: (rank, share).
 type Snapshot = (Option<Instant>, Vec<(u32, Share)>);
 
-/// The counters as last published by the engine thread.
+/// What the engine thread and the rest of the process exchange: the
+/// counters for metrics, and charges to and from other instances.
 #[derive(Debug, Default)]
 pub(super) struct Published {
     shares: Mutex<Snapshot>,
+    /// Charged here, for other instances (filled only once someone
+    /// exchanges, so that it never grows unread).
+    outbox: Mutex<(bool, Vec<Charge>)>,
+    /// Charged by other instances, for the counters here.
+    inbox: Mutex<Vec<(u32, u64, f64)>>,
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
 }
 
 impl Published {
     pub(super) fn get(&self) -> Vec<(u32, Share)> {
-        self.shares
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .1
-            .clone()
+        lock(&self.shares).1.clone()
+    }
+
+    /// Hand in others' charges, take this engine's (see
+    /// `Engine::fair_exchange`).
+    pub(super) fn exchange(&self, remote: Vec<(u32, u64, f64)>) -> Vec<Charge> {
+        lock(&self.inbox).extend(remote);
+        let mut out = lock(&self.outbox);
+        out.0 = true;
+        std::mem::take(&mut out.1)
     }
 }
 
@@ -124,12 +146,32 @@ impl Worker {
     }
 
     /// Publish the counters for metrics, at most every [`EVERY`].
-    fn publish_shares(&self) {
-        let mut p = self.shares.shares.lock().unwrap_or_else(|e| e.into_inner());
+    fn publish_shares(&mut self) {
+        let shares = self.shares.clone();
+        let mut p = lock(&shares.shares);
         if p.0.is_some_and(|t| t.elapsed() < EVERY) {
             return;
         }
         p.0 = Some(Instant::now());
+        for (rank, id, amount) in std::mem::take(&mut *lock(&shares.inbox)) {
+            if let Some(v) = self.fair.get_mut(rank as usize) {
+                v.absorb(id, amount);
+            }
+        }
+        let mut out = lock(&shares.outbox);
+        if out.0 {
+            // Unread charges pile up to a bound, then are dropped (they
+            // stay in the counters here; only other instances miss them).
+            if out.1.len() > 4 * EXCHANGED {
+                out.1.clear();
+            }
+            for (rank, v) in self.fair.iter_mut().enumerate() {
+                for (id, name, amount) in v.drain_unsynced(EXCHANGED) {
+                    out.1.push((rank as u32, id, name, amount));
+                }
+            }
+        }
+        drop(out);
         p.1.clear();
         for (rank, v) in self.fair.iter().enumerate() {
             for share in v.top(PUBLISHED) {

@@ -18,6 +18,7 @@
 
 mod cost;
 mod fairq;
+pub use fairq::Charge;
 mod plan;
 mod seq;
 mod threads;
@@ -323,6 +324,14 @@ impl Engine {
     /// counters (as of the last publication, at most a second old).
     pub fn fair_shares(&self) -> Vec<(u32, Share)> {
         self.shares.get()
+    }
+
+    /// Shared counters across instances: hand in what other instances
+    /// charged (rank, tenant id, counter units; applied at the next
+    /// publication), take what was charged here since the last exchange.
+    /// Until the first call nothing is collected.
+    pub fn fair_exchange(&self, remote: Vec<(u32, u64, f64)>) -> Vec<Charge> {
+        self.shares.exchange(remote)
     }
 }
 

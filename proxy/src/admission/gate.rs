@@ -209,6 +209,31 @@ impl Gate {
             .collect()
     }
 
+    /// Shared counters across instances: apply what others charged
+    /// (lane rank, tenant id, amount) and take what was charged here
+    /// since the last call, at most `max` tenants per lane: (lane rank,
+    /// id, name, amount).
+    pub fn fair_exchange(
+        &self,
+        remote: &[(u32, u64, f64)],
+        max: usize,
+    ) -> Vec<(u32, u64, Arc<str>, f64)> {
+        let mut g = self.inner.lock();
+        let ranks: Vec<u32> = g.q.lanes().iter().map(|l| l.rank).collect();
+        for &(rank, id, amount) in remote {
+            if let Some(lane) = ranks.iter().position(|r| *r == rank) {
+                g.q.absorb(lane, id, amount);
+            }
+        }
+        let mut out = Vec::new();
+        for (lane, rank) in ranks.iter().enumerate() {
+            for (id, name, amount) in g.q.drain_unsynced(lane, max) {
+                out.push((*rank, id, name, amount));
+            }
+        }
+        out
+    }
+
     fn release(self: &Arc<Self>, lane: usize, tenant: u64) {
         // Permits that found no receiver are dropped after the lock is let
         // go: their own drop releases (and re-locks).

@@ -23,6 +23,7 @@
 //!   (work ahead / measured drain rate) beyond the lane's max wait.
 
 use std::collections::{BTreeMap, HashMap};
+use std::sync::Arc;
 use std::time::Duration;
 use ultrafast_engine::fair::{Costs, Share, Tenant, Vtc};
 
@@ -291,6 +292,17 @@ impl<T> LaneQueue<T> {
     /// The virtual counter of `tenant` in `lane`.
     pub fn counter(&self, lane: usize, tenant: u64) -> Option<f64> {
         self.waiting[lane].fair.counter(tenant)
+    }
+
+    /// What `lane` charged since the last call (see
+    /// `Vtc::drain_unsynced`).
+    pub fn drain_unsynced(&mut self, lane: usize, max: usize) -> Vec<(u64, Arc<str>, f64)> {
+        self.waiting[lane].fair.drain_unsynced(max)
+    }
+
+    /// Other instances charged `tenant` in `lane` by `amount`.
+    pub fn absorb(&mut self, lane: usize, tenant: u64, amount: f64) {
+        self.waiting[lane].fair.absorb(tenant, amount);
     }
 
     /// A granted request of `tenant` in `lane` produced `n` tokens.

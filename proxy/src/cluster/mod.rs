@@ -17,9 +17,12 @@
 //!   admission decision (all or nothing), refunds of settled reservations.
 //! - `jobs`: the async store's jobs mirrored into Redis, read, followed and
 //!   cancelled from any instance.
+//! - `fair`: the fair-share counters of every gate and engine, exchanged
+//!   four times a second.
 //! - `members`: the heartbeat (a key with a TTL per instance) and the live
 //!   count the `local` fallback divides limits by.
 
+pub mod fair;
 pub mod jobs;
 pub mod limits;
 mod members;
@@ -179,6 +182,7 @@ pub fn init(s: &ClusterSection, metrics: &ClusterMetrics) -> Result<(), String> 
     c.rt.spawn(members::heartbeat(c.clone()));
     c.rt.spawn(jobs::subscriber(c.clone()));
     c.rt.spawn(jobs::writer(c.clone()));
+    c.rt.spawn(fair::sync(c.clone()));
     Ok(())
 }
 

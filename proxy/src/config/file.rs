@@ -67,6 +67,10 @@ pub struct ClusterSection {
     /// Connections to the store, each multiplexed (requests pipeline on
     /// it); operations spread over them round robin.
     pub pool_size: usize,
+    /// Fair shares while the store is down: `local` (and `open`): each
+    /// instance's own counters; `closed`: inference requests are refused
+    /// (503 `store_unavailable`) until it returns.
+    pub fair_on_store_error: String,
 }
 
 impl Default for ClusterSection {
@@ -78,6 +82,7 @@ impl Default for ClusterSection {
             heartbeat_ms: 1000,
             instance: String::new(),
             pool_size: 4,
+            fair_on_store_error: "local".into(),
         }
     }
 }

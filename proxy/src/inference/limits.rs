@@ -74,6 +74,10 @@ impl Front {
         inc: &Incoming,
         lane: &str,
     ) -> Result<Option<Arc<KeyEntry>>, Failure> {
+        if fair_store_closed(inc) {
+            metrics.shed(lane, Reason::StoreDown.as_str());
+            return Err(store_down());
+        }
         let key = match &inc.cfg.api_keys {
             None => Ok(None),
             Some(keys) => keys.authenticate(&inc.headers).map(Some),
@@ -241,6 +245,16 @@ fn key_mode(inc: &Incoming) -> OnStoreError {
 }
 
 /// A limit that fails closed while the shared store is down: a 503.
+/// Whether fair shares refuse now: `[cluster] fair_on_store_error =
+/// "closed"` with the store down (see `cluster::fair`).
+fn fair_store_closed(inc: &Incoming) -> bool {
+    let closed = inc.cfg.file.cluster.as_ref().is_some_and(|c| {
+        crate::cluster::OnStoreError::parse(&c.fair_on_store_error)
+            == Some(crate::cluster::OnStoreError::Closed)
+    });
+    closed && crate::cluster::get().is_some_and(|c| !c.is_up())
+}
+
 fn store_down() -> Failure {
     let (status, headers, body) = refusal(Reason::StoreDown, Duration::from_secs(1), None);
     Failure {

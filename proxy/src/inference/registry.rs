@@ -31,6 +31,13 @@ pub struct Staged {
     pub changes: BTreeMap<String, String>,
 }
 
+/// Share the fair-share counters of engine `svc` of model `name` with the
+/// other instances (when `[cluster]` is set) while it runs.
+fn share_counters(name: &str, svc: &Arc<EngineService>) {
+    let weak = Arc::downgrade(svc);
+    crate::cluster::fair::register(name, weak);
+}
+
 /// How long a reload waits for a new engine to load and warm up.
 const LOAD_LIMIT: Duration = Duration::from_secs(600);
 
@@ -43,6 +50,7 @@ impl Engines {
             if let ModelBackend::Engine(spec) = &m.backend {
                 let svc = EngineService::start((**spec).clone(), Some(metrics.steps()));
                 metrics.watch(name, svc.clone());
+                share_counters(name, &svc);
                 out.insert(name.clone(), svc);
             }
         }
@@ -137,6 +145,7 @@ impl Engines {
                         "added"
                     };
                     let svc = EngineService::start((**spec).clone(), Some(metrics.steps()));
+                    share_counters(name, &svc);
                     started.push((name.clone(), svc.clone()));
                     map.insert(name.clone(), svc);
                     changes.insert(name.clone(), what.into());

@@ -3,6 +3,8 @@
 #![allow(dead_code, clippy::unwrap_used)]
 
 use super::*;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::Arc;
 
 /// The fake upstream binary, brought up to date once per test process
 /// (`cargo test` does not build another package's binaries, and one left
@@ -252,4 +254,59 @@ pub fn contents(evs: &[Arrival]) -> Vec<(Instant, String)> {
             (!c.is_empty()).then(|| (a.at, c.to_string()))
         })
         .collect()
+}
+
+const SMALL_CHAT: &str =
+    r#"{"model":"m","messages":[{"role":"user","content":"hi"}],"max_tokens":6}"#;
+
+/// Closed loops of the same small chat (`max_tokens` 6, model `m`): per
+/// (headers, clients), that many clients for `secs` seconds; returns each
+/// entry's completed requests (any refusal fails the test).
+pub fn closed_loops(
+    addr: SocketAddr,
+    tenants: &[(Vec<(String, String)>, usize)],
+    secs: u64,
+) -> Vec<usize> {
+    let stop = Arc::new(AtomicBool::new(false));
+    let counts: Vec<Arc<AtomicUsize>> = tenants.iter().map(|_| Arc::default()).collect();
+    let refused = Arc::new(AtomicUsize::new(0));
+    let mut threads = Vec::new();
+    for ((headers, clients), count) in tenants.iter().zip(&counts) {
+        for _ in 0..*clients {
+            let (stop, count, refused) = (stop.clone(), count.clone(), refused.clone());
+            let headers = headers.clone();
+            threads.push(std::thread::spawn(move || {
+                let mut h: Vec<(&str, &str)> = vec![("Content-Type", "application/json")];
+                h.extend(headers.iter().map(|(k, v)| (k.as_str(), v.as_str())));
+                // Bounded: at most this many requests per client.
+                for _ in 0..1000 {
+                    if stop.load(Ordering::Relaxed) {
+                        break;
+                    }
+                    let r = Client::connect(addr)
+                        .unwrap()
+                        .request("POST", "/v1/chat/completions", &h, SMALL_CHAT.as_bytes())
+                        .unwrap();
+                    if r.status == 200 && !stop.load(Ordering::Relaxed) {
+                        count.fetch_add(1, Ordering::Relaxed);
+                    } else if r.status != 200 {
+                        refused.fetch_add(1, Ordering::Relaxed);
+                        std::thread::sleep(Duration::from_millis(20));
+                    }
+                }
+            }));
+        }
+    }
+    std::thread::sleep(Duration::from_secs(secs));
+    stop.store(true, Ordering::Relaxed);
+    for t in threads {
+        t.join().unwrap();
+    }
+    assert_eq!(refused.load(Ordering::Relaxed), 0, "requests were refused");
+    counts.iter().map(|c| c.load(Ordering::Relaxed)).collect()
+}
+
+/// One header as `closed_loops` takes it.
+pub fn header(name: &str, v: &str) -> Vec<(String, String)> {
+    vec![(name.to_string(), v.to_string())]
 }

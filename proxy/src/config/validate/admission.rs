@@ -262,6 +262,9 @@ pub(super) fn cluster(f: &FileConfig, errs: &mut Errors) {
     if !(50..=60_000).contains(&c.heartbeat_ms) {
         errs.push(at.k("heartbeat_ms"), "must be between 50 and 60000");
     }
+    if crate::cluster::OnStoreError::parse(&c.fair_on_store_error).is_none() {
+        errs.push(at.k("fair_on_store_error"), "must be local, open or closed");
+    }
 }
 
 #[cfg(test)]

@@ -418,6 +418,11 @@ pub(super) fn models(
             ctx.metrics,
             fair_costs(f),
         );
+        if let Some(g) = &gate {
+            // Shared with the other instances when `[cluster]` is set.
+            let weak = Arc::downgrade(g);
+            crate::cluster::fair::register(name, weak);
+        }
         // The ledger of admitted work outlives a changed section: requests
         // admitted before the reload still occupy the same backend.
         let latency = match ctx.prev.and_then(|c| c.models.get(name)) {
