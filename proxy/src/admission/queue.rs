@@ -27,6 +27,10 @@ use std::sync::Arc;
 use std::time::Duration;
 use ultrafast_engine::fair::{Costs, Share, Tenant, Vtc};
 
+/// Waiters of its own lane an arrival counts one by one (see
+/// [`LaneQueue::ahead_of`]).
+const AHEAD_COUNTED: usize = 256;
+
 /// Why a request was refused.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Reason {
@@ -326,10 +330,47 @@ impl<T> LaneQueue<T> {
         self.in_use_lane[lane] += 1;
     }
 
-    /// Requests that would be served before one with `key` in `lane`.
+    /// Requests that would be served before one with `key` in `lane`
+    /// (higher lanes' waiters, and its own lane's in key order; fair
+    /// shares may serve some of the latter later). Its cost is bounded:
+    /// past [`AHEAD_COUNTED`] in its own lane, the whole lane counts (an
+    /// over-count, so the expected-wait refusal errs early, never late).
     pub fn ahead_of(&self, lane: usize, key: u64) -> usize {
         let higher: usize = self.waiting[..lane].iter().map(|w| w.len()).sum();
-        higher + self.waiting[lane].order.range(..(key, u64::MAX)).count()
+        let own = &self.waiting[lane];
+        let before = own
+            .order
+            .range(..(key, u64::MAX))
+            .take(AHEAD_COUNTED)
+            .count();
+        higher
+            + if before == AHEAD_COUNTED {
+                own.len()
+            } else {
+                before
+            }
+    }
+
+    /// Requests served before one of `tenant` with `key` in `lane`, as
+    /// fair shares serve a lane: higher lanes' waiters, then in its own
+    /// lane its tenant's waiters before it, each of them after one request
+    /// of every other backlogged tenant (round robin, the shape VTC takes
+    /// between equal backlogged tenants), at most the whole lane. One
+    /// tenant alone: its own waiters before it, as [`ahead_of`](Self::ahead_of).
+    /// Bounded like it: past [`AHEAD_COUNTED`] of its own, the whole lane.
+    pub fn ahead_of_tenant(&self, lane: usize, tenant: u64, key: u64) -> usize {
+        let higher: usize = self.waiting[..lane].iter().map(|w| w.len()).sum();
+        let own = &self.waiting[lane];
+        let mine = own.by_tenant.get(&tenant).map_or(0, |q| {
+            q.range(..(key, u64::MAX)).take(AHEAD_COUNTED).count()
+        });
+        let others = own.by_tenant.len() - usize::from(own.by_tenant.contains_key(&tenant));
+        let turns = if mine == AHEAD_COUNTED {
+            own.len()
+        } else {
+            mine * (others + 1) + others
+        };
+        higher + turns.min(own.len())
     }
 
     /// Offer request `id` to `lane`. `work` is its expected size if known,
@@ -384,7 +425,7 @@ impl<T> LaneQueue<T> {
             }
         }
         let key = now_us.saturating_add(work.unwrap_or(0).saturating_mul(spec.sjf_us_per_unit));
-        let ahead = self.ahead_of(lane, key);
+        let ahead = self.ahead_of_tenant(lane, who.tenant.id, key);
         if let Some(rate) = drain_per_s.filter(|r| *r > 0.0) {
             let expected = (ahead + 1) as f64 / rate;
             if expected > spec.max_wait.as_secs_f64() {
@@ -537,9 +578,15 @@ mod tests {
         for id in 1..=10 {
             q.offer_as(&who(&a), id, s, None, id, 0.0, None, id);
         }
+        // Counted ahead: a's next waits for its ten; b's first for one of
+        // a's (fair shares alternate), not for all ten.
+        assert_eq!(q.ahead_of_tenant(s, a.id, 11), 10);
+        assert_eq!(q.ahead_of_tenant(s, b.id, 11), 1);
         for id in 11..=12 {
             q.offer_as(&who(&b), id, s, None, id, 0.0, None, id);
         }
+        // With b backlogged too, a's next waits for its ten and b's turns.
+        assert_eq!(q.ahead_of_tenant(s, a.id, 13), 12);
         let mut holder = a.id;
         let mut order = Vec::new();
         for _ in 0..12 {
