@@ -5,9 +5,11 @@ second half), in one run: ultrafast proxies `/plain/` to an nginx origin
 every stream is in the latency model's ledger). One client sends plain
 GETs one after another on a keep-alive connection for --seconds and
 takes each latency; first alone, then with N streams open (slo-flood: N
-concurrent streamed chats, each producing a token every --itl-ms for
+concurrent streamed chats in the batch lane, each producing a token every
+--itl-ms (+-half of it, so that the streams do not tick in lockstep) for
 longer than the run, so all N stay in flight while the plain requests
-are timed). Prints the plain p50/p99 without and with the streams, their
+are timed). The model has no slot limit (`max_concurrency = 0`): every
+stream is in the latency model's ledger. Prints the plain p50/p99 without and with the streams, their
 ratio (target: p99 within 10%), the streams established, and the CPU
 each process used meanwhile.
 
@@ -56,11 +58,14 @@ def main():
     ap.add_argument("--streams", type=int, default=5000)
     ap.add_argument("--seconds", type=int, default=20)
     ap.add_argument("--itl-ms", type=int, default=5000)
+    ap.add_argument("--heartbeat-ms", type=int, default=1000,
+                    help="[inference] heartbeat_ms: an SSE comment on every stream idle this long")
     a = ap.parse_args()
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
     cpu = next((l.split(":", 1)[1].strip() for l in open("/proc/cpuinfo") if l.startswith("model name")), "?")
-    out = {"cpu": cpu, "cores": os.cpu_count(), "streams": a.streams, "itl_ms": a.itl_ms}
+    out = {"cpu": cpu, "cores": os.cpu_count(), "streams": a.streams, "itl_ms": a.itl_ms,
+           "heartbeat_ms": a.heartbeat_ms}
     procs = []
     with tempfile.TemporaryDirectory(prefix="uf-streams-") as tmp:
         try:
@@ -74,7 +79,8 @@ def main():
             procs.append(spawn(["nginx", "-c", ngx, "-p", tmp], stderr=subprocess.DEVNULL))
             wait_port(op)
             fake = spawn([os.path.join(BIN, "fake-openai"), "--tokens", "100000", "--itl-ms", str(a.itl_ms),
-                          "--ttft-ms", "20", "--capacity", str(a.streams * 2)], stdout=subprocess.PIPE,
+                          "--ttft-ms", "20", "--jitter-ms", str(a.itl_ms // 2),
+                          "--capacity", str(a.streams * 2)], stdout=subprocess.PIPE,
                          stderr=subprocess.DEVNULL, text=True)
             procs.append(fake)
             fport = int(fake.stdout.readline().strip().rsplit(":", 1)[1])
@@ -84,12 +90,13 @@ def main():
                 f.write(f'[server]\npid_file = "{tmp}/uf.pid"\nupgrade_sock = "{tmp}/uf.sock"\n\n'
                         f'[admin]\nlisten = "127.0.0.1:{admin}"\n\n[log]\naccess_log = "off"\n\n'
                         f'[limits]\nmax_connections = {a.streams * 4}\n\n'
+                        f'[inference]\nheartbeat_ms = {a.heartbeat_ms}\n\n'
                         f'[[listeners]]\nname = "http"\naddress = "127.0.0.1:{port}"\n\n'
                         f'[[routes]]\nname = "openai"\npath = "/v1/"\ninference = true\n\n'
                         f'[[routes]]\nname = "plain"\npath = "/plain/"\npool = "origin"\n\n'
                         f'[pools.origin]\nmembers = [{{ addr = "127.0.0.1:{op}" }}]\n\n'
                         f'[pools.fake]\nmembers = [{{ addr = "127.0.0.1:{fport}" }}]\nkeepalive_idle_s = 60\n\n'
-                        f'[models.m]\nbackend = "upstream"\npool = "fake"\n')
+                        f'[models.m]\nbackend = "upstream"\npool = "fake"\nmax_concurrency = 0\n')
             uf = spawn([os.path.join(BIN, "ultrafast"), "serve", "-c", conf], stdout=subprocess.DEVNULL,
                        stderr=open(os.path.join(tmp, "uf.log"), "w"), env={**os.environ, "RUST_LOG": "warn"})
             procs.append(uf)
@@ -100,7 +107,7 @@ def main():
             alone = plain(port, a.seconds)
             c1 = {k: cpu_s(p.pid) for k, p in (("ultrafast", uf), ("fake", fake))}
             spec = {"target": f"127.0.0.1:{port}", "model": "m", "run_cap_s": a.seconds + 120,
-                    "groups": [{"name": "streams", "concurrency": a.streams, "count": a.streams,
+                    "groups": [{"name": "streams", "concurrency": a.streams, "count": a.streams, "lane": "batch",
                                 "max_tokens": 100000, "prompt": "Tell me a long story.",
                                 "timeout_ms": (a.seconds + 110) * 1000}]}
             sf = os.path.join(tmp, "spec.json")
@@ -121,6 +128,11 @@ def main():
             beside = plain(port, a.seconds)
             c3 = {k: cpu_s(p.pid) for k, p in (("ultrafast", uf), ("fake", fake), ("client", flood))}
             held_after = streams_open(fport)
+            stop_tree(flood)
+            recs = [json.loads(l) for l in open(os.path.join(tmp, "s.jsonl"))] if os.path.exists(os.path.join(tmp, "s.jsonl")) else []
+            from collections import Counter
+            out["stream_records"] = dict(Counter(f'{r["status"]} {r["shed"] or r["error_code"] or r["error"] or ""}'[:80] for r in recs))
+            out["uf_log"] = open(os.path.join(tmp, "uf.log")).read()[-1500:]
         finally:
             for p in reversed(procs):
                 stop_tree(p)
