@@ -49,7 +49,10 @@ fn ten_times_the_load_gets_the_same_service_and_weights_divide_it() {
         let served: f64 = line.rsplit(' ').next().unwrap().parse().unwrap();
         assert!(served >= TOKENS as f64 * 5.0, "{line}");
     }
-    assert!(m.contains("ultrafast_inference_fair_counter{"), "{m}");
+    assert!(
+        m.contains("ultrafast_inference_fair_virtual_tokens{"),
+        "{m}"
+    );
 
     // Keys of weight 3 and 1, both with ten clients: 3:1.
     let dir = scratch("fair");

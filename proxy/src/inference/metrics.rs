@@ -45,7 +45,7 @@ pub struct InferenceMetrics {
     /// Fair shares: each tenant's virtual token counter, by model, lane
     /// and tenant (the tenants served most, at most
     /// [`FAIR_TENANTS`] per model and lane; read at scrape time).
-    pub fair_counter: GaugeVec,
+    pub fair_virtual: GaugeVec,
     /// Fair shares: tokens served (prompt and output) per tenant, same
     /// labels and bound.
     pub fair_served: GaugeVec,
@@ -168,8 +168,8 @@ impl InferenceMetrics {
                 "The factor admission multiplies raw TTFT predictions by: the recent p99 of actual over predicted time to first token, by model and lane.",
                 &["model", "lane"],
             ),
-            fair_counter: gv(
-                "ultrafast_inference_fair_counter",
+            fair_virtual: gv(
+                "ultrafast_inference_fair_virtual_tokens",
                 "Fair shares inside a lane: a tenant's virtual token counter (prompt and output tokens, weighted, divided by its weight), by model, lane and tenant; the tenants served most.",
                 &["model", "lane", "tenant"],
             ),
@@ -353,7 +353,7 @@ impl InferenceMetrics {
     /// (called on scrape; rewritten whole, so a tenant no longer among
     /// the most served leaves the exposition).
     pub fn refresh_fair(&self, cfg: &crate::config::Config) {
-        self.fair_counter.reset();
+        self.fair_virtual.reset();
         self.fair_served.reset();
         let lane_of = |rank: u32| {
             cfg.lanes
@@ -363,7 +363,7 @@ impl InferenceMetrics {
         };
         let set = |model: &str, lane: &str, s: &ultrafast_engine::fair::Share| {
             let labels = [model, lane, &*s.name];
-            self.fair_counter.with_label_values(&labels).set(s.counter);
+            self.fair_virtual.with_label_values(&labels).set(s.counter);
             self.fair_served
                 .with_label_values(&labels)
                 .set(s.served as f64);
