@@ -1,6 +1,6 @@
 """Shared helpers of the benchmark scripts: ports, child processes that are
 always stopped with their whole tree, readiness waits, percentiles."""
-import os, signal, socket, subprocess, sys, time
+import os, signal, socket, subprocess, sys, time, urllib.request
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 
@@ -17,6 +17,40 @@ def wait_port(port, limit=10.0):
         except OSError:
             time.sleep(0.05)
     raise RuntimeError(f"port {port} never opened")
+
+
+def tail(path, n=30):
+    """The last `n` lines of a log file ("" if unreadable)."""
+    try:
+        return "".join(open(path, errors="replace").readlines()[-n:])
+    except OSError:
+        return ""
+
+
+def wait_ready(p, admin, limit, log):
+    """Until ultrafast's admin `/readyz` answers 200; exits with the log's
+    tail if the process dies or `limit` seconds pass first."""
+    end = time.time() + limit
+    while time.time() < end:
+        if p.poll() is not None:
+            raise SystemExit(f"ultrafast exited ({p.returncode}) before ready; log:\n{tail(log)}")
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{admin}/readyz", timeout=2) as r:
+                if r.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(0.1)
+    raise SystemExit(f"not ready after {limit} s; log:\n{tail(log)}")
+
+
+def uf_head(tmp, port, admin):
+    """The head of a generated ultrafast config: pid and upgrade paths in
+    `tmp`, the admin listener on `admin`, access log off, one plain
+    listener on `port`."""
+    return (f'[server]\npid_file = "{tmp}/uf.pid"\nupgrade_sock = "{tmp}/uf.sock"\n\n'
+            f'[admin]\nlisten = "127.0.0.1:{admin}"\n\n[log]\naccess_log = "off"\n\n'
+            f'[[listeners]]\nname = "http"\naddress = "127.0.0.1:{port}"\n\n')
 
 
 def spawn(cmd, **kw):

@@ -38,7 +38,7 @@ Build first: cargo build --release -p ultrafast -p ultrafast-benches
 Every process started is stopped by PID; every load is bounded in time.
 """
 import argparse, json, os, resource, shutil, subprocess, sys, tempfile, time, urllib.request
-from benchlib import ROOT, free_port, spawn, stop_tree
+from benchlib import ROOT, free_port, spawn, stop_tree, uf_head, wait_ready
 
 BIN = os.path.join(ROOT, "target", "release")
 SLOTS, TOKENS, TTFT_MS, ITL_MS, JITTER_MS = 64, 20, 200, 10, 5
@@ -49,21 +49,6 @@ def cpu_model():
         if line.startswith("model name"):
             return line.split(":", 1)[1].strip()
     return "?"
-
-
-def wait_ready(p, admin, log, limit=30):
-    end = time.time() + limit
-    while time.time() < end:
-        if p.poll() is not None:
-            raise SystemExit(f"ultrafast exited before ready:\n{open(log).read()[-2000:]}")
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{admin}/readyz", timeout=2) as r:
-                if r.status == 200:
-                    return
-        except OSError:
-            pass
-        time.sleep(0.1)
-    raise SystemExit("not ready")
 
 
 class Server:
@@ -78,9 +63,7 @@ class Server:
                     f'[[keys]]\nname = "light"\nkey = "sk-light"\nweight = {light_weight}\n')
         self.conf = os.path.join(tmp, "ultrafast.toml")
         with open(self.conf, "w") as f:
-            f.write(f'[server]\npid_file = "{tmp}/uf.pid"\nupgrade_sock = "{tmp}/uf.sock"\n\n'
-                    f'[admin]\nlisten = "127.0.0.1:{self.admin}"\n\n[log]\naccess_log = "off"\n\n'
-                    f'[[listeners]]\nname = "http"\naddress = "127.0.0.1:{self.port}"\n\n'
+            f.write(uf_head(tmp, self.port, self.admin) +
                     f'[api_keys]\nfile = "{keys}"\n\n'
                     f'[[routes]]\nname = "openai"\npath = "/v1/"\ninference = true\n\n'
                     f'[pools.fake]\nmembers = [{{ addr = "127.0.0.1:{fake_port}" }}]\nkeepalive_idle_s = 60\n\n'
@@ -92,7 +75,7 @@ class Server:
             self.p = spawn([os.path.join(BIN, "ultrafast"), "serve", "-c", self.conf], stdout=log,
                            stderr=subprocess.STDOUT, env={**os.environ, "RUST_LOG": "warn"})
         try:
-            wait_ready(self.p, self.admin, self.log)
+            wait_ready(self.p, self.admin, 30, self.log)
         except BaseException:
             stop_tree(self.p); raise
         return self

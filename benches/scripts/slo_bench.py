@@ -48,7 +48,7 @@ by fake-openai behind the same proxy; numbers mean nothing).
 import argparse, json, os, re, resource, shlex, shutil, statistics, subprocess, sys, tempfile, time, tomllib
 import urllib.request
 from collections import Counter
-from benchlib import ROOT, free_port, spawn, stop_tree
+from benchlib import ROOT, free_port, spawn, stop_tree, wait_ready
 
 CONF = os.path.join(ROOT, "conf", "ultrafast.toml")
 LANES_SRC = os.path.join(ROOT, "proxy", "src", "admission", "mod.rs")
@@ -137,28 +137,6 @@ def make_conf(tmp, name, legacy, lanes, slo, fake_port=None, with_slo_key=True, 
 def check_conf(exe, path):
     r = subprocess.run([exe, "check", "-c", path], capture_output=True, text=True, timeout=60)
     return r.returncode == 0, r.stdout + r.stderr
-
-
-def wait_ready(p, admin, limit, log):
-    end = time.time() + limit
-    while time.time() < end:
-        if p.poll() is not None:
-            raise SystemExit(f"ultrafast exited ({p.returncode}) before ready; log:\n{tail(log)}")
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{admin}/readyz", timeout=2) as r:
-                if r.status == 200:
-                    return
-        except OSError:
-            pass
-        time.sleep(0.1)
-    raise SystemExit(f"not ready after {limit} s; log:\n{tail(log)}")
-
-
-def tail(path, n=30):
-    try:
-        return "".join(open(path, errors="replace").readlines()[-n:])
-    except OSError:
-        return ""
 
 
 def proc_cpu_s(pid):

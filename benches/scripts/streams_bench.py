@@ -18,7 +18,7 @@ Build first: cargo build --release -p ultrafast -p ultrafast-benches
 Every process started is stopped by PID; every load is bounded in time.
 """
 import argparse, http.client, json, os, resource, subprocess, tempfile, time, urllib.request
-from benchlib import ROOT, free_port, spawn, stop_tree, wait_port, pct_ms
+from benchlib import ROOT, free_port, spawn, stop_tree, uf_head, wait_port, pct_ms
 
 BIN = os.path.join(ROOT, "target", "release")
 TICK = os.sysconf("SC_CLK_TCK")
@@ -87,11 +87,9 @@ def main():
             port, admin = free_port(), free_port()
             conf = os.path.join(tmp, "uf.toml")
             with open(conf, "w") as f:
-                f.write(f'[server]\npid_file = "{tmp}/uf.pid"\nupgrade_sock = "{tmp}/uf.sock"\n\n'
-                        f'[admin]\nlisten = "127.0.0.1:{admin}"\n\n[log]\naccess_log = "off"\n\n'
+                f.write(uf_head(tmp, port, admin) +
                         f'[limits]\nmax_connections = {a.streams * 4}\n\n'
                         f'[inference]\nheartbeat_ms = {a.heartbeat_ms}\n\n'
-                        f'[[listeners]]\nname = "http"\naddress = "127.0.0.1:{port}"\n\n'
                         f'[[routes]]\nname = "openai"\npath = "/v1/"\ninference = true\n\n'
                         f'[[routes]]\nname = "plain"\npath = "/plain/"\npool = "origin"\n\n'
                         f'[pools.origin]\nmembers = [{{ addr = "127.0.0.1:{op}" }}]\n\n'

@@ -61,9 +61,12 @@ impl Tenant {
         }
     }
 
-    /// The tenant of requests that name none.
+    /// The tenant of requests that name none (one shared value: no
+    /// allocation or hashing per request).
     pub fn anonymous() -> Tenant {
-        Tenant::named("", 1.0)
+        static ANONYMOUS: std::sync::LazyLock<Tenant> =
+            std::sync::LazyLock::new(|| Tenant::named("", 1.0));
+        ANONYMOUS.clone()
     }
 }
 

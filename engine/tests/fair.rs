@@ -5,27 +5,14 @@
 //! published with tokens served.
 #![allow(clippy::unwrap_used)]
 
-use std::sync::{Arc, OnceLock};
 use std::time::Instant;
 use ultrafast_engine::api::{Event, GenerateRequest};
 use ultrafast_engine::fair::Tenant;
-use ultrafast_engine::fetch::{self, SMOLLM2};
-use ultrafast_engine::generate::{self, Loaded};
 use ultrafast_engine::sampling::SamplingParams;
 use ultrafast_engine::scheduler::{Engine, EngineConfig};
-use ultrafast_engine::tokenizer::ChatMessage;
 
-fn loaded() -> Arc<Loaded> {
-    static L: OnceLock<Arc<Loaded>> = OnceLock::new();
-    L.get_or_init(|| Arc::new(generate::load(&fetch::pull(&SMOLLM2).unwrap()).unwrap()))
-        .clone()
-}
-
-fn prompt(q: &str) -> Vec<u32> {
-    let l = loaded();
-    let t = l.codec.render_chat(&[ChatMessage::new("user", q)]).unwrap();
-    l.codec.encode(&t).unwrap()
-}
+mod common;
+use common::{loaded, prompt};
 
 /// Same prompt, same length: every request costs the same, so service is
 /// counted in requests (greedy, the answer is longer than `n` tokens).

@@ -10,29 +10,18 @@
 
 #![allow(clippy::unwrap_used)]
 use std::sync::atomic::Ordering;
-use std::sync::{Arc, Mutex, OnceLock};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 use ultrafast_engine::api::{Event, FinishReason, GenerateRequest};
 use ultrafast_engine::backend::cpu::CpuRunner;
-use ultrafast_engine::fetch::{self, SMOLLM2};
-use ultrafast_engine::generate::{self, Loaded};
 use ultrafast_engine::kv::BlockPool;
 use ultrafast_engine::model::paged::SeqStep;
 use ultrafast_engine::sampling::{argmax, SamplingParams};
 use ultrafast_engine::scheduler::{Engine, EngineConfig, StepObserver, StepWork, MAX_HELD_STEPS};
 use ultrafast_engine::tokenizer::ChatMessage;
 
-fn loaded() -> Arc<Loaded> {
-    static L: OnceLock<Arc<Loaded>> = OnceLock::new();
-    L.get_or_init(|| Arc::new(generate::load(&fetch::pull(&SMOLLM2).unwrap()).unwrap()))
-        .clone()
-}
-
-fn prompt(q: &str) -> Vec<u32> {
-    let l = loaded();
-    let t = l.codec.render_chat(&[ChatMessage::new("user", q)]).unwrap();
-    l.codec.encode(&t).unwrap()
-}
+mod common;
+use common::{loaded, prompt};
 
 fn req(p: Vec<u32>, max_tokens: usize, lane: u32) -> GenerateRequest {
     GenerateRequest {

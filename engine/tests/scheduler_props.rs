@@ -11,19 +11,14 @@
 
 use proptest::prelude::*;
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex, OnceLock};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 use ultrafast_engine::api::{Event, FinishReason, GenerateRequest};
-use ultrafast_engine::fetch::{self, SMOLLM2};
-use ultrafast_engine::generate::{self, Loaded};
 use ultrafast_engine::sampling::SamplingParams;
 use ultrafast_engine::scheduler::{Engine, EngineConfig, StepObserver, StepWork, MAX_HELD_STEPS};
 
-fn loaded() -> Arc<Loaded> {
-    static L: OnceLock<Arc<Loaded>> = OnceLock::new();
-    L.get_or_init(|| Arc::new(generate::load(&fetch::pull(&SMOLLM2).unwrap()).unwrap()))
-        .clone()
-}
+mod common;
+use common::loaded;
 
 #[derive(Default)]
 struct Budget {

@@ -6,20 +6,15 @@
 
 #![allow(clippy::unwrap_used)]
 use serde_json::{json, Value};
-use std::sync::{Arc, OnceLock};
+use std::sync::OnceLock;
 use ultrafast_engine::api::{Event, GenerateRequest, Structure, Tool, ToolChoice};
-use ultrafast_engine::fetch::{self, SMOLLM2};
-use ultrafast_engine::generate::{self, Loaded};
 use ultrafast_engine::guide::{CALL_CLOSE, CALL_OPEN};
 use ultrafast_engine::sampling::SamplingParams;
 use ultrafast_engine::scheduler::{Engine, EngineConfig};
 use ultrafast_engine::tokenizer::ChatMessage;
 
-fn loaded() -> Arc<Loaded> {
-    static L: OnceLock<Arc<Loaded>> = OnceLock::new();
-    L.get_or_init(|| Arc::new(generate::load(&fetch::pull(&SMOLLM2).unwrap()).unwrap()))
-        .clone()
-}
+mod common;
+use common::loaded;
 
 fn engine() -> &'static Engine {
     static E: OnceLock<Engine> = OnceLock::new();

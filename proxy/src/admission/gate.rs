@@ -185,7 +185,7 @@ impl Gate {
     }
 
     fn retry_after(inner: &Inner, lane: usize) -> Duration {
-        let ahead = inner.q.ahead_of(lane, u64::MAX) + 1;
+        let ahead = inner.q.waiting_through(lane) + 1;
         match Self::drain(inner) {
             Some(rate) => Duration::from_secs_f64((ahead as f64 / rate).clamp(0.001, 3600.0)),
             None => Duration::from_secs(1),

@@ -27,8 +27,8 @@ pub struct KeyEntry {
     pub models: Option<Vec<String>>,
     /// Lanes it may use; None = all.
     pub lanes: Option<Vec<String>>,
-    /// Its weight against other tenants in a lane.
-    pub weight: f64,
+    /// Its tenant for fair shares (its name and weight), built once.
+    pub tenant: ultrafast_engine::fair::Tenant,
     /// Its limits as configured.
     pub limits: KeyLimits,
     /// Its request rate limit, if it has one.
@@ -147,10 +147,10 @@ impl KeyStore {
                 Some(o) => {
                     carried += 1;
                     KeyEntry {
+                        tenant: ultrafast_engine::fair::Tenant::named(&k.name, k.weight),
                         name: k.name,
                         models: k.models,
                         lanes: k.lanes,
-                        weight: k.weight,
                         limits: k.limits,
                         limiter: o.limiter.clone(),
                         budget: o.budget.clone(),
@@ -207,10 +207,10 @@ fn fresh(k: ValidKey, clock: &Arc<dyn Clock>) -> KeyEntry {
         TokenBudget::with_clock(&k.name, KeySource::Route, spec, clock.clone()).map(Arc::new)
     });
     KeyEntry {
+        tenant: ultrafast_engine::fair::Tenant::named(&k.name, k.weight),
         name: k.name,
         models: k.models,
         lanes: k.lanes,
-        weight: k.weight,
         limits: k.limits,
         limiter,
         budget,

@@ -27,8 +27,8 @@ use std::sync::Arc;
 use std::time::Duration;
 use ultrafast_engine::fair::{Costs, Share, Tenant, Vtc};
 
-/// Waiters of its own lane an arrival counts one by one (see
-/// [`LaneQueue::ahead_of`]).
+/// Waiters of its own tenant an arrival counts one by one (see
+/// [`LaneQueue::ahead_of_tenant`]).
 const AHEAD_COUNTED: usize = 256;
 
 /// Why a request was refused.
@@ -159,7 +159,7 @@ impl Who {
 /// One lane's waiters.
 #[derive(Debug)]
 struct Lane<T> {
-    /// Every waiter by (key, seq): the order `ahead_of` and eviction read.
+    /// Every waiter by (key, seq): the order eviction reads.
     order: BTreeMap<(u64, u64), (u64, u64)>,
     /// Per tenant: its waiters by (key, seq).
     by_tenant: HashMap<u64, BTreeMap<(u64, u64), Waiter<T>>>,
@@ -330,25 +330,10 @@ impl<T> LaneQueue<T> {
         self.in_use_lane[lane] += 1;
     }
 
-    /// Requests that would be served before one with `key` in `lane`
-    /// (higher lanes' waiters, and its own lane's in key order; fair
-    /// shares may serve some of the latter later). Its cost is bounded:
-    /// past [`AHEAD_COUNTED`] in its own lane, the whole lane counts (an
-    /// over-count, so the expected-wait refusal errs early, never late).
-    pub fn ahead_of(&self, lane: usize, key: u64) -> usize {
-        let higher: usize = self.waiting[..lane].iter().map(|w| w.len()).sum();
-        let own = &self.waiting[lane];
-        let before = own
-            .order
-            .range(..(key, u64::MAX))
-            .take(AHEAD_COUNTED)
-            .count();
-        higher
-            + if before == AHEAD_COUNTED {
-                own.len()
-            } else {
-                before
-            }
+    /// Requests waiting in `lane` and the lanes above it: all that would be
+    /// served before a newcomer there.
+    pub fn waiting_through(&self, lane: usize) -> usize {
+        self.waiting[..=lane].iter().map(|w| w.len()).sum()
     }
 
     /// Requests served before one of `tenant` with `key` in `lane`, as
@@ -356,8 +341,9 @@ impl<T> LaneQueue<T> {
     /// lane its tenant's waiters before it, each of them after one request
     /// of every other backlogged tenant (round robin, the shape VTC takes
     /// between equal backlogged tenants), at most the whole lane. One
-    /// tenant alone: its own waiters before it, as [`ahead_of`](Self::ahead_of).
-    /// Bounded like it: past [`AHEAD_COUNTED`] of its own, the whole lane.
+    /// tenant alone: its own waiters before it in key order. Its cost is
+    /// bounded: past [`AHEAD_COUNTED`] of its own, the whole lane counts
+    /// (an over-count, so the expected-wait refusal errs early, never late).
     pub fn ahead_of_tenant(&self, lane: usize, tenant: u64, key: u64) -> usize {
         let higher: usize = self.waiting[..lane].iter().map(|w| w.len()).sum();
         let own = &self.waiting[lane];
@@ -373,9 +359,8 @@ impl<T> LaneQueue<T> {
         higher + turns.min(own.len())
     }
 
-    /// Offer request `id` to `lane`. `work` is its expected size if known,
-    /// `now_us` the current time, `draw` a uniform random number in [0, 1),
-    /// `drain_per_s` the measured completion rate if known.
+    /// [`offer_as`](Self::offer_as) for the anonymous tenant (tests).
+    #[cfg(test)]
     #[allow(clippy::too_many_arguments)]
     pub fn offer(
         &mut self,
@@ -391,8 +376,11 @@ impl<T> LaneQueue<T> {
         self.offer_as(&who, id, lane, work, now_us, draw, drain_per_s, payload)
     }
 
-    /// [`offer`](Self::offer) for `who`: a grant (now or later) charges
-    /// its prompt to its tenant; a slot released must name the tenant.
+    /// Offer request `id` of `who` to `lane`. `work` is its expected size
+    /// if known, `now_us` the current time, `draw` a uniform random number
+    /// in [0, 1), `drain_per_s` the measured completion rate if known. A
+    /// grant (now or later) charges its prompt to its tenant; the slot's
+    /// release names the tenant ([`release_for`](Self::release_for)).
     #[allow(clippy::too_many_arguments)]
     pub fn offer_as(
         &mut self,
@@ -481,8 +469,8 @@ impl<T> LaneQueue<T> {
         Some(waiter.payload)
     }
 
-    /// A slot of `lane` held for the anonymous tenant was released (see
-    /// [`release_for`](Self::release_for)).
+    /// [`release_for`](Self::release_for) the anonymous tenant (tests).
+    #[cfg(test)]
     pub fn release(&mut self, lane: usize) -> Vec<(u64, usize, T)> {
         self.release_for(lane, Tenant::anonymous().id)
     }

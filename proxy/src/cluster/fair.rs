@@ -81,10 +81,18 @@ pub(super) async fn sync(c: Arc<Cluster>) {
             .iter()
             .filter_map(|(m, w)| w.upgrade().map(|s| (m.clone(), s)))
             .collect();
+        // Others' charges held for a source that is gone are dropped.
+        let at: Vec<usize> = live.iter().map(|(_, s)| address(s)).collect();
+        x.pending.retain(|k, _| at.contains(k));
         for (model, source) in live {
             x.round(&c, &model, source).await;
         }
     }
+}
+
+/// A source's identity while it lives (its allocation's address).
+fn address(s: &Arc<dyn FairSource>) -> usize {
+    Arc::as_ptr(s) as *const () as usize
 }
 
 /// What the loop remembers between rounds.
@@ -98,7 +106,7 @@ struct Exchange {
 
 impl Exchange {
     async fn round(&mut self, c: &Arc<Cluster>, model: &str, source: Arc<dyn FairSource>) {
-        let at = Arc::as_ptr(&source) as *const () as usize;
+        let at = address(&source);
         let remote = self.pending.remove(&at).unwrap_or_default();
         let ours = source.exchange(&remote);
         if ours.is_empty() || !c.is_up() {

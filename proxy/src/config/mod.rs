@@ -267,6 +267,12 @@ pub struct Config {
     pub models: BTreeMap<String, Arc<crate::inference::Model>>,
     /// Stream pacing per lane (same order as `lanes`).
     pub pacing: Vec<crate::inference::pacer::PaceSpec>,
+    /// Where a request without an API key finds its tenant (`[inference]
+    /// tenant`, parsed once).
+    pub tenant_source: crate::inference::tenant::TenantSource,
+    /// Fair shares refuse inference while the cluster store is down
+    /// (`[cluster] fair_on_store_error = "closed"`).
+    pub fair_closed: bool,
 }
 
 /// What a listener does to every request it receives.

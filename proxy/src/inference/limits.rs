@@ -248,11 +248,7 @@ fn key_mode(inc: &Incoming) -> OnStoreError {
 /// Whether fair shares refuse now: `[cluster] fair_on_store_error =
 /// "closed"` with the store down (see `cluster::fair`).
 fn fair_store_closed(inc: &Incoming) -> bool {
-    let closed = inc.cfg.file.cluster.as_ref().is_some_and(|c| {
-        crate::cluster::OnStoreError::parse(&c.fair_on_store_error)
-            == Some(crate::cluster::OnStoreError::Closed)
-    });
-    closed && crate::cluster::get().is_some_and(|c| !c.is_up())
+    inc.cfg.fair_closed && crate::cluster::get().is_some_and(|c| !c.is_up())
 }
 
 fn store_down() -> Failure {

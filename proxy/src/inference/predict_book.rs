@@ -360,12 +360,8 @@ impl Books {
         let mine = (own.prompt + v.prompt as u64) as f64 / v.weight.max(1e-9);
         let (mut prompt, mut max_out, mut n) = (0.0, 0.0, 0.0);
         let (mut seen_prompt, mut seen_max, mut seen_n) = (own.prompt, own.max_out, own.n);
-        for (id, t) in self.tenants[r]
-            .iter()
-            .filter(|(id, _)| **id != v.tenant)
-            .take(LISTED)
-        {
-            let _ = id;
+        let others = self.tenants[r].iter().filter(|(id, _)| **id != v.tenant);
+        for t in others.map(|(_, t)| t).take(LISTED) {
             seen_prompt += t.prompt;
             seen_max += t.max_out;
             seen_n += t.n;

@@ -49,17 +49,16 @@ fn cut(v: &str) -> &str {
 /// The tenant of `inc`, whose body named `user` as its end user.
 pub fn tenant_of(inc: &Incoming, user: Option<&str>) -> Tenant {
     if let Some(k) = &inc.key {
-        return Tenant::named(&k.name, k.weight);
+        return k.tenant.clone();
     }
-    let source = TenantSource::parse(&inc.cfg.file.inference.tenant);
-    let value = match source {
-        Some(TenantSource::User) => user.map(|u| format!("user:{}", cut(u))),
-        Some(TenantSource::Header(h)) => inc
+    let value = match &inc.cfg.tenant_source {
+        TenantSource::User => user.map(|u| format!("user:{}", cut(u))),
+        TenantSource::Header(h) => inc
             .headers
-            .get(&h)
+            .get(h)
             .and_then(|v| v.to_str().ok())
             .map(|v| format!("header:{}", cut(v))),
-        Some(TenantSource::ClientIp) | None => None,
+        TenantSource::ClientIp => None,
     };
     // The client address when the chosen source is absent from the request.
     let value = value.unwrap_or_else(|| match inc.client_ip {

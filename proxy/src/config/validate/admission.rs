@@ -243,9 +243,11 @@ pub(super) fn api_keys(
 }
 
 /// `[cluster]`: the Redis URL parses, the timeout and beat are sane.
-pub(super) fn cluster(f: &FileConfig, errs: &mut Errors) {
+/// Validate `[cluster]`; returns whether fair shares refuse while the
+/// store is down (`fair_on_store_error = "closed"`).
+pub(super) fn cluster(f: &FileConfig, errs: &mut Errors) -> bool {
     let Some(c) = &f.cluster else {
-        return;
+        return false;
     };
     let at = FieldPath::key("cluster");
     if c.redis.trim().is_empty() {
@@ -262,9 +264,11 @@ pub(super) fn cluster(f: &FileConfig, errs: &mut Errors) {
     if !(50..=60_000).contains(&c.heartbeat_ms) {
         errs.push(at.k("heartbeat_ms"), "must be between 50 and 60000");
     }
-    if crate::cluster::OnStoreError::parse(&c.fair_on_store_error).is_none() {
+    let fair = crate::cluster::OnStoreError::parse(&c.fair_on_store_error);
+    if fair.is_none() {
         errs.push(at.k("fair_on_store_error"), "must be local, open or closed");
     }
+    fair == Some(crate::cluster::OnStoreError::Closed)
 }
 
 #[cfg(test)]

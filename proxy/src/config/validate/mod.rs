@@ -98,7 +98,7 @@ pub(super) fn validate(
     let server = server(f, path, &mut errs);
     let admin_listen = admin(f, &mut errs);
     tracing(f, &mut errs);
-    cluster(f, &mut errs);
+    let fair_closed = cluster(f, &mut errs);
     let admin_token = admin_token(f, path, admin_listen.as_deref(), &mut errs);
     let (log_target, log_format) = log(f, &mut errs);
     let limits = limits(f, &mut errs);
@@ -116,7 +116,7 @@ pub(super) fn validate(
     }
     let router = routes(f, &pools, &lanes, &limiters, metrics, &mut errs);
     let pacing = models::pacing(f, &lanes, &mut errs);
-    models::inference(f, &mut errs);
+    let tenant_source = models::inference(f, &mut errs);
     let models = models::models(f, &pools, &lanes, ctx, &mut errs);
     if !errs.0.is_empty() || !key_file_errors.is_empty() {
         let mut out = super::locate::located(path, text, errs.0);
@@ -145,6 +145,8 @@ pub(super) fn validate(
         listener_rules,
         models,
         pacing,
+        tenant_source,
+        fair_closed,
     })
 }
 

@@ -57,7 +57,8 @@ pub(super) fn pacing(f: &FileConfig, lanes: &[LaneSpec], errs: &mut Errors) -> V
         .collect()
 }
 
-pub(super) fn inference(f: &FileConfig, errs: &mut Errors) {
+/// Validate `[inference]`; returns its tenant source.
+pub(super) fn inference(f: &FileConfig, errs: &mut Errors) -> TenantSource {
     let at = FieldPath::key("inference");
     let i = &f.inference;
     if i.heartbeat_ms == 0 {
@@ -72,7 +73,8 @@ pub(super) fn inference(f: &FileConfig, errs: &mut Errors) {
     if i.tokenize_max_bytes < 4096 {
         errs.push(at.k("tokenize_max_bytes"), "must be at least 4096");
     }
-    if TenantSource::parse(&i.tenant).is_none() {
+    let tenant = TenantSource::parse(&i.tenant);
+    if tenant.is_none() {
         errs.push(at.k("tenant"), "must be client_ip, user or header:NAME");
     }
     for (k, v) in [
@@ -83,6 +85,7 @@ pub(super) fn inference(f: &FileConfig, errs: &mut Errors) {
             errs.push(at.k(k), "must be a number above 0, at most 1000");
         }
     }
+    tenant.unwrap_or(TenantSource::ClientIp)
 }
 
 fn sha256(v: &str, at: &FieldPath, errs: &mut Errors) -> Option<String> {
