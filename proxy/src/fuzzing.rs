@@ -161,3 +161,36 @@ async fn parse_and_check(data: &[u8]) {
         }
     }
 }
+
+/// The path normalizer (`crate::uri`) and the Host check on any text: what
+/// it returns starts with `/`, holds no dot segment, no run of slashes
+/// (merged), no NUL and no `%2F` decoded into a separator; it is never
+/// longer than the input plus one `/`; and normalizing it again (when
+/// nothing in it could be decoded again) changes nothing.
+pub fn uri_path(data: &[u8]) {
+    let Ok(text) = std::str::from_utf8(data) else {
+        return;
+    };
+    let _ = crate::uri::valid_host(text);
+    let path = format!("/{text}");
+    for merge in [true, false] {
+        let Ok(out) = crate::uri::normalize(&path, merge) else {
+            continue;
+        };
+        assert!(out.starts_with('/'), "{path:?} -> {out:?}");
+        assert!(out.len() <= path.len() + 1, "{path:?} -> {out:?}");
+        assert!(!out.contains('\0'), "{path:?} -> {out:?}");
+        let segs: Vec<&str> = out[1..].split('/').collect();
+        assert!(
+            segs.iter().all(|s| *s != "." && *s != ".."),
+            "dot segment left: {path:?} -> {out:?}"
+        );
+        if merge {
+            assert!(!out.contains("//"), "{path:?} -> {out:?}");
+        }
+        if !out.contains('%') {
+            let again = crate::uri::normalize(&out, merge);
+            assert_eq!(again.as_deref(), Ok(&*out), "not idempotent: {path:?}");
+        }
+    }
+}

@@ -30,3 +30,4 @@ pub mod reqid;
 pub mod routing;
 pub mod server;
 pub mod upstream;
+pub mod uri;

@@ -462,3 +462,28 @@ fn http2_clients_are_served_from_the_same_zone() {
     assert_eq!(&out[split + 4..], &first.body[..]);
     assert_eq!(fetched(&a, "/cache/h2"), 1);
 }
+
+#[test]
+fn no_host_can_bend_the_key_and_equivalent_paths_share_one_entry() {
+    let (a, uf) = edge("");
+    let u = url("/b/x", &[("cc", "max-age=60")]);
+    // The audit's poisoning: a Host with a path in it is refused, not stored
+    // where `/a/b` of the plain host would find it.
+    let bent = get(uf.addr, &u, &[("Host", "example.com/a")]);
+    assert_eq!(bent.status, 400, "{bent:?}");
+    for bad in ["exa mple.com", "example.com:80:80", "[::1", "a..b"] {
+        assert_eq!(get(uf.addr, "/", &[("Host", bad)]).status, 400, "{bad}");
+    }
+    let ab = url("/cache/b", &[("cc", "max-age=60")]);
+    let first = get(uf.addr, &ab, &[("Host", "example.com")]);
+    assert!(status(&first).contains("fwd=miss"), "{first:?}");
+    // The normalized path is the key: these are one object to nginx and to
+    // the origin.
+    for same in ["//cache/b", "/cache/./b", "/x/../cache/b", "/%63ache/b"] {
+        let u = url(same, &[("cc", "max-age=60")]);
+        let r = get(uf.addr, &u, &[("Host", "example.com")]);
+        assert!(status(&r).starts_with("ultrafast; hit"), "{same}: {r:?}");
+        assert_eq!(r.body, first.body);
+    }
+    assert_eq!(fetched(&a, "/cache/b"), 1, "{:?}", a.order());
+}

@@ -18,11 +18,12 @@ use std::time::{Duration, Instant};
 
 type Entry = fn(&[u8]);
 
-const TARGETS: [(&str, Entry); 4] = [
+const TARGETS: [(&str, Entry); 5] = [
     ("openai_request", ultrafast::fuzzing::openai_request),
     ("sse", ultrafast::fuzzing::sse),
     ("config", ultrafast::fuzzing::config),
     ("http_request", ultrafast::fuzzing::http_request),
+    ("uri_path", ultrafast::fuzzing::uri_path),
 ];
 
 /// Seconds of fuzzing per target in `cargo test`.
@@ -251,4 +252,9 @@ fn fuzz_config() {
 #[test]
 fn fuzz_http_request() {
     fuzz("http_request");
+}
+
+#[test]
+fn fuzz_uri_path() {
+    fuzz("uri_path");
 }

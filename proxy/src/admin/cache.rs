@@ -50,11 +50,15 @@ fn url_key(url: &str) -> Result<String, String> {
     let (Some(scheme), Some(auth)) = (uri.scheme_str(), uri.authority()) else {
         return Err("`url` needs a scheme and a host (http://host/path)".into());
     };
-    let target = uri.path_and_query().map_or("/", |p| p.as_str());
+    // The path as the proxy keys it (normalized, slashes merged as by
+    // default).
+    let path =
+        crate::uri::normalize(uri.path(), true).map_err(|e| format!("`url`: {}", e.reason()))?;
     Ok(cache::primary(
         &scheme.to_ascii_lowercase(),
         &auth.as_str().to_ascii_lowercase(),
-        target,
+        &path,
+        uri.query(),
     ))
 }
 
@@ -115,10 +119,24 @@ mod tests {
     #[test]
     fn a_url_keys_as_the_proxy_keys_a_request() {
         assert_eq!(
-            url_key("HTTP://Example.COM:8080/a/B?x=1").as_deref(),
-            Ok("http://example.com:8080/a/B?x=1")
+            url_key("HTTP://Example.COM:8080/a/B?x=1"),
+            Ok(cache::primary(
+                "http",
+                "example.com:8080",
+                "/a/B",
+                Some("x=1")
+            ))
         );
-        assert_eq!(url_key("http://h").as_deref(), Ok("http://h/"));
+        assert_eq!(
+            url_key("http://h"),
+            Ok(cache::primary("http", "h", "/", None))
+        );
+        // The path normalized as a request's is.
+        assert_eq!(
+            url_key("http://h//a/./%62"),
+            Ok(cache::primary("http", "h", "/a/b", None))
+        );
+        assert!(url_key("http://h/%2e%2e/x").is_err());
         assert!(url_key("/only/a/path").is_err());
     }
 }

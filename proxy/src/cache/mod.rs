@@ -149,15 +149,29 @@ pub fn usage() -> Vec<(String, usize, usize)> {
     v
 }
 
-/// The primary key of a request: scheme, host and the request target, as
-/// nginx's default `$scheme$proxy_host$request_uri`.
-pub fn primary(scheme: &str, host: &str, path_and_query: &str) -> String {
-    format!("{scheme}://{host}{path_and_query}")
+/// The primary key of a request: scheme, host, normalized path and query
+/// (nginx's default key is `$scheme$proxy_host$request_uri`), as a
+/// length-delimited tuple, so that no part can spill into another: a Host
+/// `a/b` with path `/c` and a Host `a` with path `/b/c` are different keys.
+/// `query` is None without a `?`.
+pub fn primary(scheme: &str, host: &str, path: &str, query: Option<&str>) -> String {
+    use std::fmt::Write;
+    let mut k = String::with_capacity(scheme.len() + host.len() + path.len() + 24);
+    for part in [scheme, host, path] {
+        let _ = write!(k, "{}:{part}", part.len());
+    }
+    match query {
+        Some(q) => {
+            let _ = write!(k, "?{}:{q}", q.len());
+        }
+        None => k.push('-'),
+    }
+    k
 }
 
 /// What a purge removes.
 pub enum Purge<'a> {
-    /// Every variant of one URL (`scheme://host/path?query`).
+    /// Every variant of one URL: its primary key (`primary`).
     Url(&'a str),
     /// Everything.
     All,
@@ -284,10 +298,18 @@ mod tests {
     use super::*;
 
     #[test]
-    fn the_primary_key_is_scheme_host_and_target() {
+    fn the_primary_key_is_a_tuple_no_part_can_spill_into_another() {
         assert_eq!(
-            primary("https", "example.com", "/a?b=1"),
-            "https://example.com/a?b=1"
+            primary("https", "example.com", "/a", Some("b=1")),
+            "5:https11:example.com2:/a?3:b=1"
+        );
+        assert_ne!(
+            primary("http", "example.com/a", "/b", None),
+            primary("http", "example.com", "/a/b", None)
+        );
+        assert_ne!(
+            primary("http", "h", "/a", Some("")),
+            primary("http", "h", "/a", None)
         );
     }
 

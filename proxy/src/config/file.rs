@@ -285,6 +285,9 @@ pub struct InferenceSection {
     pub async_max_bytes: usize,
     /// SSE comment heartbeat interval while a stream waits (ms).
     pub heartbeat_ms: u64,
+    /// SSE comment interval on a stream idle between tokens (ms): a
+    /// keepalive for intermediaries, never below `heartbeat_ms`.
+    pub keepalive_ms: u64,
     /// Prompt bytes tokenized at once, at most; a request over it is
     /// refused with 503 `tokenizer_overloaded`.
     pub tokenize_max_bytes: usize,
@@ -305,6 +308,7 @@ impl Default for InferenceSection {
             async_max_entries: 1024,
             async_max_bytes: 64 << 20,
             heartbeat_ms: 1000,
+            keepalive_ms: 15_000,
             tokenize_max_bytes: 4 << 20,
             tenant: "client_ip".into(),
             fair_input_cost: 1.0,
@@ -517,6 +521,9 @@ pub struct ServerSection {
     pub upgrade_sock: String,
     /// Idle upstream connections kept for reuse, across all pools.
     pub upstream_keepalive_pool_size: usize,
+    /// Merge runs of slashes in a path before matching routes and keying
+    /// the cache (nginx's `merge_slashes`, on by default there too).
+    pub merge_slashes: bool,
 }
 
 impl Default for ServerSection {
@@ -529,6 +536,7 @@ impl Default for ServerSection {
             pid_file: String::new(),
             upgrade_sock: String::new(),
             upstream_keepalive_pool_size: 1024,
+            merge_slashes: true,
         }
     }
 }

@@ -196,6 +196,29 @@ impl Timing {
     }
 }
 
+/// How often an idle stream gets an SSE comment.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Beats {
+    /// While nothing has been written yet (queued, before the first
+    /// token): the client sees that it is still waiting.
+    pub waiting: Duration,
+    /// Between tokens, once text flows: only a keepalive for intermediaries
+    /// with an idle timeout (nginx's and most balancers' are 60 s). At the
+    /// waiting rate, thousands of slow streams would cost one write each a
+    /// second.
+    pub flowing: Duration,
+}
+
+impl Beats {
+    /// The same interval before and after the first text.
+    pub fn every(d: Duration) -> Self {
+        Self {
+            waiting: d,
+            flowing: d,
+        }
+    }
+}
+
 /// Wait for `fut`, sending heartbeats on a stream and watching for the
 /// consumer going away.
 pub async fn wait<S: Sink + ?Sized, T>(
@@ -275,7 +298,7 @@ pub async fn drive<S: Sink + ?Sized>(
     sink: &mut S,
     mut events: EventStream,
     pace: PaceSpec,
-    heartbeat: Duration,
+    beats: Beats,
     ticket: Option<&Ticket>,
     timing: &mut Timing,
     delivery: &mut Delivery,
@@ -326,7 +349,12 @@ pub async fn drive<S: Sink + ?Sized>(
             };
         }
         let deadline = pacer.deadline(now).map(tokio::time::Instant::from_std);
-        let beat_at = tokio::time::Instant::from_std(last_write + heartbeat);
+        let idle = if delivery.first_text.is_some() {
+            beats.flowing
+        } else {
+            beats.waiting
+        };
+        let beat_at = tokio::time::Instant::from_std(last_write + idle);
         let streaming = sink.streaming();
         let wake = tokio::select! {
             ev = events.recv() => Wake::Event(ev),

@@ -82,6 +82,15 @@ impl Incoming {
         Duration::from_millis(self.cfg.file.inference.heartbeat_ms.max(1))
     }
 
+    /// The heartbeat while waiting and the keepalive once text flows.
+    pub(super) fn beats(&self) -> super::drive::Beats {
+        let i = &self.cfg.file.inference;
+        super::drive::Beats {
+            waiting: self.heartbeat(),
+            flowing: Duration::from_millis(i.keepalive_ms.max(i.heartbeat_ms).max(1)),
+        }
+    }
+
     /// Whether the client asked for the async (202) mode by header.
     fn prefers_async(&self) -> bool {
         self.header("prefer")

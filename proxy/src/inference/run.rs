@@ -114,7 +114,7 @@ pub(super) async fn run<S: Sink + ?Sized>(
         sink,
         events,
         pace,
-        inc.heartbeat(),
+        inc.beats(),
         ticket.as_ref(),
         &mut timing,
         &mut delivery,

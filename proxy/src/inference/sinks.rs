@@ -423,7 +423,7 @@ pub fn backend_failure(e: &ultrafast_engine::api::BackendError) -> Failure {
 mod tests {
     //! The drive loop and the sinks over an in-memory downstream: no socket.
     use super::*;
-    use crate::inference::drive::{drive, wait, Delivery};
+    use crate::inference::drive::{drive, wait, Beats, Delivery};
     use crate::inference::openai::Endpoint;
     use crate::inference::pacer::{PaceMode, PaceSpec};
     use std::time::{Duration, Instant};
@@ -524,7 +524,7 @@ mod tests {
             sink,
             events,
             pace,
-            Duration::from_secs(5),
+            Beats::every(Duration::from_secs(5)),
             None,
             &mut t,
             &mut d,
@@ -677,7 +677,7 @@ mod tests {
             &mut sink,
             rx,
             pace,
-            Duration::from_secs(5),
+            Beats::every(Duration::from_secs(5)),
             None,
             &mut t,
             &mut d,
@@ -721,6 +721,62 @@ mod tests {
         let text = String::from_utf8(down.body.clone()).unwrap();
         assert!(text.matches(": waiting").count() >= 2, "{text}");
         assert_eq!(down.status, Some(200));
+    }
+
+    #[tokio::test]
+    async fn idle_streams_beat_at_the_waiting_rate_until_text_flows_then_at_the_keepalive() {
+        // Real time (the drive loop keeps std instants): 20 ms and 400 ms.
+        let mut down = Mem::default();
+        let mut sink = SseSink::new(&mut down, ident(), Vec::new(), false);
+        let (tx, rx) = unbounded_channel();
+        let beats = Beats {
+            waiting: Duration::from_millis(20),
+            flowing: Duration::from_millis(400),
+        };
+        let backend = async {
+            // 210 ms before the first token, 300 ms to the second, 500 ms
+            // to the end.
+            tokio::time::sleep(Duration::from_millis(210)).await;
+            tx.send(Event::Token {
+                id: 0,
+                text: "a".into(),
+            })
+            .unwrap();
+            tokio::time::sleep(Duration::from_millis(300)).await;
+            tx.send(Event::Token {
+                id: 1,
+                text: "b".into(),
+            })
+            .unwrap();
+            tokio::time::sleep(Duration::from_millis(500)).await;
+            tx.send(done(2)).unwrap();
+        };
+        let mut t = Timing::new(Instant::now(), Duration::ZERO);
+        let mut d = Delivery::default();
+        let (r, ()) = tokio::join!(
+            drive(
+                &mut sink,
+                rx,
+                PaceSpec::OFF,
+                beats,
+                None,
+                &mut t,
+                &mut d,
+                |_, _| {},
+                |_, _| {}
+            ),
+            backend
+        );
+        assert!(r.unwrap().is_some());
+        let text = String::from_utf8(down.body.clone()).unwrap();
+        let (before, after) = text
+            .split_once("\"a\"")
+            .expect("the first token was written");
+        // About ten beats before the first token; after it none in the 300 ms
+        // to the second, one in the 500 ms before the end (at 400 ms).
+        let waiting = before.matches(": waiting").count();
+        assert!((7..=10).contains(&waiting), "{waiting}: {text}");
+        assert_eq!(after.matches(": waiting").count(), 1, "{text}");
     }
 
     #[tokio::test]

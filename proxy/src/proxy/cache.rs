@@ -52,7 +52,8 @@ pub(super) fn enable(session: &mut Session, ctx: &mut Ctx) {
     ctx.cache.on = true;
 }
 
-/// `scheme://host/target`, tagged with the zone.
+/// Scheme, host, normalized path and query (`cache::primary`), tagged
+/// with the zone.
 pub(super) fn key(session: &Session, ctx: &Ctx) -> Result<CacheKey> {
     let Some(rc) = ctx.route.as_ref().and_then(|r| r.cache.as_ref()) else {
         return Error::e_explain(
@@ -62,10 +63,10 @@ pub(super) fn key(session: &Session, ctx: &Ctx) -> Result<CacheKey> {
     };
     let req = session.req_header();
     let host = filters::request_host(req).to_ascii_lowercase();
-    let target = req.uri.path_and_query().map_or("/", |p| p.as_str());
+    let path = ctx.path.as_deref().unwrap_or(req.uri.path());
     let scheme = if ctx.tls { "https" } else { "http" };
     Ok(CacheKey::new(
-        crate::cache::primary(scheme, &host, target),
+        crate::cache::primary(scheme, &host, path, req.uri.query()),
         rc.name.as_str(),
     ))
 }

@@ -54,6 +54,9 @@ pub struct Ctx {
     /// The request id is the edge's own (a UUID), not the client's.
     pub(super) own_id: bool,
     pub(super) route: Option<Arc<Route>>,
+    /// The normalized path (`crate::uri`), where it differs from the
+    /// target's: what the route was matched on and the cache keys.
+    pub(super) path: Option<String>,
     pub(super) lane: usize,
     pub(super) permit: Option<Permit>,
     pub(super) queue_wait: Option<Duration>,

@@ -113,7 +113,11 @@ impl EdgeProxy {
     ) -> Result<bool> {
         let req = session.req_header();
         let method = req.method.clone();
-        let path = req.uri.path().to_string();
+        // The path the route was matched on (`crate::uri`).
+        let path = ctx
+            .path
+            .clone()
+            .unwrap_or_else(|| req.uri.path().to_string());
         let mut inc = Incoming {
             cfg: ctx.cfg.clone(),
             route: route.clone(),

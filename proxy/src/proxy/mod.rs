@@ -263,6 +263,7 @@ impl ProxyHttp for EdgeProxy {
             request_id: http::HeaderValue::from_static(""),
             own_id: false,
             route: None,
+            path: None,
             lane: 0,
             permit: None,
             queue_wait: None,
@@ -318,10 +319,25 @@ impl ProxyHttp for EdgeProxy {
         // Routed before the limits are checked, so that a refusal carries
         // the route's response rules too; a redirecting listener routes
         // nothing (it answers every request alike).
+        let mut bad_path = None;
         if redirect.is_none() {
             let req = session.req_header();
             let host = filters::request_host(req);
-            ctx.route = cfg.router.find(host, req.uri.path()).cloned();
+            // Matched as nginx matches locations: on the normalized path,
+            // and only for a host that is a host.
+            if !crate::uri::valid_host(host) {
+                bad_path = Some("invalid Host");
+            } else {
+                match crate::uri::normalize(req.uri.path(), cfg.file.server.merge_slashes) {
+                    Ok(path) => {
+                        ctx.route = cfg.router.find(host, &path).cloned();
+                        if let std::borrow::Cow::Owned(p) = path {
+                            ctx.path = Some(p);
+                        }
+                    }
+                    Err(e) => bad_path = Some(e.reason()),
+                }
+            }
         }
         let limits = &cfg.limits;
         let refusal = filters::check_head(
@@ -332,6 +348,15 @@ impl ProxyHttp for EdgeProxy {
         );
         if let Some(r) = refusal {
             return self.refuse_head(session, ctx, r).await;
+        }
+        if let Some(why) = bad_path {
+            self.metrics
+                .rejected
+                .with_label_values(&["bad_request"])
+                .inc();
+            session.set_keepalive(None);
+            policy::respond_error(session, &ctx.policy(), 400, why, "bad_request").await?;
+            return Ok(true);
         }
         if let Some(port) = redirect {
             return self.redirect_to_https(session, ctx, port).await;

@@ -326,6 +326,24 @@ mod tests {
     }
 
     #[test]
+    fn a_keepalive_out_of_range_is_located() {
+        let text = format!("{BASE}[rate_limits.rl]\n\n[inference]\nkeepalive_ms = 50\n");
+        let errs: Vec<String> = build(Path::new("u.toml"), &text, None)
+            .unwrap_err()
+            .iter()
+            .map(ToString::to_string)
+            .collect();
+        assert!(
+            errs.iter()
+                .any(|e| e.contains("inference.keepalive_ms: must be between 1000 and 600000")),
+            "{errs:?}"
+        );
+        let ok = format!("{BASE}[rate_limits.rl]\n\n[inference]\nkeepalive_ms = 30000\n");
+        let built = build(Path::new("u.toml"), &ok, None);
+        assert!(built.is_ok(), "{:?}", built.err());
+    }
+
+    #[test]
     fn bad_cluster_settings_are_located() {
         let text = format!(
             "{BASE}[rate_limits.rl]\non_store_error = \"maybe\"\n\n[cluster]\nredis = \"mysql://x\"\ntimeout_ms = 0\n"

@@ -64,6 +64,9 @@ pub(super) fn inference(f: &FileConfig, errs: &mut Errors) -> TenantSource {
     if i.heartbeat_ms == 0 {
         errs.push(at.k("heartbeat_ms"), "must be > 0");
     }
+    if !(1_000..=600_000).contains(&i.keepalive_ms) {
+        errs.push(at.k("keepalive_ms"), "must be between 1000 and 600000");
+    }
     if i.async_max_entries == 0 {
         errs.push(at.k("async_max_entries"), "must be at least 1");
     }
