@@ -357,11 +357,58 @@ fn walk(
     None
 }
 
-/// Finds stop sequences in streamed text.
+/// Finds stop sequences in streamed text. Each stop string's matcher (a
+/// Knuth-Morris-Pratt table) is built once, with the request; every piece
+/// of text is then scanned once, byte by byte, in time linear in its
+/// length (times the number of stops, which the API layer bounds), never
+/// rescanning what came before. The first stop string to complete ends
+/// the text (as a streaming engine sees it).
 #[derive(Debug, Clone, Default)]
 pub struct StopMatcher {
-    stops: Vec<String>,
+    stops: Vec<Stop>,
     held: String,
+}
+
+/// One stop string: its bytes, its failure table and how much of it the
+/// text's end matches now.
+#[derive(Debug, Clone)]
+struct Stop {
+    pat: Vec<u8>,
+    fail: Vec<usize>,
+    at: usize,
+}
+
+impl Stop {
+    fn new(s: &str) -> Self {
+        let pat = s.as_bytes().to_vec();
+        let mut fail = vec![0; pat.len()];
+        let mut k = 0;
+        for i in 1..pat.len() {
+            while k > 0 && pat[i] != pat[k] {
+                k = fail[k - 1];
+            }
+            if pat[i] == pat[k] {
+                k += 1;
+            }
+            fail[i] = k;
+        }
+        Stop { pat, fail, at: 0 }
+    }
+
+    /// Feed one byte; true when the whole string has just matched.
+    fn step(&mut self, b: u8) -> bool {
+        while self.at > 0 && self.pat[self.at] != b {
+            self.at = self.fail[self.at - 1];
+        }
+        if self.pat[self.at] == b {
+            self.at += 1;
+        }
+        if self.at == self.pat.len() {
+            self.at = self.fail[self.at - 1];
+            return true;
+        }
+        false
+    }
 }
 
 /// What to do with a piece of text.
@@ -379,7 +426,11 @@ impl StopMatcher {
     /// A matcher for these stop strings (empty strings ignored).
     pub fn new(stops: &[String]) -> Self {
         StopMatcher {
-            stops: stops.iter().filter(|s| !s.is_empty()).cloned().collect(),
+            stops: stops
+                .iter()
+                .filter(|s| !s.is_empty())
+                .map(|s| Stop::new(s))
+                .collect(),
             held: String::new(),
         }
     }
@@ -393,33 +444,31 @@ impl StopMatcher {
                 which: None,
             };
         }
+        let start = self.held.len();
         self.held.push_str(piece);
-        if let Some((at, which)) = self
-            .stops
-            .iter()
-            .enumerate()
-            .filter_map(|(i, s)| Some((self.held.find(s.as_str())?, i)))
-            .min()
-        {
-            let emit = self.held[..at].to_string();
-            self.held.clear();
-            return StopOutcome {
-                emit,
-                stopped: true,
-                which: Some(which),
-            };
-        }
-        // Hold back the longest suffix that is a prefix of some stop string.
-        let mut keep = 0;
-        for s in &self.stops {
-            for k in (1..s.len().min(self.held.len() + 1)).rev() {
-                if s.is_char_boundary(k) && self.held.ends_with(&s[..k]) {
-                    keep = keep.max(k);
-                    break;
+        for (i, &b) in self.held.as_bytes()[start..].iter().enumerate() {
+            for (which, stop) in self.stops.iter_mut().enumerate() {
+                if stop.step(b) {
+                    let at = start + i + 1 - stop.pat.len();
+                    let emit = self.held[..at].to_string();
+                    self.held.clear();
+                    self.stops.iter_mut().for_each(|s| s.at = 0);
+                    return StopOutcome {
+                        emit,
+                        stopped: true,
+                        which: Some(which),
+                    };
                 }
             }
         }
-        let cut = self.held.len() - keep;
+        // Hold back the longest end of the text that begins some stop
+        // string (a stop string starts on a character boundary, so does
+        // the cut).
+        let keep = self.stops.iter().map(|s| s.at).max().unwrap_or(0);
+        let mut cut = self.held.len() - keep;
+        while !self.held.is_char_boundary(cut) {
+            cut -= 1;
+        }
         let emit = self.held[..cut].to_string();
         self.held.drain(..cut);
         StopOutcome {
@@ -676,5 +725,52 @@ mod tests {
         }
         out.push_str(&m.finish());
         assert_eq!(out, "abENxy", "a false start is released");
+    }
+
+    #[test]
+    fn stops_are_found_across_pieces_with_overlaps_and_multibyte_text() {
+        let stops: Vec<String> = ["aab", "é!", "xyz"].map(String::from).to_vec();
+        // Every way of cutting the text into pieces finds the same stop at
+        // the same place.
+        let text = "caaaxé aaab tail";
+        for cut in 0..text.len() {
+            if !text.is_char_boundary(cut) {
+                continue;
+            }
+            let mut m = StopMatcher::new(&stops);
+            let mut out = String::new();
+            let mut which = None;
+            for p in [&text[..cut], &text[cut..]] {
+                let o = m.push(p);
+                out.push_str(&o.emit);
+                if o.stopped {
+                    which = o.which;
+                    break;
+                }
+            }
+            assert_eq!((out.as_str(), which), ("caaaxé a", Some(0)), "cut at {cut}");
+        }
+        let mut m = StopMatcher::new(&stops);
+        let o = m.push("ab é!");
+        assert_eq!(
+            (o.emit.as_str(), o.stopped, o.which),
+            ("ab ", true, Some(1))
+        );
+    }
+
+    #[test]
+    fn a_long_stream_against_many_near_matching_stops_is_released_whole() {
+        // 64 stops of 256 bytes that almost match everywhere (the old
+        // matcher rescanned its held text for every stop on every token).
+        let stops: Vec<String> = (0..64)
+            .map(|i| format!("{}{i:03}", "a".repeat(253)))
+            .collect();
+        let mut m = StopMatcher::new(&stops);
+        let mut sent = 0;
+        for _ in 0..20_000 {
+            sent += m.push("aaaa").emit.len();
+        }
+        assert_eq!(sent + m.finish().len(), 80_000);
+        assert!(sent >= 80_000 - 256, "{sent}");
     }
 }

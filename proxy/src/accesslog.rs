@@ -497,19 +497,27 @@ pub(crate) fn json_str(out: &mut String, s: &str) {
 
 fn combined_line(e: &Entry<'_>, out: &mut String) {
     use std::fmt::Write as _;
-    let _ = writeln!(
+    // What a client sent (method, target, User-Agent, X-Request-Id) is
+    // escaped as nginx's `escape=default` does, so that none of it can
+    // close a quoted field or forge another line or field.
+    let _ = write!(
         out,
-        "{} - - [{}] \"{} {} HTTP/1.1\" {} {} \"-\" \"{}\" rid={} rt={:.3} urt={} up={}",
+        "{} - - [{}] \"",
         e.client
             .map(|c| c.to_string())
             .unwrap_or_else(|| "-".into()),
         rfc3339(e.time),
-        e.method,
-        e.uri,
-        e.status,
-        e.bytes,
-        e.user_agent.replace('"', "'"),
-        e.request_id,
+    );
+    push_log_escaped(out, e.method, true);
+    out.push(' ');
+    push_log_escaped(out, e.uri, true);
+    let _ = write!(out, " HTTP/1.1\" {} {} \"-\" \"", e.status, e.bytes);
+    push_log_escaped(out, e.user_agent, false);
+    out.push_str("\" rid=");
+    push_log_escaped(out, e.request_id, true);
+    let _ = writeln!(
+        out,
+        " rt={:.3} urt={} up={}",
         e.total.as_secs_f64(),
         e.upstream_time
             .map(|d| format!("{:.3}", d.as_secs_f64()))
@@ -518,6 +526,22 @@ fn combined_line(e: &Entry<'_>, out: &mut String) {
             .map(|u| u.to_string())
             .unwrap_or_else(|| "-".into()),
     );
+}
+
+/// `s` with `"`, `\\`, every control and every non-ASCII byte written as
+/// `\xHH`, as nginx writes a log line; spaces too where `space` (a field
+/// outside quotes).
+fn push_log_escaped(out: &mut String, s: &str, space: bool) {
+    use std::fmt::Write as _;
+    for &b in s.as_bytes() {
+        match b {
+            b'"' | b'\\' | 0..=0x1f | 0x7f..=0xff => {
+                let _ = write!(out, "\\x{b:02X}");
+            }
+            b' ' if space => out.push_str("\\x20"),
+            _ => out.push(b as char),
+        }
+    }
 }
 
 /// UTC RFC 3339 with milliseconds, without a date library.
@@ -579,6 +603,35 @@ fn civil(out: &mut String, secs: i64) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_combined_line_cannot_be_forged_by_what_the_client_sent() {
+        let e = Entry {
+            time: UNIX_EPOCH,
+            request_id: "r 1\" rt=0.000",
+            client: None,
+            method: "GET",
+            uri: "/a\" 200 1 \"-\" \"x\"\n1.2.3.4 - - [x]",
+            route: None,
+            upstream: None,
+            status: 404,
+            bytes: 7,
+            total: Duration::ZERO,
+            upstream_time: None,
+            tries: 1,
+            user_agent: "ua\" rid=forged \u{e9}",
+            lane: "",
+            queue: None,
+        };
+        let mut line = String::new();
+        combined_line(&e, &mut line);
+        assert_eq!(line.matches('\n').count(), 1, "{line}");
+        assert_eq!(
+            line,
+            "- - - [1970-01-01T00:00:00.000Z] \"GET /a\\x22\\x20200\\x201\\x20\\x22-\\x22\\x20\\x22x\\x22\\x0A1.2.3.4\\x20-\\x20-\\x20[x] HTTP/1.1\" \
+             404 7 \"-\" \"ua\\x22 rid=forged \\xC3\\xA9\" rid=r\\x201\\x22\\x20rt=0.000 rt=0.000 urt=- up=-\n"
+        );
+    }
 
     #[test]
     fn a_json_line_parses_with_every_field_and_escape() {

@@ -309,7 +309,7 @@ fn the_admin_api_purges_a_url_or_a_zone() {
     assert_eq!(list["zones"][0]["zone"], "site");
     assert_eq!(list["zones"][0]["objects"], 3);
     // Every variant of the URL, as the client wrote it.
-    let full = format!("http://test.local{u}");
+    let full = format!("http://{}{u}", uf.addr);
     let body = serde_json::json!({ "url": full, "zone": "site" }).to_string();
     let r = admin_json(&uf, "POST", "/admin/cache/purge", &body);
     assert_eq!(r["purged"], 2, "{r}");
@@ -437,7 +437,7 @@ fn http2_clients_are_served_from_the_same_zone() {
     ));
     let u = "/cache/h2?cc=max-age%3D60&len=3000";
     // Stored by an HTTP/1.1 client (Host: test.local, as curl's below).
-    let first = get(uf.addr, u, &[]);
+    let first = get(uf.addr, u, &[("Host", "test.local")]);
     let url = format!("http://127.0.0.1:{port}{u}");
     let out = std::process::Command::new("curl")
         .args([

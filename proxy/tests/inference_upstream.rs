@@ -77,6 +77,39 @@ fn disconnect_mid_stream_cancels_the_upstream_request() {
 }
 
 #[test]
+fn a_client_that_pipelines_a_byte_and_leaves_cancels_the_upstream_request() {
+    let fake = Fake::start(&["--tokens", "400", "--itl-ms", "10"]);
+    let uf = Ultrafast::start(&format!(
+        "{INFERENCE_ROUTE}{}",
+        upstream_model("m", &[&fake], "")
+    ));
+    let body = chat_body(400, true);
+    let mut s = std::net::TcpStream::connect(uf.addr).unwrap();
+    let req = format!(
+        "POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
+        body.len()
+    );
+    std::io::Write::write_all(&mut s, req.as_bytes()).unwrap();
+    assert!(
+        eventually(Duration::from_secs(5), || fake.stat("active") == 1),
+        "{}",
+        fake.stats()
+    );
+    // Then one byte of a next request: the idle read that watches for the
+    // client leaving stops at it.
+    std::io::Write::write_all(&mut s, b"G").unwrap();
+    std::thread::sleep(Duration::from_millis(200));
+    drop(s);
+    assert!(
+        eventually(Duration::from_secs(3), || fake.stat("cancelled") == 1
+            && fake.stat("active") == 0),
+        "upstream request not cancelled: {}",
+        fake.stats()
+    );
+    assert_eq!(fake.stat("completed"), 0);
+}
+
+#[test]
 fn retries_before_the_first_token_never_after() {
     let failing = Fake::start(&["--fail-first", "1000"]);
     let good = Fake::start(&["--tokens", "5", "--itl-ms", "1"]);

@@ -274,4 +274,66 @@ fn redaction_hides_secret_looking_values() {
     assert_eq!(v["tls"]["key_file"], "<redacted>");
     assert_eq!(v["api_token"], "<redacted>");
     assert_eq!(v["pools"]["p"]["hash_key"], "client_ip");
+    // A URL's credentials, whatever the field is called.
+    let mut v = serde_json::json!({"cluster": {"redis": "redis://user:hunter2@10.0.0.1:6379/0"},
+        "pools": {"p": {"members": [{"addr": "https://a:b@h/x@y"}]}}, "plain": "http://h/p@q"});
+    ultrafast::admin::redact(&mut v);
+    assert_eq!(v["cluster"]["redis"], "redis://<redacted>@10.0.0.1:6379/0");
+    assert_eq!(
+        v["pools"]["p"]["members"][0]["addr"],
+        "https://<redacted>@h/x@y"
+    );
+    assert_eq!(
+        v["plain"], "http://h/p@q",
+        "an @ in the path is no userinfo"
+    );
+}
+
+#[test]
+fn the_admin_config_hides_the_redis_password_and_a_tokenless_admin_refuses_pages() {
+    let uf = Ultrafast::start(
+        "[cluster]\nredis = \"redis://user:hunter2@127.0.0.1:1/0\"\n\n[[routes]]\npath = \"/\"\nreturn = { status = 200, body = \"x\" }\n",
+    );
+    let cfg = get(uf.admin, "/admin/config", &[]);
+    assert_eq!(cfg.status, 200);
+    assert!(!cfg.text().contains("hunter2"), "{}", cfg.text());
+    // A page elsewhere: DNS rebinding (its own name as Host), a cross-site
+    // form, a cross-origin fetch.
+    let rebound = get(uf.admin, "/admin/config", &[("Host", "evil.example:9090")]);
+    assert_eq!(rebound.status, 403);
+    let mut c = Client::connect(uf.admin).unwrap();
+    let form = c
+        .request(
+            "POST",
+            "/admin/reload",
+            &[("Sec-Fetch-Site", "cross-site")],
+            b"",
+        )
+        .unwrap();
+    assert_eq!(form.status, 403);
+    let mut c = Client::connect(uf.admin).unwrap();
+    let fetch = c
+        .request(
+            "POST",
+            "/admin/cache/purge",
+            &[("Origin", "https://evil.example")],
+            b"{\"all\":true}",
+        )
+        .unwrap();
+    assert_eq!(fetch.status, 403);
+    // The machine's own tools and its probes still get through.
+    let own = get(
+        uf.admin,
+        "/admin/config",
+        &[("Host", "localhost:1"), ("Origin", "http://127.0.0.1:1")],
+    );
+    assert_eq!(own.status, 200);
+    assert_eq!(
+        get(uf.admin, "/healthz", &[("Host", "10.1.2.3:9090")]).status,
+        200
+    );
+    assert_eq!(
+        get(uf.admin, "/metrics", &[("Sec-Fetch-Site", "same-origin")]).status,
+        200
+    );
 }

@@ -53,8 +53,17 @@ fn a_slow_member_violates_the_lane_the_fallback_serves_and_the_lane_recovers() {
     let slow = Fake::start(&["--tokens", "4", "--ttft-ms", "10", "--itl-ms", "2"]);
     let spare = Fake::start(&["--tokens", "4", "--ttft-ms", "10", "--itl-ms", "2"]);
     let watchdog = "watchdog = { window_ms = 1000, enter_after = 2, leave_after = 2, min_samples = 3, probe_interval_ms = 100, ttft_ms = 300 }\nfallback = \"spare\"";
+    // Two keys: one may use every model, one only `m`.
+    let keys = scratch("fallback-keys").join("keys.toml");
+    std::fs::write(
+        &keys,
+        "[[keys]]\nname = \"all\"\nkey = \"sk-all\"\n\n\
+         [[keys]]\nname = \"only-m\"\nkey = \"sk-only-m\"\nmodels = [\"m\"]\n",
+    )
+    .unwrap();
     let uf = Ultrafast::start(&format!(
-        "{INFERENCE_ROUTE}{}{}",
+        "[api_keys]\nfile = \"{}\"\n\n{INFERENCE_ROUTE}{}{}",
+        keys.display(),
         upstream_model("m", &[&slow], watchdog),
         upstream_model("spare", &[&spare], "")
     ));
@@ -71,7 +80,7 @@ fn a_slow_member_violates_the_lane_the_fallback_serves_and_the_lane_recovers() {
                         c.request(
                             "POST",
                             "/v1/chat/completions",
-                            &[],
+                            &[("Authorization", "Bearer sk-all")],
                             chat("m", 4, false).as_bytes(),
                         )
                     });
@@ -102,6 +111,19 @@ fn a_slow_member_violates_the_lane_the_fallback_serves_and_the_lane_recovers() {
         .load(Ordering::Relaxed)
         > 3));
     assert!(spare.stat("requests") > spare_before);
+    // A key that may use only `m` is never served the fallback: it waits
+    // for its own model.
+    let only_m = Client::connect(uf.addr)
+        .unwrap()
+        .request(
+            "POST",
+            "/v1/chat/completions",
+            &[("Authorization", "Bearer sk-only-m")],
+            chat("m", 4, false).as_bytes(),
+        )
+        .unwrap();
+    assert_eq!(only_m.status, 200, "{}", only_m.text());
+    assert_eq!(only_m.header("x-ultrafast-fallback"), None);
     let v = get(uf.admin, "/admin/slo", &[]).json();
     let lane = v["lanes"]
         .as_array()

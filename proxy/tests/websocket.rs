@@ -101,6 +101,19 @@ fn upgrades_are_capped_and_an_idle_tunnel_is_closed() {
     let (_three, s3) = raw_upgrade(&uf);
     assert_eq!(s3, 503, "past max_upgraded");
     assert_eq!(uf.metric("ultrafast_upgrades_total", &["refused_cap"]), 1.0);
+    // Without `Connection: upgrade` Pingora still tunnels it: the same cap.
+    let mut four = Client::connect(uf.addr).unwrap();
+    four.send_raw(
+        b"GET /ws HTTP/1.1\r\nHost: x\r\nUpgrade: websocket\r\n\
+Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\nSec-WebSocket-Version: 13\r\n\r\n",
+    )
+    .unwrap();
+    assert_eq!(
+        four.read_response(true).unwrap().status,
+        503,
+        "no Connection token, capped too"
+    );
+    assert_eq!(uf.metric("ultrafast_upgrades_total", &["refused_cap"]), 2.0);
     // Silent for the idle deadline (1 s): closed, and the slots come back.
     let t = std::time::Instant::now();
     assert!(one.closed_within(Duration::from_secs(5)));

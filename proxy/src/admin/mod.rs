@@ -223,9 +223,17 @@ pub fn redact(v: &mut serde_json::Value) {
         serde_json::Value::Object(m) => {
             for (k, val) in m.iter_mut() {
                 let k = k.to_ascii_lowercase();
-                let secret = ["key", "secret", "password", "token", "authorization"]
-                    .iter()
-                    .any(|s| k.contains(s))
+                let secret = [
+                    "key",
+                    "secret",
+                    "password",
+                    "passwd",
+                    "token",
+                    "authorization",
+                    "credential",
+                ]
+                .iter()
+                .any(|s| k.contains(s))
                     && !matches!(k.as_str(), "hash_key" | "key" | "max_keys");
                 if secret && !val.is_null() {
                     *val = serde_json::Value::String("<redacted>".into());
@@ -235,8 +243,65 @@ pub fn redact(v: &mut serde_json::Value) {
             }
         }
         serde_json::Value::Array(a) => a.iter_mut().for_each(redact),
+        // Whatever the field is called (`[cluster] redis`, a member, an
+        // exporter's endpoint), a URL's userinfo is a credential.
+        serde_json::Value::String(s) => {
+            if let Some(clean) = without_userinfo(s) {
+                *s = clean;
+            }
+        }
         _ => {}
     }
+}
+
+/// `scheme://user:pass@host/...` with the userinfo redacted; None when `s`
+/// has none.
+fn without_userinfo(s: &str) -> Option<String> {
+    let (scheme, rest) = s.split_once("://")?;
+    let auth_end = rest.find(['/', '?', '#']).unwrap_or(rest.len());
+    let at = rest[..auth_end].rfind('@')?;
+    Some(format!("{scheme}://<redacted>@{}", &rest[at + 1..]))
+}
+
+/// Whether a request to a tokenless admin listener may come from a browser
+/// page: only with a loopback Host (a page on another name that resolves
+/// to 127.0.0.1, DNS rebinding, sends its own name) and, when it says
+/// where it comes from, from a loopback origin of its own (`Origin`,
+/// `Sec-Fetch-Site`): so a page cannot POST `/admin/reload` or
+/// `/admin/cache/purge`, nor read what the listener shows.
+fn same_machine(req: &pingora::http::RequestHeader) -> Result<(), &'static str> {
+    let header = |n: &str| req.headers.get(n).and_then(|v| v.to_str().ok());
+    let host = header("host").or_else(|| req.uri.host()).unwrap_or("");
+    if !host.is_empty() && !loopback_authority(host) {
+        return Err("the admin listener without a token answers only a loopback Host\n");
+    }
+    if let Some(origin) = header("origin") {
+        let authority = origin.split_once("://").map_or("", |(_, a)| a);
+        if !loopback_authority(authority) {
+            return Err("cross-origin requests to the admin listener are refused\n");
+        }
+    }
+    if let Some(site) = header("sec-fetch-site") {
+        if !matches!(site, "same-origin" | "none") {
+            return Err("cross-site requests to the admin listener are refused\n");
+        }
+    }
+    Ok(())
+}
+
+/// `localhost`, `127.x.x.x` or `[::1]`, with an optional port.
+fn loopback_authority(a: &str) -> bool {
+    let host = match a.strip_prefix('[') {
+        Some(v6) => match v6.split_once(']') {
+            Some((h, port)) if port.is_empty() || port.starts_with(':') => h,
+            _ => return false,
+        },
+        None => a.rsplit_once(':').map_or(a, |(h, _)| h),
+    };
+    host.eq_ignore_ascii_case("localhost")
+        || host
+            .parse::<std::net::IpAddr>()
+            .is_ok_and(|ip| ip.is_loopback())
 }
 
 /// Whether the request carries the admin token (always, when none is set).
@@ -278,6 +343,14 @@ impl ServeHttp for AdminApp {
         // `/status` is the static page only: its data needs the token.
         let open = matches!(path.as_str(), "/healthz" | "/readyz" | "/status");
         let token = self.manager.shared().load().admin_token.clone();
+        // Health probes reveal nothing and come from orchestrators by any
+        // name; everything else of a tokenless listener is the machine's.
+        let probe = matches!(path.as_str(), "/healthz" | "/readyz");
+        if token.is_none() && !probe {
+            if let Err(why) = same_machine(session.req_header()) {
+                return reply(403, "text/plain", why.as_bytes().to_vec());
+            }
+        }
         if !open && !authorized(token.as_deref(), session.req_header()) {
             let mut r = reply(
                 401,

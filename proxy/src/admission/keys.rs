@@ -11,7 +11,7 @@
 //! from `budget`).
 //!
 //! Reload: `ApiKeys::reload` (called on every config reload) and
-//! `KeyWatchService` (when the file's mtime or size changes) rebuild the
+//! `KeyWatchService` (when the file's bytes change) rebuild the
 //! store and swap it whole. A malformed file keeps the old store serving and
 //! logs every error with file, line and field. A key whose name and limits
 //! are unchanged keeps its limiter and budget state (the same `Arc`s), so a
@@ -29,7 +29,7 @@ use pingora::services::background::BackgroundService;
 use std::fmt;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
-use std::time::{Duration, SystemTime};
+use std::time::Duration;
 
 /// What a successful key reload did.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -40,11 +40,15 @@ pub struct KeyReload {
     pub carried: usize,
 }
 
-type Stamp = Option<(SystemTime, u64)>;
+/// What the file held when last read: a digest of its bytes. An edit
+/// within the same second and of the same size (a key's hash swapped for
+/// another) changes no (mtime, size) stamp; it changes the digest.
+type Stamp = Option<[u8; 32]>;
 
 fn stamp(path: &Path) -> Stamp {
-    let m = std::fs::metadata(path).ok()?;
-    Some((m.modified().ok()?, m.len()))
+    let bytes = std::fs::read(path).ok()?;
+    let d = ring::digest::digest(&ring::digest::SHA256, &bytes);
+    d.as_ref().try_into().ok()
 }
 
 /// The live API keys of one `[api_keys]` section.
@@ -159,7 +163,7 @@ impl ApiKeys {
         Ok(report)
     }
 
-    /// `reload` if the file's mtime or size changed since the last read.
+    /// `reload` if the file's bytes changed since the last read.
     pub fn reload_if_changed(&self) -> Option<Result<KeyReload, KeyFileError>> {
         if stamp(&self.path) == *self.stamp.lock() {
             return None;
@@ -216,6 +220,24 @@ mod tests {
     const KEYS: &str = "[[keys]]\nname = \"a\"\nkey = \"sk-a\"\nmodels = [\"m1\"]\n\
                         tokens_per_min = 60\nburst_tokens = 10\n\n\
                         [[keys]]\nname = \"b\"\nkey = \"sk-b\"\nrate_per_s = 1.0\nburst = 2\n";
+
+    #[test]
+    fn an_edit_of_the_same_size_and_time_is_noticed() {
+        let path = scratch("same-stamp.toml", KEYS);
+        let keys = ApiKeys::load(path.clone(), Some(Duration::from_secs(1)), None).unwrap();
+        let mtime = std::fs::metadata(&path).unwrap().modified().unwrap();
+        // A key swapped for another of the same length, the mtime put back.
+        std::fs::write(&path, KEYS.replace("sk-a", "sk-z")).unwrap();
+        std::fs::File::options()
+            .write(true)
+            .open(&path)
+            .unwrap()
+            .set_modified(mtime)
+            .unwrap();
+        assert!(keys.reload_if_changed().is_some_and(|r| r.is_ok()));
+        assert!(keys.authenticate(&headers(Some("Bearer sk-z"))).is_ok());
+        assert!(keys.authenticate(&headers(Some("Bearer sk-a"))).is_err());
+    }
 
     #[test]
     fn a_bad_reload_keeps_the_old_keys_and_a_good_one_carries_state() {

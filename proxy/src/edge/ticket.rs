@@ -152,7 +152,9 @@ impl rustls::server::ProducesTickets for RotatingTicketer {
         let result = (|| {
             let period = u64::from_be_bytes(cipher.get(..8)?.try_into().ok()?);
             let now = self.period();
-            if period != now && period + 1 != now {
+            // The period is the client's bytes: no arithmetic on it may
+            // overflow.
+            if period != now && period.checked_add(1) != Some(now) {
                 return None;
             }
             let nonce: [u8; NONCE_LEN] = cipher.get(8..8 + NONCE_LEN)?.try_into().ok()?;

@@ -6,6 +6,14 @@
 //! jobs expire after the TTL and the oldest finished ones are evicted first
 //! when room is needed; when only running jobs remain, new async requests
 //! are refused (503) rather than growing without bound.
+//!
+//! Every byte kept counts: events, and the result or error of a finished
+//! job, kept as compact JSON text (a `Value` tree is several times its
+//! text). Each owner (API key) has a share of the bounds, its fair part
+//! among the owners holding entries: room is made from the asking owner's
+//! own finished jobs, or from an owner holding more than its share, never
+//! from another owner's results within its share, so one tenant cannot
+//! evict another's unread results by flooding the store.
 
 use parking_lot::Mutex;
 use serde_json::Value;
@@ -51,15 +59,19 @@ impl Status {
 struct Inner {
     status: Status,
     events: Vec<String>,
-    result: Option<Value>,
-    error: Option<Value>,
+    /// The result and the error as compact JSON text.
+    result: Option<String>,
+    error: Option<String>,
     finished_at: Option<Instant>,
-    /// Bytes of `events` counted in the store; changed only under this
-    /// lock, together with the store's total, so the two never disagree.
+    /// Bytes of `events`, `result` and `error` counted in the store;
+    /// changed only under this lock, together with the store's and the
+    /// owner's totals, so they never disagree.
     bytes: usize,
     /// Taken out of the store (evicted, expired or replaced): nothing more
     /// is counted for it.
     removed: bool,
+    /// Failed for want of room: its error is `store_full()`.
+    full: bool,
 }
 
 /// One async request.
@@ -76,6 +88,15 @@ pub struct Job {
     cancel: watch::Sender<bool>,
     store: std::sync::Weak<Shared>,
     mirrored: std::sync::atomic::AtomicBool,
+    /// What its owner holds, all its jobs together.
+    usage: Arc<Usage>,
+}
+
+/// What one owner holds in the store.
+#[derive(Debug, Default)]
+struct Usage {
+    bytes: AtomicUsize,
+    entries: AtomicUsize,
 }
 
 impl Job {
@@ -119,31 +140,15 @@ impl Job {
         let Some(st) = self.store.upgrade() else {
             return false;
         };
-        if st.bytes.load(Ordering::Relaxed) + n > st.max_bytes() {
-            // Older finished results make room for a running job first.
-            let mut g = st.jobs.lock();
-            st.evict(&mut g, st.max_entries(), n);
-        }
+        st.make_room(&self.owner, n);
         let len = {
             let mut g = self.inner.lock();
             if g.status.finished() || g.removed {
                 return false;
             }
-            // Take the room atomically: two jobs pushing at once never
-            // overshoot the bound together.
-            let max = st.max_bytes();
-            let room = st
-                .bytes
-                .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |b| {
-                    (b + n <= max).then_some(b + n)
-                });
-            if room.is_err() {
+            if !st.take(&self.usage, n) {
                 drop(g);
-                self.finish(
-                    Status::Failed,
-                    None,
-                    Some(serde_json::json!({"message": "the async result store is full", "type": "server_error", "code": "async_store_full"})),
-                );
+                self.finish(Status::Failed, None, Some(store_full()));
                 return false;
             }
             g.bytes += n;
@@ -159,10 +164,31 @@ impl Job {
 
     /// End the job (the first call wins).
     pub fn finish(&self, status: Status, result: Option<Value>, error: Option<Value>) {
+        let text = |v: &Option<Value>| v.as_ref().map(Value::to_string);
+        let (mut result_text, mut error_text) = (text(&result), text(&error));
+        let n = result_text.as_ref().map_or(0, String::len)
+            + error_text.as_ref().map_or(0, String::len);
+        let st = self.store.upgrade();
+        if let Some(st) = &st {
+            st.make_room(&self.owner, n);
+        }
+        let (mut status, mut result, mut error) = (status, result, error);
         let len = {
             let mut g = self.inner.lock();
             if g.status.finished() {
                 return;
+            }
+            if let Some(st) = st.as_ref().filter(|_| !g.removed) {
+                if !st.take(&self.usage, n) {
+                    // The result does not fit: the job fails, its error
+                    // (`store_full`) shown by `view` and kept as a flag, so
+                    // the bound holds to the byte.
+                    (status, result, error) = (Status::Failed, None, Some(store_full()));
+                    (result_text, error_text) = (None, None);
+                    g.full = true;
+                } else {
+                    g.bytes += n;
+                }
             }
             g.status = status;
             g.finished_at = Some(Instant::now());
@@ -177,8 +203,8 @@ impl Job {
                     ttl,
                 )
             });
-            g.result = result;
-            g.error = error;
+            g.result = result_text;
+            g.error = error_text;
             g.events.len()
         };
         self.changed.send_replace(len);
@@ -218,14 +244,22 @@ impl Job {
         let g = self.inner.lock();
         let mut v = serde_json::json!({"id": self.id, "object": "request", "created": self.created,
             "status": g.status.as_str(), "events": g.events.len()});
+        let parse = |t: &str| serde_json::from_str(t).unwrap_or(Value::Null);
         if let Some(r) = &g.result {
-            v["result"] = r.clone();
+            v["result"] = parse(r);
         }
         if let Some(e) = &g.error {
-            v["error"] = e.clone();
+            v["error"] = parse(e);
+        } else if g.full {
+            v["error"] = store_full();
         }
         v
     }
+}
+
+/// The error of a job the store had no room for.
+fn store_full() -> Value {
+    serde_json::json!({"message": "the async result store is full", "type": "server_error", "code": "async_store_full"})
 }
 
 impl Shared {
@@ -238,14 +272,56 @@ impl Shared {
             j.mirror(|c, _| c.job_removed(id));
             let mut g = j.inner.lock();
             self.bytes.fetch_sub(g.bytes, Ordering::Relaxed);
+            j.usage.bytes.fetch_sub(g.bytes, Ordering::Relaxed);
+            j.usage.entries.fetch_sub(1, Ordering::Relaxed);
             g.bytes = 0;
             g.removed = true;
+            drop(g);
+            let mut owners = self.owners.lock();
+            if j.usage.entries.load(Ordering::Relaxed) == 0 {
+                owners.remove(&j.owner);
+            }
         }
     }
 
-    /// Drop expired jobs, then the oldest finished ones while over `need`
-    /// entries or over the byte bound.
-    fn evict(&self, g: &mut Jobs, keep_entries: usize, need_bytes: usize) {
+    /// Count `n` more bytes of the owner `usage`, if the bound has room
+    /// (atomically: two jobs taking room at once never overshoot it).
+    fn take(&self, usage: &Usage, n: usize) -> bool {
+        let max = self.max_bytes();
+        let room = self
+            .bytes
+            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |b| {
+                (b + n <= max).then_some(b + n)
+            });
+        if room.is_ok() {
+            usage.bytes.fetch_add(n, Ordering::Relaxed);
+        }
+        room.is_ok()
+    }
+
+    /// When `n` more bytes would pass the bound, make room for `owner`.
+    fn make_room(&self, owner: &Option<String>, n: usize) {
+        if self.bytes.load(Ordering::Relaxed) + n > self.max_bytes() {
+            let mut g = self.jobs.lock();
+            self.evict(&mut g, self.max_entries(), n, owner);
+        }
+    }
+
+    /// Whether `j`'s finished entry may go to make room for `asking`: its
+    /// own, or an owner's holding more than its share of either bound.
+    fn evictable(&self, j: &Job, asking: &Option<String>) -> bool {
+        if &j.owner == asking {
+            return true;
+        }
+        let owners = self.owners.lock().len().max(1);
+        j.usage.bytes.load(Ordering::Relaxed) > self.max_bytes() / owners
+            || j.usage.entries.load(Ordering::Relaxed) > self.max_entries() / owners
+    }
+
+    /// Drop expired jobs, then the oldest finished ones that may go for
+    /// `asking` (`evictable`) while over `keep_entries` entries or over the
+    /// byte bound with `need_bytes` more.
+    fn evict(&self, g: &mut Jobs, keep_entries: usize, need_bytes: usize, asking: &Option<String>) {
         let now = Instant::now();
         let (map, order) = g;
         let expired: Vec<String> = order
@@ -267,10 +343,10 @@ impl Shared {
         while map.len() > keep_entries
             || self.bytes.load(Ordering::Relaxed) + need_bytes > self.max_bytes()
         {
-            let Some(pos) = order
-                .iter()
-                .position(|id| map.get(id).is_some_and(|j| j.status().finished()))
-            else {
+            let Some(pos) = order.iter().position(|id| {
+                map.get(id)
+                    .is_some_and(|j| j.status().finished() && self.evictable(j, asking))
+            }) else {
                 break;
             };
             if let Some(id) = order.remove(pos) {
@@ -314,6 +390,8 @@ type Jobs = (HashMap<String, Arc<Job>>, VecDeque<String>);
 /// The store's state, shared with its jobs (which make room on push).
 pub struct Shared {
     jobs: Mutex<Jobs>,
+    /// What each owner holds; changed only under `jobs`' lock.
+    owners: Mutex<HashMap<Option<String>, Arc<Usage>>>,
     bytes: Arc<AtomicUsize>,
     max_entries: AtomicUsize,
     max_bytes: AtomicUsize,
@@ -349,6 +427,7 @@ impl Store {
     pub fn new(max_entries: usize, max_bytes: usize, ttl: Duration) -> Self {
         Store(Arc::new(Shared {
             jobs: Mutex::new((HashMap::new(), VecDeque::new())),
+            owners: Mutex::new(HashMap::new()),
             bytes: Arc::new(AtomicUsize::new(0)),
             max_entries: AtomicUsize::new(max_entries.max(1)),
             max_bytes: AtomicUsize::new(max_bytes),
@@ -380,10 +459,12 @@ impl Store {
             st.remove(&mut g.0, &id);
             g.1.retain(|x| x != &id);
         }
-        st.evict(&mut g, st.max_entries() - 1, 1);
+        st.evict(&mut g, st.max_entries() - 1, 1, &owner);
         if g.0.len() >= st.max_entries() || st.bytes.load(Ordering::Relaxed) >= st.max_bytes() {
             return Err(Full);
         }
+        let usage = st.owners.lock().entry(owner.clone()).or_default().clone();
+        usage.entries.fetch_add(1, Ordering::Relaxed);
         let job = Arc::new(Job {
             id: id.clone(),
             owner,
@@ -399,11 +480,13 @@ impl Store {
                 finished_at: None,
                 bytes: 0,
                 removed: false,
+                full: false,
             }),
             changed: watch::Sender::new(0),
             cancel: watch::Sender::new(false),
             store: Arc::downgrade(&self.0),
             mirrored: std::sync::atomic::AtomicBool::new(true),
+            usage,
         });
         g.0.insert(id.clone(), job.clone());
         g.1.push_back(id);
@@ -481,6 +564,66 @@ mod tests {
     }
 
     #[test]
+    fn results_count_as_compact_json_and_a_result_that_does_not_fit_fails_the_job() {
+        let s = Store::new(10, 200, Duration::from_secs(60));
+        let a = s.create("a".into()).unwrap();
+        assert!(a.push("x".repeat(50)));
+        let result = serde_json::json!({"metadata": {"k": "v".repeat(40)}});
+        let text = result.to_string();
+        a.finish(Status::Completed, Some(result), None);
+        assert_eq!(s.usage(), (1, 50 + text.len()));
+        assert_eq!(a.view()["result"]["metadata"]["k"], "v".repeat(40));
+        let b = s.create_for("b".into(), None).unwrap();
+        // a's result is b's owner's (None) own: it goes first.
+        b.finish(
+            Status::Completed,
+            Some(serde_json::json!({"r": "y".repeat(300)})),
+            None,
+        );
+        assert_eq!(b.status(), Status::Failed, "300 bytes never fit in 200");
+        assert_eq!(b.view()["error"]["code"], "async_store_full");
+        assert_eq!(s.usage(), (1, 0), "a made room, b kept nothing");
+    }
+
+    #[test]
+    fn one_owner_cannot_evict_anothers_results_within_its_share() {
+        let s = Store::new(8, 1000, Duration::from_secs(60));
+        let own = |x: &str| Some(x.to_string());
+        // The victim's two unread results: 2 of 8 entries, 200 of 1000 bytes.
+        for id in ["v1", "v2"] {
+            let j = s.create_for(id.into(), own("victim")).unwrap();
+            j.finish(
+                Status::Completed,
+                Some(serde_json::json!({"r": "v".repeat(90)})),
+                None,
+            );
+        }
+        // The flood: entries and bytes, over and over.
+        for i in 0..100 {
+            let Ok(j) = s.create_for(format!("f{i}"), own("flood")) else {
+                continue;
+            };
+            j.push("f".repeat(100));
+            j.finish(
+                Status::Completed,
+                Some(serde_json::json!({"r": "f".repeat(90)})),
+                None,
+            );
+        }
+        assert!(
+            s.get("v1").is_some() && s.get("v2").is_some(),
+            "the victim's results stay"
+        );
+        assert!(s.get("f99").is_some(), "the flood makes room from its own");
+        let (entries, bytes) = s.usage();
+        assert!(entries <= 8 && bytes <= 1000, "{entries} {bytes}");
+        // Over its share, the flood's results do go for another owner.
+        let c = s.create_for("c".into(), own("third")).unwrap();
+        assert!(c.push("c".repeat(150)));
+        assert!(s.get("v1").is_some() && s.get("v2").is_some());
+    }
+
+    #[test]
     fn a_replaced_id_leaves_no_bytes_behind() {
         let s = Store::new(10, 100, Duration::from_secs(60));
         let a = s.create("a".into()).unwrap();
@@ -542,7 +685,7 @@ mod props {
                     }
                     Op::Finish(i) => {
                         if let Some(j) = jobs.get(&(i % 6)) {
-                            j.finish(Status::Completed, None, None);
+                            j.finish(Status::Completed, Some(serde_json::json!({"n": "r".repeat(i as usize * 5)})), None);
                         }
                     }
                     Op::Cancel(i) => {
@@ -556,7 +699,10 @@ mod props {
                 }
                 let g = s.0.jobs.lock();
                 let held: usize = g.0.values().map(|j| {
-                    j.inner.lock().events.iter().map(String::len).sum::<usize>()
+                    let i = j.inner.lock();
+                    i.events.iter().map(String::len).sum::<usize>()
+                        + i.result.as_ref().map_or(0, String::len)
+                        + i.error.as_ref().map_or(0, String::len)
                 }).sum();
                 prop_assert_eq!(s.0.bytes.load(Ordering::Relaxed), held);
                 prop_assert!(held <= 200);

@@ -270,7 +270,71 @@ pub(super) fn stop(o: &Map<String, Value>) -> Result<Vec<String>, BackendError> 
     if out.len() > 4 {
         return Err(bad("stop", "at most 4 stop sequences are allowed.".into()));
     }
+    stop_lengths("stop", &out)?;
     Ok(out.into_iter().filter(|s| !s.is_empty()).collect())
+}
+
+/// Bytes of one stop sequence, at most. The engine checks every stop
+/// against every new piece of text on the thread that steps the whole
+/// batch: its work must not grow with what a client sends. Real stops are
+/// a few characters (`"\n\n"`, `"</answer>"`, `"Human:"`).
+pub const MAX_STOP_BYTES: usize = 256;
+
+/// Each stop sequence within `MAX_STOP_BYTES`, or a 400 naming `param`.
+pub(super) fn stop_lengths(param: &'static str, stops: &[String]) -> Result<(), BackendError> {
+    match stops.iter().position(|s| s.len() > MAX_STOP_BYTES) {
+        Some(i) => Err(bad(
+            param,
+            format!("'{param}[{i}]' is longer than the maximum of {MAX_STOP_BYTES} bytes."),
+        )),
+        None => Ok(()),
+    }
+}
+
+/// Pairs of `metadata`, at most, as OpenAI limits it.
+pub const MAX_METADATA_PAIRS: usize = 16;
+/// Characters of a `metadata` key, at most (OpenAI's limit).
+pub const MAX_METADATA_KEY: usize = 64;
+/// Characters of a `metadata` value, at most (OpenAI's limit).
+pub const MAX_METADATA_VALUE: usize = 512;
+
+/// `metadata`, when present: an object of at most 16 string pairs, keys
+/// of at most 64 characters, values of at most 512, as OpenAI's API takes
+/// it; a stored response keeps it, so it is bounded before it is kept.
+pub(super) fn metadata(o: &Map<String, Value>) -> Result<(), BackendError> {
+    let Some(v) = opt(o, "metadata") else {
+        return Ok(());
+    };
+    let m = v
+        .as_object()
+        .ok_or_else(|| wrong_type("metadata", "an object of strings", v))?;
+    if m.len() > MAX_METADATA_PAIRS {
+        return Err(bad(
+            "metadata",
+            format!(
+                "'metadata' has {} pairs; at most {MAX_METADATA_PAIRS} are allowed.",
+                m.len()
+            ),
+        ));
+    }
+    for (k, val) in m {
+        if k.chars().count() > MAX_METADATA_KEY {
+            return Err(bad(
+                "metadata",
+                format!("a 'metadata' key is longer than {MAX_METADATA_KEY} characters."),
+            ));
+        }
+        let Some(text) = val.as_str() else {
+            return Err(wrong_type("metadata", "an object of strings", val));
+        };
+        if text.chars().count() > MAX_METADATA_VALUE {
+            return Err(bad(
+                "metadata",
+                format!("'metadata.{k}' is longer than {MAX_METADATA_VALUE} characters."),
+            ));
+        }
+    }
+    Ok(())
 }
 
 /// `response_format`: none for `text`, else the JSON its output must be.
@@ -482,6 +546,7 @@ pub fn parse(endpoint: Endpoint, body: &[u8]) -> Result<Parsed, BackendError> {
         Endpoint::Chat => Prompt::Chat(messages(o)?),
         Endpoint::Completions => Prompt::Text(prompt_text(o)?),
     };
+    metadata(o)?;
     let max_tokens = match uint(o, "max_completion_tokens")? {
         Some(m) => Some(m),
         None => uint(o, "max_tokens")?,
@@ -744,6 +809,90 @@ impl Ident {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn refusal(
+        r: Result<impl std::fmt::Debug, BackendError>,
+    ) -> (u16, Option<&'static str>, String) {
+        let e = r.expect_err("refused");
+        (e.status, e.param, e.message)
+    }
+
+    #[test]
+    fn stop_sequences_are_bounded_in_count_and_length_in_both_dialects() {
+        let long = "x".repeat(MAX_STOP_BYTES + 1);
+        let chat = |stop: serde_json::Value| {
+            let b = serde_json::json!({"model": "m", "messages": [{"role": "user", "content": "hi"}], "stop": stop});
+            parse(Endpoint::Chat, b.to_string().as_bytes())
+        };
+        assert_eq!(
+            refusal(chat(serde_json::json!(["a", "b", "c", "d", "e"]))).1,
+            Some("stop")
+        );
+        let (status, param, msg) = refusal(chat(serde_json::json!([long.clone()])));
+        assert_eq!((status, param), (400, Some("stop")));
+        assert!(msg.contains("256 bytes"), "{msg}");
+        assert!(chat(serde_json::json!(["x".repeat(MAX_STOP_BYTES)])).is_ok());
+        let messages = |stops: serde_json::Value| {
+            let b = serde_json::json!({"model": "m", "max_tokens": 5,
+                "messages": [{"role": "user", "content": "hi"}], "stop_sequences": stops});
+            crate::inference::dialect::anthropic::parse(b.to_string().as_bytes())
+        };
+        // The audit's 5,000, empty ones counted too.
+        let many: Vec<String> = (0..5000).map(|i| format!("s{i}")).collect();
+        assert_eq!(
+            refusal(messages(serde_json::json!(many))).1,
+            Some("stop_sequences")
+        );
+        assert_eq!(
+            refusal(messages(serde_json::json!(vec![""; 17]))).1,
+            Some("stop_sequences")
+        );
+        assert_eq!(
+            refusal(messages(serde_json::json!([long]))).1,
+            Some("stop_sequences")
+        );
+        assert!(messages(serde_json::json!(vec!["s"; 16])).is_ok());
+    }
+
+    #[test]
+    fn responses_metadata_is_bounded_as_openai_bounds_it() {
+        let req = |metadata: serde_json::Value| {
+            let b = serde_json::json!({"model": "m", "input": "hi", "metadata": metadata});
+            crate::inference::dialect::responses::parse(b.to_string().as_bytes())
+        };
+        let pairs = |n: usize| -> serde_json::Map<String, serde_json::Value> {
+            (0..n)
+                .map(|i| (format!("k{i}"), serde_json::json!("v")))
+                .collect()
+        };
+        assert!(req(serde_json::Value::Object(pairs(16))).is_ok());
+        // The audit's 2,000 pairs.
+        assert_eq!(
+            refusal(req(serde_json::Value::Object(pairs(2000)))).1,
+            Some("metadata")
+        );
+        assert_eq!(
+            refusal(req(serde_json::json!({"k".repeat(65): "v"}))).1,
+            Some("metadata")
+        );
+        assert!(req(serde_json::json!({"k".repeat(64): "é".repeat(512)})).is_ok());
+        assert_eq!(
+            refusal(req(serde_json::json!({"k": "v".repeat(513)}))).1,
+            Some("metadata")
+        );
+        assert_eq!(
+            refusal(req(serde_json::json!({"k": 1}))).1,
+            Some("metadata")
+        );
+        assert_eq!(refusal(req(serde_json::json!(["k"]))).1, Some("metadata"));
+        // Chat's the same.
+        let chat = serde_json::json!({"model": "m", "messages": [{"role": "user", "content": "hi"}],
+            "metadata": serde_json::Value::Object(pairs(17))});
+        assert_eq!(
+            refusal(parse(Endpoint::Chat, chat.to_string().as_bytes())).1,
+            Some("metadata")
+        );
+    }
 
     #[test]
     fn a_chunk_line_is_the_chunk_value_byte_for_byte() {

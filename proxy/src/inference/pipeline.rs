@@ -470,6 +470,11 @@ impl Front {
         let Some(other) = inc.cfg.models.get(name) else {
             return (model, None);
         };
+        // A key limited to some models is never served another one, not
+        // even as a fallback: it keeps its own model, late or not.
+        if inc.key.as_ref().is_some_and(|k| !k.allows_model(name)) {
+            return (model, None);
+        }
         metrics
             .inference
             .fallback_requests

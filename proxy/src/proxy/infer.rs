@@ -25,7 +25,13 @@ struct Down<'a> {
     anthropic: bool,
     /// The next head's body bytes follow at once (`Downstream::body_follows`).
     body_follows: bool,
+    /// When to look at the socket's TCP state next, once a pipelined byte
+    /// ended the idle read (`gone`).
+    next_look: Option<tokio::time::Instant>,
 }
+
+/// How often a connection whose client pipelined a byte is looked at.
+const LOOK_EVERY: Duration = Duration::from_millis(500);
 
 impl Down<'_> {
     /// Whether `resp`, a head with a body of no stated length, goes out
@@ -95,7 +101,32 @@ impl Downstream for Down<'_> {
             }
             self.watching = false;
         }
-        std::future::pending::<()>().await
+        // Bytes came (Pingora keeps them for the next request and reads
+        // no more): a client that sent one byte and left is still seen,
+        // in its socket's TCP state (past ESTABLISHED once its FIN or RST
+        // came), twice a second. The deadline is kept across calls, as the
+        // drive loop polls this anew on every turn.
+        let socket = self
+            .session
+            .as_downstream()
+            .digest()
+            .and_then(|d| d.socket_digest.clone());
+        let Some(socket) = socket else {
+            return std::future::pending::<()>().await;
+        };
+        loop {
+            let at = *self
+                .next_look
+                .get_or_insert_with(|| tokio::time::Instant::now() + LOOK_EVERY);
+            tokio::time::sleep_until(at).await;
+            self.next_look = Some(at + LOOK_EVERY);
+            match socket.tcp_info() {
+                // 1 = TCP_ESTABLISHED.
+                Some(i) if i.tcpi_state != 1 => return,
+                Some(_) => {}
+                None => return std::future::pending::<()>().await,
+            }
+        }
     }
 
     fn anthropic(&self) -> bool {
@@ -147,6 +178,7 @@ impl EdgeProxy {
             watching: true,
             anthropic: path.trim_end_matches('/') == "/v1/messages",
             body_follows: false,
+            next_look: None,
         };
         let front = &self.front;
         let lane = ctx.cfg.lanes.get(route.lane).map(|l| l.name.clone());

@@ -110,16 +110,14 @@ impl Drop for Slot {
     }
 }
 
-/// Whether `req` asks to upgrade its connection (`Connection: upgrade`
-/// with an `Upgrade` header; HTTP/1.1 only, HTTP/2 has no upgrade).
+/// Whether `req` asks to upgrade its connection, exactly as Pingora reads
+/// it (an HTTP/1.1 request with an `Upgrade` header, `Connection` or not:
+/// Pingora then tunnels it and re-adds the hop-by-hop headers upstream),
+/// so that every such tunnel gets the upgrade controls (a `max_upgraded`
+/// slot, the idle timeout, the metrics) and stays off the cache. HTTP/2
+/// has no upgrade.
 pub fn asks_upgrade(req: &pingora::http::RequestHeader) -> bool {
-    if req.version != http::Version::HTTP_11 || !req.headers.contains_key(http::header::UPGRADE) {
-        return false;
-    }
-    req.headers
-        .get_all(http::header::CONNECTION)
-        .iter()
-        .any(|v| crate::filters::has_token(v.as_bytes(), b"upgrade"))
+    pingora::protocols::http::v1::common::is_upgrade_req(req)
 }
 
 #[cfg(test)]
@@ -142,12 +140,16 @@ mod tests {
     }
 
     #[test]
-    fn an_upgrade_request_needs_both_headers() {
+    fn an_upgrade_request_is_what_pingora_tunnels() {
         let mut r = pingora::http::RequestHeader::build("GET", b"/ws", None).unwrap();
-        r.insert_header("upgrade", "websocket").unwrap();
         assert!(!asks_upgrade(&r));
+        // No `Connection: upgrade`: Pingora tunnels it all the same.
+        r.insert_header("upgrade", "websocket").unwrap();
+        assert!(asks_upgrade(&r));
         r.insert_header("connection", "keep-alive, Upgrade")
             .unwrap();
         assert!(asks_upgrade(&r));
+        r.set_version(http::Version::HTTP_10);
+        assert!(!asks_upgrade(&r), "HTTP/1.0 has no upgrade");
     }
 }

@@ -840,7 +840,11 @@ impl Client {
     ) -> std::io::Result<Resp> {
         let mut req = format!("{method} {path} HTTP/1.1\r\n");
         if !headers.iter().any(|(k, _)| k.eq_ignore_ascii_case("host")) {
-            req.push_str("Host: test.local\r\n");
+            // The address connected to, as curl sends it.
+            match self.w.peer_addr() {
+                Ok(a) => req.push_str(&format!("Host: {a}\r\n")),
+                Err(_) => req.push_str("Host: localhost\r\n"),
+            }
         }
         for (k, v) in headers {
             req.push_str(&format!("{k}: {v}\r\n"));

@@ -196,6 +196,9 @@ fn tools(
     structure_of_tools(out, choice, parallel)
 }
 
+/// Stop sequences of one request, at most.
+pub const MAX_STOP_SEQUENCES: usize = 16;
+
 /// Parse a Messages request.
 pub fn parse(body: &[u8]) -> Result<Parsed, BackendError> {
     let o = &body_object(body)?;
@@ -241,6 +244,19 @@ pub fn parse(body: &[u8]) -> Result<Parsed, BackendError> {
             .collect(),
         Some(v) => return Err(wrong_type("stop_sequences", "an array of strings", v)),
     };
+    // Bounded as OpenAI's `stop` is (its count is 4; here 16, since
+    // Anthropic's clients send a few more), each within MAX_STOP_BYTES;
+    // counted as sent, empty ones too.
+    let sent = opt(o, "stop_sequences")
+        .and_then(Value::as_array)
+        .map_or(0, Vec::len);
+    if sent > MAX_STOP_SEQUENCES {
+        return Err(bad(
+            "stop_sequences",
+            format!("stop_sequences: at most {MAX_STOP_SEQUENCES} stop sequences are allowed."),
+        ));
+    }
+    crate::inference::openai::stop_lengths("stop_sequences", &stop)?;
     let mut passthrough = Map::new();
     let structure = tools(o, &mut passthrough)?;
     let user = opt(o, "metadata")

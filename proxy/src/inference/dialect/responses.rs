@@ -254,6 +254,7 @@ pub fn parse(body: &[u8]) -> Result<Parsed, BackendError> {
             "a background response must be stored ('store' cannot be false).".into(),
         ));
     }
+    crate::inference::openai::metadata(o)?;
     let mut echo = Map::new();
     for k in [
         "instructions",
