@@ -487,3 +487,32 @@ fn no_host_can_bend_the_key_and_equivalent_paths_share_one_entry() {
     }
     assert_eq!(fetched(&a, "/cache/b"), 1, "{:?}", a.order());
 }
+
+#[test]
+fn a_repeated_vary_header_keys_on_every_line() {
+    let (a, uf) = edge("");
+    let u = url(
+        "/cache/v",
+        &[("cc", "max-age=60"), ("vary", "Accept-Language")],
+    );
+    // Stored for a client that sent the header twice: empty, then `fr`.
+    let twice = get(
+        uf.addr,
+        &u,
+        &[("Accept-Language", ""), ("Accept-Language", "fr")],
+    );
+    assert!(status(&twice).contains("stored"), "{twice:?}");
+    // A client that sent only the empty line is another variant.
+    let once = get(uf.addr, &u, &[("Accept-Language", "")]);
+    assert!(status(&once).contains("fwd=miss"), "{once:?}");
+    // And one without the header another again.
+    let none = get(uf.addr, &u, &[]);
+    assert!(status(&none).contains("fwd=miss"), "{none:?}");
+    let again = get(
+        uf.addr,
+        &u,
+        &[("Accept-Language", ""), ("Accept-Language", "fr")],
+    );
+    assert!(status(&again).starts_with("ultrafast; hit"), "{again:?}");
+    assert_eq!(fetched(&a, "/cache/v"), 3);
+}

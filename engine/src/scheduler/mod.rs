@@ -21,6 +21,7 @@ mod fairq;
 pub use fairq::Charge;
 mod plan;
 mod seq;
+mod spread;
 mod threads;
 
 use crate::api::{Event, GenerateRequest};
@@ -476,12 +477,12 @@ impl Worker {
             (forward(), Vec::new())
         } else {
             std::thread::scope(|sc| {
-                let masking = sc.spawn(|| {
-                    guides
-                        .iter_mut()
-                        .map(|(i, g)| (*i, g.mask()))
-                        .collect::<Vec<_>>()
-                });
+                // Spread over the machine's threads: with many constrained
+                // sequences, one after another could outlast the pass.
+                let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
+                let guides = &mut guides[..];
+                let masking =
+                    sc.spawn(move || spread::map_spread(guides, threads, |(i, g)| (*i, g.mask())));
                 let r = forward();
                 (r, masking.join().unwrap_or_default())
             })

@@ -558,10 +558,15 @@ impl HeadDeadline {
 
     /// Follow the bytes just written.
     fn wrote(&mut self, bytes: &[u8]) {
-        if bytes.starts_with(b"HTTP/1.1 101") || bytes.starts_with(b"HTTP/1.0 101") {
+        // Only a response's head can switch protocols: a body chunk that
+        // happens to begin with the same bytes (an origin's, a client's
+        // echo) written after the head must not turn the guard off.
+        let head_next = matches!(self.phase, Phase::Done { wrote: false });
+        let switching = bytes.starts_with(b"HTTP/1.1 101") || bytes.starts_with(b"HTTP/1.0 101");
+        if head_next && switching {
             self.phase = Phase::Off;
             self.deadline = None;
-        } else if let Phase::Done { wrote: false } = self.phase {
+        } else if head_next {
             // An interim 1xx (100 Continue) is not the response.
             let interim = bytes.starts_with(b"HTTP/1.1 1") || bytes.starts_with(b"HTTP/1.0 1");
             if !interim && !bytes.is_empty() {
@@ -953,5 +958,15 @@ mod tests {
         g.wrote(b"HTTP/1.1 101 Switching Protocols\r\n\r\n");
         g.saw(b"\x81\x05hello");
         assert_eq!(g.phase, Phase::Off);
+    }
+
+    #[test]
+    fn a_body_that_begins_like_a_101_leaves_the_guard_on() {
+        let mut g = guard();
+        g.saw(b"GET /echo HTTP/1.1\r\nHost: x\r\n\r\n");
+        g.wrote(b"HTTP/1.1 200 OK\r\nContent-Length: 36\r\n\r\n");
+        g.wrote(b"HTTP/1.1 101 Switching Protocols\r\n\r\n");
+        assert_eq!(g.phase, Phase::Done { wrote: true });
+        assert!(g.phase != Phase::Off);
     }
 }

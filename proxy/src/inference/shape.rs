@@ -150,6 +150,15 @@ pub struct Shaper {
     held: String,
     calls: usize,
     open: Option<usize>,
+    /// Bytes of `held` already searched (in `Head` and `Tail`) without a
+    /// match: the next search resumes there, so a long call is read once,
+    /// not again on every token.
+    searched: usize,
+    /// In `Head`: the call's head was read and its name is not first.
+    head_failed: bool,
+    /// Bytes searched in all, for the test that reading is linear.
+    #[cfg(test)]
+    work: usize,
 }
 
 impl Default for Shaper {
@@ -159,8 +168,23 @@ impl Default for Shaper {
             held: String::new(),
             calls: 0,
             open: None,
+            searched: 0,
+            head_failed: false,
+            #[cfg(test)]
+            work: 0,
         }
     }
+}
+
+/// Where a search of `s` for patterns of up to `longest` bytes resumes
+/// when its first `searched` bytes held no match: back by `longest - 1`
+/// (a match may straddle), onto a character boundary.
+fn resume(s: &str, searched: usize, longest: usize) -> usize {
+    let mut at = searched.saturating_sub(longest - 1).min(s.len());
+    while !s.is_char_boundary(at) {
+        at -= 1;
+    }
+    at
 }
 
 /// The longest suffix of `s` that begins `pat` (a match may still come).
@@ -209,8 +233,26 @@ impl Shaper {
         out
     }
 
+    /// Enter `state`: what was searched of `held` no longer applies.
+    fn enter(&mut self, state: State) {
+        self.state = state;
+        self.searched = 0;
+        self.head_failed = false;
+    }
+
+    /// Search `held` for `pat` from where the last search left off.
+    fn find_on(&mut self, pat: &str, longest: usize) -> Option<usize> {
+        let from = resume(&self.held, self.searched, longest);
+        #[cfg(test)]
+        {
+            self.work += self.held.len() - from;
+        }
+        self.held[from..].find(pat).map(|i| i + from)
+    }
+
     /// One state transition over `held`; false when it needs more text.
     fn step(&mut self, out: &mut Vec<Piece>) -> bool {
+        const LONGEST: usize = 16;
         match &mut self.state {
             State::Text => {
                 if let Some(at) = self.held.find(CALL_OPEN) {
@@ -220,7 +262,7 @@ impl Shaper {
                     if self.is_answer(text) {
                         out.push(Piece::Text(text.to_string()));
                     }
-                    self.state = State::Head;
+                    self.enter(State::Head);
                     return true;
                 }
                 let keep = partial_suffix(&self.held, CALL_OPEN);
@@ -234,14 +276,33 @@ impl Shaper {
                 false
             }
             State::Head => {
-                let Some((head_len, name)) = name_first(&self.held) else {
-                    if let Some(end) = self.held.find(CALL_CLOSE) {
+                let mut keyed = None;
+                let first = if self.head_failed {
+                    None
+                } else {
+                    match name_first(&self.held, resume(&self.held, self.searched, LONGEST)) {
+                        Head::Named(len, name) => Some((len, name)),
+                        Head::NotYet => None,
+                        Head::Keyed(at) => {
+                            keyed = Some(at);
+                            None
+                        }
+                        Head::Unnamed => {
+                            self.head_failed = true;
+                            None
+                        }
+                    }
+                };
+                let Some((head_len, name)) = first else {
+                    if let Some(end) = self.find_on(CALL_CLOSE, LONGEST) {
                         // A call whose name did not come first: read it whole.
                         let body: String = self.held.drain(..end + CALL_CLOSE.len()).collect();
                         self.whole_call(&body[..end], out);
-                        self.state = State::Text;
+                        self.enter(State::Text);
                         return true;
                     }
+                    // Its colon not yet come, the key is looked at again.
+                    self.searched = keyed.unwrap_or(self.held.len());
                     return false;
                 };
                 self.held.drain(..head_len);
@@ -253,7 +314,7 @@ impl Shaper {
                     id: call_id(),
                     name,
                 });
-                self.state = State::Args(Scan::default());
+                self.enter(State::Args(Scan::default()));
                 true
             }
             State::Args(scan) => {
@@ -270,7 +331,7 @@ impl Shaper {
                         }
                         out.push(Piece::CallEnd { index });
                         self.open = None;
-                        self.state = State::Tail;
+                        self.enter(State::Tail);
                         true
                     }
                     None => {
@@ -282,13 +343,16 @@ impl Shaper {
                     }
                 }
             }
-            State::Tail => match self.held.find(CALL_CLOSE) {
+            State::Tail => match self.find_on(CALL_CLOSE, LONGEST) {
                 Some(end) => {
                     self.held.drain(..end + CALL_CLOSE.len());
-                    self.state = State::Text;
+                    self.enter(State::Text);
                     true
                 }
-                None => false,
+                None => {
+                    self.searched = self.held.len();
+                    false
+                }
             },
         }
     }
@@ -313,17 +377,38 @@ impl Shaper {
     }
 }
 
-/// A call's head when its name comes before its arguments, as the engine's
-/// grammar writes it: the head's length (through `"arguments":`) and the
-/// name.
-fn name_first(held: &str) -> Option<(usize, String)> {
+/// What the start of a call says of its name.
+enum Head {
+    /// The name came first, as the engine's grammar writes it: the head's
+    /// length (through `"arguments":`) and the name.
+    Named(usize, String),
+    /// `"arguments"` has not come yet.
+    NotYet,
+    /// `"arguments"` came, at this byte, and its colon not yet.
+    Keyed(usize),
+    /// The head came and holds no name: the call is read whole.
+    Unnamed,
+}
+
+/// The call's head in `held`, its `"arguments"` key looked for from `from`
+/// on (what came before was searched already).
+fn name_first(held: &str, from: usize) -> Head {
     const KEY: &str = "\"arguments\"";
-    let key = held.find(KEY)?;
-    let colon = held[key + KEY.len()..].find(':')?;
+    let Some(key) = held[from..].find(KEY).map(|k| k + from) else {
+        return Head::NotYet;
+    };
+    let Some(colon) = held[key + KEY.len()..].find(':') else {
+        return Head::Keyed(key);
+    };
     let head_len = key + KEY.len() + colon + 1;
     let head = format!("{}null}}", &held[..head_len]);
-    let v: serde_json::Value = serde_json::from_str(head.trim()).ok()?;
-    Some((head_len, v["name"].as_str()?.to_string()))
+    let name = serde_json::from_str::<serde_json::Value>(head.trim())
+        .ok()
+        .and_then(|v| v["name"].as_str().map(str::to_string));
+    match name {
+        Some(n) => Head::Named(head_len, n),
+        None => Head::Unnamed,
+    }
 }
 
 /// A fresh, random call id.
@@ -335,6 +420,43 @@ pub fn call_id() -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_long_call_read_a_byte_at_a_time_is_searched_once() {
+        // Arguments before the name (read whole at the close), and a long
+        // tail of junk after a call: each byte searched a bounded number of
+        // times, not once per token.
+        let args = format!("{{\"q\": \"{}\"}}", "x".repeat(20_000));
+        let text = format!(
+            "<tool_call>{{\"arguments\": {args}, \"name\": \"f\"}}</tool_call>\
+             <tool_call>{{\"name\": \"g\", \"arguments\": {{}}}}{}</tool_call>",
+            " ".repeat(20_000)
+        );
+        let mut sh = Shaper::default();
+        let mut col = Collected::default();
+        let mut i = 0;
+        while i < text.len() {
+            let n = (i + 1..=text.len())
+                .find(|&e| text.is_char_boundary(e))
+                .unwrap();
+            for p in sh.push(&text[i..n]) {
+                col.add(&p);
+            }
+            i = n;
+        }
+        for p in sh.finish() {
+            col.add(&p);
+        }
+        assert_eq!(col.calls.len(), 2);
+        assert_eq!(col.calls[0].name, "f");
+        assert_eq!(col.calls[1].name, "g");
+        assert!(
+            sh.work <= 20 * text.len(),
+            "{} bytes searched for {}",
+            sh.work,
+            text.len()
+        );
+    }
 
     fn run(chunks: &[&str]) -> (Collected, Vec<Piece>) {
         let mut s = Shaper::default();

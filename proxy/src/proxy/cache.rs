@@ -147,10 +147,15 @@ pub(super) fn variance(meta: &CacheMeta, req: &RequestHeader) -> Option<HashBina
             if name.is_empty() {
                 continue;
             }
-            let value = req
-                .headers
-                .get(name.as_str())
-                .map_or(Vec::new(), |v| v.as_bytes().to_vec());
+            // Every line of the header, each length-delimited: a request
+            // that repeats it (an empty line, then `gzip`) is not the
+            // variant of one that sent only the first line, and no header
+            // differs from one empty line.
+            let mut value = Vec::new();
+            for v in req.headers.get_all(name.as_str()) {
+                value.extend_from_slice(&(v.len() as u32).to_le_bytes());
+                value.extend_from_slice(v.as_bytes());
+            }
             b.add_owned_name_value(name, value);
         }
     }
