@@ -367,6 +367,10 @@ fn walk(
 pub struct StopMatcher {
     stops: Vec<Stop>,
     held: String,
+    /// Bytes stepped through stop matchers in all, for the test that the
+    /// work is linear in the text.
+    #[cfg(test)]
+    work: usize,
 }
 
 /// One stop string: its bytes, its failure table and how much of it the
@@ -432,6 +436,8 @@ impl StopMatcher {
                 .map(|s| Stop::new(s))
                 .collect(),
             held: String::new(),
+            #[cfg(test)]
+            work: 0,
         }
     }
 
@@ -446,6 +452,10 @@ impl StopMatcher {
         }
         let start = self.held.len();
         self.held.push_str(piece);
+        #[cfg(test)]
+        {
+            self.work += (self.held.len() - start) * self.stops.len();
+        }
         for (i, &b) in self.held.as_bytes()[start..].iter().enumerate() {
             for (which, stop) in self.stops.iter_mut().enumerate() {
                 if stop.step(b) {
@@ -772,5 +782,8 @@ mod tests {
         }
         assert_eq!(sent + m.finish().len(), 80_000);
         assert!(sent >= 80_000 - 256, "{sent}");
+        // Each new byte stepped once per stop: nothing held is read again
+        // (the old matcher searched its held text anew on every token).
+        assert_eq!(m.work, 80_000 * 64);
     }
 }

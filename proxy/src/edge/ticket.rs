@@ -192,6 +192,17 @@ mod tests {
     }
 
     #[test]
+    fn a_ticket_naming_the_last_period_is_refused_without_overflow() {
+        let a =
+            RotatingTicketer::new(Some(vec![7; 32]), Duration::from_secs(3600), metrics()).unwrap();
+        // The period is the client's first eight bytes: u64::MAX + 1 used
+        // to overflow (a panic in a debug build).
+        let mut t = u64::MAX.to_be_bytes().to_vec();
+        t.extend_from_slice(&[0; 64]);
+        assert!(a.decrypt(&t).is_none());
+    }
+
+    #[test]
     fn tickets_live_two_periods_and_shared_secrets_interoperate() {
         let hour = Duration::from_secs(3600);
         let a = RotatingTicketer::new(Some(vec![7; 32]), hour, metrics()).unwrap();
