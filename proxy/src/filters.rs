@@ -4,7 +4,7 @@
 //! response header rules, belong to the response policy
 //! (`proxy::policy`), which every response passes.
 
-use crate::upstream::lb::{hash_bytes, HashKey};
+use crate::hash::{hash_bytes, HashKey};
 use bytes::Bytes;
 use pingora::http::RequestHeader;
 use pingora::proxy::Session;

@@ -87,7 +87,7 @@ fn random(out: &mut [u8]) {
                     .unwrap_or_default()
                     .as_nanos() as u64;
                 for (i, b) in buf.iter_mut().enumerate() {
-                    *b = (crate::upstream::lb::mix64(t ^ i as u64) >> 7) as u8;
+                    *b = (crate::hash::mix64(t ^ i as u64) >> 7) as u8;
                 }
             }
             *at = 0;
@@ -158,6 +158,29 @@ pub fn is_uuid(s: &str) -> bool {
             8 | 13 | 18 | 23 => *c == b'-',
             _ => c.is_ascii_hexdigit(),
         })
+}
+
+/// A fresh job id: `req_` and 128 random bits from the system's CSPRNG,
+/// so an id can be neither guessed nor chosen by a client.
+pub fn random_id() -> String {
+    use ring::rand::SecureRandom;
+    let mut b = [0u8; 16];
+    if ring::rand::SystemRandom::new().fill(&mut b).is_err() {
+        // No system randomness: still unique, though not secret.
+        static N: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+        let t = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.as_nanos())
+            .unwrap_or(0);
+        b = (t ^ (N.fetch_add(1, std::sync::atomic::Ordering::Relaxed) as u128) << 64)
+            .to_le_bytes();
+    }
+    let mut s = String::with_capacity(36);
+    s.push_str("req_");
+    for x in b {
+        s.push_str(&format!("{x:02x}"));
+    }
+    s
 }
 
 #[cfg(test)]

@@ -12,7 +12,7 @@
 //! expected-wait refusal and `Retry-After`.
 
 use super::queue::{LaneQueue, LaneSpec, Offer, Reason, Who};
-use crate::upstream::lb::mix64;
+use crate::hash::mix64;
 use parking_lot::Mutex;
 use prometheus::{Histogram, IntCounter, IntGauge};
 use std::future::Future;

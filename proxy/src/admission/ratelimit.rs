@@ -11,7 +11,7 @@
 //! share one overflow bucket instead of growing memory. A refusal carries the
 //! exact time until the limiter would allow the key again.
 
-use crate::upstream::lb::hash_bytes;
+use crate::hash::hash_bytes;
 use governor::clock::{Clock, DefaultClock};
 use governor::{DefaultKeyedRateLimiter, Quota, RateLimiter};
 use http::HeaderName;

@@ -117,7 +117,7 @@ fn default_instance() -> String {
     let host = std::fs::read_to_string("/proc/sys/kernel/hostname")
         .map(|h| h.trim().to_string())
         .unwrap_or_else(|_| "host".into());
-    let id = crate::inference::jobs::random_id();
+    let id = crate::reqid::random_id();
     let suffix = id.get(4..12).unwrap_or("0");
     format!("{host}-{}-{suffix}", std::process::id())
 }

@@ -356,27 +356,7 @@ impl Shared {
     }
 }
 
-/// A fresh job id: `req_` and 128 random bits from the system's CSPRNG,
-/// so an id can be neither guessed nor chosen by a client.
-pub fn random_id() -> String {
-    use ring::rand::SecureRandom;
-    let mut b = [0u8; 16];
-    if ring::rand::SystemRandom::new().fill(&mut b).is_err() {
-        // No system randomness: still unique, though not secret.
-        static N: AtomicUsize = AtomicUsize::new(0);
-        let t = std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map(|d| d.as_nanos())
-            .unwrap_or(0);
-        b = (t ^ (N.fetch_add(1, Ordering::Relaxed) as u128) << 64).to_le_bytes();
-    }
-    let mut s = String::with_capacity(36);
-    s.push_str("req_");
-    for x in b {
-        s.push_str(&format!("{x:02x}"));
-    }
-    s
-}
+pub use crate::reqid::random_id;
 
 /// Why a job could not be created.
 #[derive(Debug, PartialEq, Eq)]
