@@ -3,7 +3,6 @@
 //! thread owns all scheduling state; dropping the event receiver cancels the
 //! request and frees its KV blocks.
 
-use crate::sampling::SamplingParams;
 use std::time::Duration;
 
 /// A validated generation request.
@@ -157,7 +156,7 @@ pub struct RawSse {
 #[derive(Debug, Clone, PartialEq)]
 pub enum Prompt {
     /// Chat messages, rendered with the model's template.
-    Chat(Vec<crate::tokenizer::ChatMessage>),
+    Chat(Vec<ChatMessage>),
     /// Raw text (completions).
     Text(String),
 }
@@ -336,7 +335,7 @@ pub trait Backend: Send + Sync {
     }
     /// The backend's own measured step cost, if it measures one (the
     /// engine does; upstreams are modelled by the front from their streams).
-    fn step_cost(&self) -> Option<crate::scheduler::StepCost> {
+    fn step_cost(&self) -> Option<StepCost> {
         None
     }
     /// Start generating. Events arrive in order and end with `Done` or
@@ -346,4 +345,114 @@ pub trait Backend: Send + Sync {
         req: InferenceRequest,
         prepared: Prepared,
     ) -> Result<EventStream, BackendError>;
+}
+
+// The seam's plain data, used on both sides of it: how to sample, a chat
+// message, the step-cost estimate. (Their old paths re-export them.)
+
+/// How to pick tokens.
+#[derive(Debug, Clone, PartialEq)]
+pub struct SamplingParams {
+    /// 0 = greedy.
+    pub temperature: f32,
+    /// Keep only the k most likely tokens (0 = off).
+    pub top_k: usize,
+    /// Keep the smallest set whose probability reaches p (1.0 = off).
+    pub top_p: f32,
+    /// Seed of the generator (None: a fresh one per request).
+    pub seed: Option<u64>,
+}
+
+impl Default for SamplingParams {
+    fn default() -> Self {
+        SamplingParams {
+            temperature: 1.0,
+            top_k: 0,
+            top_p: 1.0,
+            seed: None,
+        }
+    }
+}
+
+/// One chat message.
+#[derive(Debug, Clone, PartialEq, Default, serde::Serialize)]
+pub struct ChatMessage {
+    /// `system`, `user`, `assistant` or `tool`.
+    pub role: String,
+    /// Text.
+    pub content: String,
+    /// An assistant turn's tool calls, in OpenAI's shape (sent to upstream
+    /// servers as they are; rendered as `<tool_call>` blocks for the engine).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub tool_calls: Option<serde_json::Value>,
+    /// The call a `tool` message answers.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub tool_call_id: Option<String>,
+}
+
+impl ChatMessage {
+    /// A message of plain text.
+    pub fn new(role: impl Into<String>, content: impl Into<String>) -> Self {
+        ChatMessage {
+            role: role.into(),
+            content: content.into(),
+            ..Default::default()
+        }
+    }
+
+    /// The text the model sees: the content, then each tool call as a
+    /// `<tool_call>` block (the format the engine's grammar produces).
+    pub fn model_text(&self) -> String {
+        let Some(calls) = self.tool_calls.as_ref().and_then(|c| c.as_array()) else {
+            return self.content.clone();
+        };
+        let mut s = self.content.clone();
+        for c in calls {
+            let f = &c["function"];
+            // OpenAI sends arguments as a JSON string; the model saw an object.
+            let args = match &f["arguments"] {
+                serde_json::Value::String(a) => {
+                    serde_json::from_str(a).unwrap_or(serde_json::Value::String(a.clone()))
+                }
+                other => other.clone(),
+            };
+            let call = serde_json::json!({"name": f["name"], "arguments": args});
+            if !s.is_empty() {
+                s.push('\n');
+            }
+            s.push_str(crate::guide::CALL_OPEN);
+            s.push_str(&call.to_string());
+            s.push_str(crate::guide::CALL_CLOSE);
+        }
+        s
+    }
+}
+
+/// The engine's estimate of its step duration: a step of `decodes`
+/// decoding sequences and `prompt_tokens` prompt tokens (chunks of prompts,
+/// or of recomputed sequences) takes about `fixed_s + per_decode_s *
+/// decodes + per_prompt_token_s * prompt_tokens` seconds on this machine,
+/// now.
+#[derive(Debug, Clone, Copy, PartialEq, Default)]
+pub struct StepCost {
+    /// Seconds a step costs whatever its size (dispatch, synchronisation).
+    pub fixed_s: f64,
+    /// Seconds each decoding sequence adds (one token, its logits, its
+    /// attention over its context).
+    pub per_decode_s: f64,
+    /// Seconds each prompt token adds.
+    pub per_prompt_token_s: f64,
+    /// Steps the estimate has seen (0: no estimate yet, all are 0).
+    pub samples: u64,
+}
+
+impl StepCost {
+    /// Predicted duration of a step of `decodes` decoding sequences and
+    /// `prompt_tokens` prompt tokens.
+    pub fn predict(&self, decodes: usize, prompt_tokens: usize) -> Duration {
+        let s = self.fixed_s
+            + self.per_decode_s * decodes as f64
+            + self.per_prompt_token_s * prompt_tokens as f64;
+        Duration::from_secs_f64(s.max(0.0))
+    }
 }

@@ -3,29 +3,7 @@
 //! boundaries (never emitted, and text that may still become a stop
 //! sequence is held back until it cannot).
 
-/// How to pick tokens.
-#[derive(Debug, Clone, PartialEq)]
-pub struct SamplingParams {
-    /// 0 = greedy.
-    pub temperature: f32,
-    /// Keep only the k most likely tokens (0 = off).
-    pub top_k: usize,
-    /// Keep the smallest set whose probability reaches p (1.0 = off).
-    pub top_p: f32,
-    /// Seed of the generator (None: a fresh one per request).
-    pub seed: Option<u64>,
-}
-
-impl Default for SamplingParams {
-    fn default() -> Self {
-        SamplingParams {
-            temperature: 1.0,
-            top_k: 0,
-            top_p: 1.0,
-            seed: None,
-        }
-    }
-}
+pub use crate::api::SamplingParams;
 
 /// splitmix64: small, fast, and good enough for sampling.
 #[derive(Debug, Clone)]

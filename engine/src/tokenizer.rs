@@ -18,59 +18,7 @@ use tokenizers::pre_tokenizers::split::Split;
 use tokenizers::pre_tokenizers::PreTokenizerWrapper;
 use tokenizers::{AddedToken, SplitDelimiterBehavior, Tokenizer};
 
-/// One chat message.
-#[derive(Debug, Clone, PartialEq, Default, serde::Serialize)]
-pub struct ChatMessage {
-    /// `system`, `user`, `assistant` or `tool`.
-    pub role: String,
-    /// Text.
-    pub content: String,
-    /// An assistant turn's tool calls, in OpenAI's shape (sent to upstream
-    /// servers as they are; rendered as `<tool_call>` blocks for the engine).
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub tool_calls: Option<serde_json::Value>,
-    /// The call a `tool` message answers.
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub tool_call_id: Option<String>,
-}
-
-impl ChatMessage {
-    /// A message of plain text.
-    pub fn new(role: impl Into<String>, content: impl Into<String>) -> Self {
-        ChatMessage {
-            role: role.into(),
-            content: content.into(),
-            ..Default::default()
-        }
-    }
-
-    /// The text the model sees: the content, then each tool call as a
-    /// `<tool_call>` block (the format the engine's grammar produces).
-    pub fn model_text(&self) -> String {
-        let Some(calls) = self.tool_calls.as_ref().and_then(|c| c.as_array()) else {
-            return self.content.clone();
-        };
-        let mut s = self.content.clone();
-        for c in calls {
-            let f = &c["function"];
-            // OpenAI sends arguments as a JSON string; the model saw an object.
-            let args = match &f["arguments"] {
-                serde_json::Value::String(a) => {
-                    serde_json::from_str(a).unwrap_or(serde_json::Value::String(a.clone()))
-                }
-                other => other.clone(),
-            };
-            let call = serde_json::json!({"name": f["name"], "arguments": args});
-            if !s.is_empty() {
-                s.push('\n');
-            }
-            s.push_str(crate::guide::CALL_OPEN);
-            s.push_str(&call.to_string());
-            s.push_str(crate::guide::CALL_CLOSE);
-        }
-        s
-    }
-}
+pub use crate::api::ChatMessage;
 
 /// Tokenizer, special ids and chat template of a model.
 pub struct TextCodec {

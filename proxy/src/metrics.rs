@@ -1,6 +1,6 @@
 //! Prometheus metrics. One `Metrics` registry is created at start and passed
 //! by value (an `Arc`) to whatever records into it. Label handles are
-//! resolved once, when a config is built (`RouteMetrics`, `PoolMetrics`), so
+//! resolved once, when a config is built (`routing::RouteMetrics`, `PoolMetrics`), so
 //! the request path increments a pre-resolved counter and never hashes a
 //! label set or takes the vec's lock.
 
@@ -54,7 +54,7 @@ pub struct Metrics {
     /// Inference front and engine families.
     pub inference: crate::inference::metrics::InferenceMetrics,
     /// Upgraded (WebSocket) connections.
-    pub upgrades: crate::proxy::upgrade::UpgradeMetrics,
+    pub upgrades: crate::edge::upgrade::UpgradeMetrics,
     /// The HTTP cache's zones.
     pub cache: crate::cache::CacheMetrics,
     /// The shared store of `[cluster]`.
@@ -365,7 +365,7 @@ impl Metrics {
             must(registry.register(c));
         }
         let inference = crate::inference::metrics::InferenceMetrics::new(&registry);
-        let upgrades = crate::proxy::upgrade::UpgradeMetrics::new(&registry);
+        let upgrades = crate::edge::upgrade::UpgradeMetrics::new(&registry);
         let cache = crate::cache::CacheMetrics::new(&registry);
         let cluster = crate::cluster::ClusterMetrics::new(&registry);
         Metrics {
@@ -507,11 +507,16 @@ impl Metrics {
     }
 
     /// Pre-resolved handles for one route.
-    pub fn route(&self, route: &str, pool: &str) -> RouteMetrics {
+    pub fn route(&self, route: &str, pool: &str) -> crate::routing::RouteMetrics {
         let c = |class: &str| self.requests.with_label_values(&[route, pool, class]);
-        RouteMetrics {
-            classes: [c("1xx"), c("2xx"), c("3xx"), c("4xx"), c("5xx"), c("other")],
-        }
+        crate::routing::RouteMetrics::new([
+            c("1xx"),
+            c("2xx"),
+            c("3xx"),
+            c("4xx"),
+            c("5xx"),
+            c("other"),
+        ])
     }
 
     /// Handles of one member address of a pool. Its series stay while any
@@ -551,29 +556,6 @@ impl Metrics {
 impl Default for Metrics {
     fn default() -> Self {
         Self::new()
-    }
-}
-
-/// Request counters of one route, one per status class.
-#[derive(Clone)]
-pub struct RouteMetrics {
-    classes: [IntCounter; 6],
-}
-
-impl RouteMetrics {
-    /// Count a finished request with this status.
-    pub fn observe(&self, status: u16) {
-        let i = match status {
-            100..=599 => (status / 100 - 1) as usize,
-            _ => 5,
-        };
-        self.classes[i].inc();
-    }
-}
-
-impl fmt::Debug for RouteMetrics {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str("RouteMetrics")
     }
 }
 

@@ -201,7 +201,7 @@ impl Manager {
         let mut new = config::build(&file, &path, &text, &ctx)?;
         // A listener the upgrade could not bind refuses the reload now, and
         // the old listeners keep serving.
-        let unbound = crate::server::unbindable(&old.listeners, &new.listeners);
+        let unbound = crate::edge::listener::unbindable(&old.listeners, &new.listeners);
         if !unbound.is_empty() {
             return Err(unbound
                 .into_iter()

@@ -8,12 +8,13 @@
 //! regexes are tried in config order and the first match wins; failing that,
 //! the longest prefix.
 
-use crate::metrics::RouteMetrics;
 use crate::upstream::Pool;
 use bytes::Bytes;
 use http::{HeaderName, HeaderValue};
+use prometheus::IntCounter;
 use regex::Regex;
 use std::collections::HashMap;
+use std::fmt;
 use std::sync::Arc;
 
 /// How a route's path is matched.
@@ -115,6 +116,41 @@ pub struct Route {
     pub compress: Option<Arc<crate::compress::CompressSpec>>,
     /// The route's HTTP cache, if it has one.
     pub cache: Option<Arc<crate::cache::RouteCache>>,
+}
+
+/// Request counters of one route, one per status class.
+#[derive(Clone)]
+pub struct RouteMetrics {
+    classes: [IntCounter; 6],
+}
+
+impl RouteMetrics {
+    /// Over the counters of the classes 1xx to 5xx, then other statuses.
+    pub fn new(classes: [IntCounter; 6]) -> Self {
+        RouteMetrics { classes }
+    }
+
+    /// Counters registered nowhere (tests, routes built without metrics).
+    #[allow(clippy::expect_used)]
+    pub fn detached() -> Self {
+        let c = |n: &str| IntCounter::new(n, "detached").expect("static metric");
+        RouteMetrics::new([c("c1"), c("c2"), c("c3"), c("c4"), c("c5"), c("c6")])
+    }
+
+    /// Count a finished request with this status.
+    pub fn observe(&self, status: u16) {
+        let i = match status {
+            100..=599 => (status / 100 - 1) as usize,
+            _ => 5,
+        };
+        self.classes[i].inc();
+    }
+}
+
+impl fmt::Debug for RouteMetrics {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("RouteMetrics")
+    }
 }
 
 #[derive(Debug, Default)]
@@ -271,7 +307,6 @@ fn strip_port(host: &str) -> &str {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::metrics::Metrics;
 
     fn route(name: &str, path: PathMatch) -> Arc<Route> {
         Arc::new(Route {
@@ -285,7 +320,7 @@ mod tests {
             request_headers: HeaderOps::default(),
             response_headers: HeaderOps::default(),
             upstream_host: UpstreamHost::Passthrough,
-            metrics: Metrics::new().route(name, "none"),
+            metrics: RouteMetrics::detached(),
             lane: 0,
             anonymous_lanes: None,
             limiters: Vec::new(),

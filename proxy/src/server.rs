@@ -319,20 +319,6 @@ fn bind_listeners(
     Ok(sockets)
 }
 
-/// Whether each new address in `new` can be bound now: a reload cannot
-/// open listeners (they change with a graceful upgrade), but it says at
-/// once when the upgrade would fail.
-pub fn unbindable(old: &[config::Listener], new: &[config::Listener]) -> Vec<String> {
-    new.iter()
-        .filter(|l| !old.iter().any(|o| o.address == l.address))
-        .filter_map(|l| {
-            std::net::TcpListener::bind(&l.address)
-                .err()
-                .map(|e| format!("listener `{}` cannot bind {}: {e}", l.name, l.address))
-        })
-        .collect()
-}
-
 /// Pingora sleeps the whole grace period even when nothing is in flight;
 /// end the process as soon as the drain is actually complete.
 fn write_pid_file(path: &str) {

@@ -45,7 +45,6 @@ const PROXY: &[(&str, u8)] = &[
 
 /// Upward arrows of `proxy/src` that remain (from, to).
 const PROXY_UP: &[(&str, &str)] = &[
-    ("cluster", "admission"),
     ("config", "admission"),
     ("config", "cache"),
     ("config", "cluster"),
@@ -56,9 +55,6 @@ const PROXY_UP: &[(&str, &str)] = &[
     ("config", "routing"),
     ("config", "upstream"),
     ("inference", "metrics"),
-    ("metrics", "proxy"),
-    ("reload", "server"),
-    ("routing", "metrics"),
     ("upstream", "metrics"),
 ];
 
@@ -83,9 +79,6 @@ const ENGINE: &[(&str, u8)] = &[
 /// Upward arrows of `engine/src` that remain.
 const ENGINE_UP: &[(&str, &str)] = &[
     ("api", "guide"),
-    ("api", "sampling"),
-    ("api", "scheduler"),
-    ("api", "tokenizer"),
     ("backend", "generate"),
     ("sampling", "backend"),
 ];

@@ -34,34 +34,7 @@ const DECAY: f64 = 0.98;
 /// little to bias the ones they do.
 const RIDGE: f64 = 0.5;
 
-/// The engine's estimate of its step duration: a step of `decodes`
-/// decoding sequences and `prompt_tokens` prompt tokens (chunks of prompts,
-/// or of recomputed sequences) takes about `fixed_s + per_decode_s *
-/// decodes + per_prompt_token_s * prompt_tokens` seconds on this machine,
-/// now.
-#[derive(Debug, Clone, Copy, PartialEq, Default)]
-pub struct StepCost {
-    /// Seconds a step costs whatever its size (dispatch, synchronisation).
-    pub fixed_s: f64,
-    /// Seconds each decoding sequence adds (one token, its logits, its
-    /// attention over its context).
-    pub per_decode_s: f64,
-    /// Seconds each prompt token adds.
-    pub per_prompt_token_s: f64,
-    /// Steps the estimate has seen (0: no estimate yet, all are 0).
-    pub samples: u64,
-}
-
-impl StepCost {
-    /// Predicted duration of a step of `decodes` decoding sequences and
-    /// `prompt_tokens` prompt tokens.
-    pub fn predict(&self, decodes: usize, prompt_tokens: usize) -> Duration {
-        let s = self.fixed_s
-            + self.per_decode_s * decodes as f64
-            + self.per_prompt_token_s * prompt_tokens as f64;
-        Duration::from_secs_f64(s.max(0.0))
-    }
-}
+pub use crate::api::StepCost;
 
 /// The fit, owned by the engine thread.
 #[derive(Debug, Default)]

@@ -376,6 +376,13 @@ enum Wake {
     Gone,
 }
 
+/// A gate shares its fair-share counters with the cluster.
+impl crate::cluster::fair::FairSource for Gate {
+    fn exchange(&self, remote: &[(u32, u64, f64)]) -> Vec<(u32, u64, Arc<str>, f64)> {
+        self.fair_exchange(remote, crate::cluster::fair::PER_LANE)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

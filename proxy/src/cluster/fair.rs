@@ -29,7 +29,7 @@ use std::time::Duration;
 /// How often charges are exchanged.
 const EVERY: Duration = Duration::from_millis(250);
 /// Tenants per lane one exchange sends at most.
-const PER_LANE: usize = 256;
+pub const PER_LANE: usize = 256;
 /// Totals remembered (tenant, lane, source); past it they are forgotten
 /// and relearned (one exchange without remote charges each).
 const SEEN_MAX: usize = 65_536;
@@ -42,12 +42,6 @@ pub trait FairSource: Send + Sync {
     /// what was charged here since the last call, (lane rank, tenant id,
     /// tenant name, amount).
     fn exchange(&self, remote: &[(u32, u64, f64)]) -> Vec<(u32, u64, Arc<str>, f64)>;
-}
-
-impl FairSource for crate::admission::gate::Gate {
-    fn exchange(&self, remote: &[(u32, u64, f64)]) -> Vec<(u32, u64, Arc<str>, f64)> {
-        self.fair_exchange(remote, PER_LANE)
-    }
 }
 
 impl FairSource for ultrafast_engine::service::EngineService {

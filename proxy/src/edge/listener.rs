@@ -290,6 +290,20 @@ impl<A: ServerApp + Send + Sync + 'static> Service for ListenerService<A> {
     }
 }
 
+/// Whether each new address in `new` can be bound now: a reload cannot
+/// open listeners (they change with a graceful upgrade), but it says at
+/// once when the upgrade would fail.
+pub fn unbindable(old: &[crate::config::Listener], new: &[crate::config::Listener]) -> Vec<String> {
+    new.iter()
+        .filter(|l| !old.iter().any(|o| o.address == l.address))
+        .filter_map(|l| {
+            std::net::TcpListener::bind(&l.address)
+                .err()
+                .map(|e| format!("listener `{}` cannot bind {}: {e}", l.name, l.address))
+        })
+        .collect()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

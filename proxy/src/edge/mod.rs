@@ -15,4 +15,5 @@ pub mod listener;
 mod preface;
 pub mod ticket;
 pub mod tls;
+pub mod upgrade;
 mod wbuf;

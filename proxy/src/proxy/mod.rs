@@ -14,7 +14,8 @@ mod heads;
 mod infer;
 mod local;
 mod policy;
-pub mod upgrade;
+/// The upgrade tunnels' controls (in `edge`, where the metrics can use them).
+pub use crate::edge::upgrade;
 
 use crate::filters::X_REQUEST_ID;
 use ctx::Tried;
