@@ -4,11 +4,12 @@
 //! the request path increments a pre-resolved counter and never hashes a
 //! label set or takes the vec's lock.
 
+use crate::upstream::metrics::MemberRefs;
+pub use crate::upstream::metrics::{MemberMetrics, PoolMetrics};
 use prometheus::{
     Encoder, Histogram, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge,
     IntGaugeVec, Opts, Registry, TextEncoder,
 };
-use std::fmt;
 
 /// All metric families of the process.
 pub struct Metrics {
@@ -524,20 +525,13 @@ impl Metrics {
     /// reload or a DNS swap keeps them) and are removed with the last one,
     /// so DNS churn cannot grow `/metrics` without bound.
     pub fn member(&self, pool: &str, member: &str) -> MemberMetrics {
-        let key = (pool.to_string(), member.to_string());
-        *self.member_refs.lock().entry(key.clone()).or_insert(0) += 1;
-        MemberMetrics {
-            healthy: self.member_healthy.with_label_values(&[pool, member]),
-            ejections: self.ejections.with_label_values(&[pool, member]),
-            in_flight: self.member_in_flight.with_label_values(&[pool, member]),
-            _series: Some(MemberSeries {
-                key,
-                refs: self.member_refs.clone(),
-                healthy: self.member_healthy.clone(),
-                in_flight: self.member_in_flight.clone(),
-                ejections: self.ejections.clone(),
-            }),
-        }
+        MemberMetrics::tracked(
+            (pool.to_string(), member.to_string()),
+            self.member_refs.clone(),
+            &self.member_healthy,
+            &self.ejections,
+            &self.member_in_flight,
+        )
     }
 
     /// Pre-resolved handles for one pool.
@@ -559,99 +553,23 @@ impl Default for Metrics {
     }
 }
 
-/// Handles of one pool.
-#[derive(Clone)]
-pub struct PoolMetrics {
-    /// Upstream response-header latency.
-    pub latency: Histogram,
-    /// New upstream connections.
-    pub conn_new: IntCounter,
-    /// Reused upstream connections.
-    pub conn_reused: IntCounter,
-    /// Retries attempted.
-    pub retries: IntCounter,
-    /// Retries refused by the budget.
-    pub retries_denied: IntCounter,
-    /// Members in the pool now.
-    pub members: IntGauge,
-}
-
-/// Handles of one member address.
-#[derive(Clone)]
-pub struct MemberMetrics {
-    /// 1 while healthy.
-    pub healthy: IntGauge,
-    /// Passive ejections.
-    pub ejections: IntCounter,
-    /// Requests in flight, set when `/metrics` is read.
-    pub in_flight: IntGauge,
-    _series: Option<MemberSeries>,
-}
-
-/// Handles alive per (pool, member) label set.
-type MemberRefs =
-    std::sync::Arc<parking_lot::Mutex<std::collections::HashMap<(String, String), usize>>>;
-
-/// What removes a member's series when its last handle goes.
-struct MemberSeries {
-    key: (String, String),
-    refs: MemberRefs,
-    healthy: IntGaugeVec,
-    in_flight: IntGaugeVec,
-    ejections: IntCounterVec,
-}
-
-impl Clone for MemberSeries {
-    fn clone(&self) -> Self {
-        *self.refs.lock().entry(self.key.clone()).or_insert(0) += 1;
-        MemberSeries {
-            key: self.key.clone(),
-            refs: self.refs.clone(),
-            healthy: self.healthy.clone(),
-            in_flight: self.in_flight.clone(),
-            ejections: self.ejections.clone(),
-        }
+impl crate::upstream::metrics::Sink for Metrics {
+    fn dns_query(&self, outcome: &str) {
+        self.dns_queries.with_label_values(&[outcome]).inc();
     }
-}
 
-impl Drop for MemberSeries {
-    fn drop(&mut self) {
-        let mut refs = self.refs.lock();
-        let Some(n) = refs.get_mut(&self.key) else {
-            return;
-        };
-        *n -= 1;
-        if *n == 0 {
-            refs.remove(&self.key);
-            let labels = [self.key.0.as_str(), self.key.1.as_str()];
-            let _ = self.healthy.remove_label_values(&labels);
-            let _ = self.in_flight.remove_label_values(&labels);
-            let _ = self.ejections.remove_label_values(&labels);
-        }
+    fn dns_stale(&self, pool: &str, name: &str) -> IntGauge {
+        self.dns_stale.with_label_values(&[pool, name])
     }
-}
 
-impl MemberMetrics {
-    /// Handles registered nowhere (unit tests).
-    pub fn detached() -> Self {
-        MemberMetrics {
-            healthy: must(IntGauge::new("detached_healthy", "unregistered")),
-            ejections: must(IntCounter::new("detached_ejections_total", "unregistered")),
-            in_flight: must(IntGauge::new("detached_in_flight", "unregistered")),
-            _series: None,
-        }
+    fn dns_answer_age(&self, pool: &str, name: &str, age_s: f64) {
+        self.dns_answer_age
+            .with_label_values(&[pool, name])
+            .set(age_s);
     }
-}
 
-impl fmt::Debug for MemberMetrics {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str("MemberMetrics")
-    }
-}
-
-impl fmt::Debug for PoolMetrics {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str("PoolMetrics")
+    fn member(&self, pool: &str, member: &str) -> MemberMetrics {
+        Metrics::member(self, pool, member)
     }
 }
 

@@ -190,7 +190,7 @@ impl Manager {
         } else {
             let resolver =
                 Resolver::new(settings.clone()).map_err(|e| config::file_error(&path, e))?;
-            resolve_all(&resolver, names, &self.metrics).await
+            resolve_all(&resolver, names, &*self.metrics).await
         };
         let ctx = BuildCtx {
             metrics: &self.metrics,
@@ -452,7 +452,7 @@ impl DnsRefresher {
         }
         let Some(r) = resolver.as_ref() else { return };
         for pool in cfg.pools.values() {
-            crate::upstream::dns::refresh(pool, r, &self.metrics).await;
+            crate::upstream::dns::refresh(pool, r, &*self.metrics).await;
         }
     }
 }

@@ -55,7 +55,6 @@ const PROXY_UP: &[(&str, &str)] = &[
     ("config", "routing"),
     ("config", "upstream"),
     ("inference", "metrics"),
-    ("upstream", "metrics"),
 ];
 
 /// `engine/src`'s ranks, lowest first.

@@ -12,8 +12,8 @@
 //! an answer changes, the member set is rebuilt keeping the live state (and
 //! so the pooled connections, keyed by address) of addresses that stayed.
 
+use super::metrics::Sink;
 use super::{Member, MemberState, Pool};
-use crate::metrics::Metrics;
 use hickory_resolver::config::{ConnectionConfig, NameServerConfig, ResolveHosts, ResolverConfig};
 use hickory_resolver::net::runtime::TokioRuntimeProvider;
 use hickory_resolver::TokioResolver;
@@ -104,16 +104,16 @@ impl Resolver {
     }
 
     /// Resolve `name` to its addresses and clamped TTL.
-    pub async fn resolve(&self, name: &str, metrics: &Metrics) -> Result<Answer, String> {
+    pub async fn resolve(&self, name: &str, metrics: &dyn Sink) -> Result<Answer, String> {
         let r = tokio::time::timeout(self.settings.timeout * 2, self.inner.lookup_ip(name)).await;
         let lookup = match r {
             Ok(Ok(l)) => l,
             Ok(Err(e)) => {
-                metrics.dns_queries.with_label_values(&["error"]).inc();
+                metrics.dns_query("error");
                 return Err(format!("`{name}` does not resolve: {e}"));
             }
             Err(_) => {
-                metrics.dns_queries.with_label_values(&["timeout"]).inc();
+                metrics.dns_query("timeout");
                 return Err(format!("`{name}`: DNS timed out"));
             }
         };
@@ -121,10 +121,10 @@ impl Resolver {
         addrs.sort();
         addrs.dedup();
         if addrs.is_empty() {
-            metrics.dns_queries.with_label_values(&["empty"]).inc();
+            metrics.dns_query("empty");
             return Err(format!("`{name}` resolves to no address"));
         }
-        metrics.dns_queries.with_label_values(&["ok"]).inc();
+        metrics.dns_query("ok");
         let ttl = lookup
             .valid_until()
             .saturating_duration_since(Instant::now())
@@ -188,7 +188,7 @@ impl PoolDns {
     }
 
     /// The full member list for the current answers, reusing `old` states.
-    pub fn compose(&self, pool: &str, old: &[Member], metrics: &Metrics) -> Vec<Member> {
+    pub fn compose(&self, pool: &str, old: &[Member], metrics: &dyn Sink) -> Vec<Member> {
         let state = self.state.lock();
         let mut out = self.static_members.clone();
         for (t, s) in self.targets.iter().zip(state.iter()) {
@@ -218,7 +218,7 @@ impl PoolDns {
 
 /// Refresh the pool's names that are due; rebuild its members if an answer
 /// changed or expired. Runs on the background refresher, never on a request.
-pub async fn refresh(pool: &Pool, resolver: &Resolver, metrics: &Metrics) {
+pub async fn refresh(pool: &Pool, resolver: &Resolver, metrics: &dyn Sink) {
     let Some(dns) = &pool.dns else { return };
     let s = &resolver.settings;
     let now = Instant::now();
@@ -238,7 +238,7 @@ pub async fn refresh(pool: &Pool, resolver: &Resolver, metrics: &Metrics) {
         let mut state = dns.state.lock();
         let st = &mut state[i];
         let now = Instant::now();
-        let stale = metrics.dns_stale.with_label_values(&[&pool.name, &name]);
+        let stale = metrics.dns_stale(&pool.name, &name);
         match result {
             Ok(answer) => {
                 if answer.addrs != st.answer.addrs || st.expired {
@@ -283,10 +283,11 @@ pub async fn refresh(pool: &Pool, resolver: &Resolver, metrics: &Metrics) {
                         .min(Duration::from_secs(1));
             }
         }
-        metrics
-            .dns_answer_age
-            .with_label_values(&[&pool.name, &name])
-            .set(now.duration_since(st.last_ok).as_secs_f64());
+        metrics.dns_answer_age(
+            &pool.name,
+            &name,
+            now.duration_since(st.last_ok).as_secs_f64(),
+        );
     }
     if changed {
         let old = pool.members();
@@ -298,7 +299,7 @@ pub async fn refresh(pool: &Pool, resolver: &Resolver, metrics: &Metrics) {
 pub async fn resolve_all(
     resolver: &Resolver,
     names: Vec<String>,
-    metrics: &Metrics,
+    metrics: &dyn Sink,
 ) -> HashMap<String, Result<Answer, String>> {
     let mut out = HashMap::new();
     for n in names {

@@ -258,7 +258,7 @@ mod tests {
                     label: addr,
                     weight: 1,
                     state: std::sync::Arc::new(MemberState::new(
-                        crate::metrics::MemberMetrics::detached(),
+                        crate::upstream::metrics::MemberMetrics::detached(),
                     )),
                 }
             })

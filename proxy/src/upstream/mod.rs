@@ -14,10 +14,11 @@ pub mod health;
 pub mod lb;
 pub mod load;
 
-use crate::metrics::{MemberMetrics, PoolMetrics};
+pub mod metrics;
 use arc_swap::ArcSwap;
 use budget::RetryBudget;
 use lb::Balancer;
+use metrics::{MemberMetrics, PoolMetrics};
 use pingora::upstreams::peer::HttpPeer;
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
