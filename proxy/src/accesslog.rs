@@ -533,15 +533,21 @@ fn combined_line(e: &Entry<'_>, out: &mut String) {
 /// outside quotes).
 fn push_log_escaped(out: &mut String, s: &str, space: bool) {
     use std::fmt::Write as _;
-    for &b in s.as_bytes() {
-        match b {
-            b'"' | b'\\' | 0..=0x1f | 0x7f..=0xff => {
-                let _ = write!(out, "\\x{b:02X}");
+    // Runs that need nothing (the usual case: all of it) are copied whole.
+    let mut plain = 0;
+    for (i, &b) in s.as_bytes().iter().enumerate() {
+        let escape = matches!(b, b'"' | b'\\' | 0..=0x1f | 0x7f..=0xff) || (space && b == b' ');
+        if escape {
+            // Every byte of a multi-byte character is escaped, so a run
+            // (ASCII only) starts and ends on character boundaries.
+            if plain < i {
+                out.push_str(&s[plain..i]);
             }
-            b' ' if space => out.push_str("\\x20"),
-            _ => out.push(b as char),
+            let _ = write!(out, "\\x{b:02X}");
+            plain = i + 1;
         }
     }
+    out.push_str(&s[plain..]);
 }
 
 /// UTC RFC 3339 with milliseconds, without a date library.

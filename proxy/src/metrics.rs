@@ -4,7 +4,7 @@
 //! the request path increments a pre-resolved counter and never hashes a
 //! label set or takes the vec's lock.
 
-use crate::upstream::metrics::MemberRefs;
+use crate::upstream::metrics::{must, MemberRefs};
 pub use crate::upstream::metrics::{MemberMetrics, PoolMetrics};
 use prometheus::{
     Encoder, Histogram, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge,
@@ -63,13 +63,6 @@ pub struct Metrics {
     /// Each lane's TTFT and inter-token targets (seconds), for dashboards.
     lane_ttft_target: prometheus::GaugeVec,
     lane_itl_target: prometheus::GaugeVec,
-}
-
-fn must<T>(r: prometheus::Result<T>) -> T {
-    // Metric definitions are static: a failure here is a programming error
-    // caught by the first test run, never something input can cause.
-    #[allow(clippy::expect_used)]
-    r.expect("static metric definition")
 }
 
 impl Metrics {

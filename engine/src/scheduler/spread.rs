@@ -3,9 +3,10 @@
 //! with many constrained sequences in a batch, one thread computing them
 //! one after another could outlast the forward pass they run beside.
 
-/// `f` over every item, on up to `threads` scoped threads (contiguous
-/// chunks, so the results keep the items' order). One item or one thread:
-/// the calling thread alone.
+/// `f` over every item, on up to `threads` threads (contiguous chunks, so
+/// the results keep the items' order): the calling thread takes the first
+/// chunk and scoped threads the rest. One item or one thread: the calling
+/// thread alone.
 pub(super) fn map_spread<T, R, F>(items: &mut [T], threads: usize, f: F) -> Vec<R>
 where
     T: Send,
@@ -17,18 +18,18 @@ where
         return items.iter_mut().map(&f).collect();
     }
     let per = items.len().div_ceil(threads);
+    let (first, rest) = items.split_at_mut(per);
     std::thread::scope(|sc| {
-        let handles: Vec<_> = items
+        let f = &f;
+        let handles: Vec<_> = rest
             .chunks_mut(per)
-            .map(|chunk| {
-                let f = &f;
-                sc.spawn(move || chunk.iter_mut().map(f).collect::<Vec<R>>())
-            })
+            .map(|chunk| sc.spawn(move || chunk.iter_mut().map(f).collect::<Vec<R>>()))
             .collect();
-        handles
-            .into_iter()
-            .flat_map(|h| h.join().unwrap_or_default())
-            .collect()
+        let mut out: Vec<R> = first.iter_mut().map(f).collect();
+        for h in handles {
+            out.extend(h.join().unwrap_or_default());
+        }
+        out
     })
 }
 

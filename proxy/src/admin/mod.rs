@@ -271,7 +271,8 @@ fn without_userinfo(s: &str) -> Option<String> {
 /// `/admin/cache/purge`, nor read what the listener shows.
 fn same_machine(req: &pingora::http::RequestHeader) -> Result<(), &'static str> {
     let header = |n: &str| req.headers.get(n).and_then(|v| v.to_str().ok());
-    let host = header("host").or_else(|| req.uri.host()).unwrap_or("");
+    // The host routing reads (Host, else the target's authority).
+    let host = crate::filters::request_host(req);
     if !host.is_empty() && !loopback_authority(host) {
         return Err("the admin listener without a token answers only a loopback Host\n");
     }

@@ -176,11 +176,22 @@ impl Default for Shaper {
     }
 }
 
-/// Where a search of `s` for patterns of up to `longest` bytes resumes
-/// when its first `searched` bytes held no match: back by `longest - 1`
-/// (a match may straddle), onto a character boundary.
-fn resume(s: &str, searched: usize, longest: usize) -> usize {
-    let mut at = searched.saturating_sub(longest - 1).min(s.len());
+/// The key after which a call's arguments come.
+const ARGS_KEY: &str = "\"arguments\"";
+
+/// The longest pattern a resumed search looks for (`ARGS_KEY`,
+/// `CALL_CLOSE`).
+const LONGEST: usize = if ARGS_KEY.len() > CALL_CLOSE.len() {
+    ARGS_KEY.len()
+} else {
+    CALL_CLOSE.len()
+};
+
+/// Where a search of `s` resumes when its first `searched` bytes held no
+/// match: back by `LONGEST - 1` (a match may straddle), onto a character
+/// boundary.
+fn resume(s: &str, searched: usize) -> usize {
+    let mut at = searched.saturating_sub(LONGEST - 1).min(s.len());
     while !s.is_char_boundary(at) {
         at -= 1;
     }
@@ -241,8 +252,8 @@ impl Shaper {
     }
 
     /// Search `held` for `pat` from where the last search left off.
-    fn find_on(&mut self, pat: &str, longest: usize) -> Option<usize> {
-        let from = resume(&self.held, self.searched, longest);
+    fn find_on(&mut self, pat: &str) -> Option<usize> {
+        let from = resume(&self.held, self.searched);
         #[cfg(test)]
         {
             self.work += self.held.len() - from;
@@ -252,7 +263,6 @@ impl Shaper {
 
     /// One state transition over `held`; false when it needs more text.
     fn step(&mut self, out: &mut Vec<Piece>) -> bool {
-        const LONGEST: usize = 16;
         match &mut self.state {
             State::Text => {
                 if let Some(at) = self.held.find(CALL_OPEN) {
@@ -280,7 +290,7 @@ impl Shaper {
                 let first = if self.head_failed {
                     None
                 } else {
-                    match name_first(&self.held, resume(&self.held, self.searched, LONGEST)) {
+                    match name_first(&self.held, resume(&self.held, self.searched)) {
                         Head::Named(len, name) => Some((len, name)),
                         Head::NotYet => None,
                         Head::Keyed(at) => {
@@ -294,7 +304,7 @@ impl Shaper {
                     }
                 };
                 let Some((head_len, name)) = first else {
-                    if let Some(end) = self.find_on(CALL_CLOSE, LONGEST) {
+                    if let Some(end) = self.find_on(CALL_CLOSE) {
                         // A call whose name did not come first: read it whole.
                         let body: String = self.held.drain(..end + CALL_CLOSE.len()).collect();
                         self.whole_call(&body[..end], out);
@@ -343,7 +353,7 @@ impl Shaper {
                     }
                 }
             }
-            State::Tail => match self.find_on(CALL_CLOSE, LONGEST) {
+            State::Tail => match self.find_on(CALL_CLOSE) {
                 Some(end) => {
                     self.held.drain(..end + CALL_CLOSE.len());
                     self.enter(State::Text);
@@ -393,14 +403,13 @@ enum Head {
 /// The call's head in `held`, its `"arguments"` key looked for from `from`
 /// on (what came before was searched already).
 fn name_first(held: &str, from: usize) -> Head {
-    const KEY: &str = "\"arguments\"";
-    let Some(key) = held[from..].find(KEY).map(|k| k + from) else {
+    let Some(key) = held[from..].find(ARGS_KEY).map(|k| k + from) else {
         return Head::NotYet;
     };
-    let Some(colon) = held[key + KEY.len()..].find(':') else {
+    let Some(colon) = held[key + ARGS_KEY.len()..].find(':') else {
         return Head::Keyed(key);
     };
-    let head_len = key + KEY.len() + colon + 1;
+    let head_len = key + ARGS_KEY.len() + colon + 1;
     let head = format!("{}null}}", &held[..head_len]);
     let name = serde_json::from_str::<serde_json::Value>(head.trim())
         .ok()

@@ -18,10 +18,11 @@ pub trait Sink: Send + Sync {
     fn member(&self, pool: &str, member: &str) -> MemberMetrics;
 }
 
-/// A metric built from static arguments.
+/// A metric built from static arguments: a failure here is a programming
+/// error caught by the first test run, never something input can cause.
 #[allow(clippy::expect_used)]
 pub(crate) fn must<T>(r: prometheus::Result<T>) -> T {
-    r.expect("static metric")
+    r.expect("static metric definition")
 }
 
 impl MemberMetrics {

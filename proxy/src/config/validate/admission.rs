@@ -325,14 +325,19 @@ mod tests {
         assert_eq!(route.budgets.len(), 1);
     }
 
-    #[test]
-    fn a_keepalive_out_of_range_is_located() {
-        let text = format!("{BASE}[rate_limits.rl]\n\n[inference]\nkeepalive_ms = 50\n");
-        let errs: Vec<String> = build(Path::new("u.toml"), &text, None)
+    /// The errors of a config that must fail, as `file:line:col: field: message`.
+    fn errors(text: &str) -> Vec<String> {
+        build(Path::new("u.toml"), text, None)
             .unwrap_err()
             .iter()
             .map(ToString::to_string)
-            .collect();
+            .collect()
+    }
+
+    #[test]
+    fn a_keepalive_out_of_range_is_located() {
+        let text = format!("{BASE}[rate_limits.rl]\n\n[inference]\nkeepalive_ms = 50\n");
+        let errs = errors(&text);
         assert!(
             errs.iter()
                 .any(|e| e.contains("inference.keepalive_ms: must be between 1000 and 600000")),
@@ -348,11 +353,7 @@ mod tests {
         let text = format!(
             "{BASE}[rate_limits.rl]\non_store_error = \"maybe\"\n\n[cluster]\nredis = \"mysql://x\"\ntimeout_ms = 0\n"
         );
-        let errs: Vec<String> = build(Path::new("u.toml"), &text, None)
-            .unwrap_err()
-            .iter()
-            .map(ToString::to_string)
-            .collect();
+        let errs = errors(&text);
         let has = |p: &str| errs.iter().any(|e| e.starts_with(p));
         assert!(has("u.toml:10:1: rate_limits.rl.on_store_error: `maybe` is not one of local, open, closed"), "{errs:?}");
         assert!(
@@ -372,11 +373,7 @@ mod tests {
         let text = format!(
             "{BASE}[rate_limits.rl]\nburst_tokens = 5\n\n[rate_limits.z]\ntokens_per_min = -1.0\n"
         );
-        let errs: Vec<String> = build(Path::new("u.toml"), &text, None)
-            .unwrap_err()
-            .iter()
-            .map(ToString::to_string)
-            .collect();
+        let errs = errors(&text);
         assert!(
             errs.contains(&"u.toml:10:1: rate_limits.rl.burst_tokens: needs tokens_per_min".into()),
             "{errs:?}"
