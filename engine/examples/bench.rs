@@ -10,10 +10,11 @@
 #![allow(clippy::unwrap_used)]
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
-use ultrafast_engine::api::{Event, GenerateRequest};
+use ultrafast_engine::api::Event;
 use ultrafast_engine::backend::cpu::simd::Q8Block;
 use ultrafast_engine::generate::Loaded;
 use ultrafast_engine::sampling::SamplingParams;
+use ultrafast_engine::scheduler::GenerateRequest;
 use ultrafast_engine::scheduler::{Engine, EngineConfig, StepObserver, StepWork};
 use ultrafast_engine::{fetch, generate};
 

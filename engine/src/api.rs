@@ -3,26 +3,40 @@
 //! thread owns all scheduling state; dropping the event receiver cancels the
 //! request and frees its KV blocks.
 
+use std::any::Any;
+use std::sync::Arc;
 use std::time::Duration;
 
-/// A validated generation request.
-#[derive(Debug, Clone)]
-pub struct GenerateRequest {
-    /// Prompt token ids.
-    pub prompt: Vec<u32>,
-    /// Most tokens to generate.
-    pub max_tokens: usize,
-    /// Sampling settings.
-    pub sampling: SamplingParams,
-    /// Stop sequences (matched on text, not emitted).
-    pub stop: Vec<String>,
-    /// Lane rank: lower runs first and may preempt higher ranks.
-    pub lane_rank: u32,
-    /// Whose request it is: fair shares inside a lane go by tenant (None:
-    /// the anonymous tenant).
-    pub tenant: Option<crate::fair::Tenant>,
-    /// The grammar its output must follow (structured outputs, tool calls).
-    pub guide: Option<crate::guide::Guide>,
+/// Opens one tool call in the model's output (the wire format the
+/// engine's grammar and the front's tool-call reader share).
+pub const CALL_OPEN: &str = "<tool_call>";
+/// Closes one tool call.
+pub const CALL_CLOSE: &str = "</tool_call>";
+
+/// What a backend compiled for one request's output (the engine's grammar
+/// state): opaque to the front, which only hands it back, inside
+/// [`Prepared`], to the backend that made it.
+#[derive(Clone)]
+pub struct Compiled(Arc<dyn Any + Send + Sync>);
+
+impl Compiled {
+    /// Wrap a backend's compiled value.
+    pub fn new<T: Any + Send + Sync>(value: T) -> Self {
+        Compiled(Arc::new(value))
+    }
+
+    /// The value, if it is a `T`: taken whole where this is its only
+    /// holder, cloned where a copy of the `Prepared` still holds it.
+    pub fn take<T: Any + Send + Sync + Clone>(self) -> Option<T> {
+        let v = self.0.downcast::<T>().ok()?;
+        Some(Arc::try_unwrap(v).unwrap_or_else(|v| (*v).clone()))
+    }
+}
+
+impl std::fmt::Debug for Compiled {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Compiled")
+    }
 }
 
 /// What a request's output must be, as every API dialect asks for it (the
@@ -227,8 +241,8 @@ pub struct Prepared {
     pub tokens: Vec<u32>,
     /// Hash of the conversation prefix (for prefix affinity).
     pub prefix_hash: u64,
-    /// The compiled grammar of the output (engine only).
-    pub guide: Option<crate::guide::Guide>,
+    /// The compiled grammar of the output (engine only; opaque here).
+    pub guide: Option<Compiled>,
 }
 
 /// A request a backend cannot take, in OpenAI's error vocabulary.
@@ -420,9 +434,9 @@ impl ChatMessage {
             if !s.is_empty() {
                 s.push('\n');
             }
-            s.push_str(crate::guide::CALL_OPEN);
+            s.push_str(CALL_OPEN);
             s.push_str(&call.to_string());
-            s.push_str(crate::guide::CALL_CLOSE);
+            s.push_str(CALL_CLOSE);
         }
         s
     }

@@ -19,10 +19,7 @@ use llguidance::{Matcher, ParserFactory};
 use serde_json::{json, Value};
 use std::sync::Arc;
 
-/// Opens one tool call in the model's output.
-pub const CALL_OPEN: &str = "<tool_call>";
-/// Closes one tool call.
-pub const CALL_CLOSE: &str = "</tool_call>";
+pub use crate::api::{CALL_CLOSE, CALL_OPEN};
 
 /// The byte-level BPE's map from its printable stand-ins back to bytes
 /// (GPT-2's `bytes_to_unicode`, inverted).

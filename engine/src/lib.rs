@@ -19,6 +19,7 @@ pub mod model;
 pub mod sampling;
 pub mod scheduler;
 pub mod service;
+pub mod simd;
 pub mod tokenizer;
 
 pub use error::{EngineError, Result};

@@ -142,7 +142,7 @@ impl Sampler {
     }
 }
 
-use crate::backend::cpu::ops;
+use crate::simd::ops;
 
 /// Log-weight bins per unit (e-fold) of the nucleus histogram.
 const BINS_PER_UNIT: f32 = 32.0;

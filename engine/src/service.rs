@@ -3,13 +3,13 @@
 //! "not ready" with the reason) while that happens or if it fails.
 
 use crate::api::{
-    Backend, BackendError, EventStream, GenerateRequest, InferenceRequest, Prepared, Prompt,
-    Readiness, Structure,
+    Backend, BackendError, Compiled, EventStream, InferenceRequest, Prepared, Prompt, Readiness,
+    Structure,
 };
+use crate::backend::loaded::{load, Loaded};
 use crate::fetch::Source;
-use crate::generate::{load, Loaded};
 use crate::sampling::SamplingParams;
-use crate::scheduler::{Engine, EngineConfig, StepObserver};
+use crate::scheduler::{Engine, EngineConfig, GenerateRequest, StepObserver};
 use crate::tokenizer::ChatMessage;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -300,7 +300,7 @@ impl Backend for EngineService {
         let l: &Loaded = engine.loaded();
         let guide = match &req.structure {
             None => None,
-            Some(s) => Some(compile(l, s)?),
+            Some(s) => Some(Compiled::new(compile(l, s)?)),
         };
         let (text, param) = match &req.prompt {
             Prompt::Chat(m) => (
@@ -399,7 +399,7 @@ impl Backend for EngineService {
                 stop: req.stop,
                 lane_rank: req.lane_rank,
                 tenant: req.tenant,
-                guide: prepared.guide,
+                guide: prepared.guide.and_then(Compiled::take),
             })
             .map_err(|e| BackendError::invalid("invalid_request", None, e.to_string()))
     }

@@ -201,7 +201,7 @@ impl TextCodec {
     pub fn template_takes_tools(&self) -> bool {
         self.template
             .as_ref()
-            .is_some_and(|t| t.contains("tools") && t.contains(crate::guide::CALL_OPEN))
+            .is_some_and(|t| t.contains("tools") && t.contains(crate::api::CALL_OPEN))
     }
 
     /// `render_chat` with `tools` given to the template (as OpenAI-style

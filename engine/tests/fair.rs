@@ -6,9 +6,10 @@
 #![allow(clippy::unwrap_used)]
 
 use std::time::Instant;
-use ultrafast_engine::api::{Event, GenerateRequest};
+use ultrafast_engine::api::Event;
 use ultrafast_engine::fair::Tenant;
 use ultrafast_engine::sampling::SamplingParams;
+use ultrafast_engine::scheduler::GenerateRequest;
 use ultrafast_engine::scheduler::{Engine, EngineConfig};
 
 mod common;

@@ -7,13 +7,14 @@
 
 #![allow(clippy::unwrap_used)]
 use std::sync::Arc;
-use ultrafast_engine::api::{Event, GenerateRequest};
+use ultrafast_engine::api::Event;
 use ultrafast_engine::backend::reference::ReferenceRunner;
 use ultrafast_engine::backend::{cpu_runner, KvDtype, ModelRunner};
 use ultrafast_engine::fetch::{self, SMOLLM2};
 use ultrafast_engine::generate;
 use ultrafast_engine::model::paged::SeqStep;
 use ultrafast_engine::sampling::SamplingParams;
+use ultrafast_engine::scheduler::GenerateRequest;
 use ultrafast_engine::scheduler::{Engine, EngineConfig};
 use ultrafast_engine::tokenizer::ChatMessage;
 

@@ -12,11 +12,12 @@
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
-use ultrafast_engine::api::{Event, FinishReason, GenerateRequest};
+use ultrafast_engine::api::{Event, FinishReason};
 use ultrafast_engine::backend::cpu::CpuRunner;
 use ultrafast_engine::kv::BlockPool;
 use ultrafast_engine::model::paged::SeqStep;
 use ultrafast_engine::sampling::{argmax, SamplingParams};
+use ultrafast_engine::scheduler::GenerateRequest;
 use ultrafast_engine::scheduler::{Engine, EngineConfig, StepObserver, StepWork, MAX_HELD_STEPS};
 use ultrafast_engine::tokenizer::ChatMessage;
 

@@ -13,8 +13,9 @@ use proptest::prelude::*;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
-use ultrafast_engine::api::{Event, FinishReason, GenerateRequest};
+use ultrafast_engine::api::{Event, FinishReason};
 use ultrafast_engine::sampling::SamplingParams;
+use ultrafast_engine::scheduler::GenerateRequest;
 use ultrafast_engine::scheduler::{Engine, EngineConfig, StepObserver, StepWork, MAX_HELD_STEPS};
 
 mod common;

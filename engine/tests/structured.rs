@@ -7,9 +7,10 @@
 #![allow(clippy::unwrap_used)]
 use serde_json::{json, Value};
 use std::sync::OnceLock;
-use ultrafast_engine::api::{Event, GenerateRequest, Structure, Tool, ToolChoice};
+use ultrafast_engine::api::{Event, Structure, Tool, ToolChoice};
 use ultrafast_engine::guide::{CALL_CLOSE, CALL_OPEN};
 use ultrafast_engine::sampling::SamplingParams;
+use ultrafast_engine::scheduler::GenerateRequest;
 use ultrafast_engine::scheduler::{Engine, EngineConfig};
 use ultrafast_engine::tokenizer::ChatMessage;
 

@@ -38,16 +38,7 @@ pub struct CompressSpec {
     pub types: Vec<String>,
 }
 
-/// The types nginx users usually list, beside `text/html` (nginx's only
-/// default).
-pub const DEFAULT_TYPES: &[&str] = &[
-    "text/*",
-    "application/json",
-    "application/javascript",
-    "application/xml",
-    "application/wasm",
-    "image/svg+xml",
-];
+pub use crate::config::file::DEFAULT_TYPES;
 
 /// Codings in order of preference when the client weighs them alike.
 const PREFERENCE: [Algorithm; 3] = [Algorithm::Brotli, Algorithm::Zstd, Algorithm::Gzip];

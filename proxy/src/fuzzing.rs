@@ -6,11 +6,12 @@
 //! They call the real code paths (no copies of the logic), so a fix in the
 //! parser is a fix here. Not part of the stable API.
 
-use crate::config::{self, BuildCtx};
+use crate::config;
 use crate::filters;
 use crate::inference::openai::{self, Endpoint};
 use crate::inference::sse;
 use crate::metrics::Metrics;
+use crate::runtime::{self, BuildCtx};
 use pingora::protocols::http::v1::server::HttpSession;
 use std::collections::HashMap;
 use std::path::Path;
@@ -88,7 +89,7 @@ pub fn config(data: &[u8]) {
         prev: None,
         prefetch_fraction: 0.0,
     };
-    if let Err(errs) = config::build(&f, path, text, &ctx) {
+    if let Err(errs) = runtime::build(&f, path, text, &ctx) {
         assert!(!errs.is_empty(), "a refused config names no error");
     }
 }

@@ -178,7 +178,7 @@ fn main() -> ExitCode {
         },
         Cmd::Check { config } => {
             let metrics = ultrafast::metrics::Metrics::new();
-            match ultrafast::config::load(&config, &metrics) {
+            match ultrafast::runtime::load(&config, &metrics) {
                 Ok(_) => {
                     println!("{}: configuration is ok", config.display());
                     ExitCode::SUCCESS

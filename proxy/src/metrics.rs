@@ -10,6 +10,8 @@ use prometheus::{
     Encoder, Histogram, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge,
     IntGaugeVec, Opts, Registry, TextEncoder,
 };
+use std::collections::BTreeMap;
+use std::sync::Arc;
 
 /// All metric families of the process.
 pub struct Metrics {
@@ -53,7 +55,7 @@ pub struct Metrics {
     /// Certificate reloads by result.
     pub cert_reloads: IntCounterVec,
     /// Inference front and engine families.
-    pub inference: crate::inference::metrics::InferenceMetrics,
+    pub inference: Arc<crate::inference::metrics::InferenceMetrics>,
     /// Upgraded (WebSocket) connections.
     pub upgrades: crate::edge::upgrade::UpgradeMetrics,
     /// The HTTP cache's zones.
@@ -358,7 +360,11 @@ impl Metrics {
         ] {
             must(registry.register(c));
         }
-        let inference = crate::inference::metrics::InferenceMetrics::new(&registry);
+        let inference = Arc::new(crate::inference::metrics::InferenceMetrics::new(
+            &registry,
+            shed.clone(),
+            rejected.clone(),
+        ));
         let upgrades = crate::edge::upgrade::UpgradeMetrics::new(&registry);
         let cache = crate::cache::CacheMetrics::new(&registry);
         let cluster = crate::cluster::ClusterMetrics::new(&registry);
@@ -444,16 +450,16 @@ impl Metrics {
     }
 
     /// Set the lane target gauges from a newly active config.
-    pub fn set_lane_targets(&self, cfg: &crate::config::Config) {
+    pub fn set_lane_targets(&self, cfg: &dyn crate::inference::live::Live) {
         self.lane_ttft_target.reset();
         self.lane_itl_target.reset();
-        for lane in &cfg.lanes {
+        for lane in cfg.lanes() {
             if let Some(t) = lane.ttft_slo {
                 self.lane_ttft_target
                     .with_label_values(&[&lane.name])
                     .set(t.as_secs_f64());
             }
-            let itl = cfg.file.lanes.get(&lane.name).map_or(0, |s| s.itl_slo_ms);
+            let itl = cfg.file().lanes.get(&lane.name).map_or(0, |s| s.itl_slo_ms);
             if itl > 0 {
                 self.lane_itl_target
                     .with_label_values(&[&lane.name])
@@ -464,8 +470,8 @@ impl Metrics {
 
     /// Read what is only known at scrape time from `cfg`: each member's
     /// requests in flight.
-    pub fn refresh_pools(&self, cfg: &crate::config::Config) {
-        for pool in cfg.pools.values() {
+    pub fn refresh_pools(&self, pools: &BTreeMap<String, Arc<crate::upstream::Pool>>) {
+        for pool in pools.values() {
             for m in &pool.members().members {
                 m.state.metrics.in_flight.set(m.outstanding() as i64);
             }
@@ -474,10 +480,10 @@ impl Metrics {
 
     /// The latency models' correction factors of the lanes with a target,
     /// read at a scrape (not paid for by every request).
-    pub fn refresh_latency(&self, cfg: &crate::config::Config) {
+    pub fn refresh_latency(&self, cfg: &dyn crate::inference::live::Live) {
         self.inference.refresh_fair(cfg);
-        for (name, model) in &cfg.models {
-            for lane in cfg.lanes.iter().filter(|l| l.ttft_slo.is_some()) {
+        for (name, model) in cfg.models() {
+            for lane in cfg.lanes().iter().filter(|l| l.ttft_slo.is_some()) {
                 self.inference
                     .ttft_correction
                     .with_label_values(&[name, &lane.name])

@@ -5,7 +5,7 @@
 
 use crate::accesslog::AccessLog;
 use crate::admin::{AdminApp, Readiness};
-use crate::config::{self, Config, Shared};
+use crate::config;
 use crate::edge::certs::{CertStore, CertWatcher, FullHandshakes, SniResolver};
 use crate::edge::conn::Guarded;
 use crate::edge::listener::{self, Endpoint, Handshake, ListenerService, TlsHandshake};
@@ -13,8 +13,8 @@ use crate::edge::ticket::RotatingTicketer;
 use crate::edge::tls::{server_config, TlsBuild};
 use crate::metrics::Metrics;
 use crate::proxy::EdgeProxy;
-use crate::reload::{DnsRefresher, Manager, SighupService, WatchService};
-use crate::upstream::health::HealthChecker;
+use crate::runtime::reload::{DnsRefresher, Manager, SighupService, WatchService};
+use crate::runtime::{self, Shared, Snapshot as Config};
 use arc_swap::ArcSwap;
 use pingora::apps::http_app::HttpServer;
 use pingora::apps::HttpServerOptions;
@@ -73,7 +73,7 @@ fn server_conf(cfg: &Config) -> ServerConf {
 /// Load the config and run until shut down. Returns only on a startup error.
 pub fn serve(path: &Path, opts: ServeOptions) -> anyhow::Result<()> {
     let metrics = Arc::new(Metrics::new());
-    let cfg = match config::load(path, &metrics) {
+    let cfg = match runtime::load(path, &metrics) {
         Ok(c) => c,
         Err(errs) => {
             for e in &errs {
@@ -126,7 +126,7 @@ pub fn serve(path: &Path, opts: ServeOptions) -> anyhow::Result<()> {
     readiness.watch_models(front.clone());
     let inflight = Arc::new(AtomicUsize::new(0));
 
-    crate::reload::catch_early_sighup();
+    crate::runtime::reload::catch_early_sighup();
     let mut sockets = bind_listeners(&listeners, admin_listen.as_deref(), opts.upgrade)?;
 
     let pid_file = conf.pid_file.clone();
@@ -236,11 +236,11 @@ pub fn serve(path: &Path, opts: ServeOptions) -> anyhow::Result<()> {
     }
     server.add_service(background_service(
         "health checks",
-        HealthChecker::new(shared.clone()),
+        crate::runtime::loops::HealthChecker::new(shared.clone()),
     ));
     server.add_service(background_service(
         "load scrapes",
-        crate::upstream::load::LoadScraper::new(shared.clone()),
+        crate::runtime::loops::LoadScraper::new(shared.clone()),
     ));
     server.add_service(background_service("sighup", SighupService(manager.clone())));
     server.add_service(background_service(
@@ -249,7 +249,7 @@ pub fn serve(path: &Path, opts: ServeOptions) -> anyhow::Result<()> {
     ));
     server.add_service(background_service(
         "api key watch",
-        crate::admission::keys::KeyWatchService(shared.clone()),
+        crate::runtime::loops::KeyWatchService(shared.clone()),
     ));
     let refresher = DnsRefresher {
         shared: shared.clone(),
@@ -258,7 +258,7 @@ pub fn serve(path: &Path, opts: ServeOptions) -> anyhow::Result<()> {
     server.add_service(background_service("dns refresh", refresher));
     server.add_service(background_service(
         "slo watchdog",
-        crate::inference::probe::WatchdogService {
+        crate::runtime::loops::WatchdogService {
             shared: shared.clone(),
             front: front.clone(),
             metrics: metrics.clone(),

@@ -244,7 +244,7 @@ proptest! {
     #[test]
     fn validate_never_panics_on_structured_toml(doc in document()) {
         let metrics = ultrafast::metrics::Metrics::new();
-        let r = ultrafast::config::parse(Path::new("prop.toml"), &doc, &metrics);
+        let r = ultrafast::runtime::parse(Path::new("prop.toml"), &doc, &metrics);
         if let Err(errs) = r {
             prop_assert!(!errs.is_empty());
             for e in errs {
@@ -256,6 +256,6 @@ proptest! {
     #[test]
     fn validate_never_panics_on_arbitrary_text(doc in "\\PC{0,200}") {
         let metrics = ultrafast::metrics::Metrics::new();
-        let _ = ultrafast::config::parse(Path::new("prop.toml"), &doc, &metrics);
+        let _ = ultrafast::runtime::parse(Path::new("prop.toml"), &doc, &metrics);
     }
 }

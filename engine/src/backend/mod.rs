@@ -16,13 +16,14 @@ pub mod blocks;
 pub mod cpu;
 pub mod cuda;
 pub mod layout;
+pub mod loaded;
 pub mod logits;
 pub mod probe;
 pub mod reference;
 
 use crate::error::{EngineError, Result};
-use crate::generate::Loaded;
 use crate::model::paged::{PagedKv, SeqStep};
+use loaded::Loaded;
 use std::sync::Arc;
 
 /// Precision of the KV cache.

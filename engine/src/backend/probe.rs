@@ -9,8 +9,8 @@
 //! built for the check and dropped after it: its repacked weights are held
 //! for that time only (for SmolLM2, about 100 MB for a second or two).
 
+use super::loaded::Loaded;
 use super::{cpu_runner, KvDtype, ModelRunner};
-use crate::generate::Loaded;
 use crate::model::paged::SeqStep;
 use std::sync::Arc;
 

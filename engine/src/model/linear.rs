@@ -15,7 +15,7 @@
 // Index loops over fixed-size arrays are how the kernels get vectorized.
 #![allow(clippy::needless_range_loop)]
 
-use crate::backend::cpu::simd::multiversion;
+use crate::simd::multiversion;
 use candle_core::quantized::{GgmlDType, QMatMul, QTensor};
 use candle_core::{Module, Tensor};
 use rayon::prelude::*;

@@ -10,8 +10,8 @@
 
 use super::llama::Model;
 use super::ModelConfig;
-use crate::backend::cpu::ops::dot;
 use crate::error::{EngineError, Result};
+use crate::simd::ops::dot;
 use candle_core::{Device, Tensor};
 use rayon::prelude::*;
 

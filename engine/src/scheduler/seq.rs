@@ -2,7 +2,8 @@
 //! matcher and event channel, and what happens when a step produces its
 //! next-token logits.
 
-use crate::api::{Event, FinishReason, GenerateRequest, Usage};
+use super::GenerateRequest;
+use crate::api::{Event, FinishReason, Usage};
 use crate::backend::logits::Row;
 use crate::guide::{Guide, Mask};
 use crate::kv::SeqBlocks;

@@ -15,7 +15,7 @@ mod stats_view;
 const STATUS_PAGE: &str = include_str!("status.html");
 
 use crate::metrics::Metrics;
-use crate::reload::Manager;
+use crate::runtime::reload::Manager;
 use async_trait::async_trait;
 use http::Response;
 use parking_lot::Mutex;
@@ -176,7 +176,7 @@ impl AdminApp {
             return reply(404, "text/plain", b"no inference front\n".to_vec());
         };
         let cfg = self.manager.shared().load_full();
-        let body = front.watchdog.report(&cfg);
+        let body = front.watchdog.report(&*cfg);
         reply(200, "application/json", body.to_string().into_bytes())
     }
 
@@ -384,8 +384,8 @@ impl ServeHttp for AdminApp {
             "/status" => self.status_page(),
             "/metrics" => {
                 let cfg = self.manager.shared().load();
-                self.metrics.refresh_pools(&cfg);
-                self.metrics.refresh_latency(&cfg);
+                self.metrics.refresh_pools(&cfg.pools);
+                self.metrics.refresh_latency(&**cfg);
                 reply(200, "text/plain; version=0.0.4", self.metrics.render())
             }
             "/healthz" => reply(200, "text/plain", b"ok\n".to_vec()),

@@ -6,10 +6,10 @@
 //! registry `/metrics` exposes, so the page and a scrape agree by
 //! construction, and the request path pays nothing for the page.
 
-use crate::config::Config;
 use crate::inference::{Front, ModelBackend};
 use crate::metrics::Metrics;
-use crate::reload::Manager;
+use crate::runtime::reload::Manager;
+use crate::runtime::Snapshot as Config;
 use parking_lot::Mutex;
 use prometheus::proto::MetricFamily;
 use std::collections::{BTreeMap, VecDeque};
@@ -204,7 +204,7 @@ impl Sampler {
     /// A snapshot now.
     pub(super) fn sample(&self) -> Snap {
         let cfg = self.manager.shared().load_full();
-        self.metrics.refresh_pools(&cfg);
+        self.metrics.refresh_pools(&cfg.pools);
         let mut snap = Snap::from_families(unix_now(), &self.metrics.gather());
         queue_depths(&cfg, self.front.as_deref(), &mut snap);
         snap

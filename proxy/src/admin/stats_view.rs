@@ -2,9 +2,9 @@
 //! the README), built from the sampler's snapshots and the live config.
 
 use super::stats::{back, Buckets, Sampler, Snap};
-use crate::config::Config;
 use crate::inference::{Front, ModelBackend};
-use crate::reload::Manager;
+use crate::runtime::reload::Manager;
+use crate::runtime::Snapshot as Config;
 use serde_json::{json, Value};
 
 /// The window of the lane table's percentiles and rates.

@@ -11,7 +11,7 @@
 //! from `budget`).
 //!
 //! Reload: `ApiKeys::reload` (called on every config reload) and
-//! `KeyWatchService` (when the file's bytes change) rebuild the
+//! the runtime's key-file loop (when the file's bytes change) rebuild the
 //! store and swap it whole. A malformed file keeps the old store serving and
 //! logs every error with file, line and field. A key whose name and limits
 //! are unchanged keeps its limiter and budget state (the same `Arc`s), so a
@@ -20,12 +20,8 @@
 use super::clock::{Clock, MonotonicClock};
 use super::keyfile::{self, KeyFileError};
 pub use super::keystore::{KeyEntry, KeyError, KeyStore};
-use crate::config::Shared;
 use arc_swap::ArcSwap;
-use async_trait::async_trait;
 use parking_lot::Mutex;
-use pingora::server::ShutdownWatch;
-use pingora::services::background::BackgroundService;
 use std::fmt;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -163,37 +159,18 @@ impl ApiKeys {
         Ok(report)
     }
 
+    /// How often the file is looked at (`[api_keys] watch_interval_ms`),
+    /// `None`: only on a config reload.
+    pub fn watch_every(&self) -> Option<Duration> {
+        self.watch
+    }
+
     /// `reload` if the file's bytes changed since the last read.
     pub fn reload_if_changed(&self) -> Option<Result<KeyReload, KeyFileError>> {
         if stamp(&self.path) == *self.stamp.lock() {
             return None;
         }
         Some(self.reload())
-    }
-}
-
-/// Re-reads the live config's key file when it changes (every
-/// `[api_keys] watch_interval_ms`).
-pub struct KeyWatchService(pub Shared);
-
-#[async_trait]
-impl BackgroundService for KeyWatchService {
-    async fn start(&self, mut shutdown: ShutdownWatch) {
-        loop {
-            let interval = self.0.load().api_keys.as_ref().and_then(|k| k.watch);
-            tokio::select! {
-                _ = shutdown.changed() => return,
-                _ = tokio::time::sleep(interval.unwrap_or(Duration::from_secs(1))) => {}
-            }
-            let Some(keys) = self.0.load().api_keys.clone() else {
-                continue;
-            };
-            if keys.watch.is_none() {
-                continue;
-            }
-            // Errors are logged by `reload`.
-            let _ = tokio::task::spawn_blocking(move || keys.reload_if_changed()).await;
-        }
     }
 }
 

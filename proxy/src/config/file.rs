@@ -845,6 +845,17 @@ pub struct CompressSection {
     pub types: Vec<String>,
 }
 
+/// The types nginx users usually list, beside `text/html` (nginx's only
+/// default).
+pub const DEFAULT_TYPES: &[&str] = &[
+    "text/*",
+    "application/json",
+    "application/javascript",
+    "application/xml",
+    "application/wasm",
+    "image/svg+xml",
+];
+
 impl Default for CompressSection {
     fn default() -> Self {
         Self {
@@ -852,10 +863,7 @@ impl Default for CompressSection {
             br: 5,
             zstd: 3,
             min_bytes: 256,
-            types: crate::compress::DEFAULT_TYPES
-                .iter()
-                .map(|s| s.to_string())
-                .collect(),
+            types: DEFAULT_TYPES.iter().map(|s| s.to_string()).collect(),
         }
     }
 }

@@ -18,20 +18,7 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::SystemTime;
 
-/// One certificate entry of a listener.
-#[derive(Debug, Clone, PartialEq)]
-pub struct CertSpec {
-    /// PEM chain, leaf first.
-    pub cert: PathBuf,
-    /// PEM private key (RSA, ECDSA or Ed25519).
-    pub key: PathBuf,
-    /// DER OCSP response to staple, if any.
-    pub ocsp: Option<PathBuf>,
-    /// SNI names it serves: exact or `*.suffix`.
-    pub names: Vec<String>,
-    /// Serve it when no name matches.
-    pub default: bool,
-}
+pub use crate::config::CertSpec;
 
 /// Metric handles of the certificate layer.
 #[derive(Clone)]

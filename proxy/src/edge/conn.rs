@@ -24,7 +24,7 @@
 use super::bare::{self, Rewrite};
 use super::hold::{self, Framing, Hold, Holding, Outcome};
 use super::preface;
-use crate::config::Shared;
+use crate::config::Deadlines;
 use async_trait::async_trait;
 use pingora::apps::ServerApp;
 use pingora::protocols::raw_connect::ProxyDigest;
@@ -59,10 +59,33 @@ pub struct ConnMetrics {
     pub send_timeout: prometheus::IntCounter,
 }
 
+/// The guard's terms for one new connection, read from the live config
+/// at accept.
+#[derive(Debug, Clone)]
+pub struct Terms {
+    /// Open traffic connections at most (0 = no cap).
+    pub max_connections: usize,
+    /// The deadlines of the listener it arrived on.
+    pub deadlines: Deadlines,
+    /// Max request head size and header count.
+    pub head_limits: (usize, usize),
+    /// The HSTS header of its TLS listener, if that sends one (for the
+    /// edge's own answer to an unparseable head, `bare`).
+    pub hsts: Option<http::HeaderValue>,
+}
+
+/// Where the guard finds its terms: the live config, through a view the
+/// runtime implements (the guard ranks below the layer that swaps it).
+pub trait Rules: Send + Sync {
+    /// The terms of a connection accepted on `local`; `tls`: it came
+    /// over TLS.
+    fn terms(&self, local: Option<std::net::SocketAddr>, tls: bool) -> Terms;
+}
+
 /// A listener's app behind the connection guard.
 pub struct Guarded<A> {
     inner: Arc<A>,
-    shared: Shared,
+    rules: Arc<dyn Rules>,
     open: Arc<AtomicUsize>,
     metrics: ConnMetrics,
     h2c: bool,
@@ -71,10 +94,15 @@ pub struct Guarded<A> {
 impl<A> Guarded<A> {
     /// Guard `inner`'s connections with the limits of the live config.
     /// Services given the same `open` counter share one cap.
-    pub fn new(inner: A, shared: Shared, open: Arc<AtomicUsize>, metrics: ConnMetrics) -> Self {
+    pub fn new(
+        inner: A,
+        rules: Arc<dyn Rules>,
+        open: Arc<AtomicUsize>,
+        metrics: ConnMetrics,
+    ) -> Self {
         Guarded {
             inner: Arc::new(inner),
-            shared,
+            rules,
             open,
             metrics,
             h2c: false,
@@ -113,19 +141,15 @@ impl<A: ServerApp + Send + Sync + 'static> ServerApp for Guarded<A> {
         if stream.as_any().downcast_ref::<HeadDeadline>().is_some() {
             return self.inner.process_new(stream, shutdown).await;
         }
-        let (cap, deadlines, limits, hsts) = {
-            let cfg = self.shared.load();
-            let l = &cfg.limits;
-            let local = stream
-                .get_socket_digest()
-                .and_then(|d| d.local_addr()?.as_inet().copied());
-            (
-                l.max_connections,
-                *cfg.deadlines(local),
-                (l.max_header_bytes, l.max_headers),
-                listener_hsts(&cfg, &stream),
-            )
-        };
+        let local = stream
+            .get_socket_digest()
+            .and_then(|d| d.local_addr()?.as_inet().copied());
+        let Terms {
+            max_connections: cap,
+            deadlines,
+            head_limits: limits,
+            hsts,
+        } = self.rules.terms(local, stream.get_ssl_digest().is_some());
         let n = self.open.fetch_add(1, Ordering::Relaxed);
         self.metrics.open.inc();
         let slot = Slot {
@@ -155,16 +179,6 @@ impl<A: ServerApp + Send + Sync + 'static> ServerApp for Guarded<A> {
     async fn cleanup(&self) {
         self.inner.cleanup().await
     }
-}
-
-/// The HSTS header of the TLS listener `stream` arrived on, if it sends one
-/// (for the edge's own answer to an unparseable head, `bare`).
-fn listener_hsts(cfg: &crate::config::Config, stream: &Stream) -> Option<http::HeaderValue> {
-    if cfg.listener_rules.is_empty() || stream.get_ssl_digest().is_none() {
-        return None;
-    }
-    let local = stream.get_socket_digest()?.local_addr()?.as_inet().copied();
-    cfg.listener_rule(local)?.hsts.clone()
 }
 
 /// Wait for `sleep`, or for ever when there is none.

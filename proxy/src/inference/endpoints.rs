@@ -101,7 +101,7 @@ impl Front {
         let devices = self.engines.devices();
         let data: Vec<Value> = inc
             .cfg
-            .models
+            .models()
             .keys()
             .filter(|m| self.allowed(inc, m).is_ok())
             .map(|m| model_json(m, devices.iter().find(|d| &d.0 == m)))
@@ -111,7 +111,7 @@ impl Front {
 
     /// `GET /v1/models/{id}`.
     pub fn model(&self, inc: &Incoming, id: &str) -> Reply {
-        match inc.cfg.models.get(id) {
+        match inc.cfg.models().get(id) {
             Some(_) if self.allowed(inc, id).is_ok() => {
                 let devices = self.engines.devices();
                 Reply::ok(model_json(id, devices.iter().find(|d| d.0 == id)))
@@ -231,7 +231,7 @@ impl Front {
         ];
         down.head(200, &h).await?;
         let heartbeat =
-            std::time::Duration::from_millis(inc.cfg.file.inference.heartbeat_ms.max(1));
+            std::time::Duration::from_millis(inc.cfg.file().inference.heartbeat_ms.max(1));
         let mut sink = Beats(down);
         let job = match job {
             Found::Here(j) => j,

@@ -7,6 +7,7 @@
 //! end.
 
 use super::drive::Failure;
+use super::metrics::InferenceMetrics;
 use super::pipeline::Incoming;
 use super::Front;
 use crate::admission::budget::{BudgetRefusal, Reservation};
@@ -16,7 +17,6 @@ use crate::admission::ratelimit::{KeyInput, Verdict};
 use crate::admission::refusal;
 use crate::admission::shared::{self, check_rates, Want};
 use crate::cluster::OnStoreError;
-use crate::metrics::Metrics;
 use std::sync::Arc;
 use std::time::Duration;
 use ultrafast_engine::api::BackendError;
@@ -70,7 +70,7 @@ impl Front {
     /// key, as a refusal that costs the least.
     pub async fn limits(
         &self,
-        metrics: &Metrics,
+        metrics: &InferenceMetrics,
         inc: &Incoming,
         lane: &str,
     ) -> Result<Option<Arc<KeyEntry>>, Failure> {
@@ -78,7 +78,7 @@ impl Front {
             metrics.shed(lane, Reason::StoreDown.as_str());
             return Err(store_down());
         }
-        let key = match &inc.cfg.api_keys {
+        let key = match &inc.cfg.api_keys() {
             None => Ok(None),
             Some(keys) => keys.authenticate(&inc.headers).map(Some),
         };
@@ -146,13 +146,13 @@ impl Front {
             Some(k) => format!("The API key `{}`", k.name),
             None => "A request without an API key".into(),
         };
-        super::admit::grant(&inc.cfg.lanes, lane, granted, who)
+        super::admit::grant(inc.cfg.lanes(), lane, granted, who)
     }
 
     /// Which lanes (by index) this request may use: its key's `lanes`, or
     /// the route's `anonymous_lanes` without a key; None: all.
     pub fn granted_lanes(&self, inc: &Incoming) -> Option<Vec<bool>> {
-        let lanes = &inc.cfg.lanes;
+        let lanes = inc.cfg.lanes();
         match &inc.key {
             Some(k) => k
                 .lanes
@@ -170,7 +170,7 @@ impl Front {
     /// of the route and of the key; all or nothing, one decision.
     pub async fn reserve(
         &self,
-        metrics: &Metrics,
+        metrics: &InferenceMetrics,
         inc: &Incoming,
         lane: &str,
         tokens: u64,
@@ -237,7 +237,7 @@ impl Front {
 /// `[api_keys] on_store_error` of the live config.
 fn key_mode(inc: &Incoming) -> OnStoreError {
     inc.cfg
-        .file
+        .file()
         .api_keys
         .as_ref()
         .and_then(|a| OnStoreError::parse(&a.on_store_error))
@@ -248,7 +248,7 @@ fn key_mode(inc: &Incoming) -> OnStoreError {
 /// Whether fair shares refuse now: `[cluster] fair_on_store_error =
 /// "closed"` with the store down (see `cluster::fair`).
 fn fair_store_closed(inc: &Incoming) -> bool {
-    inc.cfg.fair_closed && crate::cluster::get().is_some_and(|c| !c.is_up())
+    inc.cfg.fair_closed() && crate::cluster::get().is_some_and(|c| !c.is_up())
 }
 
 fn store_down() -> Failure {

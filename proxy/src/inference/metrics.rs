@@ -31,6 +31,12 @@ const LAT: &[f64] = &[
 
 /// Handles of the inference families.
 pub struct InferenceMetrics {
+    /// Refusals by admission, by lane and reason (the admission family,
+    /// `ultrafast_shed_total`, handed in by the assembly).
+    pub shed: IntCounterVec,
+    /// Requests refused by downstream limits, by reason (the edge's
+    /// family, handed in).
+    pub rejected: IntCounterVec,
     /// Time to first token, from the request's arrival to its first token
     /// (written to the socket for streams, produced for whole responses
     /// and async jobs), by lane and backend.
@@ -114,8 +120,14 @@ impl StepObserver for Steps {
 }
 
 impl InferenceMetrics {
-    /// Create and register the families.
-    pub fn new(r: &Registry) -> Self {
+    /// Count a refusal by admission.
+    pub fn shed(&self, lane: &str, reason: &str) {
+        self.shed.with_label_values(&[lane, reason]).inc();
+    }
+
+    /// Create and register the families; `shed` and `rejected` are the
+    /// admission's and the edge's, registered by their owners.
+    pub fn new(r: &Registry, shed: IntCounterVec, rejected: IntCounterVec) -> Self {
         let hv = |name: &str, help: &str, labels: &[&str], buckets: &[f64]| {
             let h = must(HistogramVec::new(
                 HistogramOpts::new(name, help).buckets(buckets.to_vec()),
@@ -151,6 +163,8 @@ impl InferenceMetrics {
             1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0, 512.0, 1024.0,
         ];
         InferenceMetrics {
+            shed,
+            rejected,
             ttft: hv(
                 "ultrafast_inference_ttft_seconds",
                 "Time to first token, from the request's arrival (streams: written; whole and async: produced).",
@@ -352,11 +366,11 @@ impl InferenceMetrics {
     /// Fill the fair-share gauges from every model's gate and engine
     /// (called on scrape; rewritten whole, so a tenant no longer among
     /// the most served leaves the exposition).
-    pub fn refresh_fair(&self, cfg: &crate::config::Config) {
+    pub fn refresh_fair(&self, cfg: &dyn super::live::Live) {
         self.fair_virtual.reset();
         self.fair_served.reset();
         let lane_of = |rank: u32| {
-            cfg.lanes
+            cfg.lanes()
                 .iter()
                 .find(|l| l.rank == rank)
                 .map_or_else(|| rank.to_string(), |l| l.name.clone())
@@ -368,7 +382,7 @@ impl InferenceMetrics {
                 .with_label_values(&labels)
                 .set(s.served as f64);
         };
-        for (name, model) in &cfg.models {
+        for (name, model) in cfg.models() {
             let Some(gate) = &model.gate else { continue };
             for (lane, shares) in gate.shares(FAIR_TENANTS) {
                 for s in &shares {

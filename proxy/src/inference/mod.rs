@@ -18,6 +18,7 @@ pub mod drive;
 pub mod endpoints;
 pub mod jobs;
 pub mod limits;
+pub mod live;
 pub mod metrics;
 pub mod openai;
 pub mod pacer;
@@ -89,9 +90,9 @@ impl std::fmt::Debug for Front {
 
 impl Front {
     /// Export the async store's usage.
-    pub fn export_store(&self, metrics: &crate::metrics::Metrics) {
+    pub fn export_store(&self, metrics: &metrics::InferenceMetrics) {
         let (n, b) = self.jobs.usage();
-        let g = &metrics.inference.async_store;
+        let g = &metrics.async_store;
         g.with_label_values(&["entries"]).set(n as i64);
         g.with_label_values(&["bytes"]).set(b as i64);
     }

@@ -10,12 +10,12 @@
 use super::admit::{self, Passed};
 use super::dialect::{anthropic, responses, Dialect, DialectSink, To, Writer};
 use super::drive::{Downstream, Failure, Gone, Sink};
+use super::live::Live;
+use super::metrics::InferenceMetrics;
 use super::openai::{self, Endpoint, Ident, Parsed};
 use super::sinks::{backend_failure, Headers, JobSink, JsonSink, SseSink};
 use super::{Front, Model};
 use crate::admission::PRIORITY_HEADER;
-use crate::config::Config;
-use crate::metrics::Metrics;
 use crate::routing::Route;
 use serde_json::json;
 use ultrafast_engine::api::Prompt;
@@ -49,7 +49,7 @@ pub enum Api {
 #[derive(Debug, Clone)]
 pub struct Incoming {
     /// The config snapshot of this request.
-    pub cfg: Arc<Config>,
+    pub cfg: Arc<dyn Live>,
     /// Its route.
     pub route: Arc<Route>,
     /// Request headers.
@@ -79,12 +79,12 @@ impl Incoming {
     }
 
     pub(super) fn heartbeat(&self) -> Duration {
-        Duration::from_millis(self.cfg.file.inference.heartbeat_ms.max(1))
+        Duration::from_millis(self.cfg.file().inference.heartbeat_ms.max(1))
     }
 
     /// The heartbeat while waiting and the keepalive once text flows.
     pub(super) fn beats(&self) -> super::drive::Beats {
-        let i = &self.cfg.file.inference;
+        let i = &self.cfg.file().inference;
         super::drive::Beats {
             waiting: self.heartbeat(),
             flowing: Duration::from_millis(i.keepalive_ms.max(i.heartbeat_ms).max(1)),
@@ -133,7 +133,7 @@ impl Front {
     /// Serve one completion end to end.
     pub async fn completion(
         &self,
-        metrics: &Arc<Metrics>,
+        metrics: &Arc<InferenceMetrics>,
         inc: &Incoming,
         api: Api,
         body: &[u8],
@@ -156,7 +156,7 @@ impl Front {
                 return sink.fail(&f).await;
             }
         };
-        let lane_name = inc.cfg.lanes[call.lane].name.clone();
+        let lane_name = inc.cfg.lanes()[call.lane].name.clone();
         let mut headers = base;
         headers.push(("x-ultrafast-lane", lane_name));
         if let Some(p) = call.passed.predicted {
@@ -193,7 +193,7 @@ impl Front {
     /// whole; a stored response is kept in the async store as well.
     async fn dialect(
         &self,
-        metrics: &Arc<Metrics>,
+        metrics: &Arc<InferenceMetrics>,
         inc: &Incoming,
         call: Call,
         headers: Headers,
@@ -301,7 +301,7 @@ impl Front {
     /// its tokens and check it against the lane's target.
     async fn prepare(
         &self,
-        metrics: &Metrics,
+        metrics: &InferenceMetrics,
         inc: &Incoming,
         api: Api,
         body: &[u8],
@@ -322,14 +322,14 @@ impl Front {
                 .map_err(reject)?;
         }
         let header = inc.headers.get(PRIORITY_HEADER).map(|v| v.as_bytes());
-        let lanes = &inc.cfg.lanes;
+        let lanes = inc.cfg.lanes();
         let lane = admit::lane(lanes, header, parsed.priority.as_deref(), inc.route.lane)
             .map_err(reject)?;
         let granted = self.granted_lanes(inc);
         let lane = self
             .granted_lane(inc, lane, granted.as_deref())
             .map_err(reject)?;
-        let Some(model) = inc.cfg.models.get(&parsed.model).cloned() else {
+        let Some(model) = inc.cfg.models().get(&parsed.model).cloned() else {
             return Err(reject(not_found_model(&parsed.model)));
         };
         self.allowed(inc, &model.name).map_err(reject)?;
@@ -387,7 +387,7 @@ impl Front {
         // request runtime, so a long prompt never stalls other requests,
         // and bounded in bytes and threads (see `tokenize`).
         let prepared = if backend.kind() == "engine" {
-            let cap = inc.cfg.file.inference.tokenize_max_bytes;
+            let cap = inc.cfg.file().inference.tokenize_max_bytes;
             let bytes = admit::prompt_bytes(&req.prompt);
             self.tokenizing
                 .prepare(backend.clone(), req.clone(), bytes, cap)
@@ -456,7 +456,7 @@ impl Front {
     /// watchdog holds the lane `violated`, else itself.
     fn fallback(
         &self,
-        metrics: &Metrics,
+        metrics: &InferenceMetrics,
         inc: &Incoming,
         model: Arc<Model>,
         lane: &str,
@@ -467,7 +467,7 @@ impl Front {
         {
             return (model, None);
         }
-        let Some(other) = inc.cfg.models.get(name) else {
+        let Some(other) = inc.cfg.models().get(name) else {
             return (model, None);
         };
         // A key limited to some models is never served another one, not
@@ -476,7 +476,6 @@ impl Front {
             return (model, None);
         }
         metrics
-            .inference
             .fallback_requests
             .with_label_values(&[&model.name, lane, name])
             .inc();
@@ -486,7 +485,7 @@ impl Front {
     /// Answer 202 now and run the completion into the job store.
     async fn start_job(
         &self,
-        metrics: &Arc<Metrics>,
+        metrics: &Arc<InferenceMetrics>,
         inc: &Incoming,
         call: Call,
         headers: Headers,
@@ -574,7 +573,7 @@ fn passes_through(inc: &Incoming, call: &Call) -> bool {
     let super::ModelBackend::Upstream(up) = &call.model.backend else {
         return false;
     };
-    let pace = inc.cfg.pacing.get(call.lane).copied();
+    let pace = inc.cfg.pacing().get(call.lane).copied();
     // A server that takes no `stream_options` sends no usage chunk: a
     // client that asked for one gets the edge's, from the parsing path.
     let usage = !call.parsed.include_usage || up.spec().pool.settings.dialect.caps().stream_options;

@@ -8,61 +8,14 @@
 
 use super::watchdog::Probe;
 use super::Front;
-use crate::config::Shared;
-use crate::metrics::Metrics;
-use async_trait::async_trait;
-use pingora::server::ShutdownWatch;
-use pingora::services::background::BackgroundService;
-use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 use ultrafast_engine::api::{Event, InferenceRequest, Prompt};
 use ultrafast_engine::sampling::SamplingParams;
 use ultrafast_engine::tokenizer::ChatMessage;
 
-/// How often the watchdog looks at its windows.
-const TICK: Duration = Duration::from_millis(100);
-
-/// Judges the watched lanes every tick and sends the probes they need.
-pub struct WatchdogService {
-    /// Live config.
-    pub shared: Shared,
-    /// The inference front (backends, watchdog).
-    pub front: Arc<Front>,
-    /// Metrics.
-    pub metrics: Arc<Metrics>,
-}
-
-#[async_trait]
-impl BackgroundService for WatchdogService {
-    async fn start(&self, mut shutdown: ShutdownWatch) {
-        loop {
-            let seen = crate::config::reloads();
-            let cfg = self.shared.load_full();
-            let busy = super::watchdog::watches(&cfg);
-            drop(cfg);
-            if !crate::config::next_round(busy, TICK, seen, &mut shutdown).await {
-                return;
-            }
-            let cfg = self.shared.load_full();
-            let probes = self
-                .front
-                .watchdog
-                .tick(&cfg, &self.metrics.inference, Instant::now());
-            for p in probes {
-                let (front, cfg) = (self.front.clone(), cfg.clone());
-                tokio::spawn(async move {
-                    let watch = p.watch.clone();
-                    send(&front, &cfg, &p).await;
-                    watch.lock().probe_done();
-                });
-            }
-        }
-    }
-}
-
-/// Send one probe and record what it measured.
-async fn send(front: &Front, cfg: &crate::config::Config, p: &Probe) {
-    let Some(model) = cfg.models.get(&p.model) else {
+/// Send one probe (the runtime's watchdog loop) and record what it measured.
+pub async fn send(front: &Front, cfg: &dyn super::live::Live, p: &Probe) {
+    let Some(model) = cfg.models().get(&p.model) else {
         return;
     };
     let Some(backend) = front.engines.backend(model) else {

@@ -5,12 +5,12 @@
 //! ticket, and the token budget settled to the real usage.
 
 use super::drive::{self, Delivery, Failure, Finished, Gone, OnText, Sink, Timing};
+use super::metrics::InferenceMetrics;
 use super::pacer::PaceSpec;
 use super::pipeline::{error, Call, Incoming};
 use crate::admission::gate::{Denied, Permit};
 use crate::admission::queue::Who;
 use crate::admission::refusal;
-use crate::metrics::Metrics;
 use std::time::Instant;
 use ultrafast_engine::api::{Prepared, Usage};
 use ultrafast_engine::fair::Tenant;
@@ -26,15 +26,14 @@ enum Stop {
 /// Gate, dispatch and drive one admitted completion into `sink`, and
 /// account for it.
 pub(super) async fn run<S: Sink + ?Sized>(
-    metrics: &Metrics,
+    metrics: &InferenceMetrics,
     inc: &Incoming,
     call: Call,
     sink: &mut S,
 ) -> Result<(), Gone> {
-    let lane = inc.cfg.lanes[call.lane].name.as_str();
+    let lane = inc.cfg.lanes()[call.lane].name.as_str();
     let outcome = |o: &str| {
         metrics
-            .inference
             .requests
             .with_label_values(&[&call.model.name, lane, o])
             .inc();
@@ -94,7 +93,7 @@ pub(super) async fn run<S: Sink + ?Sized>(
     }
     let pace = inc
         .cfg
-        .pacing
+        .pacing()
         .get(call.lane)
         .copied()
         .unwrap_or(PaceSpec::OFF);
@@ -102,7 +101,7 @@ pub(super) async fn run<S: Sink + ?Sized>(
     let mut delivery = Delivery::default();
     // Engine models are also reported under vLLM's names.
     let vllm = matches!(call.model.backend, super::ModelBackend::Engine(_))
-        .then(|| metrics.inference.vllm.request(&call.model.name));
+        .then(|| metrics.vllm.request(&call.model.name));
     let observe = observer(
         metrics,
         inc,
@@ -173,7 +172,7 @@ pub(super) async fn run<S: Sink + ?Sized>(
 
 /// The lane gate's bounded wait, with heartbeats on a stream.
 async fn gate<S: Sink + ?Sized>(
-    metrics: &Metrics,
+    metrics: &InferenceMetrics,
     inc: &Incoming,
     call: &Call,
     sink: &mut S,
@@ -191,7 +190,7 @@ async fn gate<S: Sink + ?Sized>(
         Err(Gone) | Ok(Err(Denied::Gone)) => Err(Stop::Gone),
         Ok(Ok((p, _))) => Ok(Some(p)),
         Ok(Err(Denied::Shed(reason, retry_after))) => {
-            metrics.shed(&inc.cfg.lanes[call.lane].name, reason.as_str());
+            metrics.shed(&inc.cfg.lanes()[call.lane].name, reason.as_str());
             let (status, headers, body) = refusal(reason, retry_after, None);
             let f = Failure {
                 status,
@@ -208,13 +207,13 @@ async fn gate<S: Sink + ?Sized>(
 /// interval (at the socket write for streams; as produced for whole
 /// responses and async jobs, whose texts are collected as they come).
 fn observer<'a>(
-    metrics: &'a Metrics,
+    metrics: &'a InferenceMetrics,
     inc: &'a Incoming,
     labels: [&'a str; 3],
     predicted: Option<std::time::Duration>,
     watch: Option<&'a parking_lot::Mutex<super::watchdog::LaneWatch>>,
 ) -> impl OnText + 'a {
-    let im = &metrics.inference;
+    let im = metrics;
     // Resolved once: every token of a stream observes these.
     let ttft_h = im.ttft.with_label_values(&labels);
     let itl_h = im.itl.with_label_values(&labels);
@@ -268,9 +267,9 @@ fn produced<'a>(
 }
 
 /// Tokens, end to end, queue and the latency breakdown of a finished one.
-fn account(metrics: &Metrics, labels: [&str; 3], u: &Usage, t: &Timing) {
+fn account(metrics: &InferenceMetrics, labels: [&str; 3], u: &Usage, t: &Timing) {
     let model = labels[0];
-    let im = &metrics.inference;
+    let im = metrics;
     im.tokens
         .with_label_values(&[model, "prompt"])
         .inc_by(u.prompt_tokens as u64);

@@ -51,7 +51,7 @@ pub fn tenant_of(inc: &Incoming, user: Option<&str>) -> Tenant {
     if let Some(k) = &inc.key {
         return k.tenant.clone();
     }
-    let value = match &inc.cfg.tenant_source {
+    let value = match &inc.cfg.tenant_source() {
         TenantSource::User => user.map(|u| format!("user:{}", cut(u))),
         TenantSource::Header(h) => inc
             .headers

@@ -14,8 +14,8 @@
 //! lane's new requests to OTHER; probes of the primary decide when it comes
 //! back. Each change is one JSON log line and a metric.
 
+use super::live::Live;
 use crate::config::file::WatchdogSection;
-use crate::config::Config;
 use crate::inference::metrics::InferenceMetrics;
 use parking_lot::Mutex;
 use serde_json::{json, Value};
@@ -189,9 +189,9 @@ pub struct Targets {
 
 impl Targets {
     /// Targets of `lane` under `w` (None: the lane has no target to judge).
-    pub fn of(cfg: &Config, lane: &str, w: &WatchdogSection) -> Option<Targets> {
-        let spec = cfg.lanes.iter().find(|l| l.name == lane)?;
-        let lane_itl = cfg.file.lanes.get(lane).map_or(0, |s| s.itl_slo_ms);
+    pub fn of(cfg: &dyn Live, lane: &str, w: &WatchdogSection) -> Option<Targets> {
+        let spec = cfg.lanes().iter().find(|l| l.name == lane)?;
+        let lane_itl = cfg.file().lanes.get(lane).map_or(0, |s| s.itl_slo_ms);
         let pick = |own: u64, lane: Option<Duration>| match own {
             0 => lane,
             ms => Some(Duration::from_millis(ms)),
@@ -328,7 +328,7 @@ impl Watchdog {
 
     /// Judge every watched lane whose window has passed; returns the lanes
     /// that need a probe now.
-    pub fn tick(&self, cfg: &Config, metrics: &InferenceMetrics, now: Instant) -> Vec<Probe> {
+    pub fn tick(&self, cfg: &dyn Live, metrics: &InferenceMetrics, now: Instant) -> Vec<Probe> {
         let mut probes = Vec::new();
         for (name, m, w, lane, t) in watched(cfg) {
             let watch = self.lane(name, &lane.name);
@@ -365,7 +365,7 @@ impl Watchdog {
     }
 
     /// `/admin/slo`: windows, states and active fallbacks.
-    pub fn report(&self, cfg: &Config) -> Value {
+    pub fn report(&self, cfg: &dyn Live) -> Value {
         let now = Instant::now();
         let mut out = Vec::new();
         for (name, m, _, lane, t) in watched(cfg) {
@@ -394,12 +394,12 @@ impl Watchdog {
 /// Every watched (model, lane) of `cfg` with its watchdog and targets.
 /// Whether `cfg` has a lane the watchdog judges (its background loop
 /// sleeps until a reload otherwise).
-pub fn watches(cfg: &Config) -> bool {
+pub fn watches(cfg: &dyn Live) -> bool {
     watched(cfg).next().is_some()
 }
 
 fn watched(
-    cfg: &Config,
+    cfg: &dyn Live,
 ) -> impl Iterator<
     Item = (
         &String,
@@ -409,8 +409,8 @@ fn watched(
         Targets,
     ),
 > {
-    cfg.models.iter().flat_map(move |(name, m)| {
-        cfg.lanes.iter().filter_map(move |lane| {
+    cfg.models().iter().flat_map(move |(name, m)| {
+        cfg.lanes().iter().filter_map(move |lane| {
             let w = m.def.watchdog.as_ref()?;
             Some((name, m, w, lane, Targets::of(cfg, &lane.name, w)?))
         })

@@ -28,6 +28,9 @@ struct Down<'a> {
     /// When to look at the socket's TCP state next, once a pipelined byte
     /// ended the idle read (`gone`).
     next_look: Option<tokio::time::Instant>,
+    /// Most body bytes read (`[limits] client_max_body_bytes`, 16 MiB
+    /// where unlimited).
+    max_body: usize,
 }
 
 /// How often a connection whose client pipelined a byte is looked at.
@@ -179,11 +182,15 @@ impl EdgeProxy {
             anthropic: path.trim_end_matches('/') == "/v1/messages",
             body_follows: false,
             next_look: None,
+            max_body: match ctx.cfg.limits.client_max_body_bytes {
+                0 => 16 << 20,
+                n => n as usize,
+            },
         };
         let front = &self.front;
         let lane = ctx.cfg.lanes.get(route.lane).map(|l| l.name.clone());
         let done = match front
-            .limits(&self.metrics, &inc, lane.as_deref().unwrap_or(""))
+            .limits(&self.metrics.inference, &inc, lane.as_deref().unwrap_or(""))
             .await
         {
             // Refused before the body was read: close rather than drain it.
@@ -282,10 +289,7 @@ impl EdgeProxy {
         api: impl Into<Api>,
     ) -> std::result::Result<(), Gone> {
         let api = api.into();
-        let max = match inc.cfg.limits.client_max_body_bytes {
-            0 => 16 << 20,
-            n => n as usize,
-        };
+        let max = down.max_body;
         let mut body = BytesMut::new();
         loop {
             match down.session.read_request_body().await {
@@ -308,7 +312,7 @@ impl EdgeProxy {
         }
         inc.network = inc.arrived.elapsed();
         self.front
-            .completion(&self.metrics, inc, api, &body, down)
+            .completion(&self.metrics.inference, inc, api, &body, down)
             .await
     }
 }

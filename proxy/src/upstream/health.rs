@@ -1,62 +1,20 @@
-//! Active health checks: a Pingora background service that probes every
+//! Active health checks: the runtime's loop (`runtime::loops`) probes every
 //! member of every pool with a health check, `GET path` over a fresh TCP
 //! connection, and flips `Member::healthy` after `fall` consecutive failures
 //! or `rise` consecutive successes (nginx plus / HAProxy semantics).
 //!
-//! It reads the live config on each tick, so pools added by a reload are
-//! checked without restarting anything.
+//! The loop reads the live config on each tick, so pools added by a
+//! reload are checked without restarting anything.
 
 use super::{Member, Pool};
-use crate::config::Shared;
-use async_trait::async_trait;
-use pingora::server::ShutdownWatch;
-use pingora::services::background::BackgroundService;
 use std::collections::HashMap;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
-use std::time::Duration;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 
-/// The health-check background service.
-pub struct HealthChecker {
-    config: Shared,
-}
-
-impl HealthChecker {
-    /// A checker over the live config.
-    pub fn new(config: Shared) -> Self {
-        HealthChecker { config }
-    }
-}
-
 /// Consecutive-result counters of one member, keyed by pool name and address.
 pub type Streaks = HashMap<(String, String), (u32, u32)>;
-
-#[async_trait]
-impl BackgroundService for HealthChecker {
-    async fn start(&self, mut shutdown: ShutdownWatch) {
-        let mut streaks: Streaks = HashMap::new();
-        loop {
-            let seen = crate::config::reloads();
-            let cfg = self.config.load_full();
-            let mut busy = false;
-            for pool in cfg.pools.values() {
-                let Some(h) = &pool.health else { continue };
-                busy = true;
-                if super::take_due(&pool.health_due_ms, h.interval) {
-                    check_pool(pool.clone(), &mut streaks).await;
-                }
-            }
-            drop(cfg);
-            if !crate::config::next_round(busy, Duration::from_millis(50), seen, &mut shutdown)
-                .await
-            {
-                return;
-            }
-        }
-    }
-}
 
 /// Probe, concurrently, the pool's current members that `pick` selects.
 async fn probe_members(pool: &Arc<Pool>, pick: impl Fn(&Member) -> bool) -> Vec<(Member, bool)> {

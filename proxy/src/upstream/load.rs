@@ -1,5 +1,5 @@
 //! Load reported by the members themselves, for `lb = "queue_aware"`: a
-//! background service scrapes each member's Prometheus endpoint every
+//! background loop (`runtime::loops`) scrapes each member's Prometheus endpoint every
 //! `scrape_interval_ms` and keeps `vllm:num_requests_waiting` and
 //! `vllm:kv_cache_usage_perc` (the names the Gateway API Inference
 //! Extension's endpoint picker reads; ultrafast exports them too). The
@@ -8,10 +8,6 @@
 //! as `least_outstanding` would.
 
 use super::{now_ms, Member, Pool};
-use crate::config::Shared;
-use async_trait::async_trait;
-use pingora::server::ShutdownWatch;
-use pingora::services::background::BackgroundService;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
@@ -191,7 +187,9 @@ fn complete(buf: &[u8]) -> bool {
     }
 }
 
-async fn scrape_pool(pool: Arc<Pool>, spec: ScrapeSpec) {
+/// Scrape every member of `pool` once, concurrently (the runtime's
+/// load loop calls it when the pool's interval is due).
+pub async fn scrape_pool(pool: Arc<Pool>, spec: ScrapeSpec) {
     let jobs: Vec<_> = pool
         .members()
         .members
@@ -209,45 +207,6 @@ async fn scrape_pool(pool: Arc<Pool>, spec: ScrapeSpec) {
         .collect();
     for j in jobs {
         let _ = j.await;
-    }
-}
-
-/// The scraping background service.
-pub struct LoadScraper {
-    config: Shared,
-}
-
-impl LoadScraper {
-    /// A scraper over the live config.
-    pub fn new(config: Shared) -> Self {
-        LoadScraper { config }
-    }
-}
-
-#[async_trait]
-impl BackgroundService for LoadScraper {
-    async fn start(&self, mut shutdown: ShutdownWatch) {
-        loop {
-            let seen = crate::config::reloads();
-            let cfg = self.config.load_full();
-            let mut busy = false;
-            for pool in cfg.pools.values() {
-                let super::LbSpec::QueueAware(spec) = &pool.lb else {
-                    continue;
-                };
-                busy = true;
-                if super::take_due(&pool.scrape_due_ms, spec.interval) {
-                    // Off this loop: a slow member must not delay other pools.
-                    tokio::spawn(scrape_pool(pool.clone(), spec.clone()));
-                }
-            }
-            drop(cfg);
-            if !crate::config::next_round(busy, Duration::from_millis(50), seen, &mut shutdown)
-                .await
-            {
-                return;
-            }
-        }
     }
 }
 

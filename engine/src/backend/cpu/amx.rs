@@ -102,13 +102,7 @@ pub struct Scratch {
 /// 16 tokens' results for one panel: `[token][row]`.
 pub type Tile = [[f32; PANEL]; TOK];
 
-/// `f32` to `bf16`, rounding to nearest even (the rounding of
-/// `vcvtneps2bf16`), for the activations.
-#[inline(always)]
-pub fn bf16(v: f32) -> u16 {
-    let b = v.to_bits();
-    (b.wrapping_add(0x7fff + (b >> 16 & 1)) >> 16) as u16
-}
+pub use crate::simd::bf16;
 
 /// For each weight panel `panels[p]` (`nb` panel blocks) and each 16
 /// tokens `t0..t0+16` of `x` (`bf16`, token `t`'s row at `t * ld`, `ld`
@@ -396,7 +390,7 @@ mod x86 {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::backend::cpu::simd::tests::panel;
+    use crate::simd::tests::panel;
 
     #[test]
     fn bf16_rounds_to_nearest_even() {

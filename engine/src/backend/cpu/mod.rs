@@ -26,11 +26,12 @@
 
 #![allow(unsafe_code)]
 
+// The SIMD primitives the runner, the model and the sampler share.
+pub use crate::simd::{self, ops};
+
 pub mod amx;
 pub mod attn;
-pub mod ops;
 pub mod profile;
-pub mod simd;
 pub mod team;
 pub mod weights;
 

@@ -80,7 +80,11 @@ pub(super) fn lanes(f: &FileConfig, errs: &mut Errors) -> Vec<LaneSpec> {
     out
 }
 
-pub(super) fn rate_limits(f: &FileConfig, prev: Option<&Config>, errs: &mut Errors) -> LimiterMap {
+pub(super) fn rate_limits(
+    f: &FileConfig,
+    prev: Option<&Snapshot>,
+    errs: &mut Errors,
+) -> LimiterMap {
     let mut out = BTreeMap::new();
     for (name, r) in &f.rate_limits {
         let at = FieldPath::key("rate_limits").k(name);
@@ -210,7 +214,7 @@ fn token_budget(
 pub(super) fn api_keys(
     f: &FileConfig,
     path: &Path,
-    prev: Option<&Config>,
+    prev: Option<&Snapshot>,
     errs: &mut Errors,
 ) -> (Option<Arc<ApiKeys>>, Vec<ConfigError>) {
     let Some(s) = &f.api_keys else {
@@ -273,8 +277,9 @@ pub(super) fn cluster(f: &FileConfig, errs: &mut Errors) -> bool {
 
 #[cfg(test)]
 mod tests {
-    use crate::config::{self, BuildCtx, Config, ConfigError};
+    use crate::config::{self, ConfigError};
     use crate::metrics::Metrics;
+    use crate::runtime::{self as rt, BuildCtx, Snapshot as Config};
     use std::path::{Path, PathBuf};
     use std::sync::Arc;
 
@@ -291,7 +296,7 @@ mod tests {
             prev,
             prefetch_fraction: 0.8,
         };
-        config::build(&f, path, text, &ctx)
+        rt::build(&f, path, text, &ctx)
     }
 
     fn scratch(name: &str) -> PathBuf {

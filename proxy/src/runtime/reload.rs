@@ -14,8 +14,9 @@
 //! Triggers: SIGHUP, `POST /admin/reload`, `ultrafast reload`, and the
 //! optional file watcher; all go through `Manager::reload`, one at a time.
 
-use crate::config::{self, BuildCtx, Config, ConfigError, Shared};
+use crate::config::{self, ConfigError};
 use crate::metrics::Metrics;
+use crate::runtime::{self as rt, BuildCtx, Shared, Snapshot as Config};
 use crate::upstream::dns::{resolve_all, Resolver};
 use crate::upstream::{health, Pool};
 use async_trait::async_trait;
@@ -183,8 +184,8 @@ impl Manager {
         let text = config::read(&path)?;
         let file = config::parse_file(&path, &text)?;
         let old = self.shared.load_full();
-        let names = config::names_to_resolve(&file, Some(&old));
-        let settings = config::dns_settings(&file);
+        let names = rt::names_to_resolve(&file, Some(&old));
+        let settings = rt::dns_settings(&file);
         let resolved = if names.is_empty() {
             Default::default()
         } else {
@@ -198,7 +199,7 @@ impl Manager {
             prev: Some(&old),
             prefetch_fraction: settings.prefetch_fraction,
         };
-        let mut new = config::build(&file, &path, &text, &ctx)?;
+        let mut new = rt::build(&file, &path, &text, &ctx)?;
         // A listener the upgrade could not bind refuses the reload now, and
         // the old listeners keep serving.
         let unbound = crate::edge::listener::unbindable(&old.listeners, &new.listeners);
@@ -241,7 +242,7 @@ impl Manager {
             .collect();
         crate::cache::retain(&caching);
         self.shared.store(Arc::new(new));
-        crate::config::swapped();
+        crate::runtime::swapped();
         if let Some((f, staged)) = staged {
             diff.models = staged.changes.clone();
             f.engines.commit(staged, &self.metrics.inference);
@@ -440,7 +441,7 @@ pub struct DnsRefresher {
 impl DnsRefresher {
     /// One round: the pools' names that are due, with a resolver for the
     /// current `[dns]` settings.
-    async fn refresh(&self, cfg: &crate::config::Config, resolver: &mut Option<Resolver>) {
+    async fn refresh(&self, cfg: &crate::runtime::Snapshot, resolver: &mut Option<Resolver>) {
         if resolver.as_ref().is_none_or(|r| r.settings != cfg.dns) {
             match Resolver::new(cfg.dns.clone()) {
                 Ok(r) => *resolver = Some(r),
@@ -462,7 +463,7 @@ impl BackgroundService for DnsRefresher {
     async fn start(&self, mut shutdown: ShutdownWatch) {
         let mut resolver: Option<Resolver> = None;
         loop {
-            let seen = crate::config::reloads();
+            let seen = crate::runtime::reloads();
             let cfg = self.shared.load_full();
             let busy = cfg.pools.values().any(|p| p.dns.is_some());
             if busy {
@@ -470,7 +471,7 @@ impl BackgroundService for DnsRefresher {
             }
             drop(cfg);
             let every = Duration::from_millis(100);
-            if !crate::config::next_round(busy, every, seen, &mut shutdown).await {
+            if !crate::runtime::next_round(busy, every, seen, &mut shutdown).await {
                 return;
             }
         }

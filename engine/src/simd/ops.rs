@@ -6,7 +6,7 @@
 // Index loops over fixed-width chunks are how these get vectorized.
 #![allow(clippy::needless_range_loop)]
 
-use super::simd::{multiversion, quantize_block, Isa, Q8Block};
+use super::{multiversion, quantize_block, Isa, Q8Block};
 
 multiversion! {
     /// `tmp` = `x * w / rms(x)`.
@@ -36,7 +36,7 @@ multiversion! {
     /// The `bf16` rounding of a row (the AMX products' activations).
     pub fn to_bf16(x: &[f32], out: &mut [u16]) {
         for (o, v) in out.iter_mut().zip(x) {
-            *o = super::amx::bf16(*v);
+            *o = super::bf16(*v);
         }
     }
 }

@@ -1,7 +1,7 @@
 //! The integer dot-product kernels, picked at run time for the CPU.
 //!
 //! Weights stay in the GGUF file's block formats and sizes, repacked at
-//! load into panels of 16 rows (`weights::QMat`). Per 32-column block a
+//! load into panels of 16 rows (`backend::cpu::weights::QMat`). Per 32-column block a
 //! panel holds the 16 rows' f16 scales (and Q4_1 minimums), then the
 //! values laid out so that one 512-bit register holds the same four bytes
 //! of all 16 rows (`v[j][n]`: bytes 4j..4j+4 of row n): Q4_1 keeps its
@@ -15,7 +15,7 @@
 //! four activation bytes adds four products into each of 16 row lanes, so
 //! a block's sums are exact integers per row with no horizontal step, and
 //! the float steps ([`reference`]) run on 16 rows per instruction. AMX
-//! tiles take the same layout (`amx`). Every kernel follows
+//! tiles take the same layout (`backend::cpu::amx`). Every kernel follows
 //! [`reference`] bit for bit, whatever the tile's width, so a token's
 //! result does not depend on what it was batched with nor on which of
 //! these kernels ran (the batching-invariance test and the tests below).
@@ -25,6 +25,8 @@
 //! inside the slices it was given (lengths checked by the safe wrappers).
 
 #![allow(unsafe_code)]
+
+pub mod ops;
 
 /// One block of 32 activations quantized to 8 bits (as llama.cpp's Q8_1).
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
@@ -60,7 +62,7 @@ macro_rules! multiversion {
                 body::<$($gc)*>($($a),*)
             }
             #[cfg(target_arch = "x86_64")]
-            if $crate::backend::cpu::simd::Isa::current() != $crate::backend::cpu::simd::Isa::Scalar {
+            if $crate::simd::Isa::current() != $crate::simd::Isa::Scalar {
                 // SAFETY: the CPU has AVX2, FMA and F16C (`Isa::current`).
                 return unsafe { avx2::<$($gc)*>($($a),*) };
             }
@@ -68,16 +70,24 @@ macro_rules! multiversion {
         }
     };
     ($(#[$m:meta])* $vis:vis fn $name:ident<$($g:ident: $gb:path),+> $($rest:tt)*) => {
-        $crate::backend::cpu::simd::multiversion!(@emit [$($g: $gb),+] [$($g),+] $(#[$m])* $vis fn $name $($rest)*);
+        $crate::simd::multiversion!(@emit [$($g: $gb),+] [$($g),+] $(#[$m])* $vis fn $name $($rest)*);
     };
     ($(#[$m:meta])* $vis:vis fn $name:ident<$(const $c:ident: $ct:ty),+> $($rest:tt)*) => {
-        $crate::backend::cpu::simd::multiversion!(@emit [$(const $c: $ct),+] [$($c),+] $(#[$m])* $vis fn $name $($rest)*);
+        $crate::simd::multiversion!(@emit [$(const $c: $ct),+] [$($c),+] $(#[$m])* $vis fn $name $($rest)*);
     };
     ($(#[$m:meta])* $vis:vis fn $name:ident $($rest:tt)*) => {
-        $crate::backend::cpu::simd::multiversion!(@emit [] [] $(#[$m])* $vis fn $name $($rest)*);
+        $crate::simd::multiversion!(@emit [] [] $(#[$m])* $vis fn $name $($rest)*);
     };
 }
 pub(crate) use multiversion;
+
+/// `f32` to `bf16`, rounding to nearest even (the rounding of
+/// `vcvtneps2bf16`), for the activations.
+#[inline(always)]
+pub fn bf16(v: f32) -> u16 {
+    let b = v.to_bits();
+    (b.wrapping_add(0x7fff + (b >> 16 & 1)) >> 16) as u16
+}
 
 /// Rows per weight panel.
 pub const PANEL: usize = 16;

@@ -7,12 +7,12 @@ use crate::reqid;
 use crate::upstream::dialect::Dialect;
 
 /// A member address: a literal `ip:port`, or `name:port` for DNS.
-pub(in crate::config) enum MemberAddr {
+pub(in crate::runtime) enum MemberAddr {
     Literal(SocketAddr),
     Name(String, u16),
 }
 
-pub(in crate::config) fn parse_member_addr(addr: &str) -> Result<MemberAddr, String> {
+pub(in crate::runtime) fn parse_member_addr(addr: &str) -> Result<MemberAddr, String> {
     let addr = strip_scheme(addr);
     if let Ok(a) = addr.parse::<SocketAddr>() {
         return Ok(MemberAddr::Literal(a));

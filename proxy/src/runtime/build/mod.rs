@@ -3,14 +3,15 @@
 //! resolved at the end against the original text. Nothing here panics on any
 //! input: the property test in `tests/config_check.rs` feeds it arbitrary TOML.
 
-use super::file::{
-    FileConfig, HeaderRules, LaneSection, ModelSection, PoolSection, RateLimitSection, RouteSection,
-};
-use super::locate::FieldPath;
 use super::*;
 use crate::admission::gate::Gate;
 use crate::admission::queue::{LaneSpec, OnMiss};
 use crate::admission::ratelimit::{KeySource, Limiter};
+use crate::config::file::{
+    FileConfig, HeaderRules, LaneSection, ModelSection, PoolSection, RateLimitSection, RouteSection,
+};
+use crate::config::locate::FieldPath;
+use crate::config::*;
 use crate::routing::{Action, HeaderOps, PathMatch, Route, UpstreamHost};
 use crate::upstream::budget::RetryBudget;
 use crate::upstream::dns::{Answer, DnsSettings, NameTarget, PoolDns};
@@ -29,7 +30,7 @@ mod pools;
 
 use admission::{api_keys, cluster, lanes, rate_limits};
 use pools::pool;
-pub(in crate::config) use pools::{parse_member_addr, MemberAddr};
+pub(in crate::runtime) use pools::{parse_member_addr, MemberAddr};
 
 struct Errors(Vec<(FieldPath, String)>);
 
@@ -77,7 +78,7 @@ pub struct BuildCtx<'a> {
     /// Answers for the names of new or changed pools.
     pub resolved: &'a HashMap<String, Result<Answer, String>>,
     /// The live config, on reload.
-    pub prev: Option<&'a Config>,
+    pub prev: Option<&'a Snapshot>,
     /// DNS prefetch fraction for new pools.
     pub prefetch_fraction: f64,
 }
@@ -87,7 +88,7 @@ pub(super) fn validate(
     path: &Path,
     text: &str,
     ctx: &BuildCtx,
-) -> Result<Config, Vec<ConfigError>> {
+) -> Result<Snapshot, Vec<ConfigError>> {
     let metrics = ctx.metrics;
     let mut errs = Errors(Vec::new());
     let dns = dns_settings(f, &mut errs);
@@ -103,7 +104,7 @@ pub(super) fn validate(
     let (log_target, log_format) = log(f, &mut errs);
     let limits = limits(f, &mut errs);
     let listeners = listeners(f, &limits.deadlines, &mut errs);
-    let listener_rules = super::listener_rules(&listeners, &limits.deadlines);
+    let listener_rules = crate::config::listener_rules(&listeners, &limits.deadlines);
     let lanes = lanes(f, &mut errs);
     let limiters = rate_limits(f, ctx.prev, &mut errs);
     let (api_keys, key_file_errors) = api_keys(f, path, ctx.prev, &mut errs);
@@ -119,11 +120,11 @@ pub(super) fn validate(
     let tenant_source = models::inference(f, &mut errs);
     let models = models::models(f, &pools, &lanes, ctx, &mut errs);
     if !errs.0.is_empty() || !key_file_errors.is_empty() {
-        let mut out = super::locate::located(path, text, errs.0);
+        let mut out = crate::config::locate::located(path, text, errs.0);
         out.extend(key_file_errors);
         return Err(out);
     }
-    Ok(Config {
+    Ok(Snapshot {
         path: path.to_path_buf(),
         server,
         admin_listen,
