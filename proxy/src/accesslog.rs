@@ -606,6 +606,18 @@ fn civil(out: &mut String, secs: i64) {
     push_digits(out, (rem % 60) as u32, 2);
 }
 
+/// The family of access-log lines dropped because the writer fell behind,
+/// registered with `r`.
+pub fn dropped_metric(r: &prometheus::Registry) -> IntCounter {
+    crate::prom::registered(
+        r,
+        IntCounter::new(
+            "ultrafast_access_log_dropped_total",
+            "Access log lines dropped because the writer fell behind.",
+        ),
+    )
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

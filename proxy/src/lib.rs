@@ -4,23 +4,25 @@
 //! # Ranks
 //!
 //! Every top-level module has a rank; a module names (`crate::x`) only
-//! modules of its rank or below. `tests/layers.rs` enforces it, with the
-//! upward arrows that remain listed there by name (the list only shrinks).
-//! ARCHITECTURE.md at the repository root draws the request's life.
+//! modules of its rank or below, and no import cycle runs among them.
+//! `tests/layers.rs` enforces both, with no exceptions listed.
+//! ARCHITECTURE.md at the repository root gives the rules and draws the
+//! request's life.
 //!
 //! | rank | modules | what they are |
 //! |---|---|---|
-//! | 0 | `alloc`, `drain`, `hash`, `uri`, `reqid`, `filters` | leaf helpers: allocator, drain signal, hashes, paths and hosts as nginx sees them, ids, request-head checks |
-//! | 1 | `config` | the file format, validation, the specs |
+//! | 0 | `alloc`, `drain`, `hash`, `uri`, `reqid`, `filters`, `prom` | leaf helpers: allocator, drain signal, hashes, paths and hosts as nginx sees them, ids, request-head checks, metric-family helpers |
+//! | 1 | `config` | data: the file format, located errors, the typed settings |
 //! | 2 | `otel`, `accesslog`, `edge`, `cache`, `compress`, `cluster` | tracing, the access log, listeners and TLS and the connection guard, the HTTP cache, compression, Redis-shared state |
 //! | 3 | `admission` | rate limits, budgets, keys, lanes and gates |
-//! | 4 | `upstream` | pools, balancing, health, retries |
+//! | 4 | `upstream` | pools, balancing, health, retries, DNS |
 //! | 5 | `routing` | nginx-style host and location matching |
 //! | 6 | `inference` | the OpenAI/Anthropic front and its pipeline |
-//! | 7 | `metrics`, `reload` | the runtime layer today: the metric families, the live config's swap |
-//! | 8 | `proxy`, `admin` | the Pingora phases; the admin listener |
-//! | 9 | `server`, `cli` | process assembly; the command line |
-//! | 10 | `fuzzing` | the fuzz targets' entry points |
+//! | 7 | `metrics` | the registry, assembled from the families each subsystem defines |
+//! | 8 | `runtime` | the live snapshot: built from the config, swapped on reload, walked by the background loops; the narrow views the subsystems read it through |
+//! | 9 | `proxy`, `admin` | the Pingora phases; the admin listener |
+//! | 10 | `server`, `cli` | process assembly; the command line |
+//! | 11 | `fuzzing` | the fuzz targets' entry points |
 
 pub mod accesslog;
 pub mod admin;
@@ -40,6 +42,7 @@ pub mod hash;
 pub mod inference;
 pub mod metrics;
 pub mod otel;
+pub mod prom;
 pub mod proxy;
 pub mod reqid;
 pub mod routing;

@@ -147,6 +147,33 @@ impl RouteMetrics {
     }
 }
 
+/// The request family, `ultrafast_requests_total`, defined and registered
+/// here; each route takes its pre-resolved counters from it.
+#[derive(Clone)]
+pub struct RequestMetrics(prometheus::IntCounterVec);
+
+impl RequestMetrics {
+    /// Create and register the family.
+    pub fn new(r: &prometheus::Registry) -> Self {
+        RequestMetrics(crate::prom::registered(
+            r,
+            prometheus::IntCounterVec::new(
+                prometheus::Opts::new(
+                    "ultrafast_requests_total",
+                    "Requests by route, pool and status class.",
+                ),
+                &["route", "pool", "class"],
+            ),
+        ))
+    }
+
+    /// Pre-resolved handles for one route.
+    pub fn route(&self, route: &str, pool: &str) -> RouteMetrics {
+        let c = |class: &str| self.0.with_label_values(&[route, pool, class]);
+        RouteMetrics::new([c("1xx"), c("2xx"), c("3xx"), c("4xx"), c("5xx"), c("other")])
+    }
+}
+
 impl fmt::Debug for RouteMetrics {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str("RouteMetrics")

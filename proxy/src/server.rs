@@ -166,8 +166,13 @@ pub fn serve(path: &Path, opts: ServeOptions) -> anyhow::Result<()> {
         let mut h2 = pingora::protocols::http::v2::server::default_h2_options();
         h2.max_header_list_size(H2_HEADER_LIST_MAX);
         app.h2_options = Some(h2);
-        let app =
-            Guarded::new(app, shared.clone(), open.clone(), metrics.conns.clone()).with_h2c(l.h2c);
+        let app = Guarded::new(
+            app,
+            shared.clone(),
+            open.clone(),
+            metrics.edge.conns.clone(),
+        )
+        .with_h2c(l.h2c);
         let handshake = match &l.tls {
             None => Handshake::Plain,
             Some(tls) => {
@@ -214,7 +219,7 @@ pub fn serve(path: &Path, opts: ServeOptions) -> anyhow::Result<()> {
         threads,
     ));
     if !watched.is_empty() {
-        let watcher = CertWatcher::new(watched, metrics.cert_reloads.clone());
+        let watcher = CertWatcher::new(watched, metrics.edge.cert_reloads.clone());
         server.add_service(background_service("cert watch", watcher));
     }
 

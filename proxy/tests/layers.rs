@@ -19,6 +19,7 @@ const PROXY: &[(&str, u8)] = &[
     ("uri", 0),
     ("reqid", 0),
     ("filters", 0),
+    ("prom", 0),
     // Config is data.
     ("config", 1),
     // Subsystems below admission.

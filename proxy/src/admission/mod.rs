@@ -20,12 +20,13 @@ pub mod gate;
 pub mod keyfile;
 pub mod keys;
 pub mod keystore;
+pub mod metrics;
 pub mod queue;
 pub mod ratelimit;
 pub mod shared;
 
 use bytes::Bytes;
-use queue::{LaneSpec, OnMiss, Reason};
+use queue::{LaneSpec, Reason};
 use std::time::Duration;
 
 /// The header that selects a lane.
@@ -128,40 +129,7 @@ pub fn refusal(
     )
 }
 
-/// Default TTFT targets (ms; 0 = none) and high watermarks of the lanes
-/// ultra, standard and batch. The targets are what the default model (a
-/// 135M model on two CPU cores) meets when not overloaded: a chat turn of
-/// up to ~200 prompt tokens in ultra, ~1,500 in standard; batch has none.
-pub const DEFAULT_SLO_MS: [(u64, f64); 3] = [(1_500, 1.0), (10_000, 0.9), (0, 0.9)];
-
-/// Lanes used when the config defines none.
-pub fn default_lanes() -> Vec<LaneSpec> {
-    let lane = |name: &str, rank: u32, queue_len, max_wait_ms, reserved_share, preempt| {
-        let (ttft_slo_ms, high_watermark) = DEFAULT_SLO_MS[rank as usize];
-        LaneSpec {
-            name: name.into(),
-            rank,
-            queue_len,
-            max_wait: Duration::from_millis(max_wait_ms),
-            reserved_share,
-            preempt,
-            high_watermark,
-            sjf_us_per_unit: 0,
-            ttft_slo: (ttft_slo_ms > 0).then(|| Duration::from_millis(ttft_slo_ms)),
-            on_miss: if rank < 2 {
-                OnMiss::Downgrade
-            } else {
-                OnMiss::Reject
-            },
-            on_forbidden: OnMiss::Reject,
-        }
-    };
-    vec![
-        lane("ultra", 0, 256, 2_000, 0.2, true),
-        lane("standard", 1, 1024, 15_000, 0.0, false),
-        lane("batch", 2, 4096, 60_000, 0.0, false),
-    ]
-}
+pub use crate::config::spec::{default_lanes, DEFAULT_SLO_MS};
 
 #[cfg(test)]
 mod tests {

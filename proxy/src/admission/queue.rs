@@ -24,7 +24,6 @@
 
 use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
-use std::time::Duration;
 use ultrafast_engine::fair::{Costs, Share, Tenant, Vtc};
 
 /// Waiters of its own tenant an arrival counts one by one (see
@@ -68,45 +67,7 @@ impl Reason {
     }
 }
 
-/// One lane's rules.
-#[derive(Debug, Clone, PartialEq)]
-pub struct LaneSpec {
-    /// Name (`ultra`, `standard`, ...).
-    pub name: String,
-    /// Lower is served first.
-    pub rank: u32,
-    /// Most waiters in this lane's queue.
-    pub queue_len: usize,
-    /// Longest a request may wait.
-    pub max_wait: Duration,
-    /// Fraction of pool capacity reserved for this lane.
-    pub reserved_share: f64,
-    /// May evict queued lower-lane work when the pool queue is full.
-    pub preempt: bool,
-    /// Fraction of `queue_len` above which shedding starts.
-    pub high_watermark: f64,
-    /// Aging weight: microseconds of queue position per unit of work.
-    pub sjf_us_per_unit: u64,
-    /// Time-to-first-token target (p99) of inference requests; None: no
-    /// target, only `max_wait`.
-    pub ttft_slo: Option<Duration>,
-    /// What happens to a request that cannot meet the target even on an
-    /// idle backend.
-    pub on_miss: OnMiss,
-    /// What happens to a request for this lane from a key (or an
-    /// anonymous request on a route) not granted it: refused (403
-    /// `lane_not_allowed`) or moved to the next lower lane it is granted.
-    pub on_forbidden: OnMiss,
-}
-
-/// What a lane does with a request that could never meet its target.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum OnMiss {
-    /// Refuse it with a 422.
-    Reject,
-    /// Move it to the next lower lane (and say so in `x-ultrafast-lane`).
-    Downgrade,
-}
+pub use crate::config::spec::{LaneSpec, OnMiss};
 
 /// The outcome of offering a request.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -508,6 +469,7 @@ impl<T> LaneQueue<T> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::time::Duration;
 
     pub(super) fn lanes() -> Vec<LaneSpec> {
         let l = |name: &str, rank, queue_len, reserved_share, preempt| LaneSpec {

@@ -11,6 +11,8 @@
 
 pub mod file;
 pub mod locate;
+pub mod spec;
+pub mod validate;
 
 use std::fmt;
 use std::path::{Path, PathBuf};

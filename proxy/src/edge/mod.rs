@@ -12,6 +12,7 @@ pub mod der;
 pub mod devcerts;
 pub mod hold;
 pub mod listener;
+pub mod metrics;
 mod preface;
 pub mod ticket;
 pub mod tls;

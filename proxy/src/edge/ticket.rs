@@ -14,7 +14,6 @@ use prometheus::IntCounter;
 use ring::aead::{Aad, LessSafeKey, Nonce, UnboundKey, CHACHA20_POLY1305, NONCE_LEN};
 use ring::hmac;
 use ring::rand::{SecureRandom, SystemRandom};
-use std::path::Path;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 /// Counters of ticket use.
@@ -44,31 +43,7 @@ impl std::fmt::Debug for RotatingTicketer {
     }
 }
 
-/// Read a shared ticket secret: hex, at least 32 bytes, not readable by
-/// other users.
-pub fn read_key_file(path: &Path) -> Result<Vec<u8>, String> {
-    use std::os::unix::fs::PermissionsExt;
-    let meta = std::fs::metadata(path).map_err(|e| format!("{}: {e}", path.display()))?;
-    if meta.permissions().mode() & 0o004 != 0 {
-        return Err(format!(
-            "{}: ticket key file is world-readable; chmod 600 it",
-            path.display()
-        ));
-    }
-    let text = std::fs::read_to_string(path).map_err(|e| format!("{}: {e}", path.display()))?;
-    let hex: String = text.chars().filter(|c| !c.is_whitespace()).collect();
-    if hex.len() < 64 || !hex.len().is_multiple_of(2) {
-        return Err(format!(
-            "{}: expected at least 64 hex digits (32 bytes)",
-            path.display()
-        ));
-    }
-    (0..hex.len())
-        .step_by(2)
-        .map(|i| u8::from_str_radix(&hex[i..i + 2], 16))
-        .collect::<Result<Vec<u8>, _>>()
-        .map_err(|_| format!("{}: not hex", path.display()))
-}
+pub use crate::config::validate::read_ticket_key_file as read_key_file;
 
 impl RotatingTicketer {
     /// A ticketer from a secret (or a random one) rotating every `rotation`.

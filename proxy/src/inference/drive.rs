@@ -9,192 +9,12 @@
 //! variant for both "pacer deadline" and "client read returned"; on a paced
 //! lane the first deadline switched disconnect detection off for good.)
 
+use super::delivery::{error_json, Failure, Finished, Gone, Sink, Timing};
 use super::pacer::{PaceSpec, Pacer};
 use super::predict::Ticket;
-use async_trait::async_trait;
-use bytes::Bytes;
 use std::future::Future;
 use std::time::{Duration, Instant};
-use ultrafast_engine::api::{Event, EventStream, FinishReason, Usage};
-
-/// The consumer of a response went away.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Gone;
-
-/// The socket side of a response, as the pipeline sees it (the Pingora
-/// adapter implements it; tests use an in-memory one). An implementation
-/// that reaches a client applies the edge's response policy in `head`
-/// (request id, HSTS, the route's response rules), so the pipeline passes
-/// only the headers that are its own.
-#[async_trait]
-pub trait Downstream: Send {
-    /// Send the response head.
-    async fn head(&mut self, status: u16, headers: &[(&str, &str)]) -> Result<(), Gone>;
-    /// The next head is followed at once by body bytes (a stream's first
-    /// event): it may wait for them, to leave in one write.
-    fn body_follows(&mut self) {}
-    /// Send body bytes; `end` finishes the response.
-    async fn body(&mut self, bytes: Bytes, end: bool) -> Result<(), Gone>;
-    /// Resolves when the client has gone away; pending forever when that
-    /// cannot be told. Cancel-safe: polled anew on every loop turn.
-    async fn gone(&mut self);
-    /// Whether error bodies go out in Anthropic's shape (the request came
-    /// to `/v1/messages`).
-    fn anthropic(&self) -> bool {
-        false
-    }
-}
-
-/// Send a whole JSON response: `headers`, then its type and length.
-pub async fn respond<D: Downstream + ?Sized>(
-    down: &mut D,
-    status: u16,
-    headers: &[(&str, &str)],
-    body: Bytes,
-) -> Result<(), Gone> {
-    // One place for every refusal and error: each dialect's clients read
-    // their own error shape.
-    let body = if status >= 400 && down.anthropic() {
-        super::dialect::anthropic::error_body(status, &body)
-    } else {
-        body
-    };
-    let len = body.len().to_string();
-    let mut h = headers.to_vec();
-    h.extend([
-        ("content-type", "application/json"),
-        ("content-length", len.as_str()),
-    ]);
-    down.head(status, &h).await?;
-    down.body(body, true).await
-}
-
-/// A refusal or an error, ready to send: status, extra headers and an
-/// OpenAI-style JSON error body.
-#[derive(Debug, Clone)]
-pub struct Failure {
-    /// HTTP status (when the head is not sent yet).
-    pub status: u16,
-    /// Extra headers (`retry-after`, `x-ultrafast-shed`, ...).
-    pub headers: Vec<(&'static str, String)>,
-    /// The JSON body.
-    pub body: Bytes,
-}
-
-/// How a generation ended.
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub struct Finished {
-    /// Why.
-    pub finish: FinishReason,
-    /// Token counts.
-    pub usage: Usage,
-    /// Time in the backend's own queue.
-    pub backend_queue: Duration,
-    /// Compute time.
-    pub compute: Duration,
-}
-
-/// Where a completion's output goes.
-#[async_trait]
-pub trait Sink: Send {
-    /// Streams get heartbeats and pacing; whole responses and jobs do not.
-    fn streaming(&self) -> bool;
-    /// Resolves when the consumer went away (pending when it cannot).
-    async fn gone(&mut self);
-    /// The request left the admission queue (a job turns `in_progress`).
-    fn admitted(&mut self) {}
-    /// Nothing to send yet (queued, or before the first token).
-    async fn heartbeat(&mut self) -> Result<(), Gone>;
-    /// A piece of text, as the pacer releases it.
-    async fn text(&mut self, text: &str) -> Result<(), Gone>;
-    /// An upstream's SSE events, to write as they are. Only a sink that
-    /// asked for the pass-through (`InferenceRequest::raw_sse`: the SSE
-    /// sink) receives them; any other drops them, saying so in the log.
-    /// `end`: the stream's last events, to write at `done`.
-    async fn raw(&mut self, sse: String, end: bool) -> Result<(), Gone> {
-        let _ = end;
-        log::error!(
-            "pass-through events reached a sink that did not ask for them: {} bytes dropped",
-            sse.len()
-        );
-        Ok(())
-    }
-    /// The end of a generation; `timing` is the latency breakdown so far.
-    async fn done(&mut self, end: &Finished, timing: &mut Timing) -> Result<(), Gone>;
-    /// A refusal or an error, before or during generation.
-    async fn fail(&mut self, f: &Failure) -> Result<(), Gone>;
-}
-
-/// Where the time of one request went.
-#[derive(Debug, Clone, Copy)]
-pub struct Timing {
-    /// When the request arrived (its head was parsed).
-    pub arrived: Instant,
-    /// Reading the body.
-    pub network: Duration,
-    /// Admission queue plus the backend's own queue.
-    pub queue: Duration,
-    /// Arrival to the first token delivered.
-    pub ttft: Option<Duration>,
-    /// What admission predicted for `ttft`.
-    pub predicted: Option<Duration>,
-    /// Generation time in the backend.
-    pub compute: Duration,
-    /// Arrival to the end.
-    pub total: Duration,
-}
-
-impl Timing {
-    /// A breakdown starting at `arrived`.
-    pub fn new(arrived: Instant, network: Duration) -> Self {
-        Timing {
-            arrived,
-            network,
-            queue: Duration::ZERO,
-            ttft: None,
-            predicted: None,
-            compute: Duration::ZERO,
-            total: Duration::ZERO,
-        }
-    }
-
-    /// Time not spent reading, queued or computing: writing the output.
-    pub fn output(&self) -> Duration {
-        self.total
-            .saturating_sub(self.network + self.queue + self.compute)
-    }
-
-    /// Set `total` to now.
-    pub fn stamp(&mut self) {
-        self.total = self.arrived.elapsed();
-    }
-
-    /// The `Server-Timing` value.
-    pub fn header(&self) -> String {
-        let ms = |d: Duration| d.as_secs_f64() * 1000.0;
-        format!(
-            "network;dur={:.3}, queue;dur={:.3}, ttft;dur={:.3}, compute;dur={:.3}, output;dur={:.3}, total;dur={:.3}",
-            ms(self.network),
-            ms(self.queue),
-            ms(self.ttft.unwrap_or_default()),
-            ms(self.compute),
-            ms(self.output()),
-            ms(self.total)
-        )
-    }
-
-    /// The `ultrafast_timing` object of a stream's last chunk.
-    pub fn json(&self) -> serde_json::Value {
-        let ms = |d: Duration| (d.as_secs_f64() * 1e6).round() / 1000.0;
-        let mut v = serde_json::json!({"network_ms": ms(self.network), "queue_ms": ms(self.queue),
-            "ttft_ms": ms(self.ttft.unwrap_or_default()), "compute_ms": ms(self.compute),
-            "output_ms": ms(self.output()), "total_ms": ms(self.total)});
-        if let Some(p) = self.predicted {
-            v["predicted_ttft_ms"] = serde_json::json!(ms(p));
-        }
-        v
-    }
-}
+use ultrafast_engine::api::{Event, EventStream};
 
 /// How often an idle stream gets an SSE comment.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -341,7 +161,7 @@ pub async fn drive<S: Sink + ?Sized>(
                     sink.fail(&Failure {
                         status: 502,
                         headers: Vec::new(),
-                        body: super::openai::error_json(&e),
+                        body: error_json(&e),
                     })
                     .await?;
                     Ok(None)

@@ -3,9 +3,11 @@
 //! A job is visible only to the tenant (API key) that created it; to anyone
 //! else it does not exist.
 
-use super::drive::{self, Downstream, Gone};
+use super::context::Incoming;
+use super::delivery;
+use super::delivery::{Downstream, Gone};
+use super::drive;
 use super::jobs::Job;
-use super::pipeline::Incoming;
 use super::sse;
 use super::Front;
 use crate::cluster::jobs::RemoteJob;
@@ -308,7 +310,7 @@ async fn remote_events(
                 quiet += wait;
                 if quiet >= heartbeat {
                     quiet = std::time::Duration::ZERO;
-                    drive::Sink::heartbeat(sink).await?;
+                    delivery::Sink::heartbeat(sink).await?;
                 }
             }
         }
@@ -317,14 +319,14 @@ async fn remote_events(
 
 /// Send a whole JSON reply.
 pub async fn send(down: &mut dyn Downstream, base: &[(&str, &str)], r: Reply) -> Result<(), Gone> {
-    drive::respond(down, r.status, base, r.body).await
+    delivery::respond(down, r.status, base, r.body).await
 }
 
 /// A job event stream as a sink: only heartbeats and the consumer.
 struct Beats<'a>(&'a mut dyn Downstream);
 
 #[async_trait::async_trait]
-impl drive::Sink for Beats<'_> {
+impl delivery::Sink for Beats<'_> {
     fn streaming(&self) -> bool {
         true
     }
@@ -337,10 +339,10 @@ impl drive::Sink for Beats<'_> {
     async fn text(&mut self, _: &str) -> Result<(), Gone> {
         Ok(())
     }
-    async fn done(&mut self, _: &drive::Finished, _: &mut drive::Timing) -> Result<(), Gone> {
+    async fn done(&mut self, _: &delivery::Finished, _: &mut delivery::Timing) -> Result<(), Gone> {
         Ok(())
     }
-    async fn fail(&mut self, _: &drive::Failure) -> Result<(), Gone> {
+    async fn fail(&mut self, _: &delivery::Failure) -> Result<(), Gone> {
         Ok(())
     }
 }

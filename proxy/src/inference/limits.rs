@@ -6,9 +6,9 @@
 //! prompt plus `max_tokens` reserved now, settled to the real usage at the
 //! end.
 
-use super::drive::Failure;
+use super::context::Incoming;
+use super::delivery::Failure;
 use super::metrics::InferenceMetrics;
-use super::pipeline::Incoming;
 use super::Front;
 use crate::admission::budget::{BudgetRefusal, Reservation};
 use crate::admission::keys::KeyEntry;
@@ -132,7 +132,7 @@ impl Front {
         }
     }
 
-    /// The lane `lane` grants this request (see `admit::grant`): its key's
+    /// The lane `lane` grants this request (see `slo::grant`): its key's
     /// `lanes`, or the route's `anonymous_lanes` for a request without a
     /// key.
     pub fn granted_lane(
@@ -146,7 +146,7 @@ impl Front {
             Some(k) => format!("The API key `{}`", k.name),
             None => "A request without an API key".into(),
         };
-        super::admit::grant(inc.cfg.lanes(), lane, granted, who)
+        super::slo::grant(inc.cfg.lanes(), lane, granted, who)
     }
 
     /// Which lanes (by index) this request may use: its key's `lanes`, or

@@ -16,10 +16,7 @@ use ultrafast_engine::api::{Backend, Readiness};
 use ultrafast_engine::scheduler::StepObserver;
 use ultrafast_engine::service::EngineService;
 
-fn must<T>(r: prometheus::Result<T>) -> T {
-    #[allow(clippy::expect_used)]
-    r.expect("static metric definition")
-}
+use crate::prom::must;
 
 /// Tenants per model and lane in the fair-share gauges.
 pub const FAIR_TENANTS: usize = 32;

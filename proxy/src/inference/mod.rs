@@ -10,9 +10,10 @@
 //! and `drive` into one of three `sinks` (SSE, whole JSON, async job).
 //! `endpoints` serves the model list and the async requests. The Pingora
 //! adapter (`proxy::infer`) only reads the body, calls these and writes
-//! what they yield through a `drive::Downstream`.
+//! what they yield through a `delivery::Downstream`.
 
-pub mod admit;
+pub mod context;
+pub mod delivery;
 pub mod dialect;
 pub mod drive;
 pub mod endpoints;
@@ -26,9 +27,11 @@ pub mod pipeline;
 pub mod predict;
 pub mod probe;
 pub mod registry;
+pub mod request;
 mod run;
 pub mod shape;
 pub mod sinks;
+pub mod slo;
 pub mod sse;
 pub mod tenant;
 pub mod tokenize;

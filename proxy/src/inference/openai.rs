@@ -5,7 +5,6 @@
 //! ignored (also as OpenAI does).
 
 use super::shape::{Collected, Piece};
-use bytes::Bytes;
 use serde_json::{json, Map, Value};
 use ultrafast_engine::api::{
     BackendError, FinishReason, Prompt, Structure, Tool, ToolChoice, Usage,
@@ -52,7 +51,7 @@ pub struct Parsed {
     /// The client's structured-output fields as sent, for upstream servers.
     pub passthrough: Map<String, Value>,
     /// The API it came in, which shapes the answer.
-    pub dialect: super::dialect::Dialect,
+    pub dialect: super::request::Dialect,
 }
 
 impl Parsed {
@@ -620,17 +619,11 @@ pub fn parse(endpoint: Endpoint, body: &[u8]) -> Result<Parsed, BackendError> {
         priority,
         structure,
         passthrough,
-        dialect: super::dialect::Dialect::OpenAi,
+        dialect: super::request::Dialect::OpenAi,
     })
 }
 
-/// An OpenAI-style error body.
-pub fn error_json(e: &BackendError) -> Bytes {
-    Bytes::from(
-        json!({"error": {"message": e.message, "type": e.kind, "param": e.param, "code": e.code}})
-            .to_string(),
-    )
-}
+pub use super::delivery::error_json;
 
 fn usage_json(u: &Usage) -> Value {
     json!({

@@ -7,112 +7,23 @@
 //! already run the limits that need no body (`Front::limits`), read the
 //! body, and hands in a `Downstream` to write to.
 
-use super::admit::{self, Passed};
+use super::context::{Api, Call, Incoming};
+use super::delivery::{Downstream, Failure, Gone, Sink};
 use super::dialect::{anthropic, responses, Dialect, DialectSink, To, Writer};
-use super::drive::{Downstream, Failure, Gone, Sink};
-use super::live::Live;
 use super::metrics::InferenceMetrics;
 use super::openai::{self, Endpoint, Ident, Parsed};
 use super::sinks::{backend_failure, Headers, JobSink, JsonSink, SseSink};
+use super::slo::{self};
 use super::{Front, Model};
 use crate::admission::PRIORITY_HEADER;
-use crate::routing::Route;
 use serde_json::json;
 use ultrafast_engine::api::Prompt;
 
 /// Output a request without `max_tokens` is taken to want while its place
 /// is claimed before tokenizing (the backend sizes it for real after).
 const CLAIM_MAX_TOKENS: usize = 256;
-use std::net::IpAddr;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
-use ultrafast_engine::api::{Backend, BackendError, InferenceRequest, Prepared, RawSse};
-
-impl From<Endpoint> for Api {
-    fn from(ep: Endpoint) -> Self {
-        Api::OpenAi(ep)
-    }
-}
-
-/// Which API a completion came to.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Api {
-    /// OpenAI's chat completions or completions.
-    OpenAi(Endpoint),
-    /// Anthropic's `/v1/messages`.
-    Messages,
-    /// OpenAI's `/v1/responses`.
-    Responses,
-}
-
-/// What the pipeline needs to know of one request (no sockets).
-#[derive(Debug, Clone)]
-pub struct Incoming {
-    /// The config snapshot of this request.
-    pub cfg: Arc<dyn Live>,
-    /// Its route.
-    pub route: Arc<Route>,
-    /// Request headers.
-    pub headers: http::HeaderMap,
-    /// Client address.
-    pub client_ip: Option<IpAddr>,
-    /// Request id.
-    pub request_id: String,
-    /// When its head was parsed.
-    pub arrived: Instant,
-    /// Time to read the body.
-    pub network: Duration,
-    /// The caller's API key, when keys are configured.
-    pub key: Option<Arc<crate::admission::keys::KeyEntry>>,
-    /// Its trace, when tracing is on.
-    pub trace: Option<crate::otel::ReqTrace>,
-}
-
-impl Incoming {
-    /// The tenant: the API key's name (None without keys).
-    pub fn tenant(&self) -> Option<String> {
-        self.key.as_ref().map(|k| k.name.clone())
-    }
-
-    fn header(&self, name: &str) -> Option<&str> {
-        self.headers.get(name).and_then(|v| v.to_str().ok())
-    }
-
-    pub(super) fn heartbeat(&self) -> Duration {
-        Duration::from_millis(self.cfg.file().inference.heartbeat_ms.max(1))
-    }
-
-    /// The heartbeat while waiting and the keepalive once text flows.
-    pub(super) fn beats(&self) -> super::drive::Beats {
-        let i = &self.cfg.file().inference;
-        super::drive::Beats {
-            waiting: self.heartbeat(),
-            flowing: Duration::from_millis(i.keepalive_ms.max(i.heartbeat_ms).max(1)),
-        }
-    }
-
-    /// Whether the client asked for the async (202) mode by header.
-    fn prefers_async(&self) -> bool {
-        self.header("prefer")
-            .is_some_and(|p| p.to_ascii_lowercase().contains("respond-async"))
-    }
-}
-
-/// A completion that passed admission up to the gate.
-pub(super) struct Call {
-    pub(super) backend: Arc<dyn Backend>,
-    pub(super) model: Arc<Model>,
-    pub(super) req: InferenceRequest,
-    pub(super) prepared: Prepared,
-    pub(super) parsed: Parsed,
-    pub(super) lane: usize,
-    pub(super) passed: Passed,
-    pub(super) budget: super::limits::Held,
-    /// The served model's watched lane, if it has a watchdog.
-    pub(super) watch: Option<super::watchdog::Watched>,
-    /// The fallback serving it, when the requested model's lane is violated.
-    pub(super) fallback: Option<String>,
-}
+use ultrafast_engine::api::{BackendError, InferenceRequest, RawSse};
 
 pub(super) fn error(e: &BackendError) -> Failure {
     backend_failure(e)
@@ -323,8 +234,8 @@ impl Front {
         }
         let header = inc.headers.get(PRIORITY_HEADER).map(|v| v.as_bytes());
         let lanes = inc.cfg.lanes();
-        let lane = admit::lane(lanes, header, parsed.priority.as_deref(), inc.route.lane)
-            .map_err(reject)?;
+        let lane =
+            slo::lane(lanes, header, parsed.priority.as_deref(), inc.route.lane).map_err(reject)?;
         let granted = self.granted_lanes(inc);
         let lane = self
             .granted_lane(inc, lane, granted.as_deref())
@@ -366,11 +277,11 @@ impl Front {
         // A prompt whose bytes alone prove it too long for the context is
         // refused before it claims anything or is tokenized.
         let bound = backend.prompt_bound();
-        admit::prove_too_long(&req.prompt, bound).map_err(reject)?;
+        slo::prove_too_long(&req.prompt, bound).map_err(reject)?;
         let live = backend.step_cost().map(super::live_cost);
-        let estimate = admit::estimate_tokens(&req.prompt, bound);
+        let estimate = slo::estimate_tokens(&req.prompt, bound);
         let max_out = req.max_tokens.unwrap_or(CLAIM_MAX_TOKENS);
-        let claim = admit::precheck(
+        let claim = slo::precheck(
             lanes,
             lane,
             &model.latency,
@@ -388,7 +299,7 @@ impl Front {
         // and bounded in bytes and threads (see `tokenize`).
         let prepared = if backend.kind() == "engine" {
             let cap = inc.cfg.file().inference.tokenize_max_bytes;
-            let bytes = admit::prompt_bytes(&req.prompt);
+            let bytes = slo::prompt_bytes(&req.prompt);
             self.tokenizing
                 .prepare(backend.clone(), req.clone(), bytes, cap)
                 .await
@@ -409,7 +320,7 @@ impl Front {
         let budget = self
             .reserve(metrics, inc, &lanes[lane].name, tokens)
             .await?;
-        let passed = admit::slo(
+        let passed = slo::slo(
             lanes,
             lane,
             &model.latency,
@@ -423,8 +334,8 @@ impl Front {
         )
         .map_err(|m| {
             let reason = match m {
-                admit::Missed::Busy { .. } => "slo",
-                admit::Missed::Unattainable { .. } => "slo_unattainable",
+                slo::Missed::Busy { .. } => "slo",
+                slo::Missed::Unattainable { .. } => "slo_unattainable",
             };
             metrics.shed(&lanes[m.lane()].name, reason);
             m.failure(lanes)
@@ -576,7 +487,8 @@ fn passes_through(inc: &Incoming, call: &Call) -> bool {
     let pace = inc.cfg.pacing().get(call.lane).copied();
     // A server that takes no `stream_options` sends no usage chunk: a
     // client that asked for one gets the edge's, from the parsing path.
-    let usage = !call.parsed.include_usage || up.spec().pool.settings.dialect.caps().stream_options;
+    let usage =
+        !call.parsed.include_usage || up.spec().pool.settings.server_kind.caps().stream_options;
     usage
         && up.spec().upstream_model == call.parsed.model
         && !call.parsed.tools()

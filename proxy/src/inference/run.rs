@@ -4,10 +4,12 @@
 //! the drive loop, and the accounting at the end: metrics, the ledger's
 //! ticket, and the token budget settled to the real usage.
 
-use super::drive::{self, Delivery, Failure, Finished, Gone, OnText, Sink, Timing};
+use super::context::{Call, Incoming};
+use super::delivery::{Failure, Finished, Gone, Sink, Timing};
+use super::drive::{self, Delivery, OnText};
 use super::metrics::InferenceMetrics;
 use super::pacer::PaceSpec;
-use super::pipeline::{error, Call, Incoming};
+use super::pipeline::error;
 use crate::admission::gate::{Denied, Permit};
 use crate::admission::queue::Who;
 use crate::admission::refusal;

@@ -3,7 +3,7 @@
 //! knows whether its head is already out (a refusal after heartbeats were
 //! sent becomes an error event, not a status).
 
-use super::drive::{Downstream, Failure, Finished, Gone, Sink, Timing};
+use super::delivery::{Downstream, Failure, Finished, Gone, Sink, Timing};
 use super::jobs::{self, Job};
 use super::openai::{self, Ident};
 use super::shape::{Collected, Piece, Shaper};
@@ -30,7 +30,7 @@ pub async fn send_failure<D: Downstream + ?Sized>(
 ) -> Result<(), Gone> {
     let mut h = refs(base);
     h.extend(f.headers.iter().map(|(k, v)| (*k, v.as_str())));
-    super::drive::respond(down, f.status, &h, f.body.clone()).await
+    super::delivery::respond(down, f.status, &h, f.body.clone()).await
 }
 
 /// A streamed (SSE) response.

@@ -5,7 +5,7 @@
 //! header. Values a client chooses are bounded in length and prefixed by
 //! their source, so no client can pose as a key's tenant.
 
-use super::pipeline::Incoming;
+use super::context::Incoming;
 use ultrafast_engine::fair::Tenant;
 
 /// Longest client-chosen tenant value kept (bytes; longer ones are cut).

@@ -13,7 +13,7 @@
 //!   refused at once with 503 `tokenizer_overloaded` and `Retry-After`,
 //!   before any work. Each request's bytes are already bounded by its
 //!   model's context (a prompt whose byte count alone proves it cannot fit
-//!   is refused before this; see `admit::prove_too_long`).
+//!   is refused before this; see `slo::prove_too_long`).
 //! - **Threads**: at most half the cores (at least one) tokenize at once;
 //!   the rest wait their turn (their bytes already counted), so the engine
 //!   keeps the other half whatever the load.

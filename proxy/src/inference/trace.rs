@@ -2,8 +2,8 @@
 //! spans (OpenTelemetry's `gen_ai.*` registry), from what the pipeline
 //! already knows; built only when tracing is on.
 
-use super::drive::{Finished, Timing};
-use super::pipeline::Call;
+use super::context::Call;
+use super::delivery::{Finished, Timing};
 use opentelemetry::KeyValue;
 use ultrafast_engine::api::Prompt;
 

@@ -8,10 +8,7 @@
 use prometheus::{GaugeVec, HistogramOpts, HistogramVec, IntCounterVec, Opts, Registry};
 use std::time::Duration;
 
-fn must<T>(r: prometheus::Result<T>) -> T {
-    #[allow(clippy::expect_used)]
-    r.expect("static metric definition")
-}
+use crate::prom::must;
 
 // vLLM v1's buckets (vllm/v1/metrics/loggers.py), so that a dashboard's
 // histogram_quantile reads the same resolution from either server.

@@ -11,7 +11,7 @@ impl EdgeProxy {
         why: &str,
         code: &str,
     ) -> Result<bool> {
-        self.metrics.rejected.with_label_values(&[code]).inc();
+        self.metrics.edge.rejected.with_label_values(&[code]).inc();
         policy::respond_error(session, &ctx.policy(), 400, why, code).await?;
         Ok(true)
     }
@@ -130,6 +130,7 @@ impl EdgeProxy {
             }
             Err(Denied::Gone) => {
                 self.metrics
+                    .edge
                     .rejected
                     .with_label_values(&["client_gone"])
                     .inc();

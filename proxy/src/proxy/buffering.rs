@@ -55,7 +55,7 @@ impl EdgeProxy {
                 Some(d) => match tokio::time::timeout(d, next).await {
                     Ok(r) => r?,
                     Err(_) => {
-                        self.metrics.conns.body_timeout.inc();
+                        self.metrics.edge.conns.body_timeout.inc();
                         return Ok(Some(TIMED_OUT));
                     }
                 },
@@ -99,11 +99,12 @@ impl EdgeProxy {
         session.set_read_timeout(idle);
         match conn::hold_outcome(session.as_downstream().stream()) {
             Some(Outcome::TimedOut) => {
-                self.metrics.conns.body_timeout.inc();
+                self.metrics.edge.conns.body_timeout.inc();
                 Ok(Some(TIMED_OUT))
             }
             Some(Outcome::TooLarge) => {
                 self.metrics
+                    .edge
                     .rejected
                     .with_label_values(&["body_too_large"])
                     .inc();

@@ -4,11 +4,11 @@
 
 use super::policy::{self, Policy};
 use super::*;
-use crate::inference::drive::{Downstream, Failure, Gone};
+use crate::inference::context::Api;
+use crate::inference::context::Incoming;
+use crate::inference::delivery::{Downstream, Failure, Gone};
 use crate::inference::endpoints::{send, Reply};
 use crate::inference::openai::Endpoint;
-use crate::inference::pipeline::Api;
-use crate::inference::pipeline::Incoming;
 use bytes::BytesMut;
 use ultrafast_engine::api::BackendError;
 
@@ -272,6 +272,7 @@ impl EdgeProxy {
         };
         if reply.status >= 400 {
             self.metrics
+                .edge
                 .rejected
                 .with_label_values(&["bad_request"])
                 .inc();

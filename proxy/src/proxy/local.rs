@@ -46,7 +46,7 @@ impl EdgeProxy {
             ),
             Refusal::Connect => (405, "CONNECT is not supported", "method_not_allowed"),
         };
-        self.metrics.rejected.with_label_values(&[code]).inc();
+        self.metrics.edge.rejected.with_label_values(&[code]).inc();
         session.set_keepalive(None);
         policy::respond_error(session, &ctx.policy(), status, msg, code).await?;
         Ok(true)

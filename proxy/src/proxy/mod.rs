@@ -352,6 +352,7 @@ impl ProxyHttp for EdgeProxy {
         }
         if let Some(why) = bad_path {
             self.metrics
+                .edge
                 .rejected
                 .with_label_values(&["bad_request"])
                 .inc();
@@ -363,7 +364,11 @@ impl ProxyHttp for EdgeProxy {
             return self.redirect_to_https(session, ctx, port).await;
         }
         let Some(route) = ctx.route.clone() else {
-            self.metrics.rejected.with_label_values(&["no_route"]).inc();
+            self.metrics
+                .edge
+                .rejected
+                .with_label_values(&["no_route"])
+                .inc();
             let msg = "no route matches this request";
             policy::respond_error(session, &ctx.policy(), 404, msg, "no_route").await?;
             return Ok(true);
@@ -397,6 +402,7 @@ impl ProxyHttp for EdgeProxy {
             let max = ctx.cfg.limits.client_max_body_bytes;
             if max > 0 && ctx.body_bytes > max {
                 self.metrics
+                    .edge
                     .rejected
                     .with_label_values(&["body_too_large"])
                     .inc();
@@ -656,8 +662,8 @@ impl ProxyHttp for EdgeProxy {
     async fn logging(&self, session: &mut Session, e: Option<&Error>, ctx: &mut Box<Ctx>) {
         if let Some(e) = e.filter(|e| e.esource() == &ErrorSource::Downstream) {
             match e.etype() {
-                ErrorType::ReadTimedout => self.metrics.conns.body_timeout.inc(),
-                ErrorType::WriteTimedout => self.metrics.conns.send_timeout.inc(),
+                ErrorType::ReadTimedout => self.metrics.edge.conns.body_timeout.inc(),
+                ErrorType::WriteTimedout => self.metrics.edge.conns.send_timeout.inc(),
                 _ => {}
             }
         }

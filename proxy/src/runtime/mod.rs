@@ -200,7 +200,7 @@ pub fn build(
 /// Resolver settings of a parsed file (defaults where invalid: `build`
 /// reports those errors).
 pub fn dns_settings(f: &FileConfig) -> DnsSettings {
-    build::dns_settings_of(f)
+    crate::config::validate::dns_settings(f, &mut crate::config::validate::Errors(Vec::new()))
 }
 
 /// Read, parse, resolve and validate a config file, blocking (for `check`,
@@ -214,7 +214,7 @@ pub fn load(path: &Path, metrics: &Metrics) -> Result<Snapshot, Vec<ConfigError>
 pub fn parse(path: &Path, text: &str, metrics: &Metrics) -> Result<Snapshot, Vec<ConfigError>> {
     let f = parse_file(path, text)?;
     let names = names_to_resolve(&f, None);
-    let settings = build::dns_settings_of(&f);
+    let settings = dns_settings(&f);
     let resolved = if names.is_empty() {
         HashMap::new()
     } else {

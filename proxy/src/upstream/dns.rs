@@ -23,24 +23,7 @@ use std::net::{IpAddr, SocketAddr};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-/// Resolver settings (`[dns]`).
-#[derive(Debug, Clone, PartialEq)]
-pub struct DnsSettings {
-    /// Nameservers (`ip:port`); empty = the system's (`/etc/resolv.conf`).
-    pub nameservers: Vec<SocketAddr>,
-    /// Refresh when this fraction of the TTL has passed.
-    pub prefetch_fraction: f64,
-    /// TTL floor.
-    pub min_ttl: Duration,
-    /// TTL ceiling.
-    pub max_ttl: Duration,
-    /// How long past its TTL a last good answer may be served.
-    pub stale_max: Duration,
-    /// Per-query timeout.
-    pub timeout: Duration,
-    /// Consult `/etc/hosts` first.
-    pub use_hosts_file: bool,
-}
+pub use crate::config::spec::DnsSettings;
 
 /// A resolver built from `DnsSettings`.
 pub struct Resolver {

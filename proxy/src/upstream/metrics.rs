@@ -5,8 +5,8 @@
 use prometheus::{Histogram, IntCounter, IntCounterVec, IntGauge, IntGaugeVec};
 use std::fmt;
 
-/// What the DNS refresh and the pool builders report to: the process's
-/// metrics (the `metrics` module's assembly, a rank above) implement it.
+/// What the DNS refresh and the pool builders report to: the upstream
+/// families implement it (and the assembly, by handing them on).
 pub trait Sink: Send + Sync {
     /// Count one DNS query by outcome (`ok`, `error`, `timeout`, `empty`).
     fn dns_query(&self, outcome: &str);
@@ -18,11 +18,154 @@ pub trait Sink: Send + Sync {
     fn member(&self, pool: &str, member: &str) -> MemberMetrics;
 }
 
-/// A metric built from static arguments: a failure here is a programming
-/// error caught by the first test run, never something input can cause.
-#[allow(clippy::expect_used)]
-pub(crate) fn must<T>(r: prometheus::Result<T>) -> T {
-    r.expect("static metric definition")
+pub(crate) use crate::prom::must;
+use crate::prom::registered;
+use prometheus::{GaugeVec, HistogramOpts, HistogramVec, Opts, Registry};
+
+/// The upstream families: pools, members, retries and DNS, defined and
+/// registered here.
+#[derive(Clone)]
+pub struct UpstreamMetrics {
+    latency: HistogramVec,
+    conns: IntCounterVec,
+    member_healthy: IntGaugeVec,
+    member_in_flight: IntGaugeVec,
+    ejections: IntCounterVec,
+    retries: IntCounterVec,
+    pool_members: IntGaugeVec,
+    /// DNS queries by result.
+    pub dns_queries: IntCounterVec,
+    /// Age of the answer in use, by pool and name.
+    pub dns_answer_age: GaugeVec,
+    /// 1 while a stale answer is served, by pool and name.
+    pub dns_stale: IntGaugeVec,
+    /// Live holders of each member's series; at 0 the series go.
+    member_refs: MemberRefs,
+}
+
+impl UpstreamMetrics {
+    /// Create and register the families.
+    pub fn new(r: &Registry) -> Self {
+        let by = |name: &str, help: &str, labels: &[&str]| {
+            registered(r, IntCounterVec::new(Opts::new(name, help), labels))
+        };
+        let gauges = |name: &str, help: &str, labels: &[&str]| {
+            registered(r, IntGaugeVec::new(Opts::new(name, help), labels))
+        };
+        UpstreamMetrics {
+            latency: registered(
+                r,
+                HistogramVec::new(
+                    HistogramOpts::new(
+                        "ultrafast_upstream_response_seconds",
+                        "Time from picking an upstream member to its response header.",
+                    )
+                    .buckets(vec![
+                        0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5,
+                        5.0, 10.0,
+                    ]),
+                    &["pool"],
+                ),
+            ),
+            conns: by(
+                "ultrafast_upstream_connections_total",
+                "Upstream connections used, new or reused from the keepalive pool.",
+                &["pool", "reused"],
+            ),
+            member_healthy: gauges(
+                "ultrafast_upstream_member_healthy",
+                "1 when the member passes active health checks.",
+                &["pool", "member"],
+            ),
+            member_in_flight: gauges(
+                "ultrafast_upstream_member_in_flight",
+                "Requests in flight to the member (read at scrape time).",
+                &["pool", "member"],
+            ),
+            ejections: by(
+                "ultrafast_upstream_ejections_total",
+                "Members ejected by passive health (consecutive failures).",
+                &["pool", "member"],
+            ),
+            retries: by(
+                "ultrafast_upstream_retries_total",
+                "Retries, by outcome.",
+                &["pool", "outcome"],
+            ),
+            pool_members: gauges(
+                "ultrafast_pool_members",
+                "Member addresses in each pool.",
+                &["pool"],
+            ),
+            dns_queries: by(
+                "ultrafast_dns_queries_total",
+                "DNS queries for upstream names, by result.",
+                &["result"],
+            ),
+            dns_answer_age: registered(
+                r,
+                GaugeVec::new(
+                    Opts::new(
+                        "ultrafast_dns_answer_age_seconds",
+                        "Age of the DNS answer in use.",
+                    ),
+                    &["pool", "name"],
+                ),
+            ),
+            dns_stale: gauges(
+                "ultrafast_dns_stale_answer",
+                "1 while a stale DNS answer is served (resolver failing).",
+                &["pool", "name"],
+            ),
+            member_refs: Default::default(),
+        }
+    }
+
+    /// Handles of one member address of a pool. Its series stay while any
+    /// handle for that pool and address lives (a member kept across a
+    /// reload or a DNS swap keeps them) and are removed with the last one,
+    /// so DNS churn cannot grow `/metrics` without bound.
+    pub fn member(&self, pool: &str, member: &str) -> MemberMetrics {
+        MemberMetrics::tracked(
+            (pool.to_string(), member.to_string()),
+            self.member_refs.clone(),
+            &self.member_healthy,
+            &self.ejections,
+            &self.member_in_flight,
+        )
+    }
+
+    /// Pre-resolved handles for one pool.
+    pub fn pool(&self, pool: &str) -> PoolMetrics {
+        PoolMetrics {
+            members: self.pool_members.with_label_values(&[pool]),
+            latency: self.latency.with_label_values(&[pool]),
+            conn_new: self.conns.with_label_values(&[pool, "false"]),
+            conn_reused: self.conns.with_label_values(&[pool, "true"]),
+            retries: self.retries.with_label_values(&[pool, "attempted"]),
+            retries_denied: self.retries.with_label_values(&[pool, "denied_by_budget"]),
+        }
+    }
+}
+
+impl Sink for UpstreamMetrics {
+    fn dns_query(&self, outcome: &str) {
+        self.dns_queries.with_label_values(&[outcome]).inc();
+    }
+
+    fn dns_stale(&self, pool: &str, name: &str) -> IntGauge {
+        self.dns_stale.with_label_values(&[pool, name])
+    }
+
+    fn dns_answer_age(&self, pool: &str, name: &str, age_s: f64) {
+        self.dns_answer_age
+            .with_label_values(&[pool, name])
+            .set(age_s);
+    }
+
+    fn member(&self, pool: &str, member: &str) -> MemberMetrics {
+        UpstreamMetrics::member(self, pool, member)
+    }
 }
 
 impl MemberMetrics {

@@ -7,19 +7,19 @@
 //! `fetch_add`. Active health checks (`health`) flip `Member::healthy`; the
 //! proxy reports outcomes back through `Pool::record_*`.
 
-pub mod budget;
-pub mod dialect;
 pub mod dns;
 pub mod health;
 pub mod lb;
 pub mod load;
+pub mod retry_budget;
+pub mod server_kind;
 
 pub mod metrics;
 use arc_swap::ArcSwap;
-use budget::RetryBudget;
 use lb::Balancer;
 use metrics::{MemberMetrics, PoolMetrics};
 use pingora::upstreams::peer::HttpPeer;
+use retry_budget::RetryBudget;
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::Arc;
@@ -64,7 +64,7 @@ pub struct PoolSettings {
     /// HTTPS to the members.
     pub tls: Option<UpstreamTls>,
     /// The kind of inference server (what it accepts).
-    pub dialect: dialect::Dialect,
+    pub server_kind: server_kind::ServerKind,
     /// What members are sent as `X-Request-Id`.
     pub request_id: crate::reqid::Upstream,
 }

@@ -3,7 +3,7 @@
 //! `stop_reason`, its event sequence when streamed) and errors in its shape.
 
 use super::{Ev, Writer};
-use crate::inference::drive::Finished;
+use crate::inference::delivery::Finished;
 use crate::inference::openai::{
     self, bad, body_object, boolean, num, opt, priority, string, structure_of_tools, uint,
     wrong_type, Endpoint, Parsed,
@@ -287,28 +287,8 @@ pub fn parse(body: &[u8]) -> Result<Parsed, BackendError> {
     })
 }
 
-/// An error body in Anthropic's shape, from an OpenAI-style one.
-pub fn error_body(status: u16, openai_body: &[u8]) -> Bytes {
-    let v: Value = serde_json::from_slice(openai_body).unwrap_or(Value::Null);
-    let message = v["error"]["message"].as_str().unwrap_or("error");
-    Bytes::from(
-        json!({"type": "error", "error": {"type": error_type(status), "message": message}})
-            .to_string(),
-    )
-}
-
-fn error_type(status: u16) -> &'static str {
-    match status {
-        400 | 405 | 409 | 422 => "invalid_request_error",
-        401 => "authentication_error",
-        403 => "permission_error",
-        404 => "not_found_error",
-        413 => "request_too_large",
-        429 => "rate_limit_error",
-        503 | 529 => "overloaded_error",
-        _ => "api_error",
-    }
-}
+pub use crate::inference::delivery::anthropic_error_body as error_body;
+use crate::inference::delivery::anthropic_error_type as error_type;
 
 /// Writes a Messages response.
 pub struct MessagesWriter {

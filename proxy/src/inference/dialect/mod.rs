@@ -10,7 +10,7 @@
 pub mod anthropic;
 pub mod responses;
 
-use super::drive::{Downstream, Failure, Finished, Gone, Sink, Timing};
+use super::delivery::{Downstream, Failure, Finished, Gone, Sink, Timing};
 use super::jobs::{self, Job};
 use super::shape::{Collected, Piece, Shaper};
 use super::sinks::{finish_of, send_failure, Headers};
@@ -21,16 +21,7 @@ use serde_json::Value;
 use std::sync::Arc;
 use tokio::sync::watch;
 
-/// The API a request came in.
-#[derive(Debug, Clone, PartialEq)]
-pub enum Dialect {
-    /// OpenAI chat completions or completions.
-    OpenAi,
-    /// Anthropic Messages.
-    Anthropic,
-    /// OpenAI Responses.
-    Responses(responses::Opts),
-}
+pub use super::request::Dialect;
 
 /// One streamed event: its SSE `event:` name and its data.
 #[derive(Debug, Clone)]

@@ -10,7 +10,7 @@
 //! async store, read back with `GET /v1/responses/{id}`.
 
 use super::{Ev, Writer};
-use crate::inference::drive::Finished;
+use crate::inference::delivery::Finished;
 use crate::inference::openai::{
     bad, body_object, boolean, num, opt, priority, response_format, string, structure_of_tools,
     tool, tool_choice, uint, wrong_type, Endpoint, Parsed,
@@ -22,16 +22,7 @@ use ultrafast_engine::api::{BackendError, FinishReason, Prompt};
 use ultrafast_engine::sampling::SamplingParams;
 use ultrafast_engine::tokenizer::ChatMessage;
 
-/// The Responses request's own settings.
-#[derive(Debug, Clone, PartialEq, Default)]
-pub struct Opts {
-    /// Keep the response for `GET` and `previous_response_id`.
-    pub store: bool,
-    /// The response this one continues.
-    pub previous: Option<String>,
-    /// The request as the response object echoes it.
-    pub echo: Map<String, Value>,
-}
+pub use crate::inference::request::ResponsesOpts as Opts;
 
 /// The key under which a stored response keeps its conversation (never
 /// shown: `view` removes it).

@@ -25,8 +25,8 @@ mod open;
 mod relay;
 mod stream;
 
-use crate::upstream::budget::RetryBudget;
 use crate::upstream::lb::{hash_bytes, Balancer};
+use crate::upstream::retry_budget::RetryBudget;
 use crate::upstream::{LbSpec, Membership, Pool};
 use bytes::Bytes;
 use parking_lot::Mutex;
@@ -248,7 +248,7 @@ impl UpstreamBackend {
         // instead of opening a new turn.
         let resumed_chat = resume.is_some() && messages.is_some();
         // Only what this kind of server accepts (see `upstream::dialect`).
-        let caps = self.spec.pool.settings.dialect.caps();
+        let caps = self.spec.pool.settings.server_kind.caps();
         let s = &req.sampling;
         let b = UpstreamBody {
             model: &self.spec.upstream_model,

@@ -1,21 +1,27 @@
-//! `validate()`: file structs -> runtime `Config`, collecting every problem
-//! (not just the first) with the field path it belongs to. Locations are
+//! `validate()`: file structs -> the live `Snapshot`: the data sections
+//! through `config::validate`, then the sections that become objects
+//! (pools, routes, rate limits, keys, models, caches), collecting every
+//! problem (not just the first) with the field path it belongs to. Locations are
 //! resolved at the end against the original text. Nothing here panics on any
 //! input: the property test in `tests/config_check.rs` feeds it arbitrary TOML.
 
 use super::*;
 use crate::admission::gate::Gate;
-use crate::admission::queue::{LaneSpec, OnMiss};
+use crate::admission::queue::LaneSpec;
 use crate::admission::ratelimit::{KeySource, Limiter};
 use crate::config::file::{
     FileConfig, HeaderRules, LaneSection, ModelSection, PoolSection, RateLimitSection, RouteSection,
 };
 use crate::config::locate::FieldPath;
+use crate::config::validate::{
+    admin, admin_token, dns_settings, lanes, limits, listeners, log, ms, server, tracing,
+    valid_host, Errors,
+};
 use crate::config::*;
 use crate::routing::{Action, HeaderOps, PathMatch, Route, UpstreamHost};
-use crate::upstream::budget::RetryBudget;
-use crate::upstream::dns::{Answer, DnsSettings, NameTarget, PoolDns};
+use crate::upstream::dns::{Answer, NameTarget, PoolDns};
 use crate::upstream::lb::HashKey;
+use crate::upstream::retry_budget::RetryBudget;
 use crate::upstream::{HealthSettings, LbSpec, Member, MemberState, Membership, PoolSettings};
 use arc_swap::ArcSwap;
 use http::{HeaderName, HeaderValue};
@@ -28,17 +34,9 @@ mod admission;
 mod models;
 mod pools;
 
-use admission::{api_keys, cluster, lanes, rate_limits};
+use admission::{api_keys, cluster, rate_limits};
 use pools::pool;
 pub(in crate::runtime) use pools::{parse_member_addr, MemberAddr};
-
-struct Errors(Vec<(FieldPath, String)>);
-
-impl Errors {
-    fn push(&mut self, at: FieldPath, msg: impl Into<String>) {
-        self.0.push((at, msg.into()));
-    }
-}
 
 /// The admission gate of a pool or model (None without a concurrency
 /// limit); `max_queued` 0 means the sum of the lanes' queue lengths.
@@ -64,10 +62,6 @@ fn gate(
             fair,
         ))
     })
-}
-
-fn ms(v: u64) -> Option<Duration> {
-    (v > 0).then(|| Duration::from_millis(v))
 }
 
 /// What `validate` needs besides the file: metrics, the DNS answers obtained
@@ -104,6 +98,7 @@ pub(super) fn validate(
     let (log_target, log_format) = log(f, &mut errs);
     let limits = limits(f, &mut errs);
     let listeners = listeners(f, &limits.deadlines, &mut errs);
+    certificates(f, &mut errs);
     let listener_rules = crate::config::listener_rules(&listeners, &limits.deadlines);
     let lanes = lanes(f, &mut errs);
     let limiters = rate_limits(f, ctx.prev, &mut errs);
@@ -151,218 +146,21 @@ pub(super) fn validate(
     })
 }
 
-pub(super) fn dns_settings_of(f: &FileConfig) -> DnsSettings {
-    dns_settings(f, &mut Errors(Vec::new()))
-}
-
-fn dns_settings(f: &FileConfig, errs: &mut Errors) -> DnsSettings {
-    let d = &f.dns;
-    let at = FieldPath::key("dns");
-    let mut nameservers = Vec::new();
-    for (i, ns) in d.nameservers.iter().enumerate() {
-        match ns.parse::<SocketAddr>() {
-            Ok(a) => nameservers.push(a),
-            Err(_) => match ns.parse::<std::net::IpAddr>() {
-                Ok(ip) => nameservers.push(SocketAddr::new(ip, 53)),
-                Err(_) => errs.push(
-                    at.k("nameservers").i(i),
-                    format!("`{ns}` is not ip or ip:port"),
-                ),
-            },
+/// Load every listener's certificates now, so a bad one is refused with
+/// its location (`listeners[i].tls.certs[j].cert`), whatever else is wrong
+/// with its listener.
+fn certificates(f: &FileConfig, errs: &mut Errors) {
+    use crate::edge::certs::{CertMetrics, CertStore};
+    let metrics = CertMetrics::detached();
+    for (i, l) in f.listeners.iter().enumerate() {
+        let Some(tls) = &l.tls else { continue };
+        for (j, c) in tls.certs.iter().enumerate() {
+            let spec = crate::config::validate::cert_spec(c);
+            if let Err(e) = CertStore::load(std::slice::from_ref(&spec), &metrics) {
+                let at = FieldPath::key("listeners").i(i).k("tls").k("certs").i(j);
+                errs.push(at.k("cert"), e);
+            }
         }
-    }
-    if !(d.prefetch_fraction > 0.0 && d.prefetch_fraction <= 1.0) {
-        errs.push(at.k("prefetch_fraction"), "must be in (0, 1]");
-    }
-    if d.min_ttl_s > d.max_ttl_s {
-        errs.push(at.k("min_ttl_s"), "must not exceed max_ttl_s");
-    }
-    if d.timeout_ms == 0 {
-        errs.push(at.k("timeout_ms"), "must be > 0");
-    }
-    DnsSettings {
-        nameservers,
-        prefetch_fraction: d.prefetch_fraction.clamp(0.01, 1.0),
-        min_ttl: Duration::from_secs(d.min_ttl_s),
-        max_ttl: Duration::from_secs(d.max_ttl_s.max(d.min_ttl_s)),
-        stale_max: Duration::from_secs(d.stale_max_s),
-        timeout: Duration::from_millis(d.timeout_ms.max(1)),
-        use_hosts_file: d.use_hosts_file,
-    }
-}
-
-fn server(f: &FileConfig, path: &Path, errs: &mut Errors) -> ServerSettings {
-    let s = &f.server;
-    let at = FieldPath::key("server");
-    if s.threads > 1024 {
-        errs.push(at.k("threads"), "must be at most 1024 (0 = one per CPU)");
-    }
-    if s.upstream_keepalive_pool_size > 1_000_000 {
-        errs.push(
-            at.k("upstream_keepalive_pool_size"),
-            "must be at most 1000000",
-        );
-    }
-    let threads = match s.threads {
-        0 => std::thread::available_parallelism()
-            .map(|n| n.get())
-            .unwrap_or(1),
-        n => n,
-    };
-    let or_default = |v: &str, ext: &str| {
-        if v.is_empty() {
-            default_runtime_path(path, ext)
-        } else {
-            v.to_string()
-        }
-    };
-    ServerSettings {
-        threads,
-        work_stealing: s.work_stealing,
-        grace_period_s: s.shutdown_grace_period_s,
-        shutdown_timeout_s: s.shutdown_timeout_s,
-        pid_file: or_default(&s.pid_file, "pid"),
-        upgrade_sock: or_default(&s.upgrade_sock, "upgrade.sock"),
-        keepalive_pool_size: s.upstream_keepalive_pool_size,
-    }
-}
-
-fn tracing(f: &FileConfig, errs: &mut Errors) {
-    let e = f.tracing.otlp_endpoint.trim();
-    if e.is_empty() {
-        return;
-    }
-    let host = e
-        .strip_prefix("http://")
-        .map(|r| r.split('/').next().unwrap_or(""));
-    if host.is_none_or(|h| h.is_empty()) {
-        errs.push(
-            FieldPath::key("tracing").k("otlp_endpoint"),
-            format!("`{e}` is not an http://host:port URL (a TLS collector: run a local agent)"),
-        );
-    }
-}
-
-fn admin(f: &FileConfig, errs: &mut Errors) -> Option<String> {
-    let l = f.admin.listen.trim();
-    if l.is_empty() {
-        return None;
-    }
-    if l.parse::<SocketAddr>().is_err() {
-        errs.push(
-            FieldPath::key("admin").k("listen"),
-            format!("`{l}` is not an ip:port address"),
-        );
-    }
-    Some(l.to_string())
-}
-
-/// The admin token from `token` or `token_file`. Off loopback one is
-/// required: the admin endpoints reload the config and show it.
-fn admin_token(
-    f: &FileConfig,
-    path: &Path,
-    listen: Option<&str>,
-    errs: &mut Errors,
-) -> Option<String> {
-    let at = FieldPath::key("admin");
-    let token = match f.admin.resolve_token(path) {
-        Ok(t) => t,
-        Err((field, e)) => {
-            errs.push(at.k(field), e);
-            return None;
-        }
-    };
-    if token.as_deref().is_some_and(|t| t.len() < 16) {
-        errs.push(
-            at.k("token"),
-            "the admin token must be at least 16 characters".to_string(),
-        );
-    }
-    let loopback = listen
-        .and_then(|l| l.parse::<SocketAddr>().ok())
-        .is_none_or(|a| a.ip().is_loopback());
-    if !loopback && token.is_none() {
-        errs.push(
-            at.k("listen"),
-            format!(
-                "`{}` is not a loopback address: set admin.token (or admin.token_file), which every admin endpoint but /healthz and /readyz then requires as `Authorization: Bearer <token>`",
-                listen.unwrap_or_default()
-            ),
-        );
-    }
-    token
-}
-
-fn log(f: &FileConfig, errs: &mut Errors) -> (LogTarget, LogFormat) {
-    let at = FieldPath::key("log");
-    let target = match f.log.access_log.as_str() {
-        "off" => LogTarget::Off,
-        "stdout" => LogTarget::Stdout,
-        "" => {
-            errs.push(
-                at.k("access_log"),
-                "must be \"stdout\", \"off\" or a file path",
-            );
-            LogTarget::Off
-        }
-        p => LogTarget::File(PathBuf::from(p)),
-    };
-    let format = match f.log.format.as_str() {
-        "json" => LogFormat::Json,
-        "combined" => LogFormat::Combined,
-        other => {
-            errs.push(
-                at.k("format"),
-                format!("unknown format `{other}` (json or combined)"),
-            );
-            LogFormat::Json
-        }
-    };
-    (target, format)
-}
-
-fn limits(f: &FileConfig, errs: &mut Errors) -> Limits {
-    let l = &f.limits;
-    let at = FieldPath::key("limits");
-    if l.max_header_bytes < 1024 {
-        errs.push(at.k("max_header_bytes"), "must be at least 1024");
-    }
-    if l.max_headers == 0 {
-        errs.push(at.k("max_headers"), "must be at least 1");
-    }
-    // Pingora keeps at most 64 KiB of a body for a retry, and a buffered
-    // body reaches the upstream through that buffer (`proxy::buffering`).
-    if l.client_body_buffer_kb == 0 || l.client_body_buffer_kb > 64 {
-        errs.push(at.k("client_body_buffer_kb"), "must be 1 to 64");
-    }
-    let temp = match l.client_body_temp_path.as_str() {
-        "" => std::env::temp_dir(),
-        p => PathBuf::from(p),
-    };
-    if l.request_buffering && !temp.is_dir() {
-        errs.push(
-            at.k("client_body_temp_path"),
-            format!("`{}` is not a directory", temp.display()),
-        );
-    }
-    Limits {
-        client_max_body_bytes: l.client_max_body_bytes,
-        max_header_bytes: l.max_header_bytes,
-        max_headers: l.max_headers,
-        max_connections: l.max_connections,
-        deadlines: Deadlines {
-            client_header_timeout_ms: l.client_header_timeout_ms,
-            client_body_timeout: millis(l.client_body_timeout_ms),
-            send_timeout: millis(l.send_timeout_ms),
-            keepalive_timeout_s: l.keepalive_timeout_s,
-            h2c_preface_timeout: millis(l.h2c_preface_timeout_ms),
-        },
-        request_buffering: l.request_buffering,
-        client_body_buffer_bytes: l.client_body_buffer_kb.clamp(1, 64) * 1024,
-        client_body_temp_path: temp,
-        max_upgraded: l.max_upgraded,
-        upgraded_idle_timeout: millis(l.upgraded_idle_timeout_s.saturating_mul(1000)),
     }
 }
 
@@ -438,151 +236,6 @@ fn compress(
     })
 }
 
-/// A listener's deadlines: its own where it sets them, else `defaults`.
-fn listener_deadlines(l: &super::file::ListenerSection, defaults: &Deadlines) -> Deadlines {
-    let or = |own: Option<u64>, d: Option<Duration>| own.map_or(d, millis);
-    Deadlines {
-        client_header_timeout_ms: l
-            .client_header_timeout_ms
-            .unwrap_or(defaults.client_header_timeout_ms),
-        client_body_timeout: or(l.client_body_timeout_ms, defaults.client_body_timeout),
-        send_timeout: or(l.send_timeout_ms, defaults.send_timeout),
-        keepalive_timeout_s: l
-            .keepalive_timeout_s
-            .unwrap_or(defaults.keepalive_timeout_s),
-        h2c_preface_timeout: or(l.h2c_preface_timeout_ms, defaults.h2c_preface_timeout),
-    }
-}
-
-/// A timeout in ms where 0 means none.
-fn millis(ms: u64) -> Option<Duration> {
-    (ms > 0).then(|| Duration::from_millis(ms))
-}
-
-fn listeners(f: &FileConfig, defaults: &Deadlines, errs: &mut Errors) -> Vec<Listener> {
-    let at = FieldPath::key("listeners");
-    if f.listeners.is_empty() {
-        errs.push(at.clone(), "at least one [[listeners]] entry is required");
-    }
-    let mut out: Vec<Listener> = Vec::new();
-    for (i, l) in f.listeners.iter().enumerate() {
-        if l.address.parse::<SocketAddr>().is_err() {
-            errs.push(
-                at.i(i).k("address"),
-                format!("`{}` is not an ip:port address", l.address),
-            );
-        } else if out.iter().any(|o| o.address == l.address) || f.admin.listen == l.address {
-            errs.push(
-                at.i(i).k("address"),
-                format!("`{}` is already used by another listener", l.address),
-            );
-        }
-        let tls = l
-            .tls
-            .as_ref()
-            .and_then(|t| tls_listener(t, &at.i(i).k("tls"), errs));
-        if l.h2c_preface_timeout_ms.is_some() && !l.h2c {
-            errs.push(
-                at.i(i).k("h2c_preface_timeout_ms"),
-                "applies to a listener with h2c = true only",
-            );
-        }
-        if tls.is_some() && (l.h2c || l.redirect_https_port != 0) {
-            errs.push(
-                at.i(i),
-                "h2c and redirect_https_port apply to plain listeners only",
-            );
-        }
-        let name = if l.name.is_empty() {
-            format!("listener{i}")
-        } else {
-            l.name.clone()
-        };
-        out.push(Listener {
-            name,
-            address: l.address.clone(),
-            tls,
-            h2c: l.h2c,
-            redirect_https_port: l.redirect_https_port,
-            deadlines: listener_deadlines(l, defaults),
-        });
-    }
-    out
-}
-
-fn tls_listener(
-    t: &super::file::TlsSection,
-    at: &FieldPath,
-    errs: &mut Errors,
-) -> Option<TlsListener> {
-    use crate::edge::certs::{CertMetrics, CertSpec, CertStore};
-    let before = errs.0.len();
-    if t.certs.is_empty() {
-        errs.push(
-            at.k("certs"),
-            "a TLS listener needs at least one certificate",
-        );
-    }
-    if t.certs.iter().filter(|c| c.default).count() > 1 {
-        errs.push(at.k("certs"), "at most one certificate may be the default");
-    }
-    if t.ticket_rotation_s == 0 {
-        errs.push(at.k("ticket_rotation_s"), "must be > 0");
-    }
-    if t.handshake_timeout_ms == 0 {
-        errs.push(at.k("handshake_timeout_ms"), "must be > 0");
-    }
-    let ticket_secret = if t.ticket_key_file.is_empty() {
-        None
-    } else {
-        match crate::edge::ticket::read_key_file(Path::new(&t.ticket_key_file)) {
-            Ok(k) => Some(k),
-            Err(e) => {
-                errs.push(at.k("ticket_key_file"), e);
-                None
-            }
-        }
-    };
-    let metrics = CertMetrics::detached();
-    let mut certs = Vec::new();
-    for (j, c) in t.certs.iter().enumerate() {
-        let cat = at.k("certs").i(j);
-        for (k, n) in c.names.iter().enumerate() {
-            if !valid_host(&n.to_ascii_lowercase()) {
-                errs.push(
-                    cat.k("names").i(k),
-                    format!("`{n}` is not a host name or *.suffix"),
-                );
-            }
-        }
-        let spec = CertSpec {
-            cert: PathBuf::from(&c.cert),
-            key: PathBuf::from(&c.key),
-            ocsp: (!c.ocsp.is_empty()).then(|| PathBuf::from(&c.ocsp)),
-            names: c.names.clone(),
-            default: c.default,
-        };
-        // Load now so a bad certificate is refused with its location.
-        if let Err(e) = CertStore::load(std::slice::from_ref(&spec), &metrics) {
-            errs.push(cat.k("cert"), e);
-        }
-        certs.push(spec);
-    }
-    if errs.0.len() != before {
-        return None;
-    }
-    Some(TlsListener {
-        certs,
-        h2: t.h2,
-        tickets: t.session_tickets,
-        rotation: Duration::from_secs(t.ticket_rotation_s.max(1)),
-        ticket_secret,
-        cache_size: t.session_cache_size,
-        handshake_timeout: Duration::from_millis(t.handshake_timeout_ms.max(1)),
-        hsts_max_age_s: (t.hsts_max_age_s > 0).then_some(t.hsts_max_age_s),
-    })
-}
-
 fn header_ops(r: &HeaderRules, at: &FieldPath, errs: &mut Errors) -> HeaderOps {
     let mut pairs = |m: &BTreeMap<String, String>, what: &str| -> Vec<(HeaderName, HeaderValue)> {
         m.iter()
@@ -609,14 +262,6 @@ fn header_ops(r: &HeaderRules, at: &FieldPath, errs: &mut Errors) -> HeaderOps {
         }
     }
     HeaderOps { set, add, remove }
-}
-
-fn valid_host(h: &str) -> bool {
-    let body = h.strip_prefix("*.").unwrap_or(h);
-    !body.is_empty()
-        && body
-            .bytes()
-            .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'.' || b == b'-')
 }
 
 fn path_match(r: &RouteSection, at: &FieldPath, errs: &mut Errors) -> PathMatch {

@@ -300,7 +300,7 @@ fn upstream_spec(
         errs.push(at.k("stall_timeout_ms"), "must be > 0");
     }
     let hedge = m.hedge.as_ref().and_then(|h| hedge(h, at, errs));
-    let caps = pool.settings.dialect.caps();
+    let caps = pool.settings.server_kind.caps();
     let resume_chat = match f.pools.get(&m.pool).map(|p| p.resume.as_str()) {
         Some("vllm") => true,
         Some("") => caps.continue_final_message,

@@ -4,7 +4,7 @@
 
 use super::*;
 use crate::reqid;
-use crate::upstream::dialect::Dialect;
+use crate::upstream::server_kind::ServerKind;
 
 /// A member address: a literal `ip:port`, or `name:port` for DNS.
 pub(in crate::runtime) enum MemberAddr {
@@ -148,10 +148,10 @@ pub(super) fn pool(
     }
     let dialect = match p.dialect.as_str() {
         "" => None,
-        d => Dialect::parse(d).or_else(|| {
+        d => ServerKind::parse(d).or_else(|| {
             errs.push(
                 at.k("dialect"),
-                format!("`{d}` is not one of {}", Dialect::NAMES),
+                format!("`{d}` is not one of {}", ServerKind::NAMES),
             );
             None
         }),
@@ -278,7 +278,7 @@ pub(super) fn pool(
             max_fails: p.passive.max_fails,
             cooldown: Duration::from_millis(p.passive.cooldown_ms),
             attempts: p.retry.attempts,
-            dialect: dialect.unwrap_or_default(),
+            server_kind: dialect.unwrap_or_default(),
             request_id,
         },
         health,

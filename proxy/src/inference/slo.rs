@@ -10,7 +10,7 @@
 //! Rate limits, API keys and token budgets run before this stage (they do
 //! not need the prompt's tokens); the lane gate's bounded wait after it.
 
-use super::drive::Failure;
+use super::delivery::Failure;
 use super::predict::{Cost, Latency, Ticket, Verdict};
 use crate::admission::queue::{LaneSpec, OnMiss, Reason};
 use crate::admission::{refusal, select_lane};

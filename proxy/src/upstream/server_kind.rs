@@ -1,6 +1,7 @@
-//! What each kind of OpenAI-compatible server accepts (`[pools.X] dialect`):
-//! the optional request fields it takes (a field it would reject is not
-//! sent), whether it reports usage in a stream when asked
+//! What each kind of OpenAI-compatible server accepts (`[pools.X]
+//! dialect`, a `ServerKind` here: in the code "dialect" is only the API a
+//! request came in): the optional request fields it takes (a field it
+//! would reject is not sent), whether it reports usage in a stream when asked
 //! (`stream_options`), and the health path it offers. A stream without
 //! usage is counted here (one token per content chunk); usage is read from
 //! whichever chunk carries it.
@@ -23,7 +24,7 @@
 
 /// A server kind.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub enum Dialect {
+pub enum ServerKind {
     /// OpenAI's own API (and anything that only promises it).
     #[default]
     OpenAi,
@@ -58,20 +59,20 @@ pub struct Caps {
     pub health_path: &'static str,
 }
 
-impl Dialect {
+impl ServerKind {
     /// Every dialect's config name.
     pub const NAMES: &'static str = "openai, vllm, sglang, tgi, ollama, llamacpp, llamacpp-python";
 
     /// Parse the config value.
-    pub fn parse(v: &str) -> Option<Dialect> {
+    pub fn parse(v: &str) -> Option<ServerKind> {
         Some(match v {
-            "openai" => Dialect::OpenAi,
-            "vllm" => Dialect::Vllm,
-            "sglang" => Dialect::Sglang,
-            "tgi" => Dialect::Tgi,
-            "ollama" => Dialect::Ollama,
-            "llamacpp" => Dialect::LlamaCpp,
-            "llamacpp-python" => Dialect::LlamaCppPython,
+            "openai" => ServerKind::OpenAi,
+            "vllm" => ServerKind::Vllm,
+            "sglang" => ServerKind::Sglang,
+            "tgi" => ServerKind::Tgi,
+            "ollama" => ServerKind::Ollama,
+            "llamacpp" => ServerKind::LlamaCpp,
+            "llamacpp-python" => ServerKind::LlamaCppPython,
             _ => return None,
         })
     }
@@ -79,13 +80,13 @@ impl Dialect {
     /// What it accepts.
     pub fn caps(self) -> Caps {
         let (so, pr, tk, sd, cf, h) = match self {
-            Dialect::OpenAi => (true, false, false, true, false, "/v1/models"),
-            Dialect::Vllm => (true, true, true, true, true, "/health"),
-            Dialect::Sglang => (true, false, true, true, true, "/health"),
-            Dialect::Tgi => (true, false, false, true, false, "/health"),
-            Dialect::Ollama => (true, false, false, true, false, "/v1/models"),
-            Dialect::LlamaCpp => (false, false, true, true, false, "/health"),
-            Dialect::LlamaCppPython => (false, false, true, true, false, "/openapi.json"),
+            ServerKind::OpenAi => (true, false, false, true, false, "/v1/models"),
+            ServerKind::Vllm => (true, true, true, true, true, "/health"),
+            ServerKind::Sglang => (true, false, true, true, true, "/health"),
+            ServerKind::Tgi => (true, false, false, true, false, "/health"),
+            ServerKind::Ollama => (true, false, false, true, false, "/v1/models"),
+            ServerKind::LlamaCpp => (false, false, true, true, false, "/health"),
+            ServerKind::LlamaCppPython => (false, false, true, true, false, "/openapi.json"),
         };
         Caps {
             stream_options: so,
