@@ -8,7 +8,7 @@ after another, each on its own connection; per request = (I(N2) - I(N1)) /
 with the largest inclusive cost per request are listed.
 
 usage: benches/scripts/sse_instructions.py [--n1 50] [--n2 250] [--top 0] [--keep DIR]
-       [--proxy ultrafast|bare|floor]
+       [--proxy ultrafast|bare|floor] [--bin PATH]
 (--proxy bare: the bare Pingora proxy, benches/src/bare_pingora.rs; floor:
 the least a Tokio program does to pass the stream, benches/src/tokio_floor.rs)
 Build first: cargo build --release -p ultrafast -p ultrafast-benches; needs
@@ -22,10 +22,10 @@ from benchlib import (callgrind, callgrind_costs, callgrind_stop, free_port, rea
 REL = ib.REL
 
 
-def run(n, tmp, fport, proxy="ultrafast"):
+def run(n, tmp, fport, proxy="ultrafast", binary=None):
     if proxy == "ultrafast":
         conf, port = ib.ultrafast_conf(tmp, f"uf-{n}", ib.pass_body(fport))
-        cmd = [os.path.join(REL, "ultrafast"), "serve", "-c", conf]
+        cmd = [binary or os.path.join(REL, "ultrafast"), "serve", "-c", conf]
     else:
         port = free_port()
         cmd = ib.reference_cmd(proxy, port, fport)
@@ -46,6 +46,8 @@ def main():
     ap.add_argument("--n2", type=int, default=250)
     ap.add_argument("--top", type=int, default=0)
     ap.add_argument("--keep", help="copy the two callgrind files into this folder")
+    ap.add_argument("--bin", help="the ultrafast binary to measure (default target/release/ultrafast; "
+                    "an older build's copy compares two commits in one run)")
     ap.add_argument("--proxy", choices=("ultrafast", "bare", "floor"), default="ultrafast",
                     help="bare: the bare Pingora proxy; floor: the least a Tokio program does (tokio-floor)")
     a = ap.parse_args()
@@ -55,8 +57,8 @@ def main():
     tmp = tempfile.mkdtemp(prefix="uf-sse-cg-")
     fake, fport = ib.fake(["--tokens", "16", "--itl-ms", "1", "--ttft-ms", "5", "--capacity", "1000"])
     try:
-        i1, f1 = run(a.n1, tmp, fport, a.proxy)
-        i2, f2 = run(a.n2, tmp, fport, a.proxy)
+        i1, f1 = run(a.n1, tmp, fport, a.proxy, a.bin)
+        i2, f2 = run(a.n2, tmp, fport, a.proxy, a.bin)
         dn = a.n2 - a.n1
         print(f"I({a.n1}) = {i1:,}  I({a.n2}) = {i2:,}  -> {(i2 - i1) / dn:,.0f} instructions per streamed request")
         if a.top:
