@@ -205,11 +205,18 @@ pub fn serve(path: &Path, opts: ServeOptions) -> anyhow::Result<()> {
                 })
             }
         };
+        let proxy_protocol = l.proxy_protocol.clone().map(|spec| {
+            Arc::new(crate::edge::proxy_protocol::Policy {
+                spec,
+                results: metrics.edge.proxy_protocol.clone(),
+            })
+        });
         endpoints.push(Endpoint {
             name: l.name.clone(),
             address: l.address.clone(),
             socket: sockets.remove(&l.address).flatten(),
             handshake,
+            proxy_protocol,
             app: Arc::new(app),
         });
     }
@@ -235,6 +242,7 @@ pub fn serve(path: &Path, opts: ServeOptions) -> anyhow::Result<()> {
             socket: sockets.remove(&addr).flatten(),
             address: addr,
             handshake: Handshake::Plain,
+            proxy_protocol: None,
             app: Arc::new(HttpServer::new_app(app)),
         };
         server.add_service(ListenerService::new("admin".to_string(), vec![admin], 1));

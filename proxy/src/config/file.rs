@@ -702,6 +702,17 @@ pub struct ListenerSection {
     pub keepalive_timeout_s: Option<u64>,
     /// This listener's `h2c_preface_timeout_ms` (default: `[limits]`'s).
     pub h2c_preface_timeout_ms: Option<u64>,
+    /// Every connection opens with a PROXY protocol header (v1 or v2),
+    /// whose client address is then the connection's (nginx `listen ...
+    /// proxy_protocol` with `set_real_ip_from`).
+    pub proxy_protocol: bool,
+    /// The load balancers allowed to send it (addresses or CIDR blocks);
+    /// connections from elsewhere are closed. Required with
+    /// `proxy_protocol`.
+    pub proxy_protocol_from: Vec<String>,
+    /// Most time to receive the header, ms (default 5000; nginx
+    /// `proxy_protocol_timeout`).
+    pub proxy_protocol_timeout_ms: Option<u64>,
 }
 
 /// `tls = { ... }` of a listener.

@@ -140,6 +140,8 @@ pub struct Listener {
     pub redirect_https_port: u16,
     /// Its deadlines (`[limits]`'s where it sets none).
     pub deadlines: Deadlines,
+    /// Its PROXY protocol settings, when its connections carry the header.
+    pub proxy_protocol: Option<spec::ProxyProtocol>,
 }
 
 /// One certificate entry of a listener.

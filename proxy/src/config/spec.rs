@@ -98,3 +98,74 @@ pub struct DnsSettings {
     /// Consult `/etc/hosts` first.
     pub use_hosts_file: bool,
 }
+
+/// An address block (`10.0.0.0/8`, `2001:db8::/32`, or one address).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Cidr {
+    net: std::net::IpAddr,
+    prefix: u8,
+}
+
+impl Cidr {
+    /// Parse `ip/prefix` or a bare address (a block of one); the host
+    /// bits past the prefix must be zero, as a typo there (`10.0.0.1/8`)
+    /// usually means a different block than the one written.
+    pub fn parse(s: &str) -> Result<Cidr, String> {
+        let (ip, prefix) = match s.split_once('/') {
+            Some((ip, p)) => (ip, Some(p)),
+            None => (s, None),
+        };
+        let net: std::net::IpAddr = ip
+            .trim()
+            .parse()
+            .map_err(|_| format!("`{s}` is not an address or address/prefix"))?;
+        let max = if net.is_ipv4() { 32 } else { 128 };
+        let prefix = match prefix {
+            None => max,
+            Some(p) => match p.trim().parse::<u8>() {
+                Ok(p) if p <= max => p,
+                _ => return Err(format!("`{s}`: the prefix must be 0 to {max}")),
+            },
+        };
+        let c = Cidr { net, prefix };
+        if !c.contains(net) || c.mask(net) != bits(net) {
+            return Err(format!("`{s}` has bits set past its /{prefix}"));
+        }
+        Ok(c)
+    }
+
+    /// Whether `ip` is in the block (an IPv4-mapped IPv6 address counts as
+    /// its IPv4 address).
+    pub fn contains(&self, ip: std::net::IpAddr) -> bool {
+        let ip = match ip {
+            std::net::IpAddr::V6(v6) => v6.to_ipv4_mapped().map_or(ip, std::net::IpAddr::V4),
+            v4 => v4,
+        };
+        ip.is_ipv4() == self.net.is_ipv4() && self.mask(ip) == self.mask(self.net)
+    }
+
+    fn mask(&self, ip: std::net::IpAddr) -> u128 {
+        let width = if ip.is_ipv4() { 32 } else { 128 };
+        let keep = u32::from(self.prefix);
+        match keep {
+            0 => 0,
+            k => bits(ip) & (u128::MAX << (width - k)) & (u128::MAX >> (128 - width)),
+        }
+    }
+}
+
+fn bits(ip: std::net::IpAddr) -> u128 {
+    match ip {
+        std::net::IpAddr::V4(v4) => u128::from(u32::from(v4)),
+        std::net::IpAddr::V6(v6) => u128::from(v6),
+    }
+}
+
+/// A listener's PROXY protocol settings.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ProxyProtocol {
+    /// The balancers allowed to send the header.
+    pub from: Vec<Cidr>,
+    /// The most time to receive it.
+    pub timeout: Duration,
+}

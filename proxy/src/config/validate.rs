@@ -7,7 +7,7 @@
 
 use super::file::{CertSection, FileConfig, ListenerSection, TlsSection};
 use super::locate::FieldPath;
-use super::spec::{default_lanes, DnsSettings, LaneSpec, OnMiss};
+use super::spec::{default_lanes, Cidr, DnsSettings, LaneSpec, OnMiss, ProxyProtocol};
 use super::{
     default_runtime_path, CertSpec, Deadlines, Limits, Listener, LogFormat, LogTarget,
     ServerSettings, TlsListener,
@@ -300,6 +300,7 @@ pub fn listeners(f: &FileConfig, defaults: &Deadlines, errs: &mut Errors) -> Vec
                 "h2c and redirect_https_port apply to plain listeners only",
             );
         }
+        let proxy_protocol = proxy_protocol(l, &at.i(i), errs);
         let name = if l.name.is_empty() {
             format!("listener{i}")
         } else {
@@ -312,9 +313,44 @@ pub fn listeners(f: &FileConfig, defaults: &Deadlines, errs: &mut Errors) -> Vec
             h2c: l.h2c,
             redirect_https_port: l.redirect_https_port,
             deadlines: listener_deadlines(l, defaults),
+            proxy_protocol,
         });
     }
     out
+}
+
+/// A listener's PROXY protocol settings (None: it does not speak it).
+fn proxy_protocol(l: &ListenerSection, at: &FieldPath, errs: &mut Errors) -> Option<ProxyProtocol> {
+    if !l.proxy_protocol {
+        if !l.proxy_protocol_from.is_empty() || l.proxy_protocol_timeout_ms.is_some() {
+            errs.push(
+                at.k("proxy_protocol_from"),
+                "applies to a listener with proxy_protocol = true only",
+            );
+        }
+        return None;
+    }
+    if l.proxy_protocol_from.is_empty() {
+        errs.push(
+            at.k("proxy_protocol_from"),
+            "list the load balancers allowed to send the PROXY header (addresses or CIDR blocks)",
+        );
+    }
+    let mut from = Vec::new();
+    for (i, c) in l.proxy_protocol_from.iter().enumerate() {
+        match Cidr::parse(c) {
+            Ok(c) => from.push(c),
+            Err(e) => errs.push(at.k("proxy_protocol_from").i(i), e),
+        }
+    }
+    let timeout_ms = l.proxy_protocol_timeout_ms.unwrap_or(5_000);
+    if timeout_ms == 0 || timeout_ms > 600_000 {
+        errs.push(at.k("proxy_protocol_timeout_ms"), "must be 1 to 600000");
+    }
+    Some(ProxyProtocol {
+        from,
+        timeout: Duration::from_millis(timeout_ms.clamp(1, 600_000)),
+    })
 }
 
 fn tls_listener(t: &TlsSection, at: &FieldPath, errs: &mut Errors) -> Option<TlsListener> {

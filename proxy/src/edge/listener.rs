@@ -59,6 +59,9 @@ pub struct Endpoint<A> {
     pub socket: Option<std::net::TcpListener>,
     /// Plain or TLS.
     pub handshake: Handshake,
+    /// A PROXY protocol header first, where the listener expects one (read
+    /// before a TLS handshake).
+    pub proxy_protocol: Option<Arc<super::proxy_protocol::Policy>>,
     /// The app serving its connections.
     pub app: Arc<A>,
 }
@@ -135,11 +138,21 @@ fn take_socket<A>(ep: &mut Endpoint<A>, fds: &Option<ListenFds>) -> Option<std::
     Some(sock)
 }
 
-async fn handshake(tcp: tokio::net::TcpStream, hs: &Handshake) -> Option<Stream> {
+async fn handshake(
+    tcp: tokio::net::TcpStream,
+    hs: &Handshake,
+    proxy: Option<&super::proxy_protocol::Policy>,
+) -> Option<Stream> {
     let _ = tcp.set_nodelay(true);
     let fd = tcp.as_raw_fd();
+    let peer = proxy.and_then(|_| tcp.peer_addr().ok());
     let mut l4: L4Stream = tcp.into();
     l4.set_socket_digest(SocketDigest::from_raw_fd(fd));
+    if let Some(p) = proxy {
+        if !p.accept(&mut l4, peer).await {
+            return None;
+        }
+    }
     let Handshake::Tls(t) = hs else {
         return Some(Box::new(l4));
     };
@@ -179,10 +192,11 @@ async fn handshake(tcp: tokio::net::TcpStream, hs: &Handshake) -> Option<Stream>
 async fn serve_conn<A: ServerApp + Send + Sync + 'static>(
     tcp: tokio::net::TcpStream,
     hs: Arc<Handshake>,
+    proxy: Option<Arc<super::proxy_protocol::Policy>>,
     app: Arc<A>,
     shutdown: ShutdownWatch,
 ) {
-    let Some(stream) = handshake(tcp, &hs).await else {
+    let Some(stream) = handshake(tcp, &hs, proxy.as_deref()).await else {
         return;
     };
     let mut next = app.process_new(stream, &shutdown).await;
@@ -201,6 +215,7 @@ async fn accept_loop<A: ServerApp + Send + Sync + 'static>(
     name: String,
     listener: tokio::net::TcpListener,
     hs: Arc<Handshake>,
+    proxy: Option<Arc<super::proxy_protocol::Policy>>,
     app: Arc<A>,
     mut shutdown: ShutdownWatch,
 ) {
@@ -215,7 +230,13 @@ async fn accept_loop<A: ServerApp + Send + Sync + 'static>(
             accepted = listener.accept() => match accepted {
                 Ok((tcp, _)) => {
                     errors = 0;
-                    tokio::spawn(serve_conn(tcp, hs.clone(), app.clone(), shutdown.clone()));
+                    tokio::spawn(serve_conn(
+                        tcp,
+                        hs.clone(),
+                        proxy.clone(),
+                        app.clone(),
+                        shutdown.clone(),
+                    ));
                 }
                 Err(e) => {
                     if errors == 0 {
@@ -265,6 +286,7 @@ impl<A: ServerApp + Send + Sync + 'static> Service for ListenerService<A> {
                 name,
                 listener,
                 hs,
+                ep.proxy_protocol.clone(),
                 ep.app.clone(),
                 shutdown.clone(),
             )));

@@ -25,6 +25,8 @@ pub struct EdgeMetrics {
     tickets: IntCounterVec,
     /// Certificate reloads by result.
     pub cert_reloads: IntCounterVec,
+    /// Connections of PROXY protocol listeners by result.
+    pub proxy_protocol: IntCounterVec,
 }
 
 impl EdgeMetrics {
@@ -170,7 +172,18 @@ impl EdgeMetrics {
         for outcome in ["ok", "error"] {
             cert_reloads.with_label_values(&[outcome]);
         }
+        let proxy_protocol = registered(
+            r,
+            IntCounterVec::new(
+                Opts::new(
+                    "ultrafast_proxy_protocol_total",
+                    "Connections of PROXY protocol listeners by result: proxied, local (the balancer's own), refused_source, malformed, missing, timeout.",
+                ),
+                &["result"],
+            ),
+        );
         EdgeMetrics {
+            proxy_protocol,
             rejected,
             conns,
             tls,

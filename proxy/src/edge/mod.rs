@@ -14,6 +14,7 @@ pub mod hold;
 pub mod listener;
 pub mod metrics;
 mod preface;
+pub mod proxy_protocol;
 pub mod ticket;
 pub mod tls;
 pub mod upgrade;
