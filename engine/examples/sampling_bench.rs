@@ -103,6 +103,7 @@ fn main() {
             top_p,
             top_k: 0,
             seed: Some(1),
+            ..SamplingParams::default()
         })
     };
     let (mut g, mut t, mut tp) = (sampler(0.0, 1.0), sampler(0.8, 1.0), sampler(0.8, 0.95));

@@ -375,6 +375,34 @@ pub struct SamplingParams {
     pub top_p: f32,
     /// Seed of the generator (None: a fresh one per request).
     pub seed: Option<u64>,
+    /// Subtracted from a token's logit once per time it was generated
+    /// (OpenAI's `frequency_penalty`, -2 to 2; 0 = off).
+    pub frequency_penalty: f32,
+    /// Subtracted once from the logit of every token generated so far
+    /// (OpenAI's `presence_penalty`, -2 to 2; 0 = off).
+    pub presence_penalty: f32,
+    /// vLLM's `repetition_penalty`: the logits of tokens in the prompt or
+    /// the output are divided by it where positive and multiplied by it
+    /// where negative (1 = off).
+    pub repetition_penalty: f32,
+    /// Drop tokens less likely than `min_p` times the likeliest, after
+    /// temperature (0 = off).
+    pub min_p: f32,
+    /// Added to the logits of these tokens (OpenAI's `logit_bias`, -100
+    /// to 100 each).
+    pub logit_bias: Vec<(u32, f32)>,
+}
+
+impl SamplingParams {
+    /// Whether the logits are changed before sampling (penalties, bias,
+    /// `min_p`): such a sequence needs its whole row of logits.
+    pub fn adjusts_logits(&self) -> bool {
+        self.frequency_penalty != 0.0
+            || self.presence_penalty != 0.0
+            || self.repetition_penalty != 1.0
+            || self.min_p > 0.0
+            || !self.logit_bias.is_empty()
+    }
 }
 
 impl Default for SamplingParams {
@@ -384,6 +412,11 @@ impl Default for SamplingParams {
             top_k: 0,
             top_p: 1.0,
             seed: None,
+            frequency_penalty: 0.0,
+            presence_penalty: 0.0,
+            repetition_penalty: 1.0,
+            min_p: 0.0,
+            logit_bias: Vec::new(),
         }
     }
 }

@@ -24,6 +24,12 @@ impl Rng {
 pub struct Sampler {
     params: SamplingParams,
     rng: Rng,
+    /// How many times each token was generated (frequency and presence
+    /// penalties), kept only when a penalty needs it.
+    counts: std::collections::HashMap<u32, u32>,
+    /// Tokens of the prompt and the output (the repetition penalty),
+    /// filled from the prompt at the first step that needs it.
+    seen: Option<std::collections::HashSet<u32>>,
 }
 
 /// Index of the largest logit (the first on ties).
@@ -45,6 +51,76 @@ impl Sampler {
         Sampler {
             params,
             rng: Rng(seed),
+            counts: std::collections::HashMap::new(),
+            seen: None,
+        }
+    }
+
+    /// Change `logits` as the request asks, before any grammar mask, in
+    /// this order: `logit_bias` added; the repetition penalty on tokens of
+    /// the prompt and the output (`tokens`, all of them so far: read once,
+    /// then kept up by `accepted`); the frequency and presence penalties
+    /// on the output's tokens. `min_p` comes after the mask
+    /// ([`Sampler::cut`]). Nothing happens for a request that asks none of
+    /// these.
+    pub fn adjust(&mut self, logits: &mut [f32], tokens: &[u32]) {
+        let p = &self.params;
+        if !p.adjusts_logits() {
+            return;
+        }
+        let n = logits.len();
+        for &(t, b) in &p.logit_bias {
+            if let Some(l) = logits.get_mut(t as usize) {
+                *l += b;
+            }
+        }
+        if p.repetition_penalty != 1.0 {
+            let r = p.repetition_penalty;
+            let seen = self
+                .seen
+                .get_or_insert_with(|| tokens.iter().copied().collect());
+            for &t in seen.iter() {
+                if let Some(l) = logits.get_mut(t as usize) {
+                    *l = if *l > 0.0 { *l / r } else { *l * r };
+                }
+            }
+        }
+        if p.frequency_penalty != 0.0 || p.presence_penalty != 0.0 {
+            for (&t, &c) in &self.counts {
+                if (t as usize) < n {
+                    logits[t as usize] -= p.frequency_penalty * c as f32 + p.presence_penalty;
+                }
+            }
+        }
+    }
+
+    /// `min_p`, after any grammar mask: drop the logits below the
+    /// likeliest plus `temperature * ln(min_p)` (the same tokens as vLLM's
+    /// cut of the tempered probabilities below `min_p` times the largest).
+    pub fn cut(&self, logits: &mut [f32]) {
+        let p = &self.params;
+        if p.min_p <= 0.0 || p.temperature <= 0.0 {
+            return;
+        }
+        let max = ops::max(logits);
+        if max.is_finite() {
+            let cut = max + p.temperature * p.min_p.ln();
+            for l in logits.iter_mut() {
+                if *l < cut {
+                    *l = f32::NEG_INFINITY;
+                }
+            }
+        }
+    }
+
+    /// Note that `token` was generated (what the penalties count).
+    pub fn accepted(&mut self, token: u32) {
+        let p = &self.params;
+        if p.frequency_penalty != 0.0 || p.presence_penalty != 0.0 {
+            *self.counts.entry(token).or_insert(0) += 1;
+        }
+        if let Some(seen) = self.seen.as_mut() {
+            seen.insert(token);
         }
     }
 
@@ -94,6 +170,10 @@ impl Sampler {
     /// exactly ([`Sampler::sample_top`]); None when it needs them all.
     pub fn needs_top(&self, max: usize) -> Option<usize> {
         let p = &self.params;
+        // Penalties, bias and min_p change the row before anything picks.
+        if p.adjusts_logits() {
+            return None;
+        }
         let inv_t = 1.0 / p.temperature;
         if p.temperature <= 0.0 || p.top_k == 1 || !inv_t.is_finite() || inv_t > 1e6 {
             return Some(1);
@@ -491,6 +571,7 @@ mod tests {
                 top_k: k,
                 top_p: p,
                 seed: Some(11),
+                ..SamplingParams::default()
             };
             let (mut whole, mut top) = (Sampler::new(params.clone()), Sampler::new(params));
             let want = whole.needs_top(64).expect("served by candidates");
@@ -508,6 +589,7 @@ mod tests {
                 top_k: k,
                 top_p: p,
                 seed: None,
+                ..SamplingParams::default()
             })
             .needs_top(64)
         };
@@ -763,5 +845,62 @@ mod tests {
         // Each new byte stepped once per stop: nothing held is read again
         // (the old matcher searched its held text anew on every token).
         assert_eq!(m.work, 80_000 * 64);
+    }
+
+    #[test]
+    fn adjustments_follow_their_order_and_semantics() {
+        let mut s = Sampler::new(SamplingParams {
+            temperature: 1.0,
+            logit_bias: vec![(0, 5.0), (99, 1.0)],
+            frequency_penalty: 0.5,
+            presence_penalty: 0.25,
+            repetition_penalty: 2.0,
+            ..SamplingParams::default()
+        });
+        assert_eq!(s.needs_top(64), None, "a biased row is sampled whole");
+        s.accepted(1);
+        s.accepted(1);
+        s.accepted(2);
+        let mut l = vec![1.0, 4.0, -2.0, 3.0];
+        // Prompt token 3: repetition only; 1 and 2 also counted.
+        s.adjust(&mut l, &[3, 1, 1, 2]);
+        // 0: bias only (not seen): 1 + 5.
+        assert_eq!(l[0], 6.0);
+        // 1: seen twice: 4 / 2 - (0.5 * 2 + 0.25).
+        assert_eq!(l[1], 2.0 - 1.25);
+        // 2: negative, seen once: -2 * 2 - 0.75.
+        assert_eq!(l[2], -4.0 - 0.75);
+        // 3: in the prompt: 3 / 2.
+        assert_eq!(l[3], 1.5);
+    }
+
+    #[test]
+    fn min_p_cuts_below_its_share_of_the_likeliest_after_temperature() {
+        let mut s = Sampler::new(SamplingParams {
+            temperature: 2.0,
+            min_p: 0.5,
+            ..SamplingParams::default()
+        });
+        // ln(0.5) * 2 = -1.386: logits below max - 1.386 go.
+        let mut l = vec![0.0, -1.0, -1.5, -10.0];
+        s.adjust(&mut l, &[]);
+        s.cut(&mut l);
+        assert_eq!(l[0], 0.0);
+        assert_eq!(l[1], -1.0);
+        assert_eq!(l[2], f32::NEG_INFINITY);
+        assert_eq!(l[3], f32::NEG_INFINITY);
+        // Nothing asked, nothing changed, and candidates still serve it.
+        let mut plain = Sampler::new(SamplingParams::default());
+        let mut l = vec![0.0, -1.0];
+        plain.adjust(&mut l, &[0, 1]);
+        assert_eq!(l, vec![0.0, -1.0]);
+        assert_eq!(
+            Sampler::new(SamplingParams {
+                top_k: 5,
+                ..SamplingParams::default()
+            })
+            .needs_top(64),
+            Some(5)
+        );
     }
 }

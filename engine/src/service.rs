@@ -298,6 +298,19 @@ impl Backend for EngineService {
             return Err(BackendError::unavailable(why));
         };
         let l: &Loaded = engine.loaded();
+        let vocab = l.model.cfg.vocab;
+        if let Some((t, _)) = req
+            .sampling
+            .logit_bias
+            .iter()
+            .find(|(t, _)| *t as usize >= vocab)
+        {
+            return Err(BackendError::invalid(
+                "invalid_request_error",
+                Some("logit_bias"),
+                format!("token id {t} is not in the model's vocabulary ({vocab} tokens)."),
+            ));
+        }
         let guide = match &req.structure {
             None => None,
             Some(s) => Some(Compiled::new(compile(l, s)?)),

@@ -159,6 +159,7 @@ fn candidates_from_the_step_sample_the_tokens_of_whole_rows() {
             top_k,
             top_p,
             seed: Some(42),
+            ..SamplingParams::default()
         },
         ..greedy(prompt.clone(), 6)
     };

@@ -348,3 +348,39 @@ fn the_device_setting_is_chosen_or_refused_clearly() {
         .text()
         .contains(&format!("model {MODEL}: device cpu")),);
 }
+
+#[test]
+fn penalties_bias_and_min_p_over_http() {
+    let uf = Ultrafast::start(&format!("{INFERENCE_ROUTE}{}", engine_model(MODEL, "")));
+    uf.wait_models_ready(Duration::from_secs(300));
+    let chat = |q: &str, extra: &str| {
+        let body = format!(
+            r#"{{"model":"{MODEL}","messages":[{{"role":"user","content":"{q}"}}],"max_tokens":48{extra}}}"#
+        );
+        post_to(&uf, "/v1/chat/completions", &body, &[])
+    };
+    let content = |r: &Resp| {
+        assert_eq!(r.status, 200, "{}", r.text());
+        r.json()["choices"][0]["message"]["content"]
+            .as_str()
+            .unwrap()
+            .to_string()
+    };
+    // min_p = 1 keeps only the likeliest token: what greedy says.
+    let greedy = content(&chat("Name three colors.", r#","temperature":0"#));
+    for seed in 1..=3 {
+        let extra = format!(r#","temperature":1,"min_p":1,"seed":{seed}"#);
+        assert_eq!(content(&chat("Name three colors.", &extra)), greedy);
+    }
+    // A frequency penalty breaks the model's loop.
+    let q = "Write a poem where every line is 'the cat sat on the mat'.";
+    let looped = content(&chat(q, r#","temperature":0"#));
+    let penalized = content(&chat(q, r#","temperature":0,"frequency_penalty":1.5"#));
+    let mats = |s: &str| s.matches("the mat").count();
+    assert!(mats(&looped) >= 2, "{looped}");
+    assert!(mats(&penalized) < mats(&looped), "{penalized} vs {looped}");
+    // A token id outside the vocabulary is the client's error, by name.
+    let r = chat("hi", r#","logit_bias":{"99999999":5}"#);
+    assert_eq!(r.status, 400, "{}", r.text());
+    assert_eq!(r.json()["error"]["param"], "logit_bias");
+}

@@ -641,3 +641,66 @@ fn a_stream_with_nothing_to_rewrite_passes_the_upstreams_events_through() {
     let text: String = contents(&evs).into_iter().map(|(_, t)| t).collect();
     assert_eq!(text, expected);
 }
+
+#[test]
+fn penalties_and_bias_reach_the_upstream_and_what_it_cannot_take_is_refused() {
+    let (plain, vllm) = (Fake::start(&[]), Fake::start(&[]));
+    let uf = Ultrafast::start(&format!(
+        "{INFERENCE_ROUTE}{}{}",
+        upstream_model("m", &[&plain], ""),
+        upstream_model_in("v", &[&vllm], "dialect = \"vllm\"", "")
+    ));
+    let body = |model: &str, extra: &str| {
+        format!(
+            r#"{{"model":"{model}","messages":[{{"role":"user","content":"hi"}}],"max_tokens":4{extra}}}"#
+        )
+    };
+    let r = post_to(
+        &uf,
+        "/v1/chat/completions",
+        &body(
+            "m",
+            r#","frequency_penalty":0.5,"presence_penalty":0.25,"logit_bias":{"42":-100}"#,
+        ),
+        &[],
+    );
+    assert_eq!(r.status, 200, "{}", r.text());
+    let sent = &plain.stats()["last_body"];
+    assert_eq!(sent["frequency_penalty"], 0.5, "{sent}");
+    assert_eq!(sent["presence_penalty"], 0.25, "{sent}");
+    assert_eq!(
+        sent["logit_bias"],
+        serde_json::json!({"42": -100.0}),
+        "{sent}"
+    );
+    assert!(sent.get("min_p").is_none(), "{sent}");
+    // An OpenAI-kind upstream takes neither min_p nor repetition_penalty:
+    // refused by name rather than served without them.
+    for field in ["min_p", "repetition_penalty"] {
+        let r = post_to(
+            &uf,
+            "/v1/chat/completions",
+            &body("m", &format!(r#","{field}":0.5"#)),
+            &[],
+        );
+        assert_eq!(r.status, 400, "{}", r.text());
+        assert_eq!(r.json()["error"]["param"], field);
+    }
+    // vLLM takes them.
+    let r = post_to(
+        &uf,
+        "/v1/chat/completions",
+        &body("v", r#","min_p":0.1,"repetition_penalty":1.3"#),
+        &[],
+    );
+    assert_eq!(r.status, 200, "{}", r.text());
+    let sent = &vllm.stats()["last_body"];
+    assert!(
+        (sent["min_p"].as_f64().unwrap() - 0.1).abs() < 1e-6,
+        "{sent}"
+    );
+    assert!(
+        (sent["repetition_penalty"].as_f64().unwrap() - 1.3).abs() < 1e-6,
+        "{sent}"
+    );
+}

@@ -118,6 +118,7 @@ impl Seq {
     pub fn advance(&mut self, logits: Row<'_>, codec: &TextCodec, mask: Option<Mask>) -> Outcome {
         let next = match logits {
             Row::Full(logits) => {
+                self.sampler.adjust(logits, &self.tokens);
                 if let Some(g) = self.guide.as_mut() {
                     let mask = match mask.map(Ok).unwrap_or_else(|| g.mask()) {
                         Ok(m) => m,
@@ -128,6 +129,7 @@ impl Seq {
                     };
                     mask.apply(logits);
                 }
+                self.sampler.cut(logits);
                 self.sampler.sample(logits)
             }
             // The scheduler asks for candidates only without a grammar.
@@ -147,6 +149,7 @@ impl Seq {
             }
         }
         self.tokens.push(next);
+        self.sampler.accepted(next);
         let generated = &self.tokens[self.prompt_len..];
         let piece = match codec.decode_step(generated, &mut self.offsets) {
             Ok(p) => p,

@@ -110,6 +110,70 @@ pub(super) fn num(
     Ok(Some(x))
 }
 
+/// Most `logit_bias` entries (OpenAI's bound).
+pub const MAX_LOGIT_BIAS: usize = 300;
+
+/// `logit_bias`: token ids (as the object's keys) to biases, -100 to 100
+/// each, at most [`MAX_LOGIT_BIAS`] (checked before anything is built from
+/// them; the ids are checked against the vocabulary by the engine).
+fn logit_bias(o: &Map<String, Value>) -> Result<Vec<(u32, f32)>, BackendError> {
+    let m = match opt(o, "logit_bias") {
+        None => return Ok(Vec::new()),
+        Some(Value::Object(m)) => m,
+        Some(v) => {
+            return Err(wrong_type(
+                "logit_bias",
+                "an object of token ids to numbers",
+                v,
+            ))
+        }
+    };
+    if m.len() > MAX_LOGIT_BIAS {
+        return Err(bad(
+            "logit_bias",
+            format!(
+                "'logit_bias' may have at most {MAX_LOGIT_BIAS} entries, got {}.",
+                m.len()
+            ),
+        ));
+    }
+    let mut out = Vec::with_capacity(m.len());
+    for (k, v) in m {
+        let Ok(t) = k.parse::<u32>() else {
+            return Err(bad(
+                "logit_bias",
+                format!(
+                    "'logit_bias' keys must be token ids, got `{}`.",
+                    k.chars().take(32).collect::<String>()
+                ),
+            ));
+        };
+        let b = v
+            .as_f64()
+            .filter(|b| (-100.0..=100.0).contains(b))
+            .ok_or_else(|| {
+                bad(
+                    "logit_bias",
+                    format!("the bias of token {t} must be a number between -100 and 100."),
+                )
+            })?;
+        out.push((t, b as f32));
+    }
+    Ok(out)
+}
+
+/// vLLM's `repetition_penalty`: above 0, at most 10; 1 = off.
+fn repetition_penalty(o: &Map<String, Value>) -> Result<f32, BackendError> {
+    match num(o, "repetition_penalty", 0.0, 10.0)? {
+        None => Ok(1.0),
+        Some(r) if r > 0.0 => Ok(r as f32),
+        Some(_) => Err(bad(
+            "repetition_penalty",
+            "'repetition_penalty' must be above 0 (1 = off).".into(),
+        )),
+    }
+}
+
 pub(super) fn uint(o: &Map<String, Value>, k: &'static str) -> Result<Option<u64>, BackendError> {
     let Some(v) = opt(o, k) else { return Ok(None) };
     match v.as_u64() {
@@ -610,6 +674,11 @@ pub fn parse(endpoint: Endpoint, body: &[u8]) -> Result<Parsed, BackendError> {
             top_k,
             top_p,
             seed,
+            frequency_penalty: num(o, "frequency_penalty", -2.0, 2.0)?.unwrap_or(0.0) as f32,
+            presence_penalty: num(o, "presence_penalty", -2.0, 2.0)?.unwrap_or(0.0) as f32,
+            repetition_penalty: repetition_penalty(o)?,
+            min_p: num(o, "min_p", 0.0, 1.0)?.unwrap_or(0.0) as f32,
+            logit_bias: logit_bias(o)?,
         },
         stop: stop(o)?,
         stream,
@@ -808,6 +877,54 @@ mod tests {
     ) -> (u16, Option<&'static str>, String) {
         let e = r.expect_err("refused");
         (e.status, e.param, e.message)
+    }
+
+    #[test]
+    fn penalties_bias_and_min_p_are_read_and_bounded() {
+        let p = parse(
+            Endpoint::Chat,
+            br#"{"model":"m","messages":[{"role":"user","content":"x"}],"frequency_penalty":0.5,
+                "presence_penalty":-1,"repetition_penalty":1.2,"min_p":0.05,"logit_bias":{"42":-100,"7":3.5}}"#,
+        )
+        .unwrap();
+        let s = &p.sampling;
+        assert_eq!((s.frequency_penalty, s.presence_penalty), (0.5, -1.0));
+        assert_eq!((s.repetition_penalty, s.min_p), (1.2, 0.05));
+        let mut bias = s.logit_bias.clone();
+        bias.sort_by_key(|b| b.0);
+        assert_eq!(bias, vec![(7, 3.5), (42, -100.0)]);
+        let defaults = parse(Endpoint::Completions, br#"{"model":"m","prompt":"x"}"#).unwrap();
+        assert!(!defaults.sampling.adjusts_logits());
+        let many: String = (0..301)
+            .map(|i| format!("\"{i}\":1"))
+            .collect::<Vec<_>>()
+            .join(",");
+        for (body, param) in [
+            (
+                r#""frequency_penalty":2.5"#.to_string(),
+                "frequency_penalty",
+            ),
+            (r#""presence_penalty":"a""#.to_string(), "presence_penalty"),
+            (
+                r#""repetition_penalty":0"#.to_string(),
+                "repetition_penalty",
+            ),
+            (
+                r#""repetition_penalty":11"#.to_string(),
+                "repetition_penalty",
+            ),
+            (r#""min_p":1.5"#.to_string(), "min_p"),
+            (r#""logit_bias":{"x":1}"#.to_string(), "logit_bias"),
+            (r#""logit_bias":{"1":101}"#.to_string(), "logit_bias"),
+            (r#""logit_bias":[1]"#.to_string(), "logit_bias"),
+            (format!(r#""logit_bias":{{{many}}}"#), "logit_bias"),
+        ] {
+            let b =
+                format!(r#"{{"model":"m","messages":[{{"role":"user","content":"x"}}],{body}}}"#);
+            let e = parse(Endpoint::Chat, b.as_bytes()).unwrap_err();
+            assert_eq!(e.param, Some(param), "{body}: {}", e.message);
+            assert_eq!(e.status, 400);
+        }
     }
 
     #[test]

@@ -6,15 +6,20 @@
 //! usage is counted here (one token per content chunk); usage is read from
 //! whichever chunk carries it.
 //!
-//! | dialect | `stream_options` | `priority` | `top_k` | `seed` | `continue_final_message` | health |
-//! |---|---|---|---|---|---|---|
-//! | `openai` (default) | yes | no | no | yes | no | `/v1/models` |
-//! | `vllm` | yes | yes | yes | yes | yes | `/health` |
-//! | `sglang` | yes | no | yes | yes | yes | `/health` |
-//! | `tgi` | yes | no | no | yes | no | `/health` |
-//! | `ollama` | yes | no | no | yes | no | `/v1/models` |
-//! | `llamacpp` | no | no | yes | yes | no | `/health` |
-//! | `llamacpp-python` | no | no | yes | yes | no | `/openapi.json` |
+//! | dialect | `stream_options` | `priority` | `top_k` | `seed` | `continue_final_message` | `min_p`, `repetition_penalty` | health |
+//! |---|---|---|---|---|---|---|---|
+//! | `openai` (default) | yes | no | no | yes | no | no | `/v1/models` |
+//! | `vllm` | yes | yes | yes | yes | yes | yes | `/health` |
+//! | `sglang` | yes | no | yes | yes | yes | yes | `/health` |
+//! | `tgi` | yes | no | no | yes | no | no | `/health` |
+//! | `ollama` | yes | no | no | yes | no | no | `/v1/models` |
+//! | `llamacpp` | no | no | yes | yes | no | no | `/health` |
+//! | `llamacpp-python` | no | no | yes | yes | no | no | `/openapi.json` |
+//!
+//! `frequency_penalty`, `presence_penalty` and `logit_bias` are OpenAI's
+//! and go to every kind. `min_p` and `repetition_penalty` go only where
+//! the table says; elsewhere a request that sets them is refused (400
+//! naming the field) rather than served without them.
 //!
 //! llama-cpp-python's server cuts a generation in flight short (finishing
 //! it as `stop`) whenever another request needs the model, `/v1/models`
@@ -55,6 +60,9 @@ pub struct Caps {
     pub seed: bool,
     /// `continue_final_message` / `add_generation_prompt` (chat resume).
     pub continue_final_message: bool,
+    /// vLLM's `min_p` and `repetition_penalty` (a server without them is
+    /// not sent them: a request that sets them is refused with a 400).
+    pub min_p: bool,
     /// The health path it serves.
     pub health_path: &'static str,
 }
@@ -62,6 +70,19 @@ pub struct Caps {
 impl ServerKind {
     /// Every dialect's config name.
     pub const NAMES: &'static str = "openai, vllm, sglang, tgi, ollama, llamacpp, llamacpp-python";
+
+    /// Its config name.
+    pub fn name(self) -> &'static str {
+        match self {
+            ServerKind::OpenAi => "openai",
+            ServerKind::Vllm => "vllm",
+            ServerKind::Sglang => "sglang",
+            ServerKind::Tgi => "tgi",
+            ServerKind::Ollama => "ollama",
+            ServerKind::LlamaCpp => "llamacpp",
+            ServerKind::LlamaCppPython => "llamacpp-python",
+        }
+    }
 
     /// Parse the config value.
     pub fn parse(v: &str) -> Option<ServerKind> {
@@ -88,12 +109,14 @@ impl ServerKind {
             ServerKind::LlamaCpp => (false, false, true, true, false, "/health"),
             ServerKind::LlamaCppPython => (false, false, true, true, false, "/openapi.json"),
         };
+        let min_p = matches!(self, ServerKind::Vllm | ServerKind::Sglang);
         Caps {
             stream_options: so,
             priority: pr,
             top_k: tk,
             seed: sd,
             continue_final_message: cf,
+            min_p,
             health_path: h,
         }
     }

@@ -274,6 +274,7 @@ pub fn parse(body: &[u8]) -> Result<Parsed, BackendError> {
             top_k: uint(o, "top_k")?.unwrap_or(0) as usize,
             top_p: num(o, "top_p", 0.0, 1.0)?.unwrap_or(1.0) as f32,
             seed: None,
+            ..SamplingParams::default()
         },
         stop,
         stream: boolean(o, "stream")?,

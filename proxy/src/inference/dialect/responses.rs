@@ -275,6 +275,7 @@ pub fn parse(body: &[u8]) -> Result<Parsed, BackendError> {
             top_k: 0,
             top_p: num(o, "top_p", 0.0, 1.0)?.unwrap_or(1.0) as f32,
             seed: None,
+            ..SamplingParams::default()
         },
         stop: Vec::new(),
         stream: boolean(o, "stream")?,

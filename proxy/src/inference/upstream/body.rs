@@ -31,6 +31,20 @@ pub(super) struct UpstreamBody<'a> {
     pub top_k: Option<usize>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub seed: Option<u64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub frequency_penalty: Option<f32>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub presence_penalty: Option<f32>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub repetition_penalty: Option<f32>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub min_p: Option<f32>,
+    /// Token ids to biases, as OpenAI writes them (`{"42": -100}`).
+    #[serde(
+        skip_serializing_if = "<[(u32, f32)]>::is_empty",
+        serialize_with = "bias_map"
+    )]
+    pub logit_bias: &'a [(u32, f32)],
     #[serde(skip_serializing_if = "<[String]>::is_empty")]
     pub stop: &'a [String],
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -44,6 +58,15 @@ pub(super) struct UpstreamBody<'a> {
     pub stream: bool,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub stream_options: Option<IncludeUsage>,
+}
+
+fn bias_map<S: Serializer>(bias: &&[(u32, f32)], s: S) -> Result<S::Ok, S::Error> {
+    use serde::ser::SerializeMap;
+    let mut m = s.serialize_map(Some(bias.len()))?;
+    for (t, b) in bias.iter() {
+        m.serialize_entry(&t.to_string(), b)?;
+    }
+    m.end()
 }
 
 /// A chat's messages, and with `resumed` the assistant's text so far as a
@@ -108,6 +131,11 @@ mod tests {
             top_p: 1.0,
             top_k: None,
             seed: None,
+            frequency_penalty: None,
+            presence_penalty: None,
+            repetition_penalty: None,
+            min_p: None,
+            logit_bias: &[],
             stop,
             user: None,
             priority: None,
@@ -153,6 +181,21 @@ mod tests {
         o.insert("stream".into(), json!(true));
         o.insert("stream_options".into(), json!({"include_usage": true}));
         assert_eq!(Value::Object(o).to_string(), text);
+    }
+
+    #[test]
+    fn penalties_and_bias_go_out_as_openai_writes_them() {
+        let pass = Map::new();
+        let mut b = body(None, Some(Concat("x", "")), &pass, &[]);
+        b.frequency_penalty = Some(0.5);
+        b.min_p = Some(0.25);
+        let bias = [(42, -100.0), (7, 2.5)];
+        b.logit_bias = &bias;
+        let v: Value = serde_json::from_str(&serde_json::to_string(&b).unwrap()).unwrap();
+        assert_eq!(v["frequency_penalty"], json!(0.5));
+        assert_eq!(v["min_p"], json!(0.25));
+        assert_eq!(v["logit_bias"], json!({"42": -100.0, "7": 2.5}));
+        assert!(v.get("presence_penalty").is_none() && v.get("repetition_penalty").is_none());
     }
 
     #[test]

@@ -263,6 +263,12 @@ impl UpstreamBackend {
             top_p: f64::from(s.top_p),
             top_k: (s.top_k > 0 && caps.top_k).then_some(s.top_k),
             seed: s.seed.filter(|_| caps.seed),
+            frequency_penalty: (s.frequency_penalty != 0.0).then_some(s.frequency_penalty),
+            presence_penalty: (s.presence_penalty != 0.0).then_some(s.presence_penalty),
+            // `prepare` refused these for servers that do not take them.
+            repetition_penalty: (s.repetition_penalty != 1.0).then_some(s.repetition_penalty),
+            min_p: (s.min_p > 0.0).then_some(s.min_p),
+            logit_bias: &s.logit_bias,
             stop: &req.stop,
             user: req.user.as_deref(),
             priority: (self.spec.priority == PriorityField::Vllm && caps.priority)
@@ -310,6 +316,26 @@ impl Backend for UpstreamBackend {
     }
 
     fn prepare(&self, req: &InferenceRequest) -> Result<Prepared, BackendError> {
+        // What this kind of server would not take is refused, not dropped.
+        let s = &req.sampling;
+        if !self.spec.pool.settings.server_kind.caps().min_p {
+            for (set, field) in [
+                (s.min_p > 0.0, "min_p"),
+                (s.repetition_penalty != 1.0, "repetition_penalty"),
+            ] {
+                if set {
+                    return Err(BackendError::invalid(
+                        "invalid_request_error",
+                        Some(field),
+                        format!(
+                            "'{field}' is not supported by model `{}`'s upstream (pool dialect `{}`).",
+                            req.model,
+                            self.spec.pool.settings.server_kind.name()
+                        ),
+                    ));
+                }
+            }
+        }
         // Token counts are estimated (about 4 bytes per token): they only
         // size the request for admission; the upstream reports real usage.
         let (chars, prefix) = match &req.prompt {
