@@ -384,3 +384,39 @@ fn penalties_bias_and_min_p_over_http() {
     assert_eq!(r.status, 400, "{}", r.text());
     assert_eq!(r.json()["error"]["param"], "logit_bias");
 }
+
+#[test]
+fn the_default_configs_sampling_defaults_answer_the_readmes_example() {
+    let root = concat!(env!("CARGO_MANIFEST_DIR"), "/..");
+    let conf = std::fs::read_to_string(format!("{root}/conf/ultrafast.toml")).unwrap();
+    let line = conf
+        .lines()
+        .find(|l| l.starts_with("sampling = "))
+        .expect("the default model has sampling defaults");
+    let uf = Ultrafast::start(&format!("{INFERENCE_ROUTE}{}", engine_model(MODEL, line)));
+    uf.wait_models_ready(Duration::from_secs(300));
+    let m = uf.get(&format!("/v1/models/{MODEL}")).json();
+    assert_eq!(
+        m["sampling"],
+        serde_json::json!({"temperature": 0.2, "top_p": 0.9}),
+        "{m}"
+    );
+    // The README's first example, as written there.
+    let readme = std::fs::read_to_string(format!("{root}/README.md")).unwrap();
+    let asked = r#""messages": [{"role": "user", "content": "What is the capital of Germany?"}], "max_tokens": 32}"#;
+    assert!(readme.contains(asked), "the README's example changed");
+    let body = format!(r#"{{"model": "{MODEL}", {asked}"#);
+    let mut answers = Vec::new();
+    for _ in 0..10 {
+        let r = post_to(&uf, "/v1/chat/completions", &body, &[]);
+        assert_eq!(r.status, 200, "{}", r.text());
+        answers.push(
+            r.json()["choices"][0]["message"]["content"]
+                .as_str()
+                .unwrap()
+                .to_string(),
+        );
+    }
+    let good = answers.iter().filter(|a| a.contains("Berlin")).count();
+    assert_eq!(good, 10, "{answers:#?}");
+}

@@ -172,6 +172,30 @@ pub struct ModelSection {
     /// Upstream: the model's context length in tokens (0 = unknown): a
     /// request that cannot fit is refused with `context_length_exceeded`.
     pub max_model_len: usize,
+    /// Sampling defaults for the fields a request omits (as vLLM applies
+    /// a model's `generation_config`).
+    pub sampling: SamplingSection,
+}
+
+/// `sampling = { ... }` of a model: what a request that omits a field
+/// gets (unset: the API's own default).
+#[derive(Debug, Clone, Default, PartialEq, Deserialize, Serialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct SamplingSection {
+    /// 0 to 2 (0: greedy).
+    pub temperature: Option<f64>,
+    /// 0 to 1.
+    pub top_p: Option<f64>,
+    /// 0 = off.
+    pub top_k: Option<u64>,
+    /// 0 to 1.
+    pub min_p: Option<f64>,
+    /// Above 0, at most 10 (1 = off).
+    pub repetition_penalty: Option<f64>,
+    /// -2 to 2.
+    pub frequency_penalty: Option<f64>,
+    /// -2 to 2.
+    pub presence_penalty: Option<f64>,
 }
 
 /// `watchdog = { ... }` of a model: rolling TTFT and inter-token latency
@@ -269,6 +293,7 @@ impl Default for ModelSection {
             watchdog: None,
             hedge: None,
             max_model_len: 0,
+            sampling: SamplingSection::default(),
         }
     }
 }

@@ -528,3 +528,30 @@ pub fn read_ticket_key_file(path: &Path) -> Result<Vec<u8>, String> {
         .collect::<Result<Vec<u8>, _>>()
         .map_err(|_| format!("{}: not hex", path.display()))
 }
+
+/// A model's `sampling` defaults, bounded as a request's fields are.
+pub fn sampling(s: &super::file::SamplingSection, at: &FieldPath, errs: &mut Errors) {
+    let at = at.k("sampling");
+    for (key, v, lo, hi) in [
+        ("temperature", s.temperature, 0.0, 2.0),
+        ("top_p", s.top_p, 0.0, 1.0),
+        ("min_p", s.min_p, 0.0, 1.0),
+        ("frequency_penalty", s.frequency_penalty, -2.0, 2.0),
+        ("presence_penalty", s.presence_penalty, -2.0, 2.0),
+    ] {
+        if v.is_some_and(|x| !(lo..=hi).contains(&x)) {
+            errs.push(at.k(key), format!("must be {lo} to {hi}"));
+        }
+    }
+    if s.repetition_penalty
+        .is_some_and(|r| !(r > 0.0 && r <= 10.0))
+    {
+        errs.push(
+            at.k("repetition_penalty"),
+            "must be above 0, at most 10 (1 = off)",
+        );
+    }
+    if s.top_k.is_some_and(|k| k > 1_000_000) {
+        errs.push(at.k("top_k"), "must be at most 1000000 (0 = off)");
+    }
+}

@@ -45,8 +45,19 @@ impl Reply {
 
 /// A model object; in-process models that are serving add where they
 /// run (`device`, `runner`: fields the OpenAI clients ignore).
-fn model_json(id: &str, device: Option<&(String, String, String)>) -> Value {
+fn model_json(
+    id: &str,
+    device: Option<&(String, String, String)>,
+    sampling: Option<&crate::config::file::SamplingSection>,
+) -> Value {
     let mut v = json!({"id": id, "object": "model", "created": 0, "owned_by": "ultrafast"});
+    // The defaults a request that omits these fields gets.
+    if let Some(s) = sampling.filter(|s| **s != Default::default()) {
+        v["sampling"] = serde_json::to_value(s).unwrap_or(Value::Null);
+        if let Some(o) = v["sampling"].as_object_mut() {
+            o.retain(|_, x| !x.is_null());
+        }
+    }
     if let Some((_, d, r)) = device {
         v["device"] = json!(d);
         v["runner"] = json!(r);
@@ -104,9 +115,15 @@ impl Front {
         let data: Vec<Value> = inc
             .cfg
             .models()
-            .keys()
-            .filter(|m| self.allowed(inc, m).is_ok())
-            .map(|m| model_json(m, devices.iter().find(|d| &d.0 == m)))
+            .iter()
+            .filter(|(m, _)| self.allowed(inc, m).is_ok())
+            .map(|(m, model)| {
+                model_json(
+                    m,
+                    devices.iter().find(|d| &d.0 == m),
+                    Some(&model.def.sampling),
+                )
+            })
             .collect();
         Reply::ok(json!({"object": "list", "data": data}))
     }
@@ -114,9 +131,13 @@ impl Front {
     /// `GET /v1/models/{id}`.
     pub fn model(&self, inc: &Incoming, id: &str) -> Reply {
         match inc.cfg.models().get(id) {
-            Some(_) if self.allowed(inc, id).is_ok() => {
+            Some(model) if self.allowed(inc, id).is_ok() => {
                 let devices = self.engines.devices();
-                Reply::ok(model_json(id, devices.iter().find(|d| d.0 == id)))
+                Reply::ok(model_json(
+                    id,
+                    devices.iter().find(|d| d.0 == id),
+                    Some(&model.def.sampling),
+                ))
             }
             _ => Reply::error(&super::pipeline::not_found_model(id)),
         }

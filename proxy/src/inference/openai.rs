@@ -52,6 +52,8 @@ pub struct Parsed {
     pub passthrough: Map<String, Value>,
     /// The API it came in, which shapes the answer.
     pub dialect: super::request::Dialect,
+    /// The sampling fields it set (the others take the model's defaults).
+    pub given: super::request::Given,
 }
 
 impl Parsed {
@@ -689,6 +691,7 @@ pub fn parse(endpoint: Endpoint, body: &[u8]) -> Result<Parsed, BackendError> {
         structure,
         passthrough,
         dialect: super::request::Dialect::OpenAi,
+        given: super::request::Given::of(o),
     })
 }
 

@@ -252,12 +252,15 @@ impl Front {
             ))));
         };
         let tenant = super::tenant::tenant_of(inc, parsed.user.as_deref());
+        // The model's defaults for what the request left out.
+        let mut sampling = parsed.sampling.clone();
+        parsed.given.apply(&mut sampling, &model.def.sampling);
         let req = InferenceRequest {
             tenant: Some(tenant.clone()),
             model: parsed.model.clone(),
             prompt: parsed.prompt.clone(),
             max_tokens: parsed.max_tokens,
-            sampling: parsed.sampling.clone(),
+            sampling,
             stop: parsed.stop.clone(),
             lane: lanes[lane].name.clone(),
             lane_rank: lanes[lane].rank,

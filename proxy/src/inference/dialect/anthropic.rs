@@ -285,6 +285,16 @@ pub fn parse(body: &[u8]) -> Result<Parsed, BackendError> {
         structure,
         passthrough,
         dialect: super::Dialect::Anthropic,
+        // The sampling fields Messages has; the rest take the defaults.
+        given: {
+            let g = crate::inference::request::Given::of(o);
+            crate::inference::request::Given {
+                temperature: g.temperature,
+                top_p: g.top_p,
+                top_k: g.top_k,
+                ..Default::default()
+            }
+        },
     })
 }
 

@@ -386,6 +386,27 @@ pub(super) fn models(
             }
         };
         watchdog(name, m, f, &at, errs);
+        crate::config::validate::sampling(&m.sampling, &at, errs);
+        if let Some(ModelBackend::Upstream(u)) = &backend {
+            let kind = u.spec().pool.settings.server_kind;
+            let s = &m.sampling;
+            if !kind.caps().min_p {
+                for (key, set) in [
+                    ("min_p", s.min_p.is_some_and(|p| p > 0.0)),
+                    (
+                        "repetition_penalty",
+                        s.repetition_penalty.is_some_and(|r| r != 1.0),
+                    ),
+                ] {
+                    if set {
+                        errs.push(
+                            at.k("sampling").k(key),
+                            format!("the pool's dialect `{}` does not take it", kind.name()),
+                        );
+                    }
+                }
+            }
+        }
         if m.hedge.is_some() && m.backend != "upstream" {
             errs.push(at.k("hedge"), "only an `upstream` model is hedged");
         }
