@@ -704,3 +704,69 @@ fn penalties_and_bias_reach_the_upstream_and_what_it_cannot_take_is_refused() {
         "{sent}"
     );
 }
+
+#[test]
+fn no_request_field_is_silently_ignored() {
+    let fake = Fake::start(&[]);
+    let uf = Ultrafast::start(&format!(
+        "{INFERENCE_ROUTE}{}",
+        upstream_model("m", &[&fake], "")
+    ));
+    let chat = |extra: &str| {
+        post_to(
+            &uf,
+            "/v1/chat/completions",
+            &format!(
+                r#"{{"model":"m","messages":[{{"role":"user","content":"hi"}}],"max_tokens":4{extra}}}"#
+            ),
+            &[],
+        )
+    };
+    // Accepted and ignored for a stated reason, or asking for nothing.
+    for extra in [
+        r#","store":true"#,
+        r#","service_tier":"auto""#,
+        r#","logprobs":false"#,
+        r#","modalities":["text"]"#,
+    ] {
+        assert_eq!(chat(extra).status, 200, "{extra}");
+    }
+    // Refused by name.
+    for (extra, param) in [
+        (r#","logprobs":true,"top_logprobs":2"#, "logprobs"),
+        (
+            r#","modalities":["text","audio"],"audio":{"voice":"alloy","format":"wav"}"#,
+            "modalities",
+        ),
+        (r#","reasoning_effort":"high""#, "reasoning_effort"),
+    ] {
+        let r = chat(extra);
+        assert_eq!(r.status, 400, "{extra}: {}", r.text());
+        assert_eq!(r.json()["error"]["param"], param, "{extra}");
+    }
+    // Unknown, as OpenAI says it.
+    let r = chat(r#","temprature":0.5"#);
+    assert_eq!(r.status, 400);
+    assert!(r.json()["error"]["message"]
+        .as_str()
+        .unwrap()
+        .contains("Unrecognized request argument supplied: temprature"));
+    // A completion's fields in a chat.
+    assert_eq!(chat(r#","echo":true"#).status, 400);
+    // Anthropic and Responses have their own tables.
+    let r = post_to(
+        &uf,
+        "/v1/messages",
+        r#"{"model":"m","max_tokens":4,"messages":[{"role":"user","content":"hi"}],"thinking":{"type":"enabled","budget_tokens":1024}}"#,
+        &[],
+    );
+    assert_eq!(r.status, 400, "{}", r.text());
+    let r = post_to(
+        &uf,
+        "/v1/responses",
+        r#"{"model":"m","input":"hi","reasoning":{"effort":"low"}}"#,
+        &[],
+    );
+    assert_eq!(r.status, 400, "{}", r.text());
+    assert_eq!(r.json()["error"]["param"], "reasoning");
+}

@@ -17,6 +17,7 @@ pub mod delivery;
 pub mod dialect;
 pub mod drive;
 pub mod endpoints;
+pub mod fields;
 pub mod jobs;
 pub mod limits;
 pub mod live;

@@ -1,8 +1,9 @@
 //! OpenAI request parsing and response shapes.
 //!
 //! Parsing walks a `serde_json::Value` instead of deriving, so a wrong type
-//! is a 400 that names the field (as OpenAI does) and unknown fields are
-//! ignored (also as OpenAI does).
+//! is a 400 that names the field (as OpenAI does); what each field gets
+//! (honoured, ignored for a reason, refused) is `fields`' table, and an
+//! unknown field is refused as OpenAI refuses it.
 
 use super::shape::{Collected, Piece};
 use serde_json::{json, Map, Value};
@@ -605,6 +606,7 @@ pub(super) fn priority(o: &Map<String, Value>) -> Result<Option<String>, Backend
 /// Parse a request body for `endpoint`.
 pub fn parse(endpoint: Endpoint, body: &[u8]) -> Result<Parsed, BackendError> {
     let o = &body_object(body)?;
+    super::fields::check_openai(o, endpoint == Endpoint::Chat)?;
     let model = string(o, "model")?
         .ok_or_else(|| bad("model", "Missing required parameter: 'model'.".into()))?;
     let prompt = match endpoint {
@@ -1038,7 +1040,7 @@ mod tests {
             Endpoint::Chat,
             br#"{"model":"m","messages":[{"role":"system","content":"s"},{"role":"user","content":[{"type":"text","text":"a"},{"type":"text","text":"b"}]}],
                 "max_completion_tokens":7,"temperature":0,"stop":"x","seed":3,"stream":true,
-                "stream_options":{"include_usage":true},"user":"u","n":1,"unknown_field":{"a":1}}"#,
+                "stream_options":{"include_usage":true},"user":"u","n":1,"store":false}"#,
         )
         .unwrap();
         assert_eq!(p.model, "m");

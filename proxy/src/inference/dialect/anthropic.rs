@@ -202,6 +202,7 @@ pub const MAX_STOP_SEQUENCES: usize = 16;
 /// Parse a Messages request.
 pub fn parse(body: &[u8]) -> Result<Parsed, BackendError> {
     let o = &body_object(body)?;
+    crate::inference::fields::check(o, crate::inference::fields::ANTHROPIC)?;
     let model = string(o, "model")?.ok_or_else(|| bad("model", "model: Field required".into()))?;
     let max_tokens = uint(o, "max_tokens")?
         .ok_or_else(|| bad("max_tokens", "max_tokens: Field required".into()))?;

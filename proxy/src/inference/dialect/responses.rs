@@ -151,6 +151,7 @@ fn input(v: &Value) -> Result<Vec<ChatMessage>, BackendError> {
 /// is added by the pipeline, which has the store).
 pub fn parse(body: &[u8]) -> Result<Parsed, BackendError> {
     let o = &body_object(body)?;
+    crate::inference::fields::check(o, crate::inference::fields::RESPONSES)?;
     let model = string(o, "model")?
         .ok_or_else(|| bad("model", "Missing required parameter: 'model'.".into()))?;
     let mut msgs = Vec::new();
