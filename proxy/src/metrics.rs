@@ -16,7 +16,7 @@ use crate::routing::RequestMetrics;
 use crate::upstream::metrics::UpstreamMetrics;
 pub use crate::upstream::metrics::{MemberMetrics, PoolMetrics};
 use prometheus::{
-    Encoder, Gauge, IntCounter, IntCounterVec, IntGauge, IntGaugeVec, Opts, Registry, TextEncoder,
+    Encoder, Gauge, IntCounter, IntCounterVec, IntGaugeVec, Opts, Registry, TextEncoder,
 };
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -57,7 +57,7 @@ impl Metrics {
         let admission = AdmissionMetrics::new(&r);
         let inference = Arc::new(crate::inference::metrics::InferenceMetrics::new(
             &r,
-            admission.shed.clone(),
+            admission.clone(),
             edge.rejected.clone(),
         ));
         // The process's own families.
@@ -111,36 +111,6 @@ impl Metrics {
             config_loaded,
             registry: r,
         }
-    }
-
-    /// TLS listener handles.
-    pub fn tls(&self) -> crate::edge::tls::TlsMetrics {
-        self.edge.tls.clone()
-    }
-
-    /// Certificate handles.
-    pub fn certs(&self) -> crate::edge::certs::CertMetrics {
-        self.edge.certs.clone()
-    }
-
-    /// Ticket handles.
-    pub fn tickets(&self) -> crate::edge::ticket::TicketMetrics {
-        self.edge.tickets()
-    }
-
-    /// Count a refusal by admission.
-    pub fn shed(&self, lane: &str, reason: &str) {
-        self.admission.shed(lane, reason);
-    }
-
-    /// Handles for one pool's admission gate, lanes in rank order.
-    pub fn gate(&self, pool: &str, lanes: &[String]) -> crate::admission::gate::GateMetrics {
-        self.admission.gate(pool, lanes)
-    }
-
-    /// Set the lane target gauges from a newly active config.
-    pub fn set_lane_targets(&self, cfg: &dyn crate::inference::live::Live) {
-        self.admission.set_lane_targets(cfg.lanes(), cfg.file());
     }
 
     /// Read what is only known at scrape time from `cfg`: each member's
@@ -200,24 +170,6 @@ impl Metrics {
 impl Default for Metrics {
     fn default() -> Self {
         Self::new()
-    }
-}
-
-impl crate::upstream::metrics::Sink for Metrics {
-    fn dns_query(&self, outcome: &str) {
-        self.upstream.dns_query(outcome)
-    }
-
-    fn dns_stale(&self, pool: &str, name: &str) -> IntGauge {
-        self.upstream.dns_stale(pool, name)
-    }
-
-    fn dns_answer_age(&self, pool: &str, name: &str, age_s: f64) {
-        self.upstream.dns_answer_age(pool, name, age_s)
-    }
-
-    fn member(&self, pool: &str, member: &str) -> MemberMetrics {
-        self.upstream.member(pool, member)
     }
 }
 

@@ -177,15 +177,19 @@ pub fn serve(path: &Path, opts: ServeOptions) -> anyhow::Result<()> {
             None => Handshake::Plain,
             Some(tls) => {
                 let store =
-                    CertStore::load(&tls.certs, &metrics.certs()).map_err(anyhow::Error::msg)?;
-                let full = FullHandshakes(metrics.tls().handshakes.with_label_values(&["full"]));
-                let resolver = Arc::new(SniResolver::new(store, metrics.certs(), Some(full)));
+                    CertStore::load(&tls.certs, &metrics.edge.certs).map_err(anyhow::Error::msg)?;
+                let full = FullHandshakes(metrics.edge.tls.handshakes.with_label_values(&["full"]));
+                let resolver = Arc::new(SniResolver::new(
+                    store,
+                    metrics.edge.certs.clone(),
+                    Some(full),
+                ));
                 let ticketer = match tls.tickets {
                     true => Some(Arc::new(
                         RotatingTicketer::new(
                             tls.ticket_secret.clone(),
                             tls.rotation,
-                            metrics.tickets(),
+                            metrics.edge.tickets(),
                         )
                         .map_err(anyhow::Error::msg)?,
                     )),
@@ -199,9 +203,9 @@ pub fn serve(path: &Path, opts: ServeOptions) -> anyhow::Result<()> {
                 };
                 watched.push((resolver, tls.certs.clone()));
                 Handshake::Tls(TlsHandshake {
-                    acceptor: Acceptor::from_server_config(server_config(build, &metrics.tls())),
+                    acceptor: Acceptor::from_server_config(server_config(build, &metrics.edge.tls)),
                     timeout: tls.handshake_timeout,
-                    metrics: metrics.tls(),
+                    metrics: metrics.edge.tls.clone(),
                 })
             }
         };

@@ -13,8 +13,7 @@ use prometheus::{
 #[derive(Clone)]
 pub struct AdmissionMetrics {
     admitted: IntCounterVec,
-    /// Requests refused by admission, by lane and reason.
-    pub shed: IntCounterVec,
+    shed: IntCounterVec,
     queue_depth: IntGaugeVec,
     queue_wait: HistogramVec,
     in_use: IntGaugeVec,

@@ -23,6 +23,14 @@ pub enum Field {
 
 use Field::{Honoured, Ignored, Refused};
 
+/// Reasons shared by the dialects' tables.
+const ONE_TIER: Field = Ignored("one service tier here; lanes are chosen by `priority`");
+const NO_CACHE_KEY: Field = Ignored("the prefix cache matches prompts without a key");
+const USER_IS_TENANT: Field = Ignored("`user` names the tenant; no safety system reads it");
+const NO_LOGPROBS: Field = Refused("log probabilities are not returned yet");
+const TEXT_ONLY: Field = Refused("the models here produce text only");
+const NOT_REASONING: Field = Refused("the models here are not reasoning models");
+
 /// Fields of OpenAI's chat completions and completions (both parse the
 /// same body shape; `messages` or `prompt` is required by each).
 pub const OPENAI: &[(&str, Field)] = &[
@@ -56,37 +64,19 @@ pub const OPENAI: &[(&str, Field)] = &[
         "store",
         Ignored("nothing is kept for OpenAI's evals or distillation"),
     ),
-    (
-        "service_tier",
-        Ignored("one service tier here; lanes are chosen by `priority`"),
-    ),
-    (
-        "prompt_cache_key",
-        Ignored("the prefix cache matches prompts without a key"),
-    ),
-    (
-        "safety_identifier",
-        Ignored("`user` names the tenant; no safety system reads it"),
-    ),
-    (
-        "logprobs",
-        Refused("log probabilities are not returned yet"),
-    ),
-    (
-        "top_logprobs",
-        Refused("log probabilities are not returned yet"),
-    ),
+    ("service_tier", ONE_TIER),
+    ("prompt_cache_key", NO_CACHE_KEY),
+    ("safety_identifier", USER_IS_TENANT),
+    ("logprobs", NO_LOGPROBS),
+    ("top_logprobs", NO_LOGPROBS),
     ("echo", Refused("the prompt is not echoed back yet")),
     ("best_of", Refused("best_of is not supported; use n = 1")),
     ("suffix", Refused("insertion (suffix) is not supported")),
-    ("modalities", Refused("the models here produce text only")),
-    ("audio", Refused("the models here produce text only")),
+    ("modalities", TEXT_ONLY),
+    ("audio", TEXT_ONLY),
     ("prediction", Refused("predicted outputs are not supported")),
     ("web_search_options", Refused("there is no web search here")),
-    (
-        "reasoning_effort",
-        Refused("the models here are not reasoning models"),
-    ),
+    ("reasoning_effort", NOT_REASONING),
     ("functions", Refused("deprecated by OpenAI: use `tools`")),
     (
         "function_call",
@@ -109,10 +99,7 @@ pub const ANTHROPIC: &[(&str, Field)] = &[
     ("tool_choice", Honoured),
     ("metadata", Honoured),
     ("priority", Honoured),
-    (
-        "service_tier",
-        Ignored("one service tier here; lanes are chosen by `priority`"),
-    ),
+    ("service_tier", ONE_TIER),
     (
         "thinking",
         Refused("the models here have no extended thinking"),
@@ -143,31 +130,16 @@ pub const RESPONSES: &[(&str, Field)] = &[
     ("background", Honoured),
     ("user", Honoured),
     ("priority", Honoured),
-    (
-        "service_tier",
-        Ignored("one service tier here; lanes are chosen by `priority`"),
-    ),
+    ("service_tier", ONE_TIER),
     (
         "truncation",
         Ignored("inputs are never truncated: one that does not fit is refused"),
     ),
-    (
-        "prompt_cache_key",
-        Ignored("the prefix cache matches prompts without a key"),
-    ),
-    (
-        "safety_identifier",
-        Ignored("`user` names the tenant; no safety system reads it"),
-    ),
-    (
-        "reasoning",
-        Refused("the models here are not reasoning models"),
-    ),
+    ("prompt_cache_key", NO_CACHE_KEY),
+    ("safety_identifier", USER_IS_TENANT),
+    ("reasoning", NOT_REASONING),
     ("include", Refused("no extra output items are available")),
-    (
-        "top_logprobs",
-        Refused("log probabilities are not returned yet"),
-    ),
+    ("top_logprobs", NO_LOGPROBS),
     (
         "prompt",
         Refused("stored prompt templates are not supported"),

@@ -75,7 +75,7 @@ impl Front {
         lane: &str,
     ) -> Result<Option<Arc<KeyEntry>>, Failure> {
         if fair_store_closed(inc) {
-            metrics.shed(lane, Reason::StoreDown.as_str());
+            metrics.admission.shed(lane, Reason::StoreDown.as_str());
             return Err(store_down());
         }
         let key = match &inc.cfg.api_keys() {
@@ -89,11 +89,11 @@ impl Front {
         match check_rates(&inc.route.limiters, key_ref, &input(inc)).await {
             Ok(()) | Err(Verdict::Allow) => {}
             Err(Verdict::Limited(wait)) => {
-                metrics.shed(lane, Reason::RateLimit.as_str());
+                metrics.admission.shed(lane, Reason::RateLimit.as_str());
                 return Err(rate_refusal(wait));
             }
             Err(Verdict::StoreDown) => {
-                metrics.shed(lane, Reason::StoreDown.as_str());
+                metrics.admission.shed(lane, Reason::StoreDown.as_str());
                 return Err(store_down());
             }
             Err(Verdict::BadKey(why)) => {
@@ -210,7 +210,7 @@ impl Front {
             .await
             .map(Held)
             .map_err(|r| {
-            metrics.shed(lane, "token_budget");
+            metrics.admission.shed(lane, "token_budget");
             match r {
                 BudgetRefusal::Wait { retry_after } => {
                     let (status, headers, body) =

@@ -28,9 +28,9 @@ const LAT: &[f64] = &[
 
 /// Handles of the inference families.
 pub struct InferenceMetrics {
-    /// Refusals by admission, by lane and reason (the admission family,
-    /// `ultrafast_shed_total`, handed in by the assembly).
-    pub shed: IntCounterVec,
+    /// The admission families (refusals are counted there), handed in by
+    /// the assembly.
+    pub admission: crate::admission::metrics::AdmissionMetrics,
     /// Requests refused by downstream limits, by reason (the edge's
     /// family, handed in).
     pub rejected: IntCounterVec,
@@ -117,14 +117,13 @@ impl StepObserver for Steps {
 }
 
 impl InferenceMetrics {
-    /// Count a refusal by admission.
-    pub fn shed(&self, lane: &str, reason: &str) {
-        self.shed.with_label_values(&[lane, reason]).inc();
-    }
-
-    /// Create and register the families; `shed` and `rejected` are the
-    /// admission's and the edge's, registered by their owners.
-    pub fn new(r: &Registry, shed: IntCounterVec, rejected: IntCounterVec) -> Self {
+    /// Create and register the families; `admission` and `rejected` are
+    /// the admission's and the edge's, registered by their owners.
+    pub fn new(
+        r: &Registry,
+        admission: crate::admission::metrics::AdmissionMetrics,
+        rejected: IntCounterVec,
+    ) -> Self {
         let hv = |name: &str, help: &str, labels: &[&str], buckets: &[f64]| {
             let h = must(HistogramVec::new(
                 HistogramOpts::new(name, help).buckets(buckets.to_vec()),
@@ -160,7 +159,7 @@ impl InferenceMetrics {
             1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0, 512.0, 1024.0,
         ];
         InferenceMetrics {
-            shed,
+            admission,
             rejected,
             ttft: hv(
                 "ultrafast_inference_ttft_seconds",

@@ -294,7 +294,7 @@ impl Front {
             &tenant,
         )
         .map_err(|m| {
-            metrics.shed(&lanes[m.lane()].name, "slo");
+            metrics.admission.shed(&lanes[m.lane()].name, "slo");
             m.failure(lanes)
         })?;
         // The engine tokenizes and renders the template here: off the
@@ -313,7 +313,7 @@ impl Front {
             if e.code != "tokenizer_overloaded" {
                 return reject(e);
             }
-            metrics.shed(&lanes[lane].name, "tokenizer");
+            metrics.admission.shed(&lanes[lane].name, "tokenizer");
             let mut f = error(&e);
             f.headers.push(("retry-after", "1".into()));
             f.headers.push(("x-ultrafast-shed", "tokenizer".into()));
@@ -340,7 +340,7 @@ impl Front {
                 slo::Missed::Busy { .. } => "slo",
                 slo::Missed::Unattainable { .. } => "slo_unattainable",
             };
-            metrics.shed(&lanes[m.lane()].name, reason);
+            metrics.admission.shed(&lanes[m.lane()].name, reason);
             m.failure(lanes)
         })?;
         let lane = passed.lane;

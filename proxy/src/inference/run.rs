@@ -192,7 +192,9 @@ async fn gate<S: Sink + ?Sized>(
         Err(Gone) | Ok(Err(Denied::Gone)) => Err(Stop::Gone),
         Ok(Ok((p, _))) => Ok(Some(p)),
         Ok(Err(Denied::Shed(reason, retry_after))) => {
-            metrics.shed(&inc.cfg.lanes()[call.lane].name, reason.as_str());
+            metrics
+                .admission
+                .shed(&inc.cfg.lanes()[call.lane].name, reason.as_str());
             let (status, headers, body) = refusal(reason, retry_after, None);
             let f = Failure {
                 status,

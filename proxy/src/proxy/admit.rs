@@ -29,7 +29,7 @@ impl EdgeProxy {
             .get(ctx.lane)
             .map(|l| l.name.as_str())
             .unwrap_or("");
-        self.metrics.shed(lane, reason.as_str());
+        self.metrics.admission.shed(lane, reason.as_str());
         let (status, headers, body) = admission::refusal(reason, retry_after, None);
         let extra: Vec<(&str, &str)> = headers.iter().map(|(k, v)| (*k, v.as_str())).collect();
         let json = "application/json";

@@ -241,6 +241,6 @@ pub fn resolve_blocking(
         .map_err(|e| format!("cannot start a resolver runtime: {e}"))?;
     rt.block_on(async {
         let resolver = crate::upstream::dns::Resolver::new(settings)?;
-        Ok(crate::upstream::dns::resolve_all(&resolver, names, metrics).await)
+        Ok(crate::upstream::dns::resolve_all(&resolver, names, &metrics.upstream).await)
     })
 }

@@ -132,7 +132,9 @@ impl Manager {
             .with_label_values(&[&cfg.hash])
             .set(1);
         self.metrics.config_loaded.set(unix_now());
-        self.metrics.set_lane_targets(cfg);
+        self.metrics
+            .admission
+            .set_lane_targets(&cfg.lanes, &cfg.file);
     }
 
     /// Reload from the file. On any error the live config is untouched.
@@ -191,7 +193,7 @@ impl Manager {
         } else {
             let resolver =
                 Resolver::new(settings.clone()).map_err(|e| config::file_error(&path, e))?;
-            resolve_all(&resolver, names, &*self.metrics).await
+            resolve_all(&resolver, names, &self.metrics.upstream).await
         };
         let ctx = BuildCtx {
             metrics: &self.metrics,
@@ -453,7 +455,7 @@ impl DnsRefresher {
         }
         let Some(r) = resolver.as_ref() else { return };
         for pool in cfg.pools.values() {
-            crate::upstream::dns::refresh(pool, r, &*self.metrics).await;
+            crate::upstream::dns::refresh(pool, r, &self.metrics.upstream).await;
         }
     }
 }

@@ -6,7 +6,7 @@ use prometheus::{Histogram, IntCounter, IntCounterVec, IntGauge, IntGaugeVec};
 use std::fmt;
 
 /// What the DNS refresh and the pool builders report to: the upstream
-/// families implement it (and the assembly, by handing them on).
+/// families implement it (a trait, so `dns` tests can count calls).
 pub trait Sink: Send + Sync {
     /// Count one DNS query by outcome (`ok`, `error`, `timeout`, `empty`).
     fn dns_query(&self, outcome: &str);

@@ -84,6 +84,23 @@ impl ServerKind {
         }
     }
 
+    /// The sampling fields this kind does not take that a request (or a
+    /// model's defaults) sets: `min_p` above 0, `repetition_penalty` other
+    /// than 1. Refused, never dropped.
+    pub fn refused_sampling(
+        self,
+        min_p: f32,
+        repetition_penalty: f32,
+    ) -> impl Iterator<Item = &'static str> {
+        let takes = self.caps().min_p;
+        [
+            (min_p > 0.0, "min_p"),
+            (repetition_penalty != 1.0, "repetition_penalty"),
+        ]
+        .into_iter()
+        .filter_map(move |(set, field)| (set && !takes).then_some(field))
+    }
+
     /// Parse the config value.
     pub fn parse(v: &str) -> Option<ServerKind> {
         Some(match v {

@@ -286,16 +286,8 @@ pub fn parse(body: &[u8]) -> Result<Parsed, BackendError> {
         structure,
         passthrough,
         dialect: super::Dialect::Anthropic,
-        // The sampling fields Messages has; the rest take the defaults.
-        given: {
-            let g = crate::inference::request::Given::of(o);
-            crate::inference::request::Given {
-                temperature: g.temperature,
-                top_p: g.top_p,
-                top_k: g.top_k,
-                ..Default::default()
-            }
-        },
+        // A sampling field the dialect lacks was refused by its table.
+        given: crate::inference::request::Given::of(o),
     })
 }
 

@@ -291,15 +291,8 @@ pub fn parse(body: &[u8]) -> Result<Parsed, BackendError> {
             previous,
             echo,
         }),
-        // The sampling fields Responses has; the rest take the defaults.
-        given: {
-            let g = crate::inference::request::Given::of(o);
-            crate::inference::request::Given {
-                temperature: g.temperature,
-                top_p: g.top_p,
-                ..Default::default()
-            }
-        },
+        // A sampling field the dialect lacks was refused by its table.
+        given: crate::inference::request::Given::of(o),
     })
 }
 

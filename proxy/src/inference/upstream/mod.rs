@@ -317,24 +317,17 @@ impl Backend for UpstreamBackend {
 
     fn prepare(&self, req: &InferenceRequest) -> Result<Prepared, BackendError> {
         // What this kind of server would not take is refused, not dropped.
-        let s = &req.sampling;
-        if !self.spec.pool.settings.server_kind.caps().min_p {
-            for (set, field) in [
-                (s.min_p > 0.0, "min_p"),
-                (s.repetition_penalty != 1.0, "repetition_penalty"),
-            ] {
-                if set {
-                    return Err(BackendError::invalid(
-                        "invalid_request_error",
-                        Some(field),
-                        format!(
-                            "'{field}' is not supported by model `{}`'s upstream (pool dialect `{}`).",
-                            req.model,
-                            self.spec.pool.settings.server_kind.name()
-                        ),
-                    ));
-                }
-            }
+        let (s, kind) = (&req.sampling, self.spec.pool.settings.server_kind);
+        if let Some(field) = kind.refused_sampling(s.min_p, s.repetition_penalty).next() {
+            return Err(BackendError::invalid(
+                "invalid_request_error",
+                Some(field),
+                format!(
+                    "'{field}' is not supported by model `{}`'s upstream (pool dialect `{}`).",
+                    req.model,
+                    kind.name()
+                ),
+            ));
         }
         // Token counts are estimated (about 4 bytes per token): they only
         // size the request for admission; the upstream reports real usage.

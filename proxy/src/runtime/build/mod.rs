@@ -58,7 +58,7 @@ fn gate(
             lanes.to_vec(),
             max_concurrency,
             max_queued,
-            metrics.gate(name, &names),
+            metrics.admission.gate(name, &names),
             fair,
         ))
     })

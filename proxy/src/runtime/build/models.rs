@@ -388,23 +388,13 @@ pub(super) fn models(
         watchdog(name, m, f, &at, errs);
         crate::config::validate::sampling(&m.sampling, &at, errs);
         if let Some(ModelBackend::Upstream(u)) = &backend {
-            let kind = u.spec().pool.settings.server_kind;
-            let s = &m.sampling;
-            if !kind.caps().min_p {
-                for (key, set) in [
-                    ("min_p", s.min_p.is_some_and(|p| p > 0.0)),
-                    (
-                        "repetition_penalty",
-                        s.repetition_penalty.is_some_and(|r| r != 1.0),
-                    ),
-                ] {
-                    if set {
-                        errs.push(
-                            at.k("sampling").k(key),
-                            format!("the pool's dialect `{}` does not take it", kind.name()),
-                        );
-                    }
-                }
+            let (s, kind) = (&m.sampling, u.spec().pool.settings.server_kind);
+            let (min_p, rep) = (s.min_p.unwrap_or(0.0), s.repetition_penalty.unwrap_or(1.0));
+            for field in kind.refused_sampling(min_p as f32, rep as f32) {
+                errs.push(
+                    at.k("sampling").k(field),
+                    format!("the pool's dialect `{}` does not take it", kind.name()),
+                );
             }
         }
         if m.hedge.is_some() && m.backend != "upstream" {

@@ -255,7 +255,7 @@ pub(super) fn pool(
         PoolDns::new(static_members.clone(), targets, answers, fraction)
     });
     let members = match &dns {
-        Some(d) => d.compose(name, &old_members, metrics),
+        Some(d) => d.compose(name, &old_members, &metrics.upstream),
         None => static_members,
     };
     let pool_metrics = metrics.pool(name);
