@@ -83,6 +83,7 @@ fn run(
                         Event::Done { .. } => break,
                         Event::Error(e) => panic!("{e}"),
                         Event::Raw { .. } => panic!("the engine sent a raw event"),
+                        Event::Prompt(_) | Event::Logprob(_) => panic!("nothing asked for reports"),
                     }
                 }
                 (first.unwrap_or_default(), tokens)

@@ -143,6 +143,12 @@ pub enum Event {
     },
     /// The request failed (it can never fit, or the model failed).
     Error(String),
+    /// The prompt's tokens, scored when asked (`echo`); before any
+    /// [`Event::Token`].
+    Prompt(Vec<TokenLogprob>),
+    /// The log-probabilities of the [`Event::Token`] that follows
+    /// (`logprobs`).
+    Logprob(Box<TokenLogprob>),
     /// An upstream's SSE events, to go to the client as they are (the
     /// pass-through of `InferenceRequest::raw_sse`): whole `data:` events,
     /// ending in a blank line. The engine never sends these.
@@ -173,6 +179,8 @@ pub enum Prompt {
     Chat(Vec<ChatMessage>),
     /// Raw text (completions).
     Text(String),
+    /// Token ids (completions' `prompt` as an array of integers).
+    Tokens(Vec<u32>),
 }
 
 impl Prompt {
@@ -180,7 +188,7 @@ impl Prompt {
     pub fn param(&self) -> &'static str {
         match self {
             Prompt::Chat(_) => "messages",
-            Prompt::Text(_) => "prompt",
+            Prompt::Text(_) | Prompt::Tokens(_) => "prompt",
         }
     }
 
@@ -189,6 +197,8 @@ impl Prompt {
         match self {
             Prompt::Chat(m) => m.iter().map(|m| m.content.len()).sum(),
             Prompt::Text(t) => t.len(),
+            // What they would take as text, at the bound a token has.
+            Prompt::Tokens(t) => t.len() * 4,
         }
     }
 }
@@ -391,6 +401,48 @@ pub struct SamplingParams {
     /// Added to the logits of these tokens (OpenAI's `logit_bias`, -100
     /// to 100 each).
     pub logit_bias: Vec<(u32, f32)>,
+    /// Report each generated token's log-probability and this many of the
+    /// likeliest alternatives (at most [`MAX_LOGPROBS`]; None: nothing).
+    pub logprobs: Option<usize>,
+    /// Report the prompt's tokens ([`Event::Prompt`]: OpenAI's `echo`).
+    pub echo: bool,
+    /// With `echo`: score the prompt too, each token's log-probability and
+    /// this many alternatives (every position's logits are computed, and
+    /// the prefix cache is not used for this prompt).
+    pub prompt_logprobs: Option<usize>,
+}
+
+/// Most alternatives a token's report may list (OpenAI's `top_logprobs`
+/// bound).
+pub const MAX_LOGPROBS: usize = 20;
+
+/// One token as a report lists it: its id and bytes (a token may end
+/// inside a character), and its log-probability under the distribution
+/// the model produced, before temperature, penalties, bias or a grammar
+/// mask (as OpenAI and vLLM report by default).
+#[derive(Debug, Clone, PartialEq)]
+pub struct Alt {
+    /// Token id.
+    pub id: u32,
+    /// Its bytes.
+    pub bytes: Vec<u8>,
+    /// Natural log of its probability.
+    pub logprob: f32,
+}
+
+/// A reported token: itself (its log-probability is None for the first
+/// prompt token, which nothing predicts) and the likeliest alternatives
+/// at its position, likeliest first.
+#[derive(Debug, Clone, PartialEq)]
+pub struct TokenLogprob {
+    /// Token id.
+    pub id: u32,
+    /// Its bytes.
+    pub bytes: Vec<u8>,
+    /// Natural log of its probability (None: not scored).
+    pub logprob: Option<f32>,
+    /// The likeliest tokens at its position.
+    pub top: Vec<Alt>,
 }
 
 impl SamplingParams {
@@ -402,6 +454,12 @@ impl SamplingParams {
             || self.repetition_penalty != 1.0
             || self.min_p > 0.0
             || !self.logit_bias.is_empty()
+    }
+
+    /// Whether a step must hand this sequence its whole row of logits
+    /// (changed before sampling, or scored).
+    pub fn needs_full_row(&self) -> bool {
+        self.adjusts_logits() || self.logprobs.is_some()
     }
 }
 
@@ -417,6 +475,9 @@ impl Default for SamplingParams {
             repetition_penalty: 1.0,
             min_p: 0.0,
             logit_bias: Vec::new(),
+            logprobs: None,
+            echo: false,
+            prompt_logprobs: None,
         }
     }
 }

@@ -9,7 +9,8 @@
 //! - `tokenizer`: the GGUF's tokenizer and chat template, with UTF-8-safe
 //!   streaming detokenization. `guide`: structured outputs and tool calls
 //!   as grammar masks (llguidance). `sampling`: temperature, top-k and
-//!   top-p without sorting the vocabulary.
+//!   top-p without sorting the vocabulary. `logprob`: the scores of a
+//!   row of logits (`logprobs`, `echo`).
 //! - `backend`: the runners of one step: the engine's own CPU kernels on a
 //!   thread team (`backend::cpu`, over the `simd` primitives), candle's
 //!   forward pass where those do not cover a model, and the CUDA runner
@@ -25,7 +26,7 @@
 //!
 //! Module ranks (imports point down; `proxy/tests/layers.rs` checks them):
 //! `error`, `kv`, `fair`, `simd` < `api` < `tokenizer`, `guide`,
-//! `sampling`, `fetch` < `model` < `backend` < `generate` < `scheduler` <
+//! `sampling`, `logprob`, `fetch` < `model` < `backend` < `generate` < `scheduler` <
 //! `service`.
 
 pub mod api;
@@ -36,6 +37,7 @@ pub mod fetch;
 pub mod generate;
 pub mod guide;
 pub mod kv;
+pub mod logprob;
 pub mod model;
 pub mod sampling;
 pub mod scheduler;

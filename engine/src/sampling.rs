@@ -170,8 +170,9 @@ impl Sampler {
     /// exactly ([`Sampler::sample_top`]); None when it needs them all.
     pub fn needs_top(&self, max: usize) -> Option<usize> {
         let p = &self.params;
-        // Penalties, bias and min_p change the row before anything picks.
-        if p.adjusts_logits() {
+        // Penalties, bias and min_p change the row before anything picks;
+        // a scored row needs every logit for its normaliser.
+        if p.needs_full_row() {
             return None;
         }
         let inv_t = 1.0 / p.temperature;

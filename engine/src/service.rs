@@ -311,6 +311,16 @@ impl Backend for EngineService {
                 format!("token id {t} is not in the model's vocabulary ({vocab} tokens)."),
             ));
         }
+        if req.sampling.echo && req.sampling.prompt_logprobs.is_some() && !engine.scores_prompts() {
+            return Err(BackendError::invalid(
+                "invalid_request_error",
+                Some("echo"),
+                format!(
+                    "scoring the prompt (`echo` with `logprobs`) is not supported on this model's runner ({}).",
+                    engine.runner()
+                ),
+            ));
+        }
         let guide = match &req.structure {
             None => None,
             Some(s) => Some(Compiled::new(compile(l, s)?)),
@@ -334,11 +344,26 @@ impl Backend for EngineService {
                 "messages",
             ),
             Prompt::Text(t) => (t.clone(), "prompt"),
+            Prompt::Tokens(_) => (String::new(), "prompt"),
         };
-        let tokens = l
-            .codec
-            .encode(&text)
-            .map_err(|e| BackendError::invalid("invalid_prompt", Some(param), e.to_string()))?;
+        let tokens = match &req.prompt {
+            Prompt::Tokens(t) => {
+                if let Some(bad) = t.iter().find(|t| **t as usize >= vocab) {
+                    return Err(BackendError::invalid(
+                        "invalid_prompt",
+                        Some("prompt"),
+                        format!(
+                            "token id {bad} is not in the model's vocabulary ({vocab} tokens)."
+                        ),
+                    ));
+                }
+                t.clone()
+            }
+            _ => l
+                .codec
+                .encode(&text)
+                .map_err(|e| BackendError::invalid("invalid_prompt", Some(param), e.to_string()))?,
+        };
         let ctx = l.model.max_positions();
         if tokens.is_empty() {
             return Err(BackendError::invalid(

@@ -173,6 +173,35 @@ impl TextCodec {
         })
     }
 
+    /// The texts of the beginning- and end-of-sequence tokens (empty when
+    /// the model has none).
+    pub fn special_texts(&self) -> (&str, &str) {
+        (&self.bos_text, &self.eos_text)
+    }
+
+    /// The chat template (Jinja), when the model has one.
+    pub fn chat_template(&self) -> Option<&str> {
+        self.template.as_deref()
+    }
+
+    /// The bytes of token `id` (a byte-level token may hold part of a
+    /// character, so its text alone could not say). Empty for an id
+    /// outside the vocabulary.
+    pub fn token_bytes(&self, id: u32) -> Vec<u8> {
+        let Some(t) = self.tok.id_to_token(id) else {
+            return Vec::new();
+        };
+        let mut out = Vec::with_capacity(t.len());
+        for c in t.chars() {
+            match byte_of_char(c) {
+                Some(b) => out.push(b),
+                // Added tokens are plain text.
+                None => out.extend_from_slice(c.encode_utf8(&mut [0; 4]).as_bytes()),
+            }
+        }
+        out
+    }
+
     /// Token ids of `text` (special tokens in it are recognised).
     pub fn encode(&self, text: &str) -> Result<Vec<u32>> {
         let enc = self.tok.encode(text, false).map_err(err)?;
@@ -320,6 +349,22 @@ impl StreamDecoder<'_> {
         self.ids.push(id);
         self.codec.decode_step(&self.ids, &mut self.offsets)
     }
+}
+
+/// The byte a byte-level BPE character stands for (GPT-2's table: the
+/// printable bytes are themselves; the others, in order, are U+0100 on).
+fn byte_of_char(c: char) -> Option<u8> {
+    let printable =
+        |b: u32| (33..=126).contains(&b) || (161..=172).contains(&b) || (174..=255).contains(&b);
+    let u = c as u32;
+    if u < 256 {
+        return printable(u).then_some(u as u8);
+    }
+    let n = (u - 256) as usize;
+    (0u32..256)
+        .filter(|b| !printable(*b))
+        .nth(n)
+        .map(|b| b as u8)
 }
 
 #[cfg(test)]

@@ -43,6 +43,7 @@ fn ids(mut rx: tokio::sync::mpsc::UnboundedReceiver<Event>) -> Vec<u32> {
             Event::Done { .. } => return out,
             Event::Error(e) => panic!("engine error: {e}"),
             Event::Raw { .. } => panic!("the engine sent a raw event"),
+            Event::Prompt(_) | Event::Logprob(_) => panic!("nothing asked for reports"),
         }
     }
     out

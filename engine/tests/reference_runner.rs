@@ -43,6 +43,7 @@ fn tokens(mut rx: tokio::sync::mpsc::UnboundedReceiver<Event>) -> Vec<u32> {
             Event::Done { .. } => break,
             Event::Error(e) => panic!("{e}"),
             Event::Raw { .. } => panic!("raw event from the engine"),
+            Event::Prompt(_) | Event::Logprob(_) => panic!("nothing asked for reports"),
         }
     }
     out

@@ -70,6 +70,7 @@ fn drain(
             }
             Event::Error(e) => panic!("engine error: {e}"),
             Event::Raw { .. } => panic!("the engine sent a raw event"),
+            Event::Prompt(_) | Event::Logprob(_) => panic!("nothing asked for reports"),
         }
     }
     panic!("stream ended without Done")

@@ -60,6 +60,7 @@ const ENGINE: &[(&str, u8)] = &[
     ("tokenizer", 2),
     ("guide", 2),
     ("sampling", 2),
+    ("logprob", 2),
     ("fetch", 2),
     ("model", 3),
     // The runners (and the model loaded for them).

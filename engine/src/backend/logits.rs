@@ -3,8 +3,11 @@
 //! a device picks them there and copies back k pairs instead of the whole
 //! vocabulary ([`Need::Top`]). A grammar mask, top-p alone or temperature
 //! alone needs every logit ([`Need::Full`]); a prompt chunk that does not
-//! end its prompt needs none ([`Need::Nothing`]). Runners on the CPU keep
-//! every row whole, which serves every need.
+//! end its prompt needs none ([`Need::Nothing`]). A prompt being scored
+//! (`echo` with `logprobs`) needs the row of every position it computes
+//! ([`Need::Every`]), which only a runner that says so
+//! ([`ModelRunner::every_row`](super::ModelRunner::every_row)) serves.
+//! Runners on the CPU keep every row whole, which serves the other needs.
 
 /// Largest k a sampler asks for as candidates (the device's top-k takes
 /// one pass over the vocabulary per candidate).
@@ -19,6 +22,9 @@ pub enum Need {
     Full,
     /// The k largest logits, largest first (ties: the smaller token id).
     Top(usize),
+    /// Whole rows for every token of the step, in order (the last one is
+    /// the row a sampler reads when the step ends the prompt).
+    Every,
 }
 
 /// Where one sequence's logits are in [`StepLogits`].
@@ -30,6 +36,9 @@ pub enum RowAt {
     Full(usize),
     /// `top[start..end]`.
     Top(usize, usize),
+    /// `n` whole rows, one per token of the step, from this offset of
+    /// `full`.
+    Every(usize, usize),
 }
 
 /// One step's logits, each sequence's row either whole or as candidates;
@@ -61,12 +70,42 @@ impl StepLogits {
         self.rows.extend((0..seqs).map(|i| RowAt::Full(i * vocab)));
     }
 
-    /// Sequence `i`'s row (None when it was not computed).
+    /// Whole rows in `full`, `counts[i]` of them for sequence i (one: its
+    /// last token's; more: [`Need::Every`]).
+    pub fn all_full_counted(&mut self, counts: impl Iterator<Item = usize>, vocab: usize) {
+        self.top.clear();
+        self.rows.clear();
+        let mut at = 0;
+        for n in counts {
+            self.rows.push(match n {
+                1 => RowAt::Full(at),
+                n => RowAt::Every(at, n),
+            });
+            at += n * vocab;
+        }
+    }
+
+    /// Sequence `i`'s row (None when it was not computed): for
+    /// [`RowAt::Every`], its last token's.
     pub fn row(&mut self, i: usize, vocab: usize) -> Option<Row<'_>> {
         match *self.rows.get(i)? {
             RowAt::Nothing => None,
             RowAt::Full(at) => self.full.get_mut(at..at + vocab).map(Row::Full),
             RowAt::Top(a, b) => self.top.get(a..b).map(Row::Top),
+            RowAt::Every(at, n) => self
+                .full
+                .get_mut(at + (n - 1) * vocab..at + n * vocab)
+                .map(Row::Full),
+        }
+    }
+
+    /// Every row of sequence `i`'s tokens in this step, one after another
+    /// (one row unless it asked for [`Need::Every`]).
+    pub fn every(&self, i: usize, vocab: usize) -> Option<&[f32]> {
+        match *self.rows.get(i)? {
+            RowAt::Full(at) => self.full.get(at..at + vocab),
+            RowAt::Every(at, n) => self.full.get(at..at + n * vocab),
+            RowAt::Nothing | RowAt::Top(..) => None,
         }
     }
 
@@ -80,7 +119,9 @@ impl StepLogits {
         for (need, row) in needs.iter().zip(rows) {
             let at = match *need {
                 Need::Nothing => RowAt::Nothing,
-                Need::Full => {
+                // Only the last row came: a runner that serves `Every`
+                // does not come here (the default `step_for` refuses it).
+                Need::Full | Need::Every => {
                     let at = self.full.len();
                     self.full.extend_from_slice(row);
                     RowAt::Full(at)

@@ -210,7 +210,12 @@ pub trait ModelRunner: Send {
         stop: &(dyn Fn(usize) -> bool + Sync),
         out: &mut logits::StepLogits,
     ) -> Result<bool> {
-        let _ = needs;
+        if needs.contains(&logits::Need::Every) {
+            return Err(EngineError::Invalid(format!(
+                "runner {} does not compute every position's logits (prompt scoring)",
+                self.describe()
+            )));
+        }
         if !self.step(seqs, stop, &mut out.full)? {
             return Ok(false);
         }
@@ -221,6 +226,12 @@ pub trait ModelRunner: Send {
 
     /// Bytes of KV cache the runner holds.
     fn kv_bytes(&self) -> usize;
+
+    /// Whether `step_for` serves [`logits::Need::Every`] (every position's
+    /// logits, for scoring a prompt).
+    fn every_row(&self) -> bool {
+        false
+    }
 }
 
 impl ModelRunner for cpu::CpuRunner {
@@ -241,6 +252,29 @@ impl ModelRunner for cpu::CpuRunner {
         logits: &mut Vec<f32>,
     ) -> Result<bool> {
         cpu::CpuRunner::step(self, seqs, stop, logits)
+    }
+
+    fn step_for(
+        &mut self,
+        seqs: &[SeqStep],
+        needs: &[logits::Need],
+        stop: &(dyn Fn(usize) -> bool + Sync),
+        out: &mut logits::StepLogits,
+    ) -> Result<bool> {
+        let every: Vec<bool> = needs.iter().map(|n| *n == logits::Need::Every).collect();
+        if !self.step_rows(seqs, &every, stop, &mut out.full)? {
+            return Ok(false);
+        }
+        let counts = seqs
+            .iter()
+            .zip(&every)
+            .map(|(s, e)| if *e { s.tokens.len() } else { 1 });
+        out.all_full_counted(counts, self.vocab());
+        Ok(true)
+    }
+
+    fn every_row(&self) -> bool {
+        true
     }
 
     fn kv_bytes(&self) -> usize {

@@ -217,13 +217,22 @@ impl BlockPool {
     /// left to compute, for its logits), the rest is allocated. None when the
     /// pool cannot hold it now (nothing is taken then).
     pub fn allocate(&self, prompt: &[u32]) -> Option<SeqBlocks> {
+        self.allocate_reusing(prompt, true)
+    }
+
+    /// [`allocate`](Self::allocate), sharing cached blocks only when
+    /// `reuse` (a prompt whose every position is computed shares none).
+    pub fn allocate_reusing(&self, prompt: &[u32], reuse: bool) -> Option<SeqBlocks> {
         let bs = self.block_size;
         let need = self.blocks_for(prompt.len().max(1));
         let mut g = self.lock();
         let mut matched = Vec::new();
         let mut hashes = Vec::new();
         let mut prev = 0u64;
-        let reusable = prompt.len().saturating_sub(1) / bs;
+        let reusable = match reuse {
+            true => prompt.len().saturating_sub(1) / bs,
+            false => 0,
+        };
         let mut parent = None;
         for i in 0..reusable {
             let tokens = &prompt[i * bs..(i + 1) * bs];

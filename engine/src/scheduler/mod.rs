@@ -157,6 +157,8 @@ pub struct Engine {
     arrivals: Arc<Arrivals>,
     device: backend::Device,
     runner_desc: String,
+    /// The runner computes every position's logits (prompt scoring).
+    scores_prompts: bool,
     shares: Arc<fairq::Published>,
 }
 
@@ -201,6 +203,7 @@ impl Engine {
         let stats = Arc::new(EngineStats::default());
         let shared_cost = Arc::new(cost::SharedCost::default());
         let (device, runner_desc) = (runner.device(), runner.describe());
+        let scores_prompts = runner.every_row();
         let arrivals: Arc<Arrivals> = Arc::new(Default::default());
         let shares = Arc::new(fairq::Published::default());
         let worker = Worker {
@@ -240,6 +243,7 @@ impl Engine {
             arrivals,
             device,
             runner_desc,
+            scores_prompts,
             shares,
         })
     }
@@ -252,6 +256,11 @@ impl Engine {
     /// The runner's description (`cpu/avx2 x2 kv F16`).
     pub fn runner(&self) -> &str {
         &self.runner_desc
+    }
+
+    /// Whether its runner can score a prompt (`echo` with `logprobs`).
+    pub fn scores_prompts(&self) -> bool {
+        self.scores_prompts
     }
 
     /// The sizing it runs with.
@@ -449,7 +458,9 @@ impl Worker {
             .iter()
             .filter_map(|(i, start, toks)| {
                 let s = &self.running[*i];
-                let need = if start + toks.len() < s.tokens.len() {
+                let need = if s.scoring_prompt() {
+                    Need::Every
+                } else if start + toks.len() < s.tokens.len() {
                     Need::Nothing
                 } else if guides.iter().any(|(j, _)| j == i) {
                     Need::Full
@@ -518,6 +529,11 @@ impl Worker {
             s.computed = start + toks.len();
             if let Some(b) = s.blocks.as_mut() {
                 self.pool.seal(b, &s.tokens[..s.computed]);
+            }
+            if s.scoring_prompt() {
+                if let Some(rows) = self.logits.every(k, vocab) {
+                    s.score_prompt(*start, rows, vocab, &self.loaded.codec);
+                }
             }
             if s.computed == s.tokens.len() {
                 let mask = match masks.iter().position(|(j, _)| j == i) {

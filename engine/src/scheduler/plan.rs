@@ -38,6 +38,10 @@ use std::time::Instant;
 /// back; the next step runs their decodes alongside it.
 pub const MAX_HELD_STEPS: u32 = 4;
 
+/// Most tokens of a scored prompt in one step (each holds a row of logits:
+/// 256 rows of SmolLM2's 49,152 are 50 MB).
+const SCORED_CHUNK: usize = 256;
+
 /// One planned piece of a step: `running[seq]` computes its next `tokens`.
 #[derive(Debug, Clone, Copy)]
 pub(super) struct Planned {
@@ -93,6 +97,8 @@ impl Worker {
                     reserve = reserve.saturating_sub(1);
                     1
                 }
+                // A scored prompt's step holds a row of logits per token.
+                _ if s.scoring_prompt() => need.min(budget - reserve).min(SCORED_CHUNK),
                 _ => need.min(budget - reserve),
             };
             // May preempt sequences after i (never a planned one).
@@ -150,7 +156,9 @@ impl Worker {
     /// pool is short. False when it cannot start now.
     fn admit(&mut self, at: usize, rank: u32) -> bool {
         loop {
-            if let Some(blocks) = self.pool.allocate(&self.waiting[0].tokens) {
+            // A scored prompt computes every position: no cached prefix.
+            let w = &self.waiting[0];
+            if let Some(blocks) = self.pool.allocate_reusing(&w.tokens, !w.scoring_prompt()) {
                 let mut s = self.waiting.remove(0);
                 s.computed = blocks.cached_tokens;
                 s.cached_tokens = blocks.cached_tokens;

@@ -3,10 +3,11 @@
 //! next-token logits.
 
 use super::GenerateRequest;
-use crate::api::{Event, FinishReason, Usage};
+use crate::api::{Alt, Event, FinishReason, TokenLogprob, Usage};
 use crate::backend::logits::Row;
 use crate::guide::{Guide, Mask};
 use crate::kv::SeqBlocks;
+use crate::logprob::Before;
 use crate::sampling::{Sampler, StopMatcher};
 use crate::tokenizer::{DecodeOffsets, TextCodec};
 use std::time::{Duration, Instant};
@@ -43,6 +44,10 @@ pub(super) struct Seq {
     /// Its prompt was charged to the tenant (it was granted a slot once;
     /// a preempted sequence back in the queue is not charged again).
     pub charged: bool,
+    /// The prompt's report (`echo`), filled as its chunks are scored.
+    prompt_report: Vec<TokenLogprob>,
+    /// The report went out (before the first token).
+    prompt_sent: bool,
 }
 
 impl Seq {
@@ -53,6 +58,8 @@ impl Seq {
                 .as_ref()
                 .map_or_else(|| crate::fair::Tenant::anonymous().id, |t| t.id),
             charged: false,
+            prompt_report: Vec::new(),
+            prompt_sent: false,
             guide: req.guide.take(),
             tokens: req.prompt.clone(),
             prompt_len: req.prompt.len(),
@@ -86,6 +93,51 @@ impl Seq {
         self.sampler.needs_top(max)
     }
 
+    /// Its prompt is being scored and some of it is not yet: a step must
+    /// hand it every position's logits.
+    pub fn scoring_prompt(&self) -> bool {
+        self.req.sampling.echo
+            && self.req.sampling.prompt_logprobs.is_some()
+            && self.prompt_report.len() < self.prompt_len
+    }
+
+    /// Score the prompt tokens that the rows of a step predict: `rows` are
+    /// the logits of positions `start..`, one row each, and the row of
+    /// position p predicts token p + 1.
+    pub fn score_prompt(&mut self, start: usize, rows: &[f32], vocab: usize, codec: &TextCodec) {
+        let k = self.req.sampling.prompt_logprobs.unwrap_or(0);
+        if self.prompt_report.is_empty() && self.prompt_len > 0 {
+            // Nothing predicts the first token.
+            self.prompt_report
+                .push(report(codec, self.tokens[0], None, &[]));
+        }
+        for (r, row) in rows.chunks_exact(vocab.max(1)).enumerate() {
+            let target = start + r + 1;
+            // Rows of positions already scored (a recompute after
+            // preemption) or past the prompt are not the prompt's.
+            if target != self.prompt_report.len() || target >= self.prompt_len {
+                continue;
+            }
+            let id = self.tokens[target];
+            let (lp, alts) = crate::logprob::score(row, id, k);
+            self.prompt_report.push(report(codec, id, Some(lp), &alts));
+        }
+    }
+
+    /// Send the prompt's report once, before the first token (`echo`).
+    fn send_prompt(&mut self, codec: &TextCodec) {
+        if self.prompt_sent || !self.req.sampling.echo {
+            return;
+        }
+        self.prompt_sent = true;
+        let mut out = std::mem::take(&mut self.prompt_report);
+        // Unscored tokens (echo alone) are listed with their bytes only.
+        for &id in &self.tokens[out.len()..self.prompt_len] {
+            out.push(report(codec, id, None, &[]));
+        }
+        let _ = self.tx.send(Event::Prompt(out));
+    }
+
     pub fn fail(&mut self, why: &str) {
         let _ = self.tx.send(Event::Error(why.to_string()));
         self.finished = true;
@@ -116,8 +168,22 @@ impl Seq {
     /// sequence samples only what its grammar allows (`mask`, computed
     /// during the step; here if it was not).
     pub fn advance(&mut self, logits: Row<'_>, codec: &TextCodec, mask: Option<Mask>) -> Outcome {
+        self.send_prompt(codec);
+        if self.req.max_tokens == 0 {
+            // Scoring only (`echo` with `max_tokens` 0).
+            return self.done(FinishReason::Length);
+        }
+        // The report is of the row as the model produced it: a row that
+        // sampling changes in place is kept whole until the token is known.
+        let mut scored: Option<Before> = None;
+        let mut report_of: Option<(f32, Vec<(u32, f32)>)> = None;
+        let want = self.req.sampling.logprobs;
         let next = match logits {
             Row::Full(logits) => {
+                if let Some(k) = want {
+                    let changes = self.req.sampling.adjusts_logits() || self.guide.is_some();
+                    scored = Some(Before::take(logits, k, changes));
+                }
                 self.sampler.adjust(logits, &self.tokens);
                 if let Some(g) = self.guide.as_mut() {
                     let mask = match mask.map(Ok).unwrap_or_else(|| g.mask()) {
@@ -130,7 +196,9 @@ impl Seq {
                     mask.apply(logits);
                 }
                 self.sampler.cut(logits);
-                self.sampler.sample(logits)
+                let next = self.sampler.sample(logits);
+                report_of = scored.map(|b| b.chosen(logits, next));
+                next
             }
             // The scheduler asks for candidates only without a grammar.
             Row::Top(_) if self.guide.is_some() => {
@@ -139,6 +207,13 @@ impl Seq {
             }
             Row::Top(cands) => self.sampler.sample_top(cands),
         };
+        if let Some((lp, alts)) = report_of {
+            // Before the token's own event, end of sequence included (as
+            // vLLM lists it: a scorer echoing `max_tokens` 1 drops the last
+            // token's report, whichever it is).
+            let r = report(codec, next, Some(lp), &alts);
+            let _ = self.tx.send(Event::Logprob(Box::new(r)));
+        }
         if codec.eos.contains(&next) {
             return self.done(FinishReason::Stop);
         }
@@ -191,5 +266,22 @@ impl Seq {
             return self.done(FinishReason::Length);
         }
         Outcome::Continue
+    }
+}
+
+/// One token's report: its bytes and those of its alternatives.
+fn report(codec: &TextCodec, id: u32, logprob: Option<f32>, alts: &[(u32, f32)]) -> TokenLogprob {
+    TokenLogprob {
+        id,
+        bytes: codec.token_bytes(id),
+        logprob,
+        top: alts
+            .iter()
+            .map(|&(id, logprob)| Alt {
+                id,
+                bytes: codec.token_bytes(id),
+                logprob,
+            })
+            .collect(),
     }
 }

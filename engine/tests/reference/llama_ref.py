@@ -6,7 +6,9 @@ Dequantizes every weight with the `gguf` package and runs the model in numpy
 no numeric shortcuts with the Rust engine. Input (stdin, JSON):
 {"model": path, "prompts": [[ids...], ...], "steps": N}. Output (stdout,
 JSON): per prompt, the greedy tokens, the top-two logit margin at each step,
-and the logits of the first step.
+and the logits of the first step. With "score": k instead of "steps", each
+prompt is scored instead: every token's log-probability given the ones
+before it and the k likeliest tokens at its position.
 """
 import json, sys
 import numpy as np
@@ -66,7 +68,7 @@ class Ref:
         self.out = self.w.get("output.weight", self.w["token_embd.weight"])
         self.neox = a == "qwen2"
 
-    def forward(self, ids, cache):
+    def forward(self, ids, cache, every=False):
         w, pos, n = self.w, cache["len"], len(ids)
         x = w["token_embd.weight"][ids]
         for i in range(self.L):
@@ -96,13 +98,38 @@ class Ref:
             u = h @ w[p + "ffn_up.weight"].T
             x = x + (g / (1 + np.exp(-g)) * u) @ w[p + "ffn_down.weight"].T
         cache["len"] += n
+        if every:
+            return rms(x, w["output_norm.weight"], self.eps) @ self.out.T
         last = rms(x[-1:], w["output_norm.weight"], self.eps)
         return (last @ self.out.T)[0]
+
+
+def score(ref, ids, k):
+    """Each token's log-probability given the ones before it (None for the
+    first) and the k likeliest tokens at its position, from one forward
+    pass over all of them (float64 log-softmax of every row)."""
+    rows = ref.forward(list(ids), {"len": 0, "k": {}, "v": {}}, every=True).astype(np.float64)
+    rows -= rows.max(-1, keepdims=True)
+    rows -= np.log(np.exp(rows).sum(-1, keepdims=True))
+    out = [{"logprob": None, "top": []}]
+    for p in range(1, len(ids)):
+        row = rows[p - 1]
+        top = np.argsort(-row, kind="stable")[:k]
+        second = np.sort(row)[-2:]
+        out.append({
+            "logprob": float(row[ids[p]]),
+            "top": [[int(t), float(row[t])] for t in top],
+            "margin": float(second[1] - second[0]),
+        })
+    return out
 
 
 def main():
     req = json.load(sys.stdin)
     ref = Ref(req["model"])
+    if "score" in req:
+        json.dump([score(ref, ids, req["score"]) for ids in req["prompts"]], sys.stdout)
+        return
     results = []
     for ids in req["prompts"]:
         cache = {"len": 0, "k": {}, "v": {}}

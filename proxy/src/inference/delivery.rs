@@ -9,7 +9,7 @@ use async_trait::async_trait;
 use bytes::Bytes;
 use serde_json::{json, Value};
 use std::time::{Duration, Instant};
-use ultrafast_engine::api::{BackendError, FinishReason, Usage};
+use ultrafast_engine::api::{BackendError, FinishReason, TokenLogprob, Usage};
 
 /// The consumer of a response went away.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -101,6 +101,19 @@ pub trait Sink: Send {
     async fn heartbeat(&mut self) -> Result<(), Gone>;
     /// A piece of text, as the pacer releases it.
     async fn text(&mut self, text: &str) -> Result<(), Gone>;
+    /// The prompt's tokens (`echo`), scored when asked, before any text.
+    /// Only the sinks of OpenAI's endpoints are handed them (the other
+    /// dialects refuse the fields that ask).
+    async fn prompt(&mut self, tokens: Vec<TokenLogprob>) -> Result<(), Gone> {
+        let _ = tokens;
+        Ok(())
+    }
+    /// The reports of the tokens whose text comes next (`logprobs`), just
+    /// before that [`text`](Sink::text). Only the sinks of OpenAI's
+    /// endpoints are handed them.
+    fn logprobs(&mut self, tokens: Vec<TokenLogprob>) {
+        let _ = tokens;
+    }
     /// An upstream's SSE events, to write as they are. Only a sink that
     /// asked for the pass-through (`InferenceRequest::raw_sse`: the SSE
     /// sink) receives them; any other drops them, saying so in the log.

@@ -14,7 +14,7 @@ use super::pacer::{PaceSpec, Pacer};
 use super::predict::Ticket;
 use std::future::Future;
 use std::time::{Duration, Instant};
-use ultrafast_engine::api::{Event, EventStream};
+use ultrafast_engine::api::{Event, EventStream, TokenLogprob};
 
 /// How often an idle stream gets an SSE comment.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -126,7 +126,8 @@ pub async fn drive<S: Sink + ?Sized>(
     mut on_token: impl OnText,
 ) -> Result<Option<Finished>, Gone> {
     let dispatched = Instant::now();
-    let mut pacer: Pacer<String> = Pacer::new(if sink.streaming() {
+    // Text with the reports of the tokens it completes (`logprobs`).
+    let mut pacer: Pacer<(String, Vec<TokenLogprob>)> = Pacer::new(if sink.streaming() {
         pace
     } else {
         PaceSpec::OFF
@@ -134,14 +135,20 @@ pub async fn drive<S: Sink + ?Sized>(
     let mut last_token: Option<Instant> = None;
     let mut last_write = Instant::now();
     let mut end: Option<Result<Finished, String>> = None;
+    // Reports of tokens whose text is not out yet (held back while a
+    // character or a stop sequence is incomplete).
+    let mut reports: Vec<TokenLogprob> = Vec::new();
     loop {
         let now = Instant::now();
-        let due: Vec<String> = if end.is_some() {
+        let due: Vec<(String, Vec<TokenLogprob>)> = if end.is_some() {
             pacer.drain().collect()
         } else {
             std::iter::from_fn(|| pacer.pop_due(now)).collect()
         };
-        for text in due {
+        for (text, lps) in due {
+            if !lps.is_empty() {
+                sink.logprobs(lps);
+            }
             sink.text(&text).await?;
             last_write = delivered(delivery, timing, &mut on_text);
         }
@@ -188,9 +195,11 @@ pub async fn drive<S: Sink + ?Sized>(
                 delivery.tokens += 1;
                 produced(ticket, dispatched, &mut last_token, &mut on_token, now);
                 if !text.is_empty() {
-                    pacer.push(text, now);
+                    pacer.push((text, std::mem::take(&mut reports)), now);
                 }
             }
+            Wake::Event(Some(Event::Logprob(r))) => reports.push(*r),
+            Wake::Event(Some(Event::Prompt(tokens))) => sink.prompt(tokens).await?,
             Wake::Event(Some(Event::Raw { sse, tokens, end })) => {
                 // The pass-through: no pacing (it is chosen only for lanes
                 // without), the events written as they came.
@@ -213,8 +222,8 @@ pub async fn drive<S: Sink + ?Sized>(
                 queue,
                 compute,
             })) => {
-                if !text.is_empty() {
-                    pacer.push(text, Instant::now());
+                if !text.is_empty() || !reports.is_empty() {
+                    pacer.push((text, std::mem::take(&mut reports)), Instant::now());
                 }
                 end = Some(Ok(Finished {
                     finish,

@@ -27,6 +27,11 @@ pub struct Reply {
 }
 
 impl Reply {
+    /// A 200 with this JSON body.
+    pub fn json(v: Value) -> Self {
+        Self::ok(v)
+    }
+
     fn ok(v: Value) -> Self {
         Reply {
             status: 200,

@@ -27,7 +27,8 @@ use Field::{Honoured, Ignored, Refused};
 const ONE_TIER: Field = Ignored("one service tier here; lanes are chosen by `priority`");
 const NO_CACHE_KEY: Field = Ignored("the prefix cache matches prompts without a key");
 const USER_IS_TENANT: Field = Ignored("`user` names the tenant; no safety system reads it");
-const NO_LOGPROBS: Field = Refused("log probabilities are not returned yet");
+const NO_LOGPROBS: Field =
+    Refused("log probabilities are returned by chat completions and completions, not here");
 const TEXT_ONLY: Field = Refused("the models here produce text only");
 const NOT_REASONING: Field = Refused("the models here are not reasoning models");
 
@@ -67,9 +68,9 @@ pub const OPENAI: &[(&str, Field)] = &[
     ("service_tier", ONE_TIER),
     ("prompt_cache_key", NO_CACHE_KEY),
     ("safety_identifier", USER_IS_TENANT),
-    ("logprobs", NO_LOGPROBS),
-    ("top_logprobs", NO_LOGPROBS),
-    ("echo", Refused("the prompt is not echoed back yet")),
+    ("logprobs", Honoured),
+    ("top_logprobs", Honoured),
+    ("echo", Honoured),
     ("best_of", Refused("best_of is not supported; use n = 1")),
     ("suffix", Refused("insertion (suffix) is not supported")),
     ("modalities", TEXT_ONLY),
@@ -196,7 +197,7 @@ fn unrecognized(k: &str) -> BackendError {
 fn asks_nothing(name: &str, v: &Value) -> bool {
     match v {
         Value::Null | Value::Bool(false) => true,
-        Value::Number(n) => n.as_f64() == Some(0.0) && name != "logprobs",
+        Value::Number(n) => n.as_f64() == Some(0.0),
         Value::String(s) => s.is_empty(),
         Value::Array(a) => a.is_empty() || (name == "modalities" && a.iter().all(|m| m == "text")),
         Value::Object(o) => o.is_empty(),
@@ -235,13 +236,9 @@ mod tests {
             OPENAI
         )
         .is_ok());
-        let e = check(&obj(r#"{"logprobs":true}"#), OPENAI).unwrap_err();
-        assert_eq!((e.status, e.param), (400, Some("logprobs")));
-        // Completions' logprobs: 0 asks for the chosen tokens' logprobs.
-        assert_eq!(
-            check(&obj(r#"{"logprobs":0}"#), OPENAI).unwrap_err().param,
-            Some("logprobs")
-        );
+        assert!(check(&obj(r#"{"logprobs":true,"top_logprobs":2}"#), OPENAI).is_ok());
+        let e = check(&obj(r#"{"top_logprobs":2}"#), RESPONSES).unwrap_err();
+        assert_eq!((e.status, e.param), (400, Some("top_logprobs")));
         let e = check(&obj(r#"{"modalities":["text","audio"]}"#), OPENAI).unwrap_err();
         assert_eq!(e.param, Some("modalities"));
         let e = check(&obj(r#"{"unknown_field":1}"#), OPENAI).unwrap_err();

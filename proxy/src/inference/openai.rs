@@ -298,21 +298,101 @@ fn messages(o: &Map<String, Value>) -> Result<Vec<ChatMessage>, BackendError> {
     Ok(out)
 }
 
-fn prompt_text(o: &Map<String, Value>) -> Result<String, BackendError> {
+/// Completions' `prompt`: a string, token ids, or a one-element list of
+/// either (what batching clients send one at a time).
+fn completion_prompt(o: &Map<String, Value>) -> Result<Prompt, BackendError> {
+    let ids = |a: &[Value]| -> Option<Vec<u32>> {
+        a.iter()
+            .map(|v| v.as_u64().and_then(|t| u32::try_from(t).ok()))
+            .collect()
+    };
     match opt(o, "prompt") {
         None => Err(bad(
             "prompt",
             "Missing required parameter: 'prompt'.".into(),
         )),
-        Some(Value::String(s)) => Ok(s.clone()),
-        Some(Value::Array(a)) if a.len() == 1 && a[0].is_string() => {
-            Ok(a[0].as_str().unwrap_or_default().to_string())
+        Some(Value::String(s)) => Ok(Prompt::Text(s.clone())),
+        Some(Value::Array(a)) if a.len() == 1 && a[0].is_string() => Ok(Prompt::Text(
+            a[0].as_str().unwrap_or_default().to_string(),
+        )),
+        Some(Value::Array(a)) if !a.is_empty() && a.iter().all(Value::is_number) => ids(a)
+            .map(Prompt::Tokens)
+            .ok_or_else(|| bad("prompt", "token ids must be integers from 0 to 2^32-1.".into())),
+        Some(Value::Array(a)) if a.len() == 1 && a[0].is_array() => {
+            match a[0].as_array().and_then(|t| ids(t)) {
+                Some(t) if !t.is_empty() => Ok(Prompt::Tokens(t)),
+                _ => Err(bad(
+                    "prompt",
+                    "token ids must be a non-empty list of integers from 0 to 2^32-1.".into(),
+                )),
+            }
         }
         Some(Value::Array(_)) => Err(bad(
             "prompt",
-            "only one prompt per request is supported (a string or a one-element list).".into(),
+            "only one prompt per request is supported (a string, a list of token ids, or a one-element list of either).".into(),
         )),
         Some(v) => Err(wrong_type("prompt", "a string", v)),
+    }
+}
+
+/// What a request asks to see besides the text (see [`scores`]).
+struct Scores {
+    logprobs: Option<usize>,
+    echo: bool,
+    prompt_logprobs: Option<usize>,
+}
+
+/// Chat: `logprobs` (bool) and `top_logprobs` (0-20, only with
+/// `logprobs`). Completions: `logprobs` (0-5 alternatives) and `echo`
+/// (the prompt first, scored when `logprobs` is set).
+fn scores(endpoint: Endpoint, o: &Map<String, Value>) -> Result<Scores, BackendError> {
+    match endpoint {
+        Endpoint::Chat => {
+            let on = boolean(o, "logprobs")?;
+            let top = uint(o, "top_logprobs")?;
+            if let Some(k) = top {
+                if k > ultrafast_engine::api::MAX_LOGPROBS as u64 {
+                    return Err(bad(
+                        "top_logprobs",
+                        format!(
+                            "'top_logprobs' must be at most {}.",
+                            ultrafast_engine::api::MAX_LOGPROBS
+                        ),
+                    ));
+                }
+                if !on {
+                    return Err(bad(
+                        "top_logprobs",
+                        "'logprobs' must be true when 'top_logprobs' is set.".into(),
+                    ));
+                }
+            }
+            Ok(Scores {
+                logprobs: on.then_some(top.unwrap_or(0) as usize),
+                echo: false,
+                prompt_logprobs: None,
+            })
+        }
+        Endpoint::Completions => {
+            let k = match opt(o, "logprobs") {
+                None => None,
+                Some(v) => match v.as_u64() {
+                    Some(k) if k <= 5 => Some(k as usize),
+                    _ => {
+                        return Err(bad(
+                            "logprobs",
+                            "'logprobs' must be an integer from 0 to 5.".into(),
+                        ))
+                    }
+                },
+            };
+            let echo = boolean(o, "echo")?;
+            Ok(Scores {
+                logprobs: k,
+                echo,
+                prompt_logprobs: k.filter(|_| echo),
+            })
+        }
     }
 }
 
@@ -611,14 +691,16 @@ pub fn parse(endpoint: Endpoint, body: &[u8]) -> Result<Parsed, BackendError> {
         .ok_or_else(|| bad("model", "Missing required parameter: 'model'.".into()))?;
     let prompt = match endpoint {
         Endpoint::Chat => Prompt::Chat(messages(o)?),
-        Endpoint::Completions => Prompt::Text(prompt_text(o)?),
+        Endpoint::Completions => completion_prompt(o)?,
     };
     metadata(o)?;
+    let scores = scores(endpoint, o)?;
     let max_tokens = match uint(o, "max_completion_tokens")? {
         Some(m) => Some(m),
         None => uint(o, "max_tokens")?,
     };
-    if max_tokens == Some(0) {
+    // Zero asks for scoring only, which needs the prompt echoed.
+    if max_tokens == Some(0) && !scores.echo {
         let p = if opt(o, "max_completion_tokens").is_some() {
             "max_completion_tokens"
         } else {
@@ -683,6 +765,9 @@ pub fn parse(endpoint: Endpoint, body: &[u8]) -> Result<Parsed, BackendError> {
             repetition_penalty: repetition_penalty(o)?,
             min_p: num(o, "min_p", 0.0, 1.0)?.unwrap_or(0.0) as f32,
             logit_bias: logit_bias(o)?,
+            logprobs: scores.logprobs,
+            echo: scores.echo,
+            prompt_logprobs: scores.prompt_logprobs,
         },
         stop: stop(o)?,
         stream,
@@ -737,6 +822,11 @@ impl Ident {
             model: model.to_string(),
             endpoint,
         }
+    }
+
+    /// The endpoint it answers.
+    pub fn endpoint(&self) -> Endpoint {
+        self.endpoint
     }
 
     /// One streamed chunk: text (or the role on the first chunk of a chat),

@@ -79,6 +79,21 @@ impl Front {
         // Boxed: the async and dialect paths' states would otherwise size
         // (and be copied with) every completion's future.
         if inc.prefers_async() || call.parsed.background {
+            let s = &call.req.sampling;
+            if let Some(field) = [(s.logprobs.is_some(), "logprobs"), (s.echo, "echo")]
+                .iter()
+                .find_map(|(on, f)| on.then_some(*f))
+            {
+                // The job store keeps text; a report it dropped would be a
+                // field silently ignored.
+                let e = BackendError::invalid(
+                    "invalid_request_error",
+                    Some(field),
+                    format!("'{field}' is not available for async requests; ask synchronously."),
+                );
+                let mut sink = JsonSink::new(down, Ident::new(ep, "", ""), headers);
+                return sink.fail(&error(&e)).await;
+            }
             return Box::pin(self.start_job(metrics, inc, call, headers, down)).await;
         }
         if call.parsed.dialect != Dialect::OpenAi {
@@ -92,10 +107,16 @@ impl Front {
             if passes_through(inc, &call) {
                 call.req.raw_sse = Some(RawSse { usage });
             }
-            let mut sink = SseSink::new(down, ident, headers, usage).with_tools(tools);
+            let scored = call.req.sampling.logprobs.is_some();
+            let mut sink = SseSink::new(down, ident, headers, usage)
+                .with_tools(tools)
+                .with_logprobs(scored);
             super::run::run(metrics, inc, call, &mut sink).await
         } else {
-            let mut sink = JsonSink::new(down, ident, headers).with_tools(tools);
+            let scored = call.req.sampling.logprobs.is_some();
+            let mut sink = JsonSink::new(down, ident, headers)
+                .with_tools(tools)
+                .with_logprobs(scored);
             super::run::run(metrics, inc, call, &mut sink).await
         }
     }

@@ -55,6 +55,7 @@ pub async fn send(front: &Front, cfg: &dyn super::live::Live, p: &Probe) {
             match rx.recv().await? {
                 Event::Token { text, .. } if !text.is_empty() => return Some(rx),
                 Event::Token { .. } | Event::Raw { .. } => continue,
+                Event::Prompt(_) | Event::Logprob(_) => continue,
                 Event::Done { .. } | Event::Error(_) => return None,
             }
         }
@@ -74,6 +75,7 @@ pub async fn send(front: &Front, cfg: &dyn super::live::Live, p: &Probe) {
                 prev = Instant::now();
             }
             Event::Token { .. } | Event::Raw { .. } => {}
+            Event::Prompt(_) | Event::Logprob(_) => {}
             Event::Done { .. } | Event::Error(_) => break,
         }
     }

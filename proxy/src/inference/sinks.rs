@@ -5,6 +5,7 @@
 
 use super::delivery::{Downstream, Failure, Finished, Gone, Sink, Timing};
 use super::jobs::{self, Job};
+use super::logprobs::{Reports, Shape};
 use super::openai::{self, Ident};
 use super::shape::{Collected, Piece, Shaper};
 use super::sse;
@@ -13,7 +14,7 @@ use bytes::Bytes;
 use serde_json::Value;
 use std::sync::Arc;
 use tokio::sync::watch;
-use ultrafast_engine::api::FinishReason;
+use ultrafast_engine::api::{FinishReason, TokenLogprob};
 
 /// Headers every admitted response carries (request id, lane, prediction).
 pub type Headers = Vec<(&'static str, String)>;
@@ -45,6 +46,25 @@ pub struct SseSink<'a, D: Downstream + ?Sized> {
     /// The pass-through's last events (from the upstream's finish chunk
     /// on), written at the end with the edge's timing in the finish chunk.
     raw_tail: Option<String>,
+    /// The reports of the request's tokens (it asked for `logprobs`).
+    reports: Option<Reports>,
+}
+
+/// The shape of reports an endpoint writes.
+fn shape_of(ident: &Ident) -> Shape {
+    match ident.endpoint() {
+        openai::Endpoint::Chat => Shape::Chat,
+        openai::Endpoint::Completions => Shape::Legacy,
+    }
+}
+
+/// The text of an echoed prompt.
+fn prompt_text(tokens: &[TokenLogprob]) -> String {
+    let bytes: Vec<u8> = tokens
+        .iter()
+        .flat_map(|t| t.bytes.iter().copied())
+        .collect();
+    String::from_utf8_lossy(&bytes).into_owned()
 }
 
 /// The finish reason a response reports: `tool_calls` when it made any.
@@ -71,7 +91,23 @@ impl<'a, D: Downstream + ?Sized> SseSink<'a, D> {
             include_usage,
             shaper: None,
             raw_tail: None,
+            reports: None,
         }
+    }
+
+    /// Write the tokens' reports in its chunks (`logprobs`).
+    pub fn with_logprobs(mut self, on: bool) -> Self {
+        self.reports = on.then(|| Reports::new(shape_of(&self.ident)));
+        self
+    }
+
+    /// A chunk of `text` carrying the reports waiting for it.
+    fn scored_line(&mut self, text: &str) -> Bytes {
+        let mut v = self.ident.chunk(text, self.first_chunk, None);
+        if let Some(r) = self.reports.as_mut() {
+            v["choices"][0]["logprobs"] = r.take();
+        }
+        sse::data(&v.to_string())
     }
 
     /// Read the output for tool calls (the request has tools).
@@ -83,9 +119,15 @@ impl<'a, D: Downstream + ?Sized> SseSink<'a, D> {
     async fn pieces(&mut self, pieces: Vec<Piece>) -> Result<(), Gone> {
         for p in pieces {
             let line = match &p {
+                Piece::Text(t) if self.reports.is_some() => self.scored_line(t),
                 Piece::Text(t) => self.ident.chunk_line(t, self.first_chunk),
                 _ => match self.ident.tool_chunk(&p, self.first_chunk) {
-                    Some(v) => sse::data(&v.to_string()),
+                    Some(mut v) => {
+                        if let Some(r) = self.reports.as_mut().filter(|r| r.waiting()) {
+                            v["choices"][0]["logprobs"] = r.take();
+                        }
+                        sse::data(&v.to_string())
+                    }
                     None => continue,
                 },
             };
@@ -140,9 +182,30 @@ impl<D: Downstream + ?Sized> Sink for SseSink<'_, D> {
             let pieces = sh.push(text);
             return self.pieces(pieces).await;
         }
-        let line = self.ident.chunk_line(text, self.first_chunk);
+        let line = match self.reports {
+            Some(_) => self.scored_line(text),
+            None => self.ident.chunk_line(text, self.first_chunk),
+        };
         self.first_chunk = false;
         self.down.body(line, false).await
+    }
+
+    async fn prompt(&mut self, tokens: Vec<TokenLogprob>) -> Result<(), Gone> {
+        self.head().await?;
+        let text = prompt_text(&tokens);
+        if let Some(r) = self.reports.as_mut() {
+            r.add(tokens);
+        }
+        // The echo goes out as the stream's first text, as OpenAI sends it.
+        let line = self.scored_line(&text);
+        self.first_chunk = false;
+        self.down.body(line, false).await
+    }
+
+    fn logprobs(&mut self, tokens: Vec<TokenLogprob>) {
+        if let Some(r) = self.reports.as_mut() {
+            r.add(tokens);
+        }
     }
 
     async fn raw(&mut self, sse: String, end: bool) -> Result<(), Gone> {
@@ -172,6 +235,9 @@ impl<D: Downstream + ?Sized> Sink for SseSink<'_, D> {
             None => {
                 let finish = finish_of(&self.shaper, end.finish);
                 let mut last = self.ident.chunk("", false, Some(finish));
+                if let Some(r) = self.reports.as_mut().filter(|r| r.waiting()) {
+                    last["choices"][0]["logprobs"] = r.take();
+                }
                 last["ultrafast_timing"] = t.json();
                 self.down.body(sse::data(&last.to_string()), false).await?;
                 if self.include_usage {
@@ -233,6 +299,8 @@ pub struct JsonSink<'a, D: Downstream + ?Sized> {
     headers: Headers,
     out: Collected,
     shaper: Option<Shaper>,
+    /// The reports of the request's tokens (it asked for `logprobs`).
+    reports: Option<Reports>,
 }
 
 impl<'a, D: Downstream + ?Sized> JsonSink<'a, D> {
@@ -244,7 +312,14 @@ impl<'a, D: Downstream + ?Sized> JsonSink<'a, D> {
             headers,
             out: Collected::default(),
             shaper: None,
+            reports: None,
         }
+    }
+
+    /// Write the tokens' reports (`logprobs`).
+    pub fn with_logprobs(mut self, on: bool) -> Self {
+        self.reports = on.then(|| Reports::new(shape_of(&self.ident)));
+        self
     }
 
     /// Read the output for tool calls (the request has tools).
@@ -276,15 +351,29 @@ impl<D: Downstream + ?Sized> Sink for JsonSink<'_, D> {
         Ok(())
     }
 
+    async fn prompt(&mut self, tokens: Vec<TokenLogprob>) -> Result<(), Gone> {
+        // The echo comes first: nothing has been written before it.
+        self.out.text.insert_str(0, &prompt_text(&tokens));
+        self.logprobs(tokens);
+        Ok(())
+    }
+
+    fn logprobs(&mut self, tokens: Vec<TokenLogprob>) {
+        if let Some(r) = self.reports.as_mut() {
+            r.add(tokens);
+        }
+    }
+
     async fn done(&mut self, end: &Finished, t: &mut Timing) -> Result<(), Gone> {
         if let Some(sh) = self.shaper.as_mut() {
             sh.finish().iter().for_each(|p| self.out.add(p));
         }
         let finish = finish_of(&self.shaper, end.finish);
-        let body = self
-            .ident
-            .full_calls(&self.out, finish, &end.usage)
-            .to_string();
+        let mut body = self.ident.full_calls(&self.out, finish, &end.usage);
+        if let Some(r) = self.reports.as_mut() {
+            body["choices"][0]["logprobs"] = r.take();
+        }
+        let body = body.to_string();
         t.stamp();
         let st = t.header();
         let len = body.len().to_string();

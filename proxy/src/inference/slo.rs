@@ -227,6 +227,7 @@ fn within_target(
 pub fn estimate_tokens(prompt: &Prompt, bound: Option<PromptBound>) -> usize {
     let e = match prompt {
         Prompt::Text(t) => t.len() / 4 + 1,
+        Prompt::Tokens(t) => t.len(),
         Prompt::Chat(m) => m.iter().map(|m| m.content.len() / 4 + 8).sum::<usize>() + 2,
     };
     bound.map_or(e, |b| e.min(b.context.max(1)))
@@ -236,7 +237,7 @@ pub fn estimate_tokens(prompt: &Prompt, bound: Option<PromptBound>) -> usize {
 pub fn prompt_bytes(prompt: &Prompt) -> usize {
     let roles = match prompt {
         Prompt::Chat(m) => m.iter().map(|m| m.role.len()).sum(),
-        Prompt::Text(_) => 0,
+        Prompt::Text(_) | Prompt::Tokens(_) => 0,
     };
     prompt.text_bytes() + roles
 }

@@ -10,7 +10,7 @@ use ultrafast_engine::api::Prompt;
 fn operation(call: &Call) -> &'static str {
     match call.req.prompt {
         Prompt::Chat(_) => "chat",
-        Prompt::Text(_) => "text_completion",
+        Prompt::Text(_) | Prompt::Tokens(_) => "text_completion",
     }
 }
 

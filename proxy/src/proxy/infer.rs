@@ -244,6 +244,21 @@ impl EdgeProxy {
             (&http::Method::GET, ["v1", "requests", id, "events"]) => {
                 return Box::pin(front.job_events(inc, id, down)).await
             }
+            (&http::Method::POST, ["tokenize"] | ["v1", "tokenize"]) => {
+                let Some(body) = self.body(down, inc).await? else {
+                    return Ok(());
+                };
+                Box::pin(front.tokenize(inc, &body)).await
+            }
+            (&http::Method::POST, ["detokenize"] | ["v1", "detokenize"]) => {
+                let Some(body) = self.body(down, inc).await? else {
+                    return Ok(());
+                };
+                front.detokenize(inc, &body)
+            }
+            (&http::Method::GET, ["tokenizer_info"] | ["v1", "tokenizer_info"]) => {
+                front.tokenizer_info(inc)
+            }
             (&http::Method::GET, ["v1", "models"]) => front.models(inc),
             (&http::Method::GET, ["v1", "models", id]) => front.model(inc, id),
             (&http::Method::GET, ["v1", "requests", id]) => {
@@ -290,6 +305,21 @@ impl EdgeProxy {
         api: impl Into<Api>,
     ) -> std::result::Result<(), Gone> {
         let api = api.into();
+        let Some(body) = self.body(down, inc).await? else {
+            return Ok(());
+        };
+        self.front
+            .completion(&self.metrics.inference, inc, api, &body, down)
+            .await
+    }
+
+    /// The request body, bounded: None when it was too large (the 413 is
+    /// sent).
+    async fn body(
+        &self,
+        down: &mut Down<'_>,
+        inc: &mut Incoming,
+    ) -> std::result::Result<Option<BytesMut>, Gone> {
         let max = down.max_body;
         let mut body = BytesMut::new();
         loop {
@@ -304,7 +334,7 @@ impl EdgeProxy {
                             "request body too large".into(),
                         );
                         let f = crate::inference::sinks::backend_failure(&e);
-                        return fail(down, &f).await;
+                        return fail(down, &f).await.map(|()| None);
                     }
                 }
                 Ok(None) => break,
@@ -312,9 +342,7 @@ impl EdgeProxy {
             }
         }
         inc.network = inc.arrived.elapsed();
-        self.front
-            .completion(&self.metrics.inference, inc, api, &body, down)
-            .await
+        Ok(Some(body))
     }
 }
 

@@ -115,6 +115,9 @@ struct Plan {
     /// Runs of rows `(first, count)` of each kind.
     bf_runs: Vec<Run>,
     q8_runs: Vec<Run>,
+    /// Rows the output head runs on, in order: each sequence's last, or
+    /// all of a sequence's rows when its every position is scored.
+    head: Vec<usize>,
 }
 
 impl CpuRunner {
@@ -172,6 +175,11 @@ impl CpuRunner {
         self.amx
     }
 
+    /// The vocabulary's size (the width of a row of logits).
+    pub fn vocab(&self) -> usize {
+        self.w.cfg.vocab
+    }
+
     /// The KV cache's precision.
     pub fn kv_dtype(&self) -> KvDtype {
         match self.kv {
@@ -194,7 +202,7 @@ impl CpuRunner {
         2 * self.w.cfg.n_layer * self.slots * self.w.cfg.n_kv_head * self.w.cfg.head_dim * elem
     }
 
-    fn plan(&self, seqs: &[SeqStep]) -> Result<Plan> {
+    fn plan(&self, seqs: &[SeqStep], every: &[bool]) -> Result<Plan> {
         let c = &self.w.cfg;
         let mut p = Plan {
             total: 0,
@@ -206,6 +214,7 @@ impl CpuRunner {
             bf: Vec::new(),
             bf_runs: Vec::new(),
             q8_runs: Vec::new(),
+            head: Vec::with_capacity(seqs.len()),
         };
         for (si, s) in seqs.iter().enumerate() {
             let n = s.tokens.len();
@@ -244,6 +253,10 @@ impl CpuRunner {
                 Some((r0, rn)) if *r0 + *rn == p.total => *rn += n,
                 _ => runs.push((p.total, n)),
             }
+            match every.get(si) {
+                Some(true) => p.head.extend(p.total..p.total + n),
+                _ => p.head.push(p.total + n - 1),
+            }
             p.seqs.push((p.total, n, s.start, slots));
             p.total += n;
         }
@@ -270,13 +283,26 @@ impl CpuRunner {
         stop: &(dyn Fn(usize) -> bool + Sync),
         logits: &mut Vec<f32>,
     ) -> Result<bool> {
+        self.step_rows(seqs, &[], stop, logits)
+    }
+
+    /// [`step`](Self::step), where a sequence with `every[i]` gets the
+    /// logits of each of its tokens (in order, its last one last) instead
+    /// of its last token's alone.
+    pub fn step_rows(
+        &mut self,
+        seqs: &[SeqStep],
+        every: &[bool],
+        stop: &(dyn Fn(usize) -> bool + Sync),
+        logits: &mut Vec<f32>,
+    ) -> Result<bool> {
         if seqs.is_empty() {
             logits.clear();
             return Ok(true);
         }
-        let plan = self.plan(seqs)?;
+        let plan = self.plan(seqs, every)?;
         let c = self.w.cfg.clone();
-        let (t, ns) = (plan.total, plan.seqs.len());
+        let (t, ns) = (plan.total, plan.head.len());
         let kv_dim = c.n_kv_head * c.head_dim;
         let qkv_dim = c.dim + 2 * kv_dim;
         let b = &mut self.bufs;
@@ -772,11 +798,11 @@ impl<E: KvElem> Job<'_, E> {
             ctx.barrier();
             clock.tick(ctx, profile::DOWN);
         }
-        // The head, for each sequence's last token (quantized rows packed
-        // at the front of xq).
-        let ns = p.seqs.len();
-        let last_row = |i: usize| p.seqs[i].0 + p.seqs[i].1 - 1;
-        self.norm_rows(ctx, &self.counters[last], ns, &last_row, &w.norm, false);
+        // The head, for each sequence's last token or every token scored
+        // (quantized rows packed at the front of xq).
+        let ns = p.head.len();
+        let head_row = |i: usize| p.head[i];
+        self.norm_rows(ctx, &self.counters[last], ns, &head_row, &w.norm, false);
         ctx.barrier();
         clock.tick(ctx, profile::HEAD_NORM);
         self.gemm(

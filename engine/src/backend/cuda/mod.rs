@@ -22,7 +22,7 @@ use super::blocks::{FileWeights, Mat};
 use super::layout::{graph_width, StepLayout};
 use super::logits::{Need, RowAt, StepLogits};
 use super::{Device, ModelRunner};
-use crate::error::Result;
+use crate::error::{EngineError, Result};
 use crate::model::paged::SeqStep;
 use forward::{err, Acts, DevKv, DevLayer, DevMat, DevModel, StepIo};
 use std::collections::hash_map::Entry;
@@ -288,6 +288,12 @@ fn fetch(
     for (i, need) in needs.iter().enumerate() {
         let at = match *need {
             Need::Nothing => RowAt::Nothing,
+            // `every_row` is false here: the scheduler never asks.
+            Need::Every => {
+                return Err(EngineError::Invalid(
+                    "the CUDA runner does not score prompts".into(),
+                ))
+            }
             Need::Full => {
                 let at = out.full.len();
                 out.full.resize(at + vocab, 0.0);

@@ -219,7 +219,7 @@ impl UpstreamBackend {
     /// Whether a stream of `req` that broke can continue elsewhere.
     fn resumable(&self, req: &InferenceRequest) -> bool {
         match req.prompt {
-            Prompt::Text(_) => true,
+            Prompt::Text(_) | Prompt::Tokens(_) => true,
             Prompt::Chat(_) => self.spec.resume_chat,
         }
     }
@@ -243,6 +243,8 @@ impl UpstreamBackend {
                 ("/v1/chat/completions", Some(m), None)
             }
             Prompt::Text(t) => ("/v1/completions", None, Some(Concat(t, sent))),
+            // Refused by `prepare`.
+            Prompt::Tokens(_) => ("/v1/completions", None, Some(Concat("", sent))),
         };
         // vLLM continues the final (assistant) message of a resumed chat
         // instead of opening a new turn.
@@ -316,6 +318,25 @@ impl Backend for UpstreamBackend {
     }
 
     fn prepare(&self, req: &InferenceRequest) -> Result<Prepared, BackendError> {
+        // Reports and token prompts are the engine's: the relay reads an
+        // upstream's text, not its scores, so they are refused by name
+        // rather than answered without them.
+        let refused = match (&req.prompt, &req.sampling) {
+            (Prompt::Tokens(_), _) => Some(("prompt", "token-id prompts")),
+            (_, s) if s.echo => Some(("echo", "echo")),
+            (_, s) if s.logprobs.is_some() => Some(("logprobs", "log probabilities")),
+            _ => None,
+        };
+        if let Some((field, what)) = refused {
+            return Err(BackendError::invalid(
+                "invalid_request_error",
+                Some(field),
+                format!(
+                    "{what} are served by models the engine hosts; model `{}` is an upstream's.",
+                    req.model
+                ),
+            ));
+        }
         // What this kind of server would not take is refused, not dropped.
         let (s, kind) = (&req.sampling, self.spec.pool.settings.server_kind);
         if let Some(field) = kind.refused_sampling(s.min_p, s.repetition_penalty).next() {
@@ -352,6 +373,8 @@ impl Backend for UpstreamBackend {
                 (chars, hash_bytes(&p))
             }
             Prompt::Text(t) => (t.len(), hash_bytes(&t.as_bytes()[..t.len().min(1024)])),
+            // Refused above.
+            Prompt::Tokens(_) => (0, 0),
         };
         let prompt_tokens = chars.div_ceil(4).max(1);
         Ok(Prepared {

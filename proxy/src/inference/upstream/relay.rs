@@ -58,7 +58,7 @@ impl Sent {
                     r.push_str(sse);
                 }
             }
-            Event::Done { .. } | Event::Error(_) => {}
+            Event::Done { .. } | Event::Error(_) | Event::Prompt(_) | Event::Logprob(_) => {}
         }
     }
 
@@ -188,7 +188,10 @@ impl UpstreamBackend {
                 match e {
                     Event::Error(why) => return End::Broken(why),
                     Event::Done { .. } => return End::Done(e),
-                    Event::Token { .. } | Event::Raw { .. } => {
+                    Event::Token { .. }
+                    | Event::Raw { .. }
+                    | Event::Prompt(_)
+                    | Event::Logprob(_) => {
                         sent.add_event(&e);
                         if tx.send(e).is_err() {
                             return End::Gone;
