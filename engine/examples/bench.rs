@@ -83,7 +83,9 @@ fn run(
                         Event::Done { .. } => break,
                         Event::Error(e) => panic!("{e}"),
                         Event::Raw { .. } => panic!("the engine sent a raw event"),
-                        Event::Prompt(_) | Event::Logprob(_) => panic!("nothing asked for reports"),
+                        Event::Prompt(_) | Event::Logprob(_) | Event::Indexed(..) => {
+                            panic!("nothing asked for reports or choices")
+                        }
                     }
                 }
                 (first.unwrap_or_default(), tokens)

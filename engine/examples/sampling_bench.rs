@@ -69,7 +69,7 @@ fn decode_tok_s(e: &Engine, l: &generate::Loaded, sampling: SamplingParams) -> f
             Event::Done { .. } => break,
             Event::Error(e) => panic!("{e}"),
             Event::Raw { .. } => panic!("the engine sent a raw event"),
-            Event::Prompt(_) | Event::Logprob(_) => {}
+            Event::Prompt(_) | Event::Logprob(_) | Event::Indexed(..) => {}
         }
     }
     (n - 1) as f64 / last.duration_since(first.unwrap()).as_secs_f64()

@@ -63,7 +63,9 @@ fn run(e: &Engine, l: &generate::Loaded, constrained: bool) -> Vec<Vec<Instant>>
                         Event::Done { .. } => break,
                         Event::Error(e) => panic!("{e}"),
                         Event::Raw { .. } => panic!("the engine sent a raw event"),
-                        Event::Prompt(_) | Event::Logprob(_) => panic!("nothing asked for reports"),
+                        Event::Prompt(_) | Event::Logprob(_) | Event::Indexed(..) => {
+                            panic!("nothing asked for reports or choices")
+                        }
                     }
                 }
                 at

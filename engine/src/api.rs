@@ -149,6 +149,10 @@ pub enum Event {
     /// The log-probabilities of the [`Event::Token`] that follows
     /// (`logprobs`).
     Logprob(Box<TokenLogprob>),
+    /// An event of choice `.0` of a request for several (`n` > 1: every
+    /// event of such a request comes wrapped, each choice ending with its
+    /// own [`Event::Done`]).
+    Indexed(u32, Box<Event>),
     /// An upstream's SSE events, to go to the client as they are (the
     /// pass-through of `InferenceRequest::raw_sse`): whole `data:` events,
     /// ending in a blank line. The engine never sends these.
@@ -212,6 +216,8 @@ pub struct InferenceRequest {
     pub prompt: Prompt,
     /// Most tokens to generate (None: as many as fit).
     pub max_tokens: Option<usize>,
+    /// Choices to generate from the one prompt (1 to [`MAX_CHOICES`]).
+    pub n: usize,
     /// Sampling settings.
     pub sampling: SamplingParams,
     /// Stop sequences.
@@ -411,6 +417,9 @@ pub struct SamplingParams {
     /// the prefix cache is not used for this prompt).
     pub prompt_logprobs: Option<usize>,
 }
+
+/// Most choices one request may ask for (`n`).
+pub const MAX_CHOICES: usize = 8;
 
 /// Most alternatives a token's report may list (OpenAI's `top_logprobs`
 /// bound).

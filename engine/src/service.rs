@@ -430,15 +430,18 @@ impl Backend for EngineService {
             BackendError::unavailable(format!("model `{}` is not ready", self.spec.name))
         })?;
         engine
-            .submit(GenerateRequest {
-                prompt: prepared.tokens,
-                max_tokens: prepared.max_tokens,
-                sampling: req.sampling,
-                stop: req.stop,
-                lane_rank: req.lane_rank,
-                tenant: req.tenant,
-                guide: prepared.guide.and_then(Compiled::take),
-            })
+            .submit_n(
+                GenerateRequest {
+                    prompt: prepared.tokens,
+                    max_tokens: prepared.max_tokens,
+                    sampling: req.sampling,
+                    stop: req.stop,
+                    lane_rank: req.lane_rank,
+                    tenant: req.tenant,
+                    guide: prepared.guide.and_then(Compiled::take),
+                },
+                req.n,
+            )
             .map_err(|e| BackendError::invalid("invalid_request", None, e.to_string()))
     }
 }

@@ -71,6 +71,7 @@ fn collect(mut rx: tokio::sync::mpsc::UnboundedReceiver<Event>) -> Out {
             Event::Done { .. } => return out,
             Event::Error(e) => panic!("engine error: {e}"),
             Event::Raw { .. } => panic!("the engine sent a raw event"),
+            Event::Indexed(..) => panic!("one choice was asked for"),
         }
     }
     out

@@ -43,7 +43,9 @@ fn ids(mut rx: tokio::sync::mpsc::UnboundedReceiver<Event>) -> Vec<u32> {
             Event::Done { .. } => return out,
             Event::Error(e) => panic!("engine error: {e}"),
             Event::Raw { .. } => panic!("the engine sent a raw event"),
-            Event::Prompt(_) | Event::Logprob(_) => panic!("nothing asked for reports"),
+            Event::Prompt(_) | Event::Logprob(_) | Event::Indexed(..) => {
+                panic!("nothing asked for reports or choices")
+            }
         }
     }
     out

@@ -43,7 +43,9 @@ fn tokens(mut rx: tokio::sync::mpsc::UnboundedReceiver<Event>) -> Vec<u32> {
             Event::Done { .. } => break,
             Event::Error(e) => panic!("{e}"),
             Event::Raw { .. } => panic!("raw event from the engine"),
-            Event::Prompt(_) | Event::Logprob(_) => panic!("nothing asked for reports"),
+            Event::Prompt(_) | Event::Logprob(_) | Event::Indexed(..) => {
+                panic!("nothing asked for reports or choices")
+            }
         }
     }
     out

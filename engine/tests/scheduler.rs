@@ -70,7 +70,9 @@ fn drain(
             }
             Event::Error(e) => panic!("engine error: {e}"),
             Event::Raw { .. } => panic!("the engine sent a raw event"),
-            Event::Prompt(_) | Event::Logprob(_) => panic!("nothing asked for reports"),
+            Event::Prompt(_) | Event::Logprob(_) | Event::Indexed(..) => {
+                panic!("nothing asked for reports or choices")
+            }
         }
     }
     panic!("stream ended without Done")

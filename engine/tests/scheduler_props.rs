@@ -126,8 +126,8 @@ proptest! {
                     }
                     Some(Event::Error(m)) => prop_assert!(false, "request failed: {}", m),
                     Some(Event::Raw { .. }) => prop_assert!(false, "the engine sent a raw event"),
-                    Some(Event::Prompt(_) | Event::Logprob(_)) => {
-                        prop_assert!(false, "nothing asked for reports")
+                    Some(Event::Prompt(_) | Event::Logprob(_) | Event::Indexed(..)) => {
+                        prop_assert!(false, "nothing asked for reports or choices")
                     }
                     None => prop_assert!(false, "stream ended without Done"),
                 }

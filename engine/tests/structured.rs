@@ -44,7 +44,9 @@ fn text(mut rx: tokio::sync::mpsc::UnboundedReceiver<Event>) -> String {
     while let Some(ev) = rx.blocking_recv() {
         match ev {
             Event::Raw { .. } => panic!("the engine sent a raw event"),
-            Event::Prompt(_) | Event::Logprob(_) => panic!("nothing asked for reports"),
+            Event::Prompt(_) | Event::Logprob(_) | Event::Indexed(..) => {
+                panic!("nothing asked for reports or choices")
+            }
             Event::Token { text, .. } => out.push_str(&text),
             Event::Done { text, .. } => {
                 out.push_str(&text);

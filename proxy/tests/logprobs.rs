@@ -3,8 +3,9 @@
 //! chat's `logprobs`/`top_logprobs` whole and streamed, completions'
 //! legacy `logprobs` with `echo` (scoring with `max_tokens` 0, a prompt of
 //! token ids, streamed echo), each held to the float32 numpy reference;
-//! vLLM's `/tokenize`, `/detokenize` and `/tokenizer_info`; and the
-//! refusals by name (bounds, async requests, upstream models).
+//! vLLM's `/tokenize`, `/detokenize` and `/tokenizer_info`; `n` choices
+//! from one prefill (the prefix cache's hits show the shared blocks); and
+//! the refusals by name (bounds, async requests, upstream models).
 #![allow(clippy::unwrap_used)]
 
 mod common;
@@ -42,6 +43,16 @@ fn logprobs_and_echo_match_the_reference_through_the_openai_client() {
     check("tokenizer", &uf);
     check("chat", &uf);
     check("completions", &uf);
+    py(
+        "logprobs_checks.py",
+        "choices",
+        &uf,
+        &[
+            &format!("http://{}", uf.addr),
+            MODEL,
+            &format!("http://{}", uf.admin),
+        ],
+    );
     // An async request cannot keep reports: refused by name.
     let body = format!(
         r#"{{"model":"{MODEL}","messages":[{{"role":"user","content":"hi"}}],"max_tokens":2,"logprobs":true,"background":true}}"#
@@ -67,6 +78,7 @@ fn an_upstream_model_refuses_reports_by_name() {
         (r#","logprobs":2"#, "logprobs"),
         (r#","echo":true"#, "echo"),
         (r#","prompt":[1,2,3]"#, "prompt"),
+        (r#","n":2"#, "n"),
     ] {
         let prompt = if param == "prompt" {
             ""

@@ -25,7 +25,7 @@ mod seq;
 mod spread;
 mod threads;
 
-use crate::api::Event;
+use crate::api::{Event, MAX_CHOICES};
 use crate::backend::loaded::Loaded;
 use crate::backend::logits::{Need, StepLogits, MAX_TOP};
 use crate::backend::{self, ModelRunner};
@@ -288,6 +288,18 @@ impl Engine {
     /// Queue a request; events arrive on the returned channel. A request that
     /// can never fit (context or KV pool) is refused here.
     pub fn submit(&self, req: GenerateRequest) -> Result<UnboundedReceiver<Event>> {
+        self.submit_n(req, 1)
+    }
+
+    /// Queue a request for `n` choices (1 to [`MAX_CHOICES`]): the prompt
+    /// is computed once and its cached blocks shared by the others; for
+    /// n > 1 every event comes as [`Event::Indexed`].
+    pub fn submit_n(&self, req: GenerateRequest, n: usize) -> Result<UnboundedReceiver<Event>> {
+        if n == 0 || n > MAX_CHOICES {
+            return Err(EngineError::Invalid(format!(
+                "n must be from 1 to {MAX_CHOICES}, got {n}"
+            )));
+        }
         let total = req.prompt.len() + req.max_tokens;
         let ctx = self.loaded.model.max_positions();
         if req.prompt.is_empty() {
@@ -307,7 +319,7 @@ impl Engine {
         }
         let (etx, erx) = unbounded_channel();
         let rank = (req.lane_rank as usize).min(RANKS - 1);
-        let seq = Seq::new(req, etx);
+        let seq = Seq::choices(req, n, etx);
         self.tx
             .send(Cmd::Submit(Box::new(seq)))
             .map_err(|_| EngineError::Invalid("engine stopped".into()))?;
@@ -522,6 +534,7 @@ impl Worker {
             return;
         }
         let vocab = self.loaded.model.cfg.vocab.max(1);
+        let mut released: Vec<Seq> = Vec::new();
         for (k, (i, start, toks)) in chunks.iter().enumerate() {
             let s = &mut self.running[*i];
             s.first_step.get_or_insert(started);
@@ -534,6 +547,11 @@ impl Worker {
                 if let Some(rows) = self.logits.every(k, vocab) {
                     s.score_prompt(*start, rows, vocab, &self.loaded.codec);
                 }
+            }
+            if s.computed >= s.req.prompt.len() && !s.followers.is_empty() {
+                // The prompt's full blocks are sealed: the other choices
+                // start on them.
+                released.append(&mut s.followers);
             }
             if s.computed == s.tokens.len() {
                 let mask = match masks.iter().position(|(j, _)| j == i) {
@@ -549,6 +567,9 @@ impl Worker {
                     s.finished = true;
                 }
             }
+        }
+        for f in released {
+            self.enqueue(f);
         }
         self.drop_finished();
     }

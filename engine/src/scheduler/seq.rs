@@ -48,6 +48,13 @@ pub(super) struct Seq {
     prompt_report: Vec<TokenLogprob>,
     /// The report went out (before the first token).
     prompt_sent: bool,
+    /// Which choice it is of a request for several (its events go out
+    /// wrapped in [`Event::Indexed`]).
+    pub index: Option<u32>,
+    /// The request's other choices, held until this one's prompt is in
+    /// the cache: then they start on its cached blocks and compute only
+    /// the prompt's last, partial block.
+    pub followers: Vec<Seq>,
 }
 
 impl Seq {
@@ -60,6 +67,8 @@ impl Seq {
             charged: false,
             prompt_report: Vec::new(),
             prompt_sent: false,
+            index: None,
+            followers: Vec::new(),
             guide: req.guide.take(),
             tokens: req.prompt.clone(),
             prompt_len: req.prompt.len(),
@@ -76,6 +85,38 @@ impl Seq {
             req,
             tx,
         }
+    }
+
+    /// `n` sequences for one request, sharing one event channel: the
+    /// first leads and holds the others (see `followers`); each choice's
+    /// generator is seeded apart (seed + index when the request has one).
+    pub fn choices(req: GenerateRequest, n: usize, tx: UnboundedSender<Event>) -> Seq {
+        if n <= 1 {
+            return Seq::new(req, tx);
+        }
+        let mut lead = Seq::new(req.clone(), tx.clone());
+        lead.index = Some(0);
+        for i in 1..n {
+            let mut r = req.clone();
+            r.sampling.seed = r.sampling.seed.map(|s| s.wrapping_add(i as u64));
+            // The prompt's report is the leader's (one prompt).
+            r.sampling.echo = false;
+            r.sampling.prompt_logprobs = None;
+            let mut f = Seq::new(r, tx.clone());
+            f.index = Some(i as u32);
+            lead.followers.push(f);
+        }
+        lead
+    }
+
+    /// Send `ev`, wrapped when this is one of several choices; false when
+    /// the client is gone.
+    fn emit(&self, ev: Event) -> bool {
+        let ev = match self.index {
+            Some(i) => Event::Indexed(i, Box::new(ev)),
+            None => ev,
+        };
+        self.tx.send(ev).is_ok()
     }
 
     /// Its lane rank as an index of the per-rank state.
@@ -135,11 +176,11 @@ impl Seq {
         for &id in &self.tokens[out.len()..self.prompt_len] {
             out.push(report(codec, id, None, &[]));
         }
-        let _ = self.tx.send(Event::Prompt(out));
+        let _ = self.emit(Event::Prompt(out));
     }
 
     pub fn fail(&mut self, why: &str) {
-        let _ = self.tx.send(Event::Error(why.to_string()));
+        let _ = self.emit(Event::Error(why.to_string()));
         self.finished = true;
     }
 
@@ -154,7 +195,7 @@ impl Seq {
             .map(|f| f.duration_since(self.arrived))
             .unwrap_or_default();
         let text = self.stop.finish();
-        let _ = self.tx.send(Event::Done {
+        let _ = self.emit(Event::Done {
             text,
             finish,
             usage,
@@ -212,7 +253,7 @@ impl Seq {
             // vLLM lists it: a scorer echoing `max_tokens` 1 drops the last
             // token's report, whichever it is).
             let r = report(codec, next, Some(lp), &alts);
-            let _ = self.tx.send(Event::Logprob(Box::new(r)));
+            let _ = self.emit(Event::Logprob(Box::new(r)));
         }
         if codec.eos.contains(&next) {
             return self.done(FinishReason::Stop);
@@ -236,7 +277,7 @@ impl Seq {
         let out = self.stop.push(&piece);
         if out.stopped {
             if !out.emit.is_empty() {
-                let _ = self.tx.send(Event::Token {
+                let _ = self.emit(Event::Token {
                     id: next,
                     text: out.emit,
                 });
@@ -247,14 +288,10 @@ impl Seq {
                     .map_or(FinishReason::Stop, FinishReason::StopSequence),
             );
         }
-        if self
-            .tx
-            .send(Event::Token {
-                id: next,
-                text: out.emit,
-            })
-            .is_err()
-        {
+        if !self.emit(Event::Token {
+            id: next,
+            text: out.emit,
+        }) {
             self.finished = true;
             return Outcome::Finished;
         }

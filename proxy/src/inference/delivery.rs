@@ -126,6 +126,17 @@ pub trait Sink: Send {
         );
         Ok(())
     }
+    /// The text, reports and end that follow are choice `index`'s (a
+    /// request for several, `n` > 1; only OpenAI's sinks are handed them).
+    fn choice(&mut self, index: u32) {
+        let _ = index;
+    }
+    /// Choice `index` of several ended (before [`done`](Sink::done), which
+    /// ends them all).
+    async fn choice_end(&mut self, index: u32, finish: FinishReason) -> Result<(), Gone> {
+        let _ = (index, finish);
+        Ok(())
+    }
     /// The end of a generation; `timing` is the latency breakdown so far.
     async fn done(&mut self, end: &Finished, timing: &mut Timing) -> Result<(), Gone>;
     /// A refusal or an error, before or during generation.

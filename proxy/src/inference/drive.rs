@@ -14,7 +14,7 @@ use super::pacer::{PaceSpec, Pacer};
 use super::predict::Ticket;
 use std::future::Future;
 use std::time::{Duration, Instant};
-use ultrafast_engine::api::{Event, EventStream, TokenLogprob};
+use ultrafast_engine::api::{Event, EventStream, FinishReason, TokenLogprob, Usage};
 
 /// How often an idle stream gets an SSE comment.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -67,6 +67,48 @@ pub struct Delivery {
     pub last_text: Option<Instant>,
     /// Completion tokens seen from the backend.
     pub tokens: usize,
+    /// Choices the request asked for (`n`; 0 is taken as 1). With more
+    /// than one the backend's events come indexed, each choice ending on
+    /// its own, and the generation ends when every choice has.
+    pub choices: usize,
+}
+
+/// Text released by the pacer: its choice, the text, the reports of the
+/// tokens it completes (`logprobs`), and the choice's end when it is its
+/// last.
+type Out = (u32, String, Vec<TokenLogprob>, Option<FinishReason>);
+
+/// The choices' ends so far, summed into one [`Finished`].
+#[derive(Default)]
+struct Ends {
+    seen: usize,
+    finish: Option<FinishReason>,
+    usage: Usage,
+    queue: Duration,
+    compute: Duration,
+}
+
+impl Ends {
+    /// One choice ended: prompt counts once, completions add up (as OpenAI
+    /// counts `n`), the time is the slowest choice's.
+    fn add(&mut self, finish: FinishReason, u: Usage, queue: Duration, compute: Duration) {
+        self.seen += 1;
+        self.finish = Some(finish);
+        self.usage.prompt_tokens = u.prompt_tokens;
+        self.usage.cached_tokens = self.usage.cached_tokens.max(u.cached_tokens);
+        self.usage.completion_tokens += u.completion_tokens;
+        self.queue = self.queue.max(queue);
+        self.compute = self.compute.max(compute);
+    }
+
+    fn finished(&self) -> Finished {
+        Finished {
+            finish: self.finish.unwrap_or(FinishReason::Stop),
+            usage: self.usage,
+            backend_queue: self.queue,
+            compute: self.compute,
+        }
+    }
 }
 
 /// Called with each delivered text's time and the previous one's.
@@ -126,8 +168,9 @@ pub async fn drive<S: Sink + ?Sized>(
     mut on_token: impl OnText,
 ) -> Result<Option<Finished>, Gone> {
     let dispatched = Instant::now();
-    // Text with the reports of the tokens it completes (`logprobs`).
-    let mut pacer: Pacer<(String, Vec<TokenLogprob>)> = Pacer::new(if sink.streaming() {
+    let choices = delivery.choices.max(1);
+    // Several choices' texts interleave: a cadence is one stream's.
+    let mut pacer: Pacer<Out> = Pacer::new(if sink.streaming() && choices == 1 {
         pace
     } else {
         PaceSpec::OFF
@@ -135,22 +178,31 @@ pub async fn drive<S: Sink + ?Sized>(
     let mut last_token: Option<Instant> = None;
     let mut last_write = Instant::now();
     let mut end: Option<Result<Finished, String>> = None;
-    // Reports of tokens whose text is not out yet (held back while a
-    // character or a stop sequence is incomplete).
-    let mut reports: Vec<TokenLogprob> = Vec::new();
+    // Each choice's reports of tokens whose text is not out yet (held
+    // back while a character or a stop sequence is incomplete).
+    let mut reports: Vec<Vec<TokenLogprob>> = vec![Vec::new(); choices];
+    let mut ends = Ends::default();
     loop {
         let now = Instant::now();
-        let due: Vec<(String, Vec<TokenLogprob>)> = if end.is_some() {
+        let due: Vec<Out> = if end.is_some() {
             pacer.drain().collect()
         } else {
             std::iter::from_fn(|| pacer.pop_due(now)).collect()
         };
-        for (text, lps) in due {
+        for (i, text, lps, last) in due {
+            if choices > 1 {
+                sink.choice(i);
+            }
             if !lps.is_empty() {
                 sink.logprobs(lps);
             }
-            sink.text(&text).await?;
-            last_write = delivered(delivery, timing, &mut on_text);
+            if !text.is_empty() || last.is_none() {
+                sink.text(&text).await?;
+                last_write = delivered(delivery, timing, &mut on_text);
+            }
+            if let (Some(f), true) = (last, choices > 1) {
+                sink.choice_end(i, f).await?;
+            }
         }
         if let Some(end) = end {
             return match end {
@@ -189,17 +241,34 @@ pub async fn drive<S: Sink + ?Sized>(
             _ = tokio::time::sleep_until(beat_at), if streaming && deadline.is_none() => Wake::Heartbeat,
             _ = sink.gone() => Wake::ConsumerGone,
         };
+        // A choice's event, unwrapped (a single answer is choice 0).
+        let (i, wake) = match wake {
+            Wake::Event(Some(Event::Indexed(i, ev))) if (i as usize) < choices => {
+                (i, Wake::Event(Some(*ev)))
+            }
+            Wake::Event(Some(Event::Indexed(i, _))) => (
+                0,
+                Wake::Event(Some(Event::Error(format!(
+                    "the backend sent choice {i} of {choices}"
+                )))),
+            ),
+            w => (0, w),
+        };
+        let pending = &mut reports[i as usize];
         match wake {
             Wake::Event(Some(Event::Token { text, .. })) => {
                 let now = Instant::now();
                 delivery.tokens += 1;
                 produced(ticket, dispatched, &mut last_token, &mut on_token, now);
                 if !text.is_empty() {
-                    pacer.push((text, std::mem::take(&mut reports)), now);
+                    pacer.push((i, text, std::mem::take(pending), None), now);
                 }
             }
-            Wake::Event(Some(Event::Logprob(r))) => reports.push(*r),
+            Wake::Event(Some(Event::Logprob(r))) => pending.push(*r),
             Wake::Event(Some(Event::Prompt(tokens))) => sink.prompt(tokens).await?,
+            Wake::Event(Some(Event::Indexed(..))) => {
+                end = Some(Err("the backend nested its choices".into()))
+            }
             Wake::Event(Some(Event::Raw { sse, tokens, end })) => {
                 // The pass-through: no pacing (it is chosen only for lanes
                 // without), the events written as they came.
@@ -222,15 +291,14 @@ pub async fn drive<S: Sink + ?Sized>(
                 queue,
                 compute,
             })) => {
-                if !text.is_empty() || !reports.is_empty() {
-                    pacer.push((text, std::mem::take(&mut reports)), Instant::now());
+                let last = (choices > 1).then_some(finish);
+                if !text.is_empty() || !pending.is_empty() || last.is_some() {
+                    pacer.push((i, text, std::mem::take(pending), last), Instant::now());
                 }
-                end = Some(Ok(Finished {
-                    finish,
-                    usage,
-                    backend_queue: queue,
-                    compute,
-                }));
+                ends.add(finish, usage, queue, compute);
+                if ends.seen >= choices {
+                    end = Some(Ok(ends.finished()));
+                }
             }
             Wake::Event(Some(Event::Error(msg))) => end = Some(Err(msg)),
             Wake::Event(None) => end = Some(Err("the backend stopped".into())),

@@ -12,6 +12,7 @@
 //! adapter (`proxy::infer`) only reads the body, calls these and writes
 //! what they yield through a `delivery::Downstream`.
 
+pub mod choices;
 pub mod context;
 pub mod delivery;
 pub mod dialect;

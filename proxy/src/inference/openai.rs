@@ -8,7 +8,7 @@
 use super::shape::{Collected, Piece};
 use serde_json::{json, Map, Value};
 use ultrafast_engine::api::{
-    BackendError, FinishReason, Prompt, Structure, Tool, ToolChoice, Usage,
+    BackendError, FinishReason, Prompt, Structure, Tool, ToolChoice, Usage, MAX_CHOICES,
 };
 use ultrafast_engine::sampling::SamplingParams;
 use ultrafast_engine::tokenizer::ChatMessage;
@@ -33,6 +33,8 @@ pub struct Parsed {
     pub prompt: Prompt,
     /// `max_completion_tokens` or `max_tokens`.
     pub max_tokens: Option<usize>,
+    /// Choices asked for (`n`, 1 to 8).
+    pub n: usize,
     /// Sampling.
     pub sampling: SamplingParams,
     /// Stop sequences.
@@ -712,11 +714,14 @@ pub fn parse(endpoint: Endpoint, body: &[u8]) -> Result<Parsed, BackendError> {
     let max_tokens = max_tokens
         .map(|m| m.min(u32::MAX as u64) as usize)
         .or((endpoint == Endpoint::Completions).then_some(16));
-    if let Some(n) = uint(o, "n")? {
-        if n != 1 {
-            return Err(bad("n", format!("only n=1 is supported, got n={n}.")));
-        }
+    let n = uint(o, "n")?.unwrap_or(1);
+    if n == 0 || n > MAX_CHOICES as u64 {
+        return Err(bad(
+            "n",
+            format!("'n' must be from 1 to {MAX_CHOICES}, got {n}."),
+        ));
     }
+    let n = n as usize;
     let temperature = num(o, "temperature", 0.0, 2.0)?.unwrap_or(1.0) as f32;
     let top_p = num(o, "top_p", 0.0, 1.0)?.unwrap_or(1.0) as f32;
     let top_k = uint(o, "top_k")?.unwrap_or(0) as usize;
@@ -745,6 +750,12 @@ pub fn parse(endpoint: Endpoint, body: &[u8]) -> Result<Parsed, BackendError> {
             structure = response_format(rf, "response_format")?;
         }
     }
+    if n > 1 && matches!(structure, Some(Structure::Tools { .. })) {
+        return Err(bad(
+            "n",
+            "'n' above 1 is not supported with tools (one choice reads the calls).".into(),
+        ));
+    }
     let passthrough: Map<String, Value> = PASSTHROUGH
         .iter()
         .filter_map(|k| opt(o, k).map(|v| (k.to_string(), v.clone())))
@@ -755,6 +766,7 @@ pub fn parse(endpoint: Endpoint, body: &[u8]) -> Result<Parsed, BackendError> {
         model,
         prompt,
         max_tokens,
+        n,
         sampling: SamplingParams {
             temperature,
             top_k,
@@ -1155,10 +1167,12 @@ mod tests {
         assert_eq!((e.status, e.param), (400, Some("temperature")));
         let e = parse(
             Endpoint::Chat,
-            br#"{"model":"m","messages":[{"role":"user","content":"x"}],"n":2}"#,
+            br#"{"model":"m","messages":[{"role":"user","content":"x"}],"n":9}"#,
         )
         .unwrap_err();
         assert_eq!(e.param, Some("n"));
+        let ok = br#"{"model":"m","messages":[{"role":"user","content":"x"}],"n":8}"#;
+        assert_eq!(parse(Endpoint::Chat, ok).unwrap().n, 8);
         let e = parse(Endpoint::Chat, br#"{"model":"m","messages":"hi"}"#).unwrap_err();
         assert_eq!(e.param, Some("messages"));
         let e = parse(Endpoint::Chat, b"{not json").unwrap_err();

@@ -80,12 +80,17 @@ impl Front {
         // (and be copied with) every completion's future.
         if inc.prefers_async() || call.parsed.background {
             let s = &call.req.sampling;
-            if let Some(field) = [(s.logprobs.is_some(), "logprobs"), (s.echo, "echo")]
-                .iter()
-                .find_map(|(on, f)| on.then_some(*f))
+            let several = call.req.n > 1;
+            if let Some(field) = [
+                (s.logprobs.is_some(), "logprobs"),
+                (s.echo, "echo"),
+                (several, "n"),
+            ]
+            .iter()
+            .find_map(|(on, f)| on.then_some(*f))
             {
-                // The job store keeps text; a report it dropped would be a
-                // field silently ignored.
+                // The job store keeps one choice's text; a report or a
+                // choice it dropped would be a field silently ignored.
                 let e = BackendError::invalid(
                     "invalid_request_error",
                     Some(field),
@@ -110,13 +115,13 @@ impl Front {
             let scored = call.req.sampling.logprobs.is_some();
             let mut sink = SseSink::new(down, ident, headers, usage)
                 .with_tools(tools)
-                .with_logprobs(scored);
+                .with_choices(call.req.n, scored);
             super::run::run(metrics, inc, call, &mut sink).await
         } else {
             let scored = call.req.sampling.logprobs.is_some();
             let mut sink = JsonSink::new(down, ident, headers)
                 .with_tools(tools)
-                .with_logprobs(scored);
+                .with_choices(call.req.n, scored);
             super::run::run(metrics, inc, call, &mut sink).await
         }
     }
@@ -281,6 +286,7 @@ impl Front {
             model: parsed.model.clone(),
             prompt: parsed.prompt.clone(),
             max_tokens: parsed.max_tokens,
+            n: parsed.n,
             sampling,
             stop: parsed.stop.clone(),
             lane: lanes[lane].name.clone(),
@@ -304,7 +310,8 @@ impl Front {
         slo::prove_too_long(&req.prompt, bound).map_err(reject)?;
         let live = backend.step_cost().map(super::live_cost);
         let estimate = slo::estimate_tokens(&req.prompt, bound);
-        let max_out = req.max_tokens.unwrap_or(CLAIM_MAX_TOKENS);
+        // Every choice's output is work to admit and budget.
+        let max_out = req.max_tokens.unwrap_or(CLAIM_MAX_TOKENS) * req.n;
         let claim = slo::precheck(
             lanes,
             lane,
@@ -340,7 +347,7 @@ impl Front {
             f.headers.push(("x-ultrafast-shed", "tokenizer".into()));
             f
         })?;
-        let tokens = (prepared.prompt_tokens + prepared.max_tokens) as u64;
+        let tokens = (prepared.prompt_tokens + prepared.max_tokens * req.n) as u64;
         let budget = self
             .reserve(metrics, inc, &lanes[lane].name, tokens)
             .await?;
@@ -350,7 +357,7 @@ impl Front {
             &model.latency,
             live,
             prepared.prompt_tokens,
-            prepared.max_tokens,
+            prepared.max_tokens * req.n,
             claim,
             inc.arrived.elapsed(),
             granted.as_deref(),

@@ -25,6 +25,7 @@ pub async fn send(front: &Front, cfg: &dyn super::live::Live, p: &Probe) {
         model: p.model.clone(),
         prompt: Prompt::Chat(vec![ChatMessage::new("user", "Reply with one word: ping")]),
         max_tokens: Some(p.max_tokens),
+        n: 1,
         sampling: SamplingParams {
             temperature: 0.0,
             ..SamplingParams::default()
@@ -55,7 +56,7 @@ pub async fn send(front: &Front, cfg: &dyn super::live::Live, p: &Probe) {
             match rx.recv().await? {
                 Event::Token { text, .. } if !text.is_empty() => return Some(rx),
                 Event::Token { .. } | Event::Raw { .. } => continue,
-                Event::Prompt(_) | Event::Logprob(_) => continue,
+                Event::Prompt(_) | Event::Logprob(_) | Event::Indexed(..) => continue,
                 Event::Done { .. } | Event::Error(_) => return None,
             }
         }
@@ -75,7 +76,7 @@ pub async fn send(front: &Front, cfg: &dyn super::live::Live, p: &Probe) {
                 prev = Instant::now();
             }
             Event::Token { .. } | Event::Raw { .. } => {}
-            Event::Prompt(_) | Event::Logprob(_) => {}
+            Event::Prompt(_) | Event::Logprob(_) | Event::Indexed(..) => {}
             Event::Done { .. } | Event::Error(_) => break,
         }
     }

@@ -100,7 +100,10 @@ pub(super) async fn run<S: Sink + ?Sized>(
         .copied()
         .unwrap_or(PaceSpec::OFF);
     let labels = [call.model.name.as_str(), lane, call.backend.kind()];
-    let mut delivery = Delivery::default();
+    let mut delivery = Delivery {
+        choices: call.req.n,
+        ..Delivery::default()
+    };
     // Engine models are also reported under vLLM's names.
     let vllm = matches!(call.model.backend, super::ModelBackend::Engine(_))
         .then(|| metrics.vllm.request(&call.model.name));
@@ -182,7 +185,7 @@ async fn gate<S: Sink + ?Sized>(
     let Some(gate) = &call.model.gate else {
         return Ok(None);
     };
-    let work = (call.prepared.prompt_tokens + call.prepared.max_tokens) as u64;
+    let work = (call.prepared.prompt_tokens + call.prepared.max_tokens * call.req.n) as u64;
     let who = Who {
         tenant: call.req.tenant.clone().unwrap_or_else(Tenant::anonymous),
         prompt: call.prepared.prompt_tokens,

@@ -3,6 +3,7 @@
 //! knows whether its head is already out (a refusal after heartbeats were
 //! sent becomes an error event, not a status).
 
+use super::choices::Choices;
 use super::delivery::{Downstream, Failure, Finished, Gone, Sink, Timing};
 use super::jobs::{self, Job};
 use super::logprobs::{Reports, Shape};
@@ -40,14 +41,13 @@ pub struct SseSink<'a, D: Downstream + ?Sized> {
     ident: Ident,
     headers: Headers,
     head_sent: bool,
-    first_chunk: bool,
     include_usage: bool,
     shaper: Option<Shaper>,
     /// The pass-through's last events (from the upstream's finish chunk
     /// on), written at the end with the edge's timing in the finish chunk.
     raw_tail: Option<String>,
-    /// The reports of the request's tokens (it asked for `logprobs`).
-    reports: Option<Reports>,
+    /// Per choice: first chunks and reports (`n`, `logprobs`).
+    choices: Choices,
 }
 
 /// The shape of reports an endpoint writes.
@@ -87,26 +87,29 @@ impl<'a, D: Downstream + ?Sized> SseSink<'a, D> {
             ident,
             headers,
             head_sent: false,
-            first_chunk: true,
             include_usage,
             shaper: None,
             raw_tail: None,
-            reports: None,
+            choices: Choices::new(1, None),
         }
     }
 
-    /// Write the tokens' reports in its chunks (`logprobs`).
-    pub fn with_logprobs(mut self, on: bool) -> Self {
-        self.reports = on.then(|| Reports::new(shape_of(&self.ident)));
+    /// Stream `n` choices, with the tokens' reports in their chunks when
+    /// `scored` (`logprobs`).
+    pub fn with_choices(mut self, n: usize, scored: bool) -> Self {
+        self.choices = Choices::new(n, scored.then(|| shape_of(&self.ident)));
         self
     }
 
-    /// A chunk of `text` carrying the reports waiting for it.
-    fn scored_line(&mut self, text: &str) -> Bytes {
-        let mut v = self.ident.chunk(text, self.first_chunk, None);
-        if let Some(r) = self.reports.as_mut() {
-            v["choices"][0]["logprobs"] = r.take();
+    /// The current choice's chunk of `text`, with the reports waiting for
+    /// it (one choice without reports: the direct writer).
+    fn text_line(&mut self, text: &str) -> Bytes {
+        let first = self.choices.first();
+        if !self.choices.scored() && !self.choices.multi() {
+            return self.ident.chunk_line(text, first);
         }
+        let mut v = self.ident.chunk(text, first, None);
+        self.choices.fill(&mut v);
         sse::data(&v.to_string())
     }
 
@@ -119,19 +122,20 @@ impl<'a, D: Downstream + ?Sized> SseSink<'a, D> {
     async fn pieces(&mut self, pieces: Vec<Piece>) -> Result<(), Gone> {
         for p in pieces {
             let line = match &p {
-                Piece::Text(t) if self.reports.is_some() => self.scored_line(t),
-                Piece::Text(t) => self.ident.chunk_line(t, self.first_chunk),
-                _ => match self.ident.tool_chunk(&p, self.first_chunk) {
-                    Some(mut v) => {
-                        if let Some(r) = self.reports.as_mut().filter(|r| r.waiting()) {
-                            v["choices"][0]["logprobs"] = r.take();
+                Piece::Text(t) => self.text_line(t),
+                _ => {
+                    let first = self.choices.first();
+                    match self.ident.tool_chunk(&p, first) {
+                        Some(mut v) => {
+                            if self.choices.multi() || self.choices.waiting() {
+                                self.choices.fill(&mut v);
+                            }
+                            sse::data(&v.to_string())
                         }
-                        sse::data(&v.to_string())
+                        None => continue,
                     }
-                    None => continue,
-                },
+                }
             };
-            self.first_chunk = false;
             self.down.body(line, false).await?;
         }
         Ok(())
@@ -182,35 +186,45 @@ impl<D: Downstream + ?Sized> Sink for SseSink<'_, D> {
             let pieces = sh.push(text);
             return self.pieces(pieces).await;
         }
-        let line = match self.reports {
-            Some(_) => self.scored_line(text),
-            None => self.ident.chunk_line(text, self.first_chunk),
-        };
-        self.first_chunk = false;
+        let line = self.text_line(text);
         self.down.body(line, false).await
     }
 
     async fn prompt(&mut self, tokens: Vec<TokenLogprob>) -> Result<(), Gone> {
         self.head().await?;
         let text = prompt_text(&tokens);
-        if let Some(r) = self.reports.as_mut() {
-            r.add(tokens);
+        // The echo goes out as each choice's first text, as OpenAI sends it.
+        for i in 0..self.choices.n {
+            self.choices.index = i as u32;
+            self.choices.add(tokens.clone());
+            let line = self.text_line(&text);
+            self.down.body(line, false).await?;
         }
-        // The echo goes out as the stream's first text, as OpenAI sends it.
-        let line = self.scored_line(&text);
-        self.first_chunk = false;
-        self.down.body(line, false).await
+        self.choices.index = 0;
+        Ok(())
     }
 
     fn logprobs(&mut self, tokens: Vec<TokenLogprob>) {
-        if let Some(r) = self.reports.as_mut() {
-            r.add(tokens);
-        }
+        self.choices.add(tokens);
+    }
+
+    fn choice(&mut self, index: u32) {
+        self.choices.index = index;
+    }
+
+    async fn choice_end(&mut self, index: u32, finish: FinishReason) -> Result<(), Gone> {
+        self.head().await?;
+        self.choices.index = index;
+        let mut v = self
+            .ident
+            .chunk("", false, Some(finish_of(&self.shaper, finish)));
+        self.choices.fill(&mut v);
+        self.down.body(sse::data(&v.to_string()), false).await
     }
 
     async fn raw(&mut self, sse: String, end: bool) -> Result<(), Gone> {
         self.head().await?;
-        self.first_chunk = false;
+        self.choices.first();
         if end {
             self.raw_tail = Some(sse);
             return Ok(());
@@ -235,8 +249,12 @@ impl<D: Downstream + ?Sized> Sink for SseSink<'_, D> {
             None => {
                 let finish = finish_of(&self.shaper, end.finish);
                 let mut last = self.ident.chunk("", false, Some(finish));
-                if let Some(r) = self.reports.as_mut().filter(|r| r.waiting()) {
-                    last["choices"][0]["logprobs"] = r.take();
+                if self.choices.multi() {
+                    // Each choice had its finish chunk: this one carries
+                    // the timing alone.
+                    last["choices"] = Value::Array(Vec::new());
+                } else if self.choices.waiting() {
+                    self.choices.fill(&mut last);
                 }
                 last["ultrafast_timing"] = t.json();
                 self.down.body(sse::data(&last.to_string()), false).await?;
@@ -297,10 +315,15 @@ pub struct JsonSink<'a, D: Downstream + ?Sized> {
     down: &'a mut D,
     ident: Ident,
     headers: Headers,
-    out: Collected,
+    /// Each choice's output, its end, and its tokens' reports.
+    outs: Vec<(Collected, Option<FinishReason>, Vec<TokenLogprob>)>,
+    /// The choice the next text is of.
+    index: usize,
     shaper: Option<Shaper>,
-    /// The reports of the request's tokens (it asked for `logprobs`).
-    reports: Option<Reports>,
+    /// Reports are written in this shape (the request asked `logprobs`).
+    scored: Option<Shape>,
+    /// The prompt echoed (`echo`), at the head of every choice.
+    echo: Option<Vec<TokenLogprob>>,
 }
 
 impl<'a, D: Downstream + ?Sized> JsonSink<'a, D> {
@@ -310,22 +333,54 @@ impl<'a, D: Downstream + ?Sized> JsonSink<'a, D> {
             down,
             ident,
             headers,
-            out: Collected::default(),
+            outs: vec![Default::default()],
+            index: 0,
             shaper: None,
-            reports: None,
+            scored: None,
+            echo: None,
         }
     }
 
-    /// Write the tokens' reports (`logprobs`).
-    pub fn with_logprobs(mut self, on: bool) -> Self {
-        self.reports = on.then(|| Reports::new(shape_of(&self.ident)));
+    /// Answer `n` choices, with the tokens' reports when `scored`
+    /// (`logprobs`).
+    pub fn with_choices(mut self, n: usize, scored: bool) -> Self {
+        self.outs.resize_with(n.max(1), Default::default);
+        self.scored = scored.then(|| shape_of(&self.ident));
         self
     }
 
-    /// Read the output for tool calls (the request has tools).
+    /// Read the output for tool calls (the request has tools; one choice).
     pub fn with_tools(mut self, on: bool) -> Self {
         self.shaper = on.then(Shaper::default);
         self
+    }
+
+    /// The response's choices: each one's text after the echo, its finish
+    /// and its reports; the first with its tool calls.
+    fn choices(&mut self, end: &Finished) -> Value {
+        let echo = self.echo.take().unwrap_or_default();
+        let head = prompt_text(&echo);
+        let mut body = Value::Null;
+        let mut all = Vec::with_capacity(self.outs.len());
+        for (i, (out, fin, lps)) in self.outs.iter_mut().enumerate() {
+            out.text.insert_str(0, &head);
+            let finish = finish_of(&self.shaper, fin.unwrap_or(end.finish));
+            let mut full = self.ident.full_calls(out, finish, &end.usage);
+            let mut c = full["choices"][0].take();
+            c["index"] = serde_json::json!(i);
+            if let Some(shape) = self.scored {
+                let mut r = Reports::new(shape);
+                r.add(echo.clone());
+                r.add(std::mem::take(lps));
+                c["logprobs"] = r.take();
+            }
+            all.push(c);
+            if i == 0 {
+                body = full;
+            }
+        }
+        body["choices"] = Value::Array(all);
+        body
     }
 }
 
@@ -344,36 +399,43 @@ impl<D: Downstream + ?Sized> Sink for JsonSink<'_, D> {
     }
 
     async fn text(&mut self, text: &str) -> Result<(), Gone> {
+        let Some((out, _, _)) = self.outs.get_mut(self.index) else {
+            return Ok(());
+        };
         match self.shaper.as_mut() {
-            Some(sh) => sh.push(text).iter().for_each(|p| self.out.add(p)),
-            None => self.out.text.push_str(text),
+            Some(sh) => sh.push(text).iter().for_each(|p| out.add(p)),
+            None => out.text.push_str(text),
         }
         Ok(())
     }
 
     async fn prompt(&mut self, tokens: Vec<TokenLogprob>) -> Result<(), Gone> {
-        // The echo comes first: nothing has been written before it.
-        self.out.text.insert_str(0, &prompt_text(&tokens));
-        self.logprobs(tokens);
+        self.echo = Some(tokens);
         Ok(())
     }
 
-    fn logprobs(&mut self, tokens: Vec<TokenLogprob>) {
-        if let Some(r) = self.reports.as_mut() {
-            r.add(tokens);
+    fn logprobs(&mut self, mut tokens: Vec<TokenLogprob>) {
+        if let (Some(_), Some((_, _, l))) = (self.scored, self.outs.get_mut(self.index)) {
+            l.append(&mut tokens);
         }
     }
 
+    fn choice(&mut self, index: u32) {
+        self.index = index as usize;
+    }
+
+    async fn choice_end(&mut self, index: u32, finish: FinishReason) -> Result<(), Gone> {
+        if let Some((_, f, _)) = self.outs.get_mut(index as usize) {
+            *f = Some(finish);
+        }
+        Ok(())
+    }
+
     async fn done(&mut self, end: &Finished, t: &mut Timing) -> Result<(), Gone> {
-        if let Some(sh) = self.shaper.as_mut() {
-            sh.finish().iter().for_each(|p| self.out.add(p));
+        if let (Some(sh), Some((out, _, _))) = (self.shaper.as_mut(), self.outs.first_mut()) {
+            sh.finish().iter().for_each(|p| out.add(p));
         }
-        let finish = finish_of(&self.shaper, end.finish);
-        let mut body = self.ident.full_calls(&self.out, finish, &end.usage);
-        if let Some(r) = self.reports.as_mut() {
-            body["choices"][0]["logprobs"] = r.take();
-        }
-        let body = body.to_string();
+        let body = self.choices(end).to_string();
         t.stamp();
         let st = t.header();
         let len = body.len().to_string();

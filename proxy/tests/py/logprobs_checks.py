@@ -194,6 +194,62 @@ def completions(root, model, gguf):
             assert e.body["param"] == param, e.body
 
 
+def hits(root_admin):
+    t = httpx.get(root_admin + "/metrics").text
+    return sum(float(l.rsplit(" ", 1)[1]) for l in t.splitlines()
+               if l.startswith("vllm:prefix_cache_hits_total"))
+
+
+def choices(root, model, admin):
+    """`n` choices: indexed, usage as OpenAI counts it, one prefill whose
+    blocks the other choices share (the prefix cache's hits), whole and
+    streamed, and refusals by name."""
+    c = client(root)
+    msgs = [{"role": "user", "content": "Write one sentence about a lighthouse keeper who loves the stormy sea at night."}]
+    one = c.chat.completions.create(model=model, messages=msgs, max_tokens=8, temperature=0)
+    prompt_tokens = one.usage.prompt_tokens
+    before = hits(admin)
+    r = c.chat.completions.create(model=model, messages=msgs, max_tokens=8, temperature=0.9,
+                                  seed=3, n=4, logprobs=True)
+    after = hits(admin)
+    assert [ch.index for ch in r.choices] == [0, 1, 2, 3], r.choices
+    assert r.usage.prompt_tokens == prompt_tokens, r.usage
+    assert r.usage.completion_tokens == sum(len(ch.logprobs.content) for ch in r.choices), r.usage
+    assert len({ch.message.content for ch in r.choices}) > 1, [ch.message.content for ch in r.choices]
+    # The three followers found the leader's full prompt blocks cached
+    # (16-token blocks: every full block of the prompt but a last partial).
+    shared = (prompt_tokens - 1) // 16 * 16
+    assert after - before >= 3 * shared, (before, after, shared)
+    # Streamed with the same seed: each index gets the same text and its
+    # own finish; the usage chunk sums the choices.
+    texts, finishes, usage = {}, {}, None
+    for chunk in c.chat.completions.create(model=model, messages=msgs, max_tokens=8, temperature=0.9,
+                                           seed=3, n=4, logprobs=True, stream=True,
+                                           stream_options={"include_usage": True}):
+        if chunk.usage:
+            usage = chunk.usage
+        for ch in chunk.choices:
+            texts[ch.index] = texts.get(ch.index, "") + (ch.delta.content or "")
+            if ch.finish_reason:
+                finishes[ch.index] = ch.finish_reason
+    assert texts == {ch.index: ch.message.content for ch in r.choices}, (texts, r.choices)
+    assert sorted(finishes) == [0, 1, 2, 3], finishes
+    assert usage.completion_tokens == r.usage.completion_tokens, usage
+    # Completions: each choice echoes the prompt.
+    p = "Once upon a time"
+    rc = c.completions.create(model=model, prompt=p, max_tokens=4, n=2, echo=True, logprobs=1,
+                              temperature=1.0, seed=5)
+    assert [ch.index for ch in rc.choices] == [0, 1]
+    for ch in rc.choices:
+        assert ch.text.startswith(p) and "".join(ch.logprobs.tokens) == ch.text, ch
+    for kw in [{"n": 9}, {"n": 2, "tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}]:
+        try:
+            c.chat.completions.create(model=model, messages=msgs, max_tokens=1, **kw)
+            raise AssertionError(f"{kw} accepted")
+        except openai.BadRequestError as e:
+            assert e.body["param"] == "n", e.body
+
+
 def tokenizer(root, model, gguf):
     ids = tokenize(root, prompt="Hello world")
     r = httpx.post(root + "/detokenize", json={"tokens": ids}).json()
@@ -210,4 +266,5 @@ def tokenizer(root, model, gguf):
 
 if __name__ == "__main__":
     check, root, model, gguf = sys.argv[1:5]
-    {"chat": chat, "completions": completions, "tokenizer": tokenizer}[check](root, model, gguf)
+    {"chat": chat, "completions": completions, "tokenizer": tokenizer,
+     "choices": choices}[check](root, model, gguf)

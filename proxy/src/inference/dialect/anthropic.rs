@@ -269,6 +269,7 @@ pub fn parse(body: &[u8]) -> Result<Parsed, BackendError> {
         model,
         prompt: Prompt::Chat(msgs),
         max_tokens: Some(max_tokens.min(u32::MAX as u64) as usize),
+        n: 1,
         sampling: SamplingParams {
             // Anthropic's temperature runs 0 to 1, default 1.
             temperature: num(o, "temperature", 0.0, 1.0)?.unwrap_or(1.0) as f32,

@@ -271,6 +271,7 @@ pub fn parse(body: &[u8]) -> Result<Parsed, BackendError> {
         model,
         prompt: Prompt::Chat(msgs),
         max_tokens: max_tokens.map(|m| m.min(u32::MAX as u64) as usize),
+        n: 1,
         sampling: SamplingParams {
             temperature: num(o, "temperature", 0.0, 2.0)?.unwrap_or(1.0) as f32,
             top_k: 0,

@@ -325,6 +325,7 @@ impl Backend for UpstreamBackend {
             (Prompt::Tokens(_), _) => Some(("prompt", "token-id prompts")),
             (_, s) if s.echo => Some(("echo", "echo")),
             (_, s) if s.logprobs.is_some() => Some(("logprobs", "log probabilities")),
+            _ if req.n > 1 => Some(("n", "several choices")),
             _ => None,
         };
         if let Some((field, what)) = refused {

@@ -58,7 +58,11 @@ impl Sent {
                     r.push_str(sse);
                 }
             }
-            Event::Done { .. } | Event::Error(_) | Event::Prompt(_) | Event::Logprob(_) => {}
+            Event::Done { .. }
+            | Event::Error(_)
+            | Event::Prompt(_)
+            | Event::Logprob(_)
+            | Event::Indexed(..) => {}
         }
     }
 
@@ -191,7 +195,8 @@ impl UpstreamBackend {
                     Event::Token { .. }
                     | Event::Raw { .. }
                     | Event::Prompt(_)
-                    | Event::Logprob(_) => {
+                    | Event::Logprob(_)
+                    | Event::Indexed(..) => {
                         sent.add_event(&e);
                         if tx.send(e).is_err() {
                             return End::Gone;
