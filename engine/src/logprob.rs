@@ -1,17 +1,12 @@
 //! Log-probabilities of a row of logits, for the `logprobs`, `top_logprobs`
-//! and `echo` reports: the softmax's log-normaliser in one vectorized pass
-//! (the sampler's `exp`), the chosen token's value minus it, and the k
-//! likeliest tokens by a threshold scan (k is at most 20: a sorted array
-//! beats a heap, and most logits fail the first compare). Only sequences
+//! and `echo` reports: the softmax's log-normaliser in one fused,
+//! vectorized pass (the sampler's `exp`), the chosen token's value minus
+//! it, and the k likeliest tokens by a threshold scan that skips whole
+//! blocks below the k-th largest so far (k is at most 20: a sorted array
+//! beats a heap). Only sequences
 //! that ask pay for it; the rest of the batch never sees this module.
 
 use crate::simd::ops;
-use std::cell::RefCell;
-
-thread_local! {
-    /// The exp pass's buffer, reused from row to row.
-    static EXP: RefCell<(Vec<f32>, Vec<f64>)> = const { RefCell::new((Vec::new(), Vec::new())) };
-}
 
 /// `ln Σ e^l` over `row`: a logit minus it is that token's log-probability.
 /// `-inf` for a row with nothing finite.
@@ -20,14 +15,12 @@ pub fn log_norm(row: &[f32]) -> f32 {
     if !max.is_finite() {
         return max;
     }
-    EXP.with(|b| {
-        let (w, sums) = &mut *b.borrow_mut();
-        w.resize(row.len(), 0.0);
-        ops::scaled_exp(row, max, 1.0, w);
-        ops::block_sums(w, sums);
-        max + (sums.iter().sum::<f64>().ln() as f32)
-    })
+    max + ops::exp_sum(row, max).ln() as f32
 }
+
+/// Values per block of [`top`]'s scan: a block whose largest value cannot
+/// enter the list is skipped after one vectorized pass.
+const TOP_BLOCK: usize = 128;
 
 /// The `k` largest logits as (token, logit), largest first, ties to the
 /// smaller id (so a report is the same from run to run); NaN never chosen.
@@ -37,16 +30,22 @@ pub fn top(row: &[f32], k: usize) -> Vec<(u32, f32)> {
         return best;
     }
     let mut floor = f32::NEG_INFINITY;
-    for (i, &l) in row.iter().enumerate() {
-        // `>` keeps the earlier (smaller) id on a tie with the floor.
-        if best.len() == k && l <= floor || l.is_nan() {
+    for (bi, block) in row.chunks(TOP_BLOCK).enumerate() {
+        // Most blocks hold nothing above the k-th largest so far.
+        if best.len() == k && ops::max(block) <= floor {
             continue;
         }
-        let at = best.partition_point(|&(_, v)| v >= l);
-        best.insert(at, (i as u32, l));
-        best.truncate(k);
-        if best.len() == k {
-            floor = best[k - 1].1;
+        for (j, &l) in block.iter().enumerate() {
+            // `<=` keeps the earlier (smaller) id on a tie with the floor.
+            if best.len() == k && l <= floor || l.is_nan() {
+                continue;
+            }
+            let at = best.partition_point(|&(_, v)| v >= l);
+            best.insert(at, ((bi * TOP_BLOCK + j) as u32, l));
+            best.truncate(k);
+            if best.len() == k {
+                floor = best[k - 1].1;
+            }
         }
     }
     best
