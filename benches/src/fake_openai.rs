@@ -9,6 +9,8 @@
 //! its own FIFO queue (so it behaves like a loaded vLLM), failures of the
 //! first N requests, a stall or malformed SSE after N tokens, a connection
 //! reset (RST) after N streamed tokens, a fraction of slow first tokens.
+//! Streamed chunks carry made-up `logprobs` when the request asks (chat's
+//! or the legacy shape).
 //! `GET /stats` reports counters (requests, active, completed, cancelled,
 //! failed, slow, killed, resumed, connections that carried inference
 //! requests) and the last request body, so tests can
@@ -613,6 +615,37 @@ async fn complete(
     }
     let _active = Active(&st.s);
     let id = format!("fake-{n}");
+    // Scores, when asked (chat: `logprobs` and `top_logprobs`;
+    // completions: `logprobs`), made up but exact in binary so that they
+    // read back equal: a token's is -0.25 - 0.125 x (its length mod 7).
+    let want_lp: Option<usize> = if chat {
+        req["logprobs"]
+            .as_bool()
+            .unwrap_or(false)
+            .then(|| req["top_logprobs"].as_u64().unwrap_or(0) as usize)
+    } else {
+        req["logprobs"].as_u64().map(|k| k as usize)
+    };
+    let scores = |text: &str| -> Value {
+        let l = -0.25 - (text.len() % 7) as f64 * 0.125;
+        let k = want_lp.unwrap_or(0);
+        if chat {
+            let top: Vec<Value> = (0..k)
+                .map(|j| {
+                    let t = format!("alt{j}");
+                    json!({"token": t, "logprob": l - 1.0 - j as f64, "bytes": t.as_bytes()})
+                })
+                .collect();
+            json!({"content": [{"token": text, "logprob": l, "bytes": text.as_bytes(), "top_logprobs": top}], "refusal": null})
+        } else {
+            let mut m = serde_json::Map::new();
+            m.insert(text.to_string(), json!(l));
+            for j in 0..k {
+                m.insert(format!("alt{j}"), json!(l - 1.0 - j as f64));
+            }
+            json!({"tokens": [text], "token_logprobs": [l], "top_logprobs": [m], "text_offset": [0]})
+        }
+    };
     let mk = |text: &str, first: bool, fin: Option<&str>| -> String {
         if chat {
             let delta = if first {
@@ -622,11 +655,19 @@ async fn complete(
             } else {
                 json!({"content": text})
             };
-            json!({"id": id, "object": "chat.completion.chunk", "created": 0, "model": req["model"], "system_fingerprint": o.name,
-                "choices": [{"index": 0, "delta": delta, "finish_reason": fin}]}).to_string()
+            let mut v = json!({"id": id, "object": "chat.completion.chunk", "created": 0, "model": req["model"], "system_fingerprint": o.name,
+                "choices": [{"index": 0, "delta": delta, "finish_reason": fin}]});
+            if want_lp.is_some() && fin.is_none() {
+                v["choices"][0]["logprobs"] = scores(text);
+            }
+            v.to_string()
         } else {
-            json!({"id": id, "object": "text_completion", "created": 0, "model": req["model"], "system_fingerprint": o.name,
-                "choices": [{"index": 0, "text": text, "finish_reason": fin}]}).to_string()
+            let mut v = json!({"id": id, "object": "text_completion", "created": 0, "model": req["model"], "system_fingerprint": o.name,
+                "choices": [{"index": 0, "text": text, "finish_reason": fin}]});
+            if want_lp.is_some() && fin.is_none() {
+                v["choices"][0]["logprobs"] = scores(text);
+            }
+            v.to_string()
         }
     };
     if !sleep_or_close(st.jitter(o.jitter_ms, ttft), r).await {

@@ -733,7 +733,7 @@ fn no_request_field_is_silently_ignored() {
     }
     // Refused by name.
     for (extra, param) in [
-        (r#","logprobs":true,"top_logprobs":2"#, "logprobs"),
+        (r#","n":2"#, "n"),
         (
             r#","modalities":["text","audio"],"audio":{"voice":"alloy","format":"wav"}"#,
             "modalities",

@@ -300,6 +300,14 @@ impl Engine {
                 "n must be from 1 to {MAX_CHOICES}, got {n}"
             )));
         }
+        // Refused here, not in the step: a step that cannot serve one
+        // sequence fails every sequence in it.
+        if req.sampling.echo && req.sampling.prompt_logprobs.is_some() && !self.scores_prompts {
+            return Err(EngineError::Invalid(format!(
+                "runner {} does not score prompts",
+                self.runner_desc
+            )));
+        }
         let total = req.prompt.len() + req.max_tokens;
         let ctx = self.loaded.model.max_positions();
         if req.prompt.is_empty() {
@@ -570,6 +578,12 @@ impl Worker {
         }
         for f in released {
             self.enqueue(f);
+        }
+        // A scored prompt's step grew the buffer to many rows: give the
+        // memory back rather than hold it for every later step.
+        let keep = vocab * self.cfg.max_num_seqs.max(1);
+        if self.logits.full.capacity() > 2 * keep {
+            self.logits.full = Vec::with_capacity(keep);
         }
         self.drop_finished();
     }

@@ -38,9 +38,10 @@ use std::time::Instant;
 /// back; the next step runs their decodes alongside it.
 pub const MAX_HELD_STEPS: u32 = 4;
 
-/// Most tokens of a scored prompt in one step (each holds a row of logits:
-/// 256 rows of SmolLM2's 49,152 are 50 MB).
-const SCORED_CHUNK: usize = 256;
+/// Most tokens of scored prompts in one step, all together (each holds a
+/// row of logits: 256 rows of SmolLM2's 49,152 are 50 MB, of a 152k
+/// vocabulary 156 MB).
+const SCORED_ROWS: usize = 256;
 
 /// One planned piece of a step: `running[seq]` computes its next `tokens`.
 #[derive(Debug, Clone, Copy)]
@@ -64,6 +65,8 @@ impl Worker {
             false => 0,
         };
         let mut plan: Vec<Planned> = Vec::new();
+        // Rows of logits the step's scored prompts may still add.
+        let mut scored_rows = SCORED_ROWS;
         // Ranks above this one sit the step out (a better prefill is in it).
         let mut cut: Option<u32> = None;
         let mut admitting = true;
@@ -98,13 +101,16 @@ impl Worker {
                     1
                 }
                 // A scored prompt's step holds a row of logits per token.
-                _ if s.scoring_prompt() => need.min(budget - reserve).min(SCORED_CHUNK),
+                _ if s.scoring_prompt() => need.min(budget - reserve).min(scored_rows),
                 _ => need.min(budget - reserve),
             };
             // May preempt sequences after i (never a planned one).
             if tokens == 0 || !self.ensure_blocks(i, s.computed + tokens) {
                 i += 1;
                 continue;
+            }
+            if self.running[i].scoring_prompt() {
+                scored_rows = scored_rows.saturating_sub(tokens);
             }
             plan.push(Planned { seq: i, tokens });
             budget -= tokens;

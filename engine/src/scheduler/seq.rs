@@ -90,15 +90,23 @@ impl Seq {
     /// `n` sequences for one request, sharing one event channel: the
     /// first leads and holds the others (see `followers`); each choice's
     /// generator is seeded apart (seed + index when the request has one).
-    pub fn choices(req: GenerateRequest, n: usize, tx: UnboundedSender<Event>) -> Seq {
+    pub fn choices(mut req: GenerateRequest, n: usize, tx: UnboundedSender<Event>) -> Seq {
         if n <= 1 {
             return Seq::new(req, tx);
         }
+        // One base seed for all, so that no two choices can draw the same
+        // seed from a coarse clock.
+        let base = req.sampling.seed.unwrap_or_else(|| {
+            std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map_or(0x5eed, |d| d.as_nanos() as u64)
+        });
+        req.sampling.seed = Some(base);
         let mut lead = Seq::new(req.clone(), tx.clone());
         lead.index = Some(0);
         for i in 1..n {
             let mut r = req.clone();
-            r.sampling.seed = r.sampling.seed.map(|s| s.wrapping_add(i as u64));
+            r.sampling.seed = Some(base.wrapping_add(i as u64));
             // The prompt's report is the leader's (one prompt).
             r.sampling.echo = false;
             r.sampling.prompt_logprobs = None;
@@ -137,8 +145,10 @@ impl Seq {
     /// Its prompt is being scored and some of it is not yet: a step must
     /// hand it every position's logits.
     pub fn scoring_prompt(&self) -> bool {
+        // Once sent, the report is gone from here: never again.
         self.req.sampling.echo
             && self.req.sampling.prompt_logprobs.is_some()
+            && !self.prompt_sent
             && self.prompt_report.len() < self.prompt_len
     }
 

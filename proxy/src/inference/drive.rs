@@ -89,13 +89,17 @@ struct Ends {
 }
 
 impl Ends {
-    /// One choice ended: prompt counts once, completions add up (as OpenAI
-    /// counts `n`), the time is the slowest choice's.
-    fn add(&mut self, finish: FinishReason, u: Usage, queue: Duration, compute: Duration) {
+    /// Choice `i` ended: prompt counts once, completions add up (as OpenAI
+    /// counts `n`), the time is the slowest choice's; the cached prompt
+    /// tokens are the first choice's (the others start on the blocks it
+    /// computed, which says nothing of the request's prompt).
+    fn add(&mut self, i: u32, finish: FinishReason, u: Usage, queue: Duration, compute: Duration) {
         self.seen += 1;
         self.finish = Some(finish);
         self.usage.prompt_tokens = u.prompt_tokens;
-        self.usage.cached_tokens = self.usage.cached_tokens.max(u.cached_tokens);
+        if i == 0 {
+            self.usage.cached_tokens = u.cached_tokens;
+        }
         self.usage.completion_tokens += u.completion_tokens;
         self.queue = self.queue.max(queue);
         self.compute = self.compute.max(compute);
@@ -295,7 +299,7 @@ pub async fn drive<S: Sink + ?Sized>(
                 if !text.is_empty() || !pending.is_empty() || last.is_some() {
                     pacer.push((i, text, std::mem::take(pending), last), Instant::now());
                 }
-                ends.add(finish, usage, queue, compute);
+                ends.add(i, finish, usage, queue, compute);
                 if ends.seen >= choices {
                     end = Some(Ok(ends.finished()));
                 }

@@ -55,10 +55,47 @@ pub fn chat(tokens: &[TokenLogprob]) -> Value {
 
 /// Completions' legacy object, built a chunk at a time: `text_offset`
 /// counts characters from the start of the response's text (the echoed
-/// prompt included) across chunks.
+/// prompt included) across chunks, of the text as it is decoded whole: a
+/// token that ends inside a character leaves its bytes for the next.
 #[derive(Debug, Default)]
 pub struct Legacy {
     offset: usize,
+    /// Bytes of a character not complete yet.
+    partial: Vec<u8>,
+}
+
+impl Legacy {
+    /// Move past one token's bytes: the characters they complete.
+    fn advance(&mut self, bytes: &[u8]) {
+        self.partial.extend_from_slice(bytes);
+        let mut rest: &[u8] = &self.partial;
+        loop {
+            match std::str::from_utf8(rest) {
+                Ok(s) => {
+                    self.offset += s.chars().count();
+                    rest = &[];
+                    break;
+                }
+                Err(e) => {
+                    let (ok, tail) = rest.split_at(e.valid_up_to());
+                    self.offset += std::str::from_utf8(ok).map_or(0, |s| s.chars().count());
+                    match e.error_len() {
+                        // Invalid bytes decode as one U+FFFD each run.
+                        Some(n) => {
+                            self.offset += 1;
+                            rest = &tail[n..];
+                        }
+                        // Incomplete: wait for the next token.
+                        None => {
+                            rest = tail;
+                            break;
+                        }
+                    }
+                }
+            }
+        }
+        self.partial = rest.to_vec();
+    }
 }
 
 impl Legacy {
@@ -73,7 +110,7 @@ impl Legacy {
         for t in tokens {
             let s = text(&t.bytes);
             offs.push(self.offset);
-            self.offset += s.chars().count();
+            self.advance(&t.bytes);
             match t.logprob {
                 None => {
                     lps.push(Value::Null);
@@ -156,6 +193,15 @@ mod tests {
         }
     }
 
+    fn tok_bytes(b: &[u8]) -> TokenLogprob {
+        TokenLogprob {
+            id: 0,
+            bytes: b.to_vec(),
+            logprob: Some(-1.0),
+            top: Vec::new(),
+        }
+    }
+
     #[test]
     fn chat_lists_tokens_with_bytes_and_alternatives() {
         let v = chat(&[tok(
@@ -187,6 +233,16 @@ mod tests {
         r.add(vec![tok(" x", Some(-3.0), &[(" y", -0.1)])]);
         let b = r.take();
         assert_eq!(b["text_offset"], json!([5]));
+        // A character split across tokens counts once, where it completes.
+        let mut l = Legacy::default();
+        let ja = "日本".as_bytes();
+        let v = l.next(&[
+            tok_bytes(&ja[..2]),
+            tok_bytes(&ja[2..4]),
+            tok_bytes(&ja[4..]),
+            tok_bytes(b"x"),
+        ]);
+        assert_eq!(v["text_offset"], json!([0, 0, 1, 2]));
         // The chosen token is listed beside the alternatives.
         assert_eq!(b["top_logprobs"], json!([{" y": -0.1, " x": -3.0}]));
     }

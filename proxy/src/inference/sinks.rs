@@ -215,9 +215,11 @@ impl<D: Downstream + ?Sized> Sink for SseSink<'_, D> {
     async fn choice_end(&mut self, index: u32, finish: FinishReason) -> Result<(), Gone> {
         self.head().await?;
         self.choices.index = index;
+        // A choice that ended before any text still names its role.
+        let first = self.choices.first();
         let mut v = self
             .ident
-            .chunk("", false, Some(finish_of(&self.shaper, finish)));
+            .chunk("", first, Some(finish_of(&self.shaper, finish)));
         self.choices.fill(&mut v);
         self.down.body(sse::data(&v.to_string()), false).await
     }

@@ -56,7 +56,7 @@ impl Front {
     }
 
     /// `POST /tokenize`: `{"prompt"}` or `{"messages"}` (rendered with the
-    /// chat template, `add_generation_prompt` as given, default true).
+    /// chat template and its generation prompt, as a chat request is).
     pub async fn tokenize(&self, inc: &Incoming, body: &[u8]) -> Reply {
         match self.tokenize_inner(inc, body).await {
             Ok(v) => Reply::json(v),
@@ -115,14 +115,28 @@ impl Front {
         Ok(json!({"count": tokens.len(), "max_model_len": ctx, "tokens": tokens}))
     }
 
-    /// `POST /detokenize`: `{"tokens": [ids]}` to `{"prompt": text}`.
-    pub fn detokenize(&self, inc: &Incoming, body: &[u8]) -> Reply {
-        let run = || -> Result<Value, BackendError> {
-            let o = body_object(body)?;
+    /// `POST /detokenize`: `{"tokens": [ids]}` to `{"prompt": text}`, at
+    /// most the model's context of them, decoded off the runtime.
+    pub async fn detokenize(&self, inc: &Incoming, body: &[u8]) -> Reply {
+        let found = body_object(body).and_then(|o| {
             let engine = self.tokenizer_engine(inc, model_of(&o)?)?;
+            Ok((o, engine))
+        });
+        let (o, engine) = match found {
+            Ok(x) => x,
+            Err(e) => return Reply::error(&e),
+        };
+        let run = move || -> Result<Value, BackendError> {
             let l = engine.loaded();
             let vocab = l.model.cfg.vocab;
+            let ctx = l.model.max_positions();
             let ids: Option<Vec<u32>> = match opt(&o, "tokens") {
+                Some(Value::Array(a)) if a.len() > ctx => {
+                    return Err(bad(
+                        "tokens",
+                        format!("at most {ctx} tokens (the model's context) are decoded at once."),
+                    ))
+                }
                 Some(Value::Array(a)) => a
                     .iter()
                     .map(|v| v.as_u64().and_then(|t| u32::try_from(t).ok()))
@@ -143,9 +157,14 @@ impl Front {
                 .map_err(|e| bad("tokens", e.to_string()))?;
             Ok(json!({"prompt": text}))
         };
-        match run() {
-            Ok(v) => Reply::json(v),
-            Err(e) => Reply::error(&e),
+        match tokio::task::spawn_blocking(run).await {
+            Ok(Ok(v)) => Reply::json(v),
+            Ok(Err(e)) => Reply::error(&e),
+            Err(e) => Reply::error(&BackendError::request(
+                500,
+                "tokenizer_failed",
+                e.to_string(),
+            )),
         }
     }
 

@@ -254,7 +254,7 @@ impl EdgeProxy {
                 let Some(body) = self.body(down, inc).await? else {
                     return Ok(());
                 };
-                front.detokenize(inc, &body)
+                Box::pin(front.detokenize(inc, &body)).await
             }
             (&http::Method::GET, ["tokenizer_info"] | ["v1", "tokenizer_info"]) => {
                 front.tokenizer_info(inc)

@@ -260,6 +260,9 @@ def tokenizer(root, model, gguf):
     assert v1["tokens"] == ids and v1["count"] == len(ids), v1
     bad = httpx.post(root + "/detokenize", json={"tokens": [10**9]})
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "tokens", bad.text
+    # More ids than the context holds: refused before any decoding.
+    long = httpx.post(root + "/detokenize", json={"tokens": [1] * (info["model_max_length"] + 1)})
+    assert long.status_code == 400 and long.json()["error"]["param"] == "tokens", long.text
     unknown = httpx.post(root + "/tokenize", json={"prompt": "x", "model": "nope"})
     assert unknown.status_code == 404, unknown.text
 

@@ -66,8 +66,8 @@ def basics(base, model):
     except openai.BadRequestError as e:
         assert e.status_code == 400 and e.body["param"] == "temperature", e.body
     try:
-        c.chat.completions.create(model=model, messages=[{"role": "user", "content": "x"}], n=3)
-        raise AssertionError("n=3 accepted")
+        c.chat.completions.create(model=model, messages=[{"role": "user", "content": "x"}], n=9)
+        raise AssertionError("n=9 accepted")
     except openai.BadRequestError as e:
         assert e.body["param"] == "n", e.body
     try:

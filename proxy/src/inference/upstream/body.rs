@@ -45,6 +45,12 @@ pub(super) struct UpstreamBody<'a> {
         serialize_with = "bias_map"
     )]
     pub logit_bias: &'a [(u32, f32)],
+    /// Chat: `true`; completions: the number of alternatives.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub logprobs: Option<Value>,
+    /// Chat's alternatives per token.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub top_logprobs: Option<usize>,
     #[serde(skip_serializing_if = "<[String]>::is_empty")]
     pub stop: &'a [String],
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -136,6 +142,8 @@ mod tests {
             repetition_penalty: None,
             min_p: None,
             logit_bias: &[],
+            logprobs: None,
+            top_logprobs: None,
             stop,
             user: None,
             priority: None,

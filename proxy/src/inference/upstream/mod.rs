@@ -32,6 +32,7 @@ use bytes::Bytes;
 use parking_lot::Mutex;
 use pingora::connectors::http::Connector;
 use prometheus::IntCounter;
+use serde_json::Value;
 use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 use ultrafast_engine::api::{
@@ -246,9 +247,10 @@ impl UpstreamBackend {
             // Refused by `prepare`.
             Prompt::Tokens(_) => ("/v1/completions", None, Some(Concat("", sent))),
         };
+        let chat = messages.is_some();
         // vLLM continues the final (assistant) message of a resumed chat
         // instead of opening a new turn.
-        let resumed_chat = resume.is_some() && messages.is_some();
+        let resumed_chat = resume.is_some() && chat;
         // Only what this kind of server accepts (see `upstream::dialect`).
         let caps = self.spec.pool.settings.server_kind.caps();
         let s = &req.sampling;
@@ -271,6 +273,12 @@ impl UpstreamBackend {
             repetition_penalty: (s.repetition_penalty != 1.0).then_some(s.repetition_penalty),
             min_p: (s.min_p > 0.0).then_some(s.min_p),
             logit_bias: &s.logit_bias,
+            // The dialect's own shape: the relay reads either back.
+            logprobs: s.logprobs.map(|k| match chat {
+                true => Value::Bool(true),
+                false => Value::from(k),
+            }),
+            top_logprobs: s.logprobs.filter(|k| chat && *k > 0),
             stop: &req.stop,
             user: req.user.as_deref(),
             priority: (self.spec.priority == PriorityField::Vllm && caps.priority)
@@ -318,13 +326,13 @@ impl Backend for UpstreamBackend {
     }
 
     fn prepare(&self, req: &InferenceRequest) -> Result<Prepared, BackendError> {
-        // Reports and token prompts are the engine's: the relay reads an
-        // upstream's text, not its scores, so they are refused by name
-        // rather than answered without them.
+        // The relay reads one choice's text and scores: an echoed prompt
+        // would read as output (and break a resumed stream's count), and
+        // token ids mean nothing to another server's tokenizer, so these
+        // are refused by name rather than answered wrongly.
         let refused = match (&req.prompt, &req.sampling) {
             (Prompt::Tokens(_), _) => Some(("prompt", "token-id prompts")),
             (_, s) if s.echo => Some(("echo", "echo")),
-            (_, s) if s.logprobs.is_some() => Some(("logprobs", "log probabilities")),
             _ if req.n > 1 => Some(("n", "several choices")),
             _ => None,
         };

@@ -93,7 +93,12 @@ pub(super) fn send_leading(o: &mut Opened, tx: &UnboundedSender<Event>, keep_raw
     let n = o
         .first
         .iter()
-        .take_while(|e| matches!(e, Event::Token { .. } | Event::Raw { .. }))
+        .take_while(|e| {
+            matches!(
+                e,
+                Event::Token { .. } | Event::Raw { .. } | Event::Logprob(_)
+            )
+        })
         .count();
     for e in o.first.drain(..n) {
         sent.add_event(&e);

@@ -14,7 +14,7 @@ use serde_json::Value;
 use std::borrow::Cow;
 use std::ops::ControlFlow;
 use std::time::Duration;
-use ultrafast_engine::api::{Event, FinishReason, RawSse, Usage};
+use ultrafast_engine::api::{Alt, Event, FinishReason, RawSse, TokenLogprob, Usage};
 
 /// The fields of an OpenAI stream chunk the relay reads.
 #[derive(Deserialize)]
@@ -35,6 +35,9 @@ struct Choice<'a> {
     finish_reason: Option<Cow<'a, str>>,
     /// vLLM's: the stop string (or token id) that ended the choice.
     stop_reason: Option<Value>,
+    /// The chunk's tokens' scores (`logprobs`), in chat's or the legacy
+    /// shape.
+    logprobs: Option<Value>,
 }
 
 #[derive(Deserialize)]
@@ -42,6 +45,70 @@ struct Delta<'a> {
     #[serde(borrow)]
     content: Option<Cow<'a, str>>,
     tool_calls: Option<Value>,
+}
+
+/// An upstream chunk's scores as the engine reports them (ids unknown: 0),
+/// before the chunk's text: chat's `content` list (each entry's `bytes`,
+/// else its token's UTF-8) or the legacy object (`tokens`,
+/// `token_logprobs`, `top_logprobs` maps). Anything else adds nothing.
+fn reports(lp: &Value, out: &mut Vec<Event>) {
+    let bytes = |e: &Value, token: &str| -> Vec<u8> {
+        match e["bytes"].as_array() {
+            Some(b) => b
+                .iter()
+                .filter_map(|x| x.as_u64())
+                .map(|x| x as u8)
+                .collect(),
+            None => token.as_bytes().to_vec(),
+        }
+    };
+    let alt = |b: Vec<u8>, l: &Value| Alt {
+        id: 0,
+        bytes: b,
+        logprob: l.as_f64().unwrap_or(f64::NEG_INFINITY) as f32,
+    };
+    if let Some(content) = lp["content"].as_array() {
+        for e in content {
+            let token = e["token"].as_str().unwrap_or_default();
+            let top = e["top_logprobs"]
+                .as_array()
+                .map(|a| {
+                    a.iter()
+                        .map(|x| {
+                            let t = x["token"].as_str().unwrap_or_default();
+                            alt(bytes(x, t), &x["logprob"])
+                        })
+                        .collect()
+                })
+                .unwrap_or_default();
+            out.push(Event::Logprob(Box::new(TokenLogprob {
+                id: 0,
+                bytes: bytes(e, token),
+                logprob: e["logprob"].as_f64().map(|l| l as f32),
+                top,
+            })));
+        }
+    } else if let Some(tokens) = lp["tokens"].as_array() {
+        for (i, t) in tokens.iter().enumerate() {
+            let token = t.as_str().unwrap_or_default();
+            let chosen = lp["token_logprobs"][i].as_f64().map(|l| l as f32);
+            let mut top: Vec<Alt> = lp["top_logprobs"][i]
+                .as_object()
+                .map(|m| {
+                    m.iter()
+                        .map(|(k, v)| alt(k.as_bytes().to_vec(), v))
+                        .collect()
+                })
+                .unwrap_or_default();
+            top.sort_by(|a, b| b.logprob.total_cmp(&a.logprob));
+            out.push(Event::Logprob(Box::new(TokenLogprob {
+                id: 0,
+                bytes: token.as_bytes().to_vec(),
+                logprob: chosen,
+                top,
+            })));
+        }
+    }
 }
 
 /// The end of a call's arguments object and of its block.
@@ -187,7 +254,10 @@ impl StreamState {
             out.append(&mut seen);
             return ControlFlow::Break(());
         }
-        let tokens = seen.len();
+        let tokens = seen
+            .iter()
+            .filter(|e| matches!(e, Event::Token { .. }))
+            .count();
         let usage_only = tokens == 0
             && !had_usage
             && self.usage.is_some()
@@ -221,6 +291,9 @@ impl StreamState {
         if let Some(calls) = calls {
             self.tool_calls(&calls, out);
         }
+        if let Some(lp) = &choice.logprobs {
+            reports(lp, out);
+        }
         self.token(&text, choice.finish_reason.as_deref(), out);
         self.stop_reason(choice.stop_reason.as_ref());
         ControlFlow::Continue(())
@@ -241,6 +314,7 @@ impl StreamState {
             .or_else(|| c["text"].as_str())
             .unwrap_or("");
         self.tool_calls(&c["delta"]["tool_calls"], out);
+        reports(&c["logprobs"], out);
         self.token(text, c["finish_reason"].as_str(), out);
         self.stop_reason(c.get("stop_reason"));
         ControlFlow::Continue(())
