@@ -1,6 +1,7 @@
 //! Log-probabilities, echo and the tokenizer endpoints over HTTP, with
 //! the real model and the official `openai` client (`py/logprobs_checks.py`):
-//! chat's `logprobs`/`top_logprobs` whole and streamed, completions'
+//! chat's `logprobs`/`top_logprobs` whole and streamed, the Responses
+//! API's `include` and `top_logprobs`, completions'
 //! legacy `logprobs` with `echo` (scoring with `max_tokens` 0, a prompt of
 //! token ids, streamed echo), each held to the float32 numpy reference;
 //! vLLM's `/tokenize`, `/detokenize` and `/tokenizer_info`; `n` choices
@@ -44,6 +45,7 @@ fn logprobs_and_echo_match_the_reference_through_the_openai_client() {
     check("tokenizer", &uf);
     check("chat", &uf);
     check("completions", &uf);
+    check("responses", &uf);
     py(
         "logprobs_checks.py",
         "choices",
@@ -61,11 +63,13 @@ fn logprobs_and_echo_match_the_reference_through_the_openai_client() {
     let r = post_to(&uf, "/v1/chat/completions", &body, &[]);
     assert_eq!(r.status, 400, "{}", r.text());
     assert_eq!(r.json()["error"]["param"], "logprobs");
-    // The Responses API's `top_logprobs` is refused by name, not ignored.
-    let body = format!(r#"{{"model":"{MODEL}","input":"hi","top_logprobs":2}}"#);
+    // A background response cannot keep reports either.
+    let body = format!(
+        r#"{{"model":"{MODEL}","input":"hi","max_output_tokens":4,"top_logprobs":2,"background":true}}"#
+    );
     let r = post_to(&uf, "/v1/responses", &body, &[]);
     assert_eq!(r.status, 400, "{}", r.text());
-    assert_eq!(r.json()["error"]["param"], "top_logprobs");
+    assert_eq!(r.json()["error"]["param"], "logprobs");
 }
 
 #[test]

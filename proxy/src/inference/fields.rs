@@ -27,8 +27,6 @@ use Field::{Honoured, Ignored, Refused};
 const ONE_TIER: Field = Ignored("one service tier here; lanes are chosen by `priority`");
 const NO_CACHE_KEY: Field = Ignored("the prefix cache matches prompts without a key");
 const USER_IS_TENANT: Field = Ignored("`user` names the tenant; no safety system reads it");
-const NO_LOGPROBS: Field =
-    Refused("log probabilities are returned by chat completions and completions, not here");
 const TEXT_ONLY: Field = Refused("the models here produce text only");
 const NOT_REASONING: Field = Refused("the models here are not reasoning models");
 
@@ -139,8 +137,9 @@ pub const RESPONSES: &[(&str, Field)] = &[
     ("prompt_cache_key", NO_CACHE_KEY),
     ("safety_identifier", USER_IS_TENANT),
     ("reasoning", NOT_REASONING),
-    ("include", Refused("no extra output items are available")),
-    ("top_logprobs", NO_LOGPROBS),
+    // Only `message.output_text.logprobs` (the parser refuses the rest).
+    ("include", Honoured),
+    ("top_logprobs", Honoured),
     (
         "prompt",
         Refused("stored prompt templates are not supported"),
@@ -237,8 +236,6 @@ mod tests {
         )
         .is_ok());
         assert!(check(&obj(r#"{"logprobs":true,"top_logprobs":2}"#), OPENAI).is_ok());
-        let e = check(&obj(r#"{"top_logprobs":2}"#), RESPONSES).unwrap_err();
-        assert_eq!((e.status, e.param), (400, Some("top_logprobs")));
         let e = check(&obj(r#"{"modalities":["text","audio"]}"#), OPENAI).unwrap_err();
         assert_eq!(e.param, Some("modalities"));
         let e = check(&obj(r#"{"unknown_field":1}"#), OPENAI).unwrap_err();

@@ -250,6 +250,40 @@ def choices(root, model, admin):
             assert e.body["param"] == "n", e.body
 
 
+def responses(root, model, gguf):
+    """The Responses API's log-probabilities: `include` asks for them,
+    `top_logprobs` sets the alternatives; the finished text lists them
+    with bytes, each delta event without."""
+    c = client(root)
+    kw = dict(model=model, input="What is the capital of France?", max_output_tokens=8, temperature=0,
+              top_logprobs=2, include=["message.output_text.logprobs"])
+    r = c.responses.create(**kw)
+    part = r.output[0].content[0]
+    lps = part.logprobs
+    assert len(lps) == r.usage.output_tokens == 8, (lps, r.usage)
+    assert b"".join(bytes(t.bytes) for t in lps).decode() == part.text, (lps, part.text)
+    for t in lps:
+        assert len(t.top_logprobs) == 2 and t.top_logprobs[0].token == t.token, t
+    deltas, text = [], ""
+    for e in c.responses.create(stream=True, **kw):
+        if e.type == "response.output_text.delta":
+            text += e.delta
+            deltas += e.logprobs
+    assert text == part.text, (text, part.text)
+    assert [d.token for d in deltas] == [t.token for t in lps]
+    for d, t in zip(deltas, lps):
+        assert abs(d.logprob - t.logprob) < 1e-4 and len(d.top_logprobs) == 2
+    # Without `include`, nothing is listed.
+    plain = c.responses.create(model=model, input="Hi", max_output_tokens=4, temperature=0)
+    assert not plain.output[0].content[0].logprobs
+    for bad, param in [({"include": ["file_search_call.results"]}, "include"), ({"top_logprobs": 21}, "top_logprobs")]:
+        try:
+            c.responses.create(model=model, input="Hi", max_output_tokens=2, **bad)
+            raise AssertionError(f"{bad} accepted")
+        except openai.BadRequestError as e:
+            assert e.body["param"] == param, e.body
+
+
 def tokenizer(root, model, gguf):
     ids = tokenize(root, prompt="Hello world")
     r = httpx.post(root + "/detokenize", json={"tokens": ids}).json()
@@ -269,5 +303,5 @@ def tokenizer(root, model, gguf):
 
 if __name__ == "__main__":
     check, root, model, gguf = sys.argv[1:5]
-    {"chat": chat, "completions": completions, "tokenizer": tokenizer,
+    {"chat": chat, "completions": completions, "tokenizer": tokenizer, "responses": responses,
      "choices": choices}[check](root, model, gguf)

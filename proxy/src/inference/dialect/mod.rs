@@ -58,6 +58,11 @@ pub trait Writer: Send {
     fn error(&mut self, body: &Value) -> Ev;
     /// The keep-alive while nothing is ready.
     fn ping(&mut self) -> Bytes;
+    /// The reports of the tokens whose text comes next (only a dialect
+    /// that parses a request for them is handed any).
+    fn logprobs(&mut self, tokens: Vec<ultrafast_engine::api::TokenLogprob>) {
+        let _ = tokens;
+    }
     /// The response as a failed one (the async store's result).
     fn failed(&self, _error: &Value) -> Option<Value> {
         None
@@ -197,6 +202,10 @@ impl Sink for DialectSink<'_> {
             }
         }
         Ok(())
+    }
+
+    fn logprobs(&mut self, tokens: Vec<ultrafast_engine::api::TokenLogprob>) {
+        self.w.logprobs(tokens);
     }
 
     async fn text(&mut self, text: &str) -> Result<(), Gone> {

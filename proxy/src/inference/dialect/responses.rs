@@ -18,7 +18,7 @@ use crate::inference::openai::{
 use crate::inference::shape::{Collected, Piece};
 use bytes::Bytes;
 use serde_json::{json, Map, Value};
-use ultrafast_engine::api::{BackendError, FinishReason, Prompt};
+use ultrafast_engine::api::{BackendError, FinishReason, Prompt, TokenLogprob};
 use ultrafast_engine::sampling::SamplingParams;
 use ultrafast_engine::tokenizer::ChatMessage;
 
@@ -247,6 +247,7 @@ pub fn parse(body: &[u8]) -> Result<Parsed, BackendError> {
         ));
     }
     crate::inference::openai::metadata(o)?;
+    let logprobs = logprobs(o)?;
     let mut echo = Map::new();
     for k in [
         "instructions",
@@ -259,6 +260,7 @@ pub fn parse(body: &[u8]) -> Result<Parsed, BackendError> {
         "text",
         "metadata",
         "previous_response_id",
+        "top_logprobs",
     ] {
         if let Some(v) = opt(o, k) {
             echo.insert(k.into(), v.clone());
@@ -277,6 +279,7 @@ pub fn parse(body: &[u8]) -> Result<Parsed, BackendError> {
             top_k: 0,
             top_p: num(o, "top_p", 0.0, 1.0)?.unwrap_or(1.0) as f32,
             seed: None,
+            logprobs,
             ..SamplingParams::default()
         },
         stop: Vec::new(),
@@ -297,6 +300,45 @@ pub fn parse(body: &[u8]) -> Result<Parsed, BackendError> {
     })
 }
 
+/// What the Responses API names for log-probabilities: `include` may ask
+/// for `message.output_text.logprobs` (any other value is refused by
+/// name: there are no other extra outputs here), with `top_logprobs`
+/// alternatives (0 to 20). Some(k) when they are asked for.
+fn logprobs(o: &Map<String, Value>) -> Result<Option<usize>, BackendError> {
+    const LOGPROBS: &str = "message.output_text.logprobs";
+    let mut asked = false;
+    if let Some(inc) = opt(o, "include") {
+        let list = inc
+            .as_array()
+            .ok_or_else(|| wrong_type("include", "an array", inc))?;
+        for v in list {
+            match v.as_str() {
+                Some(LOGPROBS) => asked = true,
+                Some(other) => {
+                    let shown: String = other.chars().take(64).collect();
+                    return Err(bad(
+                        "include",
+                        format!("'{shown}' is not available here; only '{LOGPROBS}'."),
+                    ));
+                }
+                None => return Err(wrong_type("include", "an array of strings", v)),
+            }
+        }
+    }
+    let top = uint(o, "top_logprobs")?;
+    if top.is_some_and(|k| k > ultrafast_engine::api::MAX_LOGPROBS as u64) {
+        return Err(bad(
+            "top_logprobs",
+            format!(
+                "'top_logprobs' must be at most {}.",
+                ultrafast_engine::api::MAX_LOGPROBS
+            ),
+        ));
+    }
+    // `top_logprobs` alone asks for the alternatives, hence the scores.
+    Ok((asked || top.is_some_and(|k| k > 0)).then(|| top.unwrap_or(0) as usize))
+}
+
 /// Writes a Responses response.
 pub struct ResponsesWriter {
     id: String,
@@ -309,6 +351,12 @@ pub struct ResponsesWriter {
     items: usize,
     /// The conversation before this answer (stored with it).
     conversation: Vec<ChatMessage>,
+    /// The request asked for log-probabilities.
+    scored: bool,
+    /// Reports of the tokens whose text comes next.
+    pending: Vec<TokenLogprob>,
+    /// The message's reports so far, as its `output_text` lists them.
+    reports: Vec<Value>,
 }
 
 /// An output item while it streams.
@@ -320,6 +368,8 @@ struct Item {
     acc: String,
     /// The call's id and function name; None for a message.
     call: Option<(String, String)>,
+    /// Where its reports start in the writer's list (a message's).
+    from: usize,
 }
 
 /// The id of the message item of response `resp_id`.
@@ -351,6 +401,9 @@ impl ResponsesWriter {
             open: None,
             items: 0,
             conversation,
+            scored: p.sampling.logprobs.is_some(),
+            pending: Vec::new(),
+            reports: Vec::new(),
         }
     }
 
@@ -380,15 +433,20 @@ impl ResponsesWriter {
             id,
             acc,
             call: None,
+            from,
         }) = self.open.take()
         else {
             return;
         };
-        let part = json!({"type": "output_text", "text": acc, "annotations": []});
-        let e = self.ev(
-            "response.output_text.done",
-            json!({"item_id": id, "output_index": index, "content_index": 0, "text": acc}),
-        );
+        let mut part = json!({"type": "output_text", "text": acc, "annotations": []});
+        let mut done =
+            json!({"item_id": id, "output_index": index, "content_index": 0, "text": acc});
+        if self.scored {
+            let lps = json!(self.reports.get(from..).unwrap_or_default());
+            part["logprobs"] = lps.clone();
+            done["logprobs"] = lps;
+        }
+        let e = self.ev("response.output_text.done", done);
         evs.push(e);
         let e = self.ev(
             "response.content_part.done",
@@ -404,11 +462,31 @@ impl ResponsesWriter {
     }
 }
 
-fn items(id: &str, out: &Collected) -> Vec<Value> {
+/// A token's report as a delta event lists it (no `bytes`).
+fn without_bytes(v: &Value) -> Value {
+    let mut v = v.clone();
+    if let Some(o) = v.as_object_mut() {
+        o.remove("bytes");
+    }
+    if let Some(top) = v["top_logprobs"].as_array_mut() {
+        for t in top.iter_mut().filter_map(Value::as_object_mut) {
+            t.remove("bytes");
+        }
+    }
+    v
+}
+
+/// The output items; the message's text with its tokens' `reports` when
+/// the request asked for them.
+fn items(id: &str, out: &Collected, reports: Option<&[Value]>) -> Vec<Value> {
     let mut v = Vec::new();
     if !out.text.is_empty() {
+        let mut part = json!({"type": "output_text", "text": out.text, "annotations": []});
+        if let Some(r) = reports {
+            part["logprobs"] = json!(r);
+        }
         v.push(json!({"type": "message", "id": message_id(id), "status": "completed", "role": "assistant",
-            "content": [{"type": "output_text", "text": out.text, "annotations": []}]}));
+            "content": [part]}));
     }
     for c in &out.calls {
         v.push(
@@ -454,12 +532,28 @@ impl Writer for ResponsesWriter {
                         id,
                         acc: String::new(),
                         call: None,
+                        from: self.reports.len(),
                     });
+                }
+                // The delta's tokens: without `bytes` in the event, with
+                // them in the finished text (as OpenAI writes both).
+                let full = match self.scored {
+                    true => crate::inference::logprobs::chat(&std::mem::take(&mut self.pending))
+                        ["content"]
+                        .take(),
+                    false => json!([]),
+                };
+                let delta_lps: Vec<Value> = full
+                    .as_array()
+                    .map(|a| a.iter().map(without_bytes).collect())
+                    .unwrap_or_default();
+                if let Some(a) = full.as_array() {
+                    self.reports.extend(a.iter().cloned());
                 }
                 if let Some(it) = self.open.as_mut() {
                     it.acc.push_str(t);
                     let (index, id) = (it.index, it.id.clone());
-                    let e = self.ev("response.output_text.delta", json!({"item_id": id, "output_index": index, "content_index": 0, "delta": t}));
+                    let e = self.ev("response.output_text.delta", json!({"item_id": id, "output_index": index, "content_index": 0, "delta": t, "logprobs": delta_lps}));
                     evs.push(e);
                 }
             }
@@ -479,6 +573,7 @@ impl Writer for ResponsesWriter {
                     id: item_id,
                     acc: String::new(),
                     call: Some((id.clone(), name.clone())),
+                    from: self.reports.len(),
                 });
             }
             Piece::CallArgs { delta, .. } => {
@@ -498,6 +593,7 @@ impl Writer for ResponsesWriter {
                     id,
                     acc,
                     call: Some((call_id, name)),
+                    ..
                 }) = self.open.take()
                 {
                     let e = self.ev(
@@ -540,7 +636,11 @@ impl Writer for ResponsesWriter {
         } else {
             "completed"
         };
-        let mut r = self.object(status, items(&self.id, out), usage);
+        let mut r = self.object(
+            status,
+            items(&self.id, out, self.scored.then_some(&self.reports[..])),
+            usage,
+        );
         if end.finish == FinishReason::Length {
             r["incomplete_details"] = json!({"reason": "max_output_tokens"});
         }
@@ -572,6 +672,12 @@ impl Writer for ResponsesWriter {
             "error",
             json!({"code": e["code"], "message": e["message"], "param": e["param"]}),
         )
+    }
+
+    fn logprobs(&mut self, mut tokens: Vec<TokenLogprob>) {
+        if self.scored {
+            self.pending.append(&mut tokens);
+        }
     }
 
     fn ping(&mut self) -> Bytes {
