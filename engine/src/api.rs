@@ -464,12 +464,6 @@ impl SamplingParams {
             || self.min_p > 0.0
             || !self.logit_bias.is_empty()
     }
-
-    /// Whether a step must hand this sequence its whole row of logits
-    /// (changed before sampling, or scored).
-    pub fn needs_full_row(&self) -> bool {
-        self.adjusts_logits() || self.logprobs.is_some()
-    }
 }
 
 impl Default for SamplingParams {

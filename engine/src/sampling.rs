@@ -170,9 +170,10 @@ impl Sampler {
     /// exactly ([`Sampler::sample_top`]); None when it needs them all.
     pub fn needs_top(&self, max: usize) -> Option<usize> {
         let p = &self.params;
-        // Penalties, bias and min_p change the row before anything picks;
-        // a scored row needs every logit for its normaliser.
-        if p.needs_full_row() {
+        // Penalties, bias and min_p change the row before anything picks
+        // (a scored sequence's candidates come with its row's normaliser:
+        // `Need::Scored`).
+        if p.adjusts_logits() {
             return None;
         }
         let inv_t = 1.0 / p.temperature;

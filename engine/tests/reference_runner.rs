@@ -217,3 +217,73 @@ fn synthetic_weights_with_smollm2_shapes_give_usable_logits() {
     eprintln!("synthetic logits span {lo:.2} .. {hi:.2}");
     assert!(hi - lo > 2.0 && hi - lo < 200.0, "{lo} .. {hi}");
 }
+
+/// Sequences that report log-probabilities and sample from candidates get
+/// them from a device runner's candidates and row normaliser
+/// (`Need::Scored`: no whole row leaves the device); their tokens and
+/// reports are those of the same engine given every row whole (scored on
+/// the host), within the two log-normalisers' rounding.
+#[test]
+fn scored_candidates_report_what_whole_rows_report() {
+    let (path, loaded, cfg) = setup();
+    let prompt = loaded.codec.encode("The capital of France is").unwrap();
+    let scored = |temperature: f32, top_k: usize, k: usize| GenerateRequest {
+        sampling: SamplingParams {
+            temperature,
+            top_k,
+            seed: Some(7),
+            logprobs: Some(k),
+            ..SamplingParams::default()
+        },
+        ..greedy(prompt.clone(), 5)
+    };
+    let requests = [scored(0.0, 0, 3), scored(0.9, 20, 5), scored(0.7, 4, 10)];
+    type Reports = Vec<(u32, f32, Vec<(u32, f32)>)>;
+    let run = |runner: Box<dyn ModelRunner>| -> Vec<(Vec<u32>, Reports)> {
+        let engine = Engine::start_with(loaded.clone(), cfg.clone(), runner, None).unwrap();
+        let rxs: Vec<_> = requests
+            .iter()
+            .map(|r| engine.submit(r.clone()).unwrap())
+            .collect();
+        rxs.into_iter()
+            .map(|mut rx| {
+                let (mut ids, mut reps) = (Vec::new(), Vec::new());
+                while let Some(ev) = rx.blocking_recv() {
+                    match ev {
+                        Event::Token { id, .. } => ids.push(id),
+                        Event::Logprob(r) => reps.push((
+                            r.id,
+                            r.logprob.unwrap(),
+                            r.top.iter().map(|a| (a.id, a.logprob)).collect(),
+                        )),
+                        Event::Done { .. } => break,
+                        Event::Error(e) => panic!("{e}"),
+                        _ => {}
+                    }
+                }
+                (ids, reps)
+            })
+            .collect()
+    };
+    let runner = || ReferenceRunner::load(&path, BLOCKS, cfg.block_size).unwrap();
+    let device = run(Box::new(runner()));
+    let whole = run(Box::new(WholeRows(runner())));
+    for ((di, dr), (wi, wr)) in device.iter().zip(&whole) {
+        assert_eq!(di, wi);
+        assert_eq!(dr.len(), wr.len());
+        for ((dt, dl, da), (wt, wl, wa)) in dr.iter().zip(wr) {
+            assert_eq!(dt, wt);
+            assert!((dl - wl).abs() < 1e-4, "{dl} vs {wl}");
+            assert_eq!(da.len(), wa.len());
+            for ((x, xl), (y, yl)) in da.iter().zip(wa) {
+                assert_eq!(x, y);
+                assert!((xl - yl).abs() < 1e-4);
+            }
+        }
+    }
+    assert_eq!(
+        whole[2].1[0].2.len(),
+        10,
+        "the report's k, beyond the sampler's 4"
+    );
+}

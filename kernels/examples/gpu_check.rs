@@ -310,6 +310,20 @@ fn main() {
     let same = gpu.download(&di).unwrap() == want;
     rep.row("top_k 2x49152, k 8", if same { 0.0 } else { 1.0 }, 0.0, 0.0);
 
+    // The rows' log-normalisers (log-probabilities reported from
+    // candidates): `__expf` and a block's sum against f64.
+    let want: Vec<f32> = (0..2)
+        .map(|row| r::log_norm(&logits[row * vocab..][..vocab]))
+        .collect();
+    let mut dn = gpu.zeros::<f32>(2).unwrap();
+    gpu.log_norm(&dl, vocab, 2, &mut dn).unwrap();
+    rep.row(
+        "log_norm 2x49152",
+        err(&gpu.download(&dn).unwrap(), &want),
+        1e-4,
+        0.0,
+    );
+
     // Prompt GEMMs: dequantization into bfloat16 and the activations'
     // rounding bit-exact; cuBLAS against the same products in f32.
     if gpu.has_gemm() {

@@ -408,6 +408,31 @@ impl Gpu {
         // SAFETY: as in `gemv`.
         unsafe { b.launch(cfg) }.map(|_| ()).map_err(e("top_k"))
     }
+
+    /// `log_norm`: each of `rows` rows' log-normaliser (`ln Σ e^x`) into
+    /// `out`, for the rows whose log-probabilities are reported.
+    pub fn log_norm(
+        &self,
+        logits: &CudaSlice<f32>,
+        vocab: usize,
+        rows: usize,
+        out: &mut CudaSlice<f32>,
+    ) -> Result<()> {
+        if logits.len() < rows * vocab || out.len() < rows || rows == 0 {
+            return Err(format!("log_norm shapes: {rows} x {vocab}"));
+        }
+        let f = self.func("log_norm")?;
+        let cfg = LaunchConfig {
+            grid_dim: (rows as u32, 1, 1),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let v = vocab as i32;
+        let mut b = self.stream.launch_builder(f);
+        b.arg(logits).arg(&v).arg(out);
+        // SAFETY: as in `gemv`; the shapes are checked above.
+        unsafe { b.launch(cfg) }.map(|_| ()).map_err(e("log_norm"))
+    }
 }
 
 /// The attention's head layout.

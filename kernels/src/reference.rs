@@ -362,6 +362,24 @@ pub fn top_k(row: &[f32], k: usize) -> Vec<(u32, f32)> {
         .collect()
 }
 
+/// `log_norm` for one row: `ln Σ e^x` in `f64`, NaN skipped, `-inf` for a
+/// row with nothing finite.
+pub fn log_norm(row: &[f32]) -> f32 {
+    let m = row
+        .iter()
+        .filter(|x| !x.is_nan())
+        .fold(f32::NEG_INFINITY, |a, &b| a.max(b));
+    if !m.is_finite() {
+        return m;
+    }
+    let s: f64 = row
+        .iter()
+        .filter(|x| !x.is_nan())
+        .map(|&x| ((x - m) as f64).exp())
+        .sum();
+    m + s.ln() as f32
+}
+
 /// A small deterministic generator (xorshift64) for test and check data,
 /// so a failure reproduces from its seed.
 #[derive(Debug, Clone)]

@@ -69,7 +69,7 @@ pub const SOURCES: [Source; 7] = [
     Source {
         name: "sample.cu",
         text: include_str!("cu/sample.cu"),
-        kernels: &["top_k"],
+        kernels: &["top_k", "log_norm"],
     },
 ];
 
@@ -114,6 +114,6 @@ mod tests {
             assert_eq!(args, arity(kernel), "launcher of {kernel}");
             seen += 1;
         }
-        assert_eq!(seen, 9, "launchers found");
+        assert_eq!(seen, 10, "launchers found");
     }
 }

@@ -22,6 +22,10 @@ pub enum Need {
     Full,
     /// The k largest logits, largest first (ties: the smaller token id).
     Top(usize),
+    /// `Top(k)` and the row's log-normaliser (`ln Σ e^x`): a sequence that
+    /// reports log-probabilities and samples from candidates gets its
+    /// scores without its row leaving the device.
+    Scored(usize),
     /// Whole rows for every token of the step, in order (the last one is
     /// the row a sampler reads when the step ends the prompt).
     Every,
@@ -51,6 +55,9 @@ pub struct StepLogits {
     pub top: Vec<(u32, f32)>,
     /// Where each sequence's row is, in the step's order.
     pub rows: Vec<RowAt>,
+    /// Each row's log-normaliser, where [`Need::Scored`] asked (NaN
+    /// elsewhere).
+    pub norms: Vec<f32>,
 }
 
 /// One sequence's logits, as sampling reads them.
@@ -60,6 +67,8 @@ pub enum Row<'a> {
     Full(&'a mut [f32]),
     /// The largest ones, largest first.
     Top(&'a [(u32, f32)]),
+    /// The largest ones and the row's log-normaliser ([`Need::Scored`]).
+    Scored(&'a [(u32, f32)], f32),
 }
 
 impl StepLogits {
@@ -67,6 +76,7 @@ impl StepLogits {
     pub fn all_full(&mut self, seqs: usize, vocab: usize) {
         self.top.clear();
         self.rows.clear();
+        self.norms.clear();
         self.rows.extend((0..seqs).map(|i| RowAt::Full(i * vocab)));
     }
 
@@ -75,6 +85,7 @@ impl StepLogits {
     pub fn all_full_counted(&mut self, counts: impl Iterator<Item = usize>, vocab: usize) {
         self.top.clear();
         self.rows.clear();
+        self.norms.clear();
         let mut at = 0;
         for n in counts {
             self.rows.push(match n {
@@ -91,7 +102,13 @@ impl StepLogits {
         match *self.rows.get(i)? {
             RowAt::Nothing => None,
             RowAt::Full(at) => self.full.get_mut(at..at + vocab).map(Row::Full),
-            RowAt::Top(a, b) => self.top.get(a..b).map(Row::Top),
+            RowAt::Top(a, b) => {
+                let top = self.top.get(a..b)?;
+                match self.norms.get(i).copied().filter(|n| !n.is_nan()) {
+                    Some(n) => Some(Row::Scored(top, n)),
+                    None => Some(Row::Top(top)),
+                }
+            }
             RowAt::Every(at, n) => self
                 .full
                 .get_mut(at + (n - 1) * vocab..at + n * vocab)
@@ -116,7 +133,12 @@ impl StepLogits {
         self.full.clear();
         self.top.clear();
         self.rows.clear();
+        self.norms.clear();
         for (need, row) in needs.iter().zip(rows) {
+            self.norms.push(match need {
+                Need::Scored(_) => ultrafast_kernels::reference::log_norm(row),
+                _ => f32::NAN,
+            });
             let at = match *need {
                 Need::Nothing => RowAt::Nothing,
                 // Only the last row came: a runner that serves `Every`
@@ -126,7 +148,7 @@ impl StepLogits {
                     self.full.extend_from_slice(row);
                     RowAt::Full(at)
                 }
-                Need::Top(k) => {
+                Need::Top(k) | Need::Scored(k) => {
                     let a = self.top.len();
                     self.top.extend(ultrafast_kernels::reference::top_k(row, k));
                     RowAt::Top(a, self.top.len())
@@ -140,6 +162,25 @@ impl StepLogits {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn scored_candidates_carry_the_rows_log_normaliser() {
+        let rows = [[0.5f32, 2.0, -1.0, 2.0], [1.0, 0.0, 3.0, -2.0]];
+        let mut l = StepLogits::default();
+        l.from_rows(
+            &[Need::Scored(1), Need::Top(1)],
+            rows.iter().map(|r| &r[..]),
+        );
+        let want = (0.5f64.exp() + 2.0 * 2f64.exp() + (-1f64).exp()).ln() as f32;
+        match l.row(0, 4) {
+            Some(Row::Scored(c, n)) => {
+                assert_eq!(c, &[(1, 2.0)]);
+                assert!((n - want).abs() < 1e-6, "{n} vs {want}");
+            }
+            other => panic!("{other:?}"),
+        }
+        assert!(matches!(l.row(1, 4), Some(Row::Top(_))));
+    }
 
     #[test]
     fn rows_are_served_whole_as_candidates_or_not_at_all() {

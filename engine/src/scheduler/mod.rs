@@ -485,7 +485,15 @@ impl Worker {
                 } else if guides.iter().any(|(j, _)| j == i) {
                     Need::Full
                 } else {
-                    s.sampler_needs_top(MAX_TOP).map_or(Need::Full, Need::Top)
+                    // A sequence that reports scores and samples from
+                    // candidates gets enough of them for both, and its
+                    // row's normaliser; else its whole row.
+                    let top = s.sampler_needs_top(MAX_TOP);
+                    match (top, s.req.sampling.logprobs) {
+                        (Some(k), Some(r)) => Need::Scored(k.max(r)),
+                        (None, _) => Need::Full,
+                        (Some(k), None) => Need::Top(k),
+                    }
                 };
                 let step = SeqStep {
                     tokens: toks,

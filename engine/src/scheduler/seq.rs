@@ -252,11 +252,31 @@ impl Seq {
                 next
             }
             // The scheduler asks for candidates only without a grammar.
-            Row::Top(_) if self.guide.is_some() => {
+            Row::Top(_) | Row::Scored(..) if self.guide.is_some() => {
                 self.fail("a constrained sequence got candidates instead of its logits");
                 return Outcome::Finished;
             }
             Row::Top(cands) => self.sampler.sample_top(cands),
+            // Candidates (at least the sampler's and the report's k) and
+            // the row's log-normaliser, from a device.
+            Row::Scored(cands, norm) => {
+                let next = self.sampler.sample_top(cands);
+                let lp = |l: f32| {
+                    if norm.is_finite() {
+                        l - norm
+                    } else {
+                        f32::NEG_INFINITY
+                    }
+                };
+                let k = want.unwrap_or(0);
+                let mine = cands
+                    .iter()
+                    .find(|c| c.0 == next)
+                    .map_or(f32::NEG_INFINITY, |c| lp(c.1));
+                let alts = cands.iter().take(k).map(|&(t, l)| (t, lp(l))).collect();
+                report_of = want.map(|_| (mine, alts));
+                next
+            }
         };
         if let Some((lp, alts)) = report_of {
             // Before the token's own event, end of sequence included (as

@@ -70,3 +70,48 @@ extern "C" __global__ void top_k(const float* logits, int vocab, int k, int* idx
         pi = i;
     }
 }
+
+// Block-wide sum.
+__device__ float block_sum(float s) {
+    __shared__ float ss[32];
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
+    int warp = threadIdx.x / 32, lane = threadIdx.x & 31;
+    __syncthreads();
+    if (lane == 0) ss[warp] = s;
+    __syncthreads();
+    if (warp == 0) {
+        s = lane < blockDim.x / 32 ? ss[lane] : 0.0f;
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
+        if (lane == 0) ss[0] = s;
+    }
+    __syncthreads();
+    return ss[0];
+}
+
+// ln sum(e^x) of each row (the softmax's log-normaliser: a logit minus it
+// is its token's log-probability), for the rows whose log-probabilities
+// are reported; NaN counts nothing, a row with nothing finite gives -inf.
+// One block per row: its maximum (block_best), then the sum of e^(x - max)
+// with each thread's terms added in order.
+extern "C" __global__ void log_norm(const float* logits, int vocab, float* out) {
+    const float* row = logits + (size_t)blockIdx.x * vocab;
+    float v = -UF_INF;
+    int i = 0x7fffffff;
+    for (int j = threadIdx.x; j < vocab; j += blockDim.x) {
+        float x = row[j];
+        if (x == x) better(&v, &i, x, j);
+    }
+    block_best(&v, &i);
+    float m = v;
+    float s = 0.0f;
+    if (m > -UF_INF && m < UF_INF) {
+        for (int j = threadIdx.x; j < vocab; j += blockDim.x) {
+            float x = row[j];
+            if (x == x) s += __expf(x - m);
+        }
+    }
+    s = block_sum(s);
+    if (threadIdx.x == 0) out[blockIdx.x] = (m > -UF_INF && m < UF_INF) ? m + __logf(s) : m;
+}

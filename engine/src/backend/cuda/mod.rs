@@ -237,12 +237,15 @@ impl CudaRunner {
     }
 }
 
-/// Candidates on the device, kept from step to step.
+/// Candidates on the device, kept from step to step, and the rows'
+/// log-normalisers where a sequence reports log-probabilities.
 #[derive(Default)]
 struct Cands {
     dev: Option<(Buf<i32>, Buf<f32>)>,
     idx: Vec<i32>,
     val: Vec<f32>,
+    dev_norms: Option<Buf<f32>>,
+    norms: Vec<f32>,
 }
 
 /// `needs` served from `logits` (row i is sequence i's): the top-k kernel
@@ -259,7 +262,7 @@ fn fetch(
     let k = needs
         .iter()
         .filter_map(|n| match n {
-            Need::Top(k) => Some(*k),
+            Need::Top(k) | Need::Scored(k) => Some(*k),
             _ => None,
         })
         .max()
@@ -282,10 +285,30 @@ fn fetch(
         g.download_into(&dv.slice(..rows * k), &mut c.val)
             .map_err(err("download"))?;
     }
+    // The log-normaliser of every row, on the device, when a sequence
+    // reports scores from candidates: `rows` floats come back, not rows.
+    let scored = needs.iter().any(|n| matches!(n, Need::Scored(_)));
+    if scored {
+        let dn = match c.dev_norms.take() {
+            Some(d) if d.len() >= rows => d,
+            _ => g.zeros::<f32>(rows).map_err(err("alloc"))?,
+        };
+        let dn = &mut *c.dev_norms.insert(dn);
+        g.log_norm(logits, vocab, rows, dn)
+            .map_err(err("log_norm"))?;
+        c.norms.resize(rows, 0.0);
+        g.download_into(&dn.slice(..rows), &mut c.norms)
+            .map_err(err("download"))?;
+    }
     out.full.clear();
     out.top.clear();
     out.rows.clear();
+    out.norms.clear();
     for (i, need) in needs.iter().enumerate() {
+        out.norms.push(match need {
+            Need::Scored(_) => c.norms.get(i).copied().unwrap_or(f32::NAN),
+            _ => f32::NAN,
+        });
         let at = match *need {
             Need::Nothing => RowAt::Nothing,
             // `every_row` is false here: the scheduler never asks.
@@ -304,7 +327,7 @@ fn fetch(
                 .map_err(err("download"))?;
                 RowAt::Full(at)
             }
-            Need::Top(n) => {
+            Need::Top(n) | Need::Scored(n) => {
                 let a = out.top.len();
                 let (ri, rv) = (&c.idx[i * k..][..n], &c.val[i * k..][..n]);
                 // Index -1: the row had no more (non-NaN) logits.
