@@ -179,6 +179,44 @@ fn main() {
         0.0,
         same,
     );
+    // Scores from candidates: the device's log-normaliser of each row.
+    let needs = [Need::Scored(4), Need::Full, Need::Scored(1)];
+    gpu.step_for(&dec, &needs, &|_| false, &mut out).unwrap();
+    let mut worst = 0.0f32;
+    let mut same = true;
+    for i in [0, 2] {
+        let row = &a[i * vocab..][..vocab];
+        match out.row(i, vocab) {
+            Some(Row::Scored(c, n)) => {
+                let want = ultrafast_kernels::reference::log_norm(row);
+                worst = worst.max((n - want).abs() / (1.0 + want.abs()));
+                same &= c == ultrafast_kernels::reference::top_k(row, needs[i].k()).as_slice();
+            }
+            _ => same = false,
+        }
+    }
+    check.row(
+        "scored: log_norm on the device",
+        worst,
+        same && worst < 1e-4,
+    );
+    // A scored prompt: every row of its chunk, each the last row of the
+    // prompt up to it (the same K/V rewritten).
+    let p0 = seq(&prompts[0], 0, &tables[0]);
+    gpu.step_for(&[p0], &[Need::Every], &|_| false, &mut out)
+        .unwrap();
+    let rows = out.every(0, vocab).map(<[f32]>::to_vec).unwrap_or_default();
+    let mut worst = 0.0f32;
+    let mut ok = rows.len() == prompts[0].len() * vocab;
+    for j in 0..prompts[0].len().min(rows.len() / vocab) {
+        reference
+            .step(&[seq(&prompts[0][..=j], 0, &tables[0])], &|_| false, &mut b)
+            .unwrap();
+        let (w, o) = compare(&rows[j * vocab..][..vocab], &b, vocab, 0.05, 0.01);
+        worst = worst.max(w);
+        ok &= o;
+    }
+    check.row("scored prompt: every row's logits", worst, ok);
 
     speed(&mut gpu);
     if check.failed {

@@ -31,6 +31,16 @@ pub enum Need {
     Every,
 }
 
+impl Need {
+    /// The candidates it asks for (0 for none or a whole row).
+    pub fn k(&self) -> usize {
+        match *self {
+            Need::Top(k) | Need::Scored(k) => k,
+            _ => 0,
+        }
+    }
+}
+
 /// Where one sequence's logits are in [`StepLogits`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum RowAt {

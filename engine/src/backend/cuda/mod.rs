@@ -22,7 +22,7 @@ use super::blocks::{FileWeights, Mat};
 use super::layout::{graph_width, StepLayout};
 use super::logits::{Need, RowAt, StepLogits};
 use super::{Device, ModelRunner};
-use crate::error::{EngineError, Result};
+use crate::error::Result;
 use crate::model::paged::SeqStep;
 use forward::{err, Acts, DevKv, DevLayer, DevMat, DevModel, StepIo};
 use std::collections::hash_map::Entry;
@@ -311,13 +311,9 @@ fn fetch(
         });
         let at = match *need {
             Need::Nothing => RowAt::Nothing,
-            // `every_row` is false here: the scheduler never asks.
-            Need::Every => {
-                return Err(EngineError::Invalid(
-                    "the CUDA runner does not score prompts".into(),
-                ))
-            }
-            Need::Full => {
+            // Here only for a one-token chunk (a step with a longer scored
+            // chunk is served by `every_row_step`): its one row, whole.
+            Need::Full | Need::Every => {
                 let at = out.full.len();
                 out.full.resize(at + vocab, 0.0);
                 g.download_into(
@@ -342,6 +338,43 @@ fn fetch(
         };
         out.rows.push(at);
     }
+    Ok(())
+}
+
+/// A step with a scored prompt chunk ([`Need::Every`]): the head runs on
+/// every row of those sequences (a sequence's rows are consecutive, ending
+/// at its last) and on the others' last rows, and every row comes back
+/// whole: rare (echo with logprobs), so the simple way.
+fn every_row_step(
+    m: &DevModel,
+    a: &Acts,
+    l: &StepLayout,
+    seqs: &[SeqStep],
+    needs: &[Need],
+    out: &mut StepLogits,
+) -> Result<()> {
+    let vocab = m.head.rows;
+    let mut rows = Vec::new();
+    let mut counts = Vec::with_capacity(seqs.len());
+    for ((s, need), &last) in seqs.iter().zip(needs).zip(&l.last) {
+        let n = if *need == Need::Every {
+            s.tokens.len()
+        } else {
+            1
+        };
+        rows.extend(last + 1 - n..=last);
+        counts.push(n);
+    }
+    let mut logits = m
+        .gpu
+        .zeros::<f32>(rows.len() * vocab)
+        .map_err(err("alloc"))?;
+    m.head(a, &rows, &mut logits)?;
+    out.full.resize(rows.len() * vocab, 0.0);
+    m.gpu
+        .download_into(&logits.slice(..rows.len() * vocab), &mut out.full)
+        .map_err(err("download"))?;
+    out.all_full_counted(counts.into_iter(), vocab);
     Ok(())
 }
 
@@ -439,7 +472,9 @@ impl ModelRunner for CudaRunner {
             .m
             .layers(&mut self.kv, &mut io, &mut a, n, l.max_blocks, gemm, stop)
             .and_then(|done| {
-                if done {
+                if done && needs.contains(&Need::Every) {
+                    every_row_step(&self.m, &a, &l, seqs, needs, out)?;
+                } else if done {
                     let mut logits = g.zeros::<f32>(l.last.len() * vocab).map_err(err("alloc"))?;
                     self.m.head(&a, &l.last, &mut logits)?;
                     fetch(g, vocab, &mut self.cands, needs, &logits, out)?;
@@ -448,6 +483,10 @@ impl ModelRunner for CudaRunner {
             });
         self.acts = Some(a);
         ran
+    }
+
+    fn every_row(&self) -> bool {
+        true
     }
 
     fn kv_bytes(&self) -> usize {
