@@ -383,6 +383,8 @@ impl Backend for EngineService {
             ));
         }
         let room = ctx - tokens.len();
+        let cap = engine.pool_stats();
+        let blocks = cap.used + cap.free + cap.cached;
         let max_tokens = match req.max_tokens {
             Some(m) if m > room => {
                 return Err(BackendError::invalid(
@@ -396,10 +398,18 @@ impl Backend for EngineService {
                 ))
             }
             Some(m) => m,
-            None => self.spec.default_max_tokens.unwrap_or(room).min(room),
+            // Omitted: what fits the context and the KV pool (a pool
+            // smaller than the context would otherwise refuse every
+            // request that leaves `max_tokens` out).
+            None => {
+                let fits = (blocks * self.spec.engine.block_size).saturating_sub(tokens.len());
+                self.spec
+                    .default_max_tokens
+                    .unwrap_or(room)
+                    .min(room)
+                    .min(fits.max(1))
+            }
         };
-        let cap = engine.pool_stats();
-        let blocks = cap.used + cap.free + cap.cached;
         let need = (tokens.len() + max_tokens).div_ceil(self.spec.engine.block_size.max(1));
         if need > blocks {
             return Err(BackendError::invalid(

@@ -50,6 +50,14 @@ fn the_engine_serves_the_openai_api() {
         "{}",
         uf.metrics()
     );
+    // No `max_tokens` on a pool (256 blocks, 4,096 tokens) smaller than
+    // the context (8,192): what fits the pool, not a refusal.
+    let body = format!(
+        r#"{{"model":"{MODEL}","messages":[{{"role":"user","content":"Say yes."}}],"stop":["\n","."],"temperature":0}}"#
+    );
+    let r = post_to(&uf, "/v1/chat/completions", &body, &[]);
+    assert_eq!(r.status, 200, "{}", r.text());
+    assert!(r.json()["usage"]["completion_tokens"].as_u64().unwrap() < 4096);
     python_check("basics", &uf, MODEL);
     python_check("stop", &uf, MODEL);
     python_check("async", &uf, MODEL);
