@@ -350,20 +350,29 @@ fn reloading_an_engine_model_under_load_serves_the_new_setting_with_no_failed_re
     assert_eq!(kv_total(&uf), 256.0);
     let stop = Arc::new(AtomicBool::new(false));
     let (ok, failed) = (Arc::new(AtomicU64::new(0)), Arc::new(AtomicU64::new(0)));
+    // What a failed stream received, for the failure message.
+    let bad: Arc<std::sync::Mutex<Vec<String>>> = Arc::default();
     let clients: Vec<_> = (0..3)
         .map(|_| {
             let (stop, ok, failed, addr) = (stop.clone(), ok.clone(), failed.clone(), uf.addr);
+            let bad = bad.clone();
             std::thread::spawn(move || {
                 let deadline = Instant::now() + Duration::from_secs(240);
                 while !stop.load(Ordering::Relaxed) && Instant::now() < deadline {
                     let body = format!(
-                        r#"{{"model":"{MODEL}","messages":[{{"role":"user","content":"Name a color."}}],"max_tokens":12,"stream":true}}"#
+                        r#"{{"model":"{MODEL}","messages":[{{"role":"user","content":"Name a color."}}],"max_tokens":12,"temperature":0,"stream":true}}"#
                     );
                     let s = post_stream(addr, "/v1/chat/completions", &body, &[]);
                     let (evs, _) = read_sse(s, Duration::from_secs(60));
                     let good = evs.last().is_some_and(|e| e.data == "[DONE]")
                         && !evs.iter().any(|e| e.data.contains("\"error\""))
                         && !contents(&evs).is_empty();
+                    if !good {
+                        let got: Vec<&str> = evs.iter().map(|e| e.data.as_str()).collect();
+                        if let Ok(mut b) = bad.lock() {
+                            b.push(got.join(" | "));
+                        }
+                    }
                     if good { &ok } else { &failed }.fetch_add(1, Ordering::Relaxed);
                 }
             })
@@ -402,7 +411,13 @@ fn reloading_an_engine_model_under_load_serves_the_new_setting_with_no_failed_re
     for c in clients {
         c.join().unwrap();
     }
-    assert_eq!(failed.load(Ordering::Relaxed), 0, "{}", uf.stderr());
+    assert_eq!(
+        failed.load(Ordering::Relaxed),
+        0,
+        "failed streams: {:?}\n{}",
+        bad.lock().map(|b| b.clone()).unwrap_or_default(),
+        uf.stderr()
+    );
     assert!(ok.load(Ordering::Relaxed) >= 6);
     // A removed model drains: the stream in flight finishes, new requests
     // get a 404.
