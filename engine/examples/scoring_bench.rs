@@ -98,18 +98,6 @@ fn batch(e: &Engine, l: &generate::Loaded, scored: bool) -> Vec<Vec<Instant>> {
     threads.into_iter().map(|t| t.join().unwrap()).collect()
 }
 
-/// Tokens/s of streams 0-3 between the last first token and the first end.
-fn half_rate(a: &[Vec<Instant>]) -> f64 {
-    let start = a.iter().map(|a| a[0]).max().unwrap();
-    let end = a.iter().map(|a| *a.last().unwrap()).min().unwrap();
-    let n = a[..STREAMS / 2]
-        .iter()
-        .flat_map(|a| a.iter())
-        .filter(|t| **t > start && **t <= end)
-        .count();
-    n as f64 / end.duration_since(start).as_secs_f64()
-}
-
 /// Part 2: (seconds until every choice's first token, prompt blocks
 /// computed, most blocks in use) for `n = 8` or 8 separate requests.
 fn eight(e: &Arc<Engine>, prompt: &[u32], one_request: bool) -> (f64, u64, usize) {
@@ -179,7 +167,7 @@ fn main() {
         for scored in [false, true] {
             let a = batch(&e, &l, scored);
             min_tokens = min_tokens.min(a.iter().map(Vec::len).min().unwrap());
-            let r = half_rate(&a);
+            let r = common::half_rate(&a, STREAMS / 2);
             if scored {
                 half.push(r)
             } else {

@@ -75,20 +75,6 @@ fn run(e: &Engine, l: &generate::Loaded, constrained: bool) -> Vec<Vec<Instant>>
     threads.into_iter().map(|t| t.join().unwrap()).collect()
 }
 
-/// Tokens/s of the first half while every stream decodes: tokens of
-/// streams 0..4 that arrive between the last first token and the first
-/// end, over that window.
-fn half_rate(arrivals: &[Vec<Instant>]) -> f64 {
-    let start = arrivals.iter().map(|a| a[0]).max().unwrap();
-    let end = arrivals.iter().map(|a| *a.last().unwrap()).min().unwrap();
-    let n = arrivals[..STREAMS / 2]
-        .iter()
-        .flat_map(|a| a.iter())
-        .filter(|t| **t > start && **t <= end)
-        .count();
-    n as f64 / end.duration_since(start).as_secs_f64()
-}
-
 fn main() {
     let rounds: usize = std::env::args()
         .nth(1)
@@ -111,7 +97,7 @@ fn main() {
         for constrained in [false, true] {
             let a = run(&e, &l, constrained);
             min_tokens = min_tokens.min(a.iter().map(Vec::len).min().unwrap());
-            let r = half_rate(&a);
+            let r = common::half_rate(&a, STREAMS / 2);
             if constrained {
                 half.push(r)
             } else {

@@ -20,15 +20,7 @@ fn engine() -> &'static Engine {
 }
 
 fn req(q: &str, sampling: SamplingParams, max_tokens: usize) -> GenerateRequest {
-    GenerateRequest {
-        prompt: prompt(q),
-        max_tokens,
-        sampling,
-        stop: vec![],
-        lane_rank: 1,
-        tenant: None,
-        guide: None,
-    }
+    common::request(prompt(q), sampling, max_tokens)
 }
 
 /// The tests share one engine and count its pool's hits: one at a time.

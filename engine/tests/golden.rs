@@ -8,9 +8,8 @@
 //! tolerance.
 
 #![allow(clippy::unwrap_used)]
+mod common;
 use candle_core::D;
-use std::io::Write;
-use std::process::{Command, Stdio};
 use ultrafast_engine::backend::cpu::CpuRunner;
 use ultrafast_engine::backend::KvDtype;
 use ultrafast_engine::fetch::{self, SMOLLM2};
@@ -63,23 +62,9 @@ fn greedy_tokens_and_logits_match_the_float32_reference() {
             l.codec.encode(&text).unwrap()
         })
         .collect();
-    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/reference/llama_ref.py");
-    let mut child = Command::new("python3")
-        .arg(script)
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .spawn()
-        .expect("python3 with the `gguf` and `numpy` packages (.ci/run installs them)");
-    let req = serde_json::json!({"model": path, "prompts": prompts, "steps": STEPS});
-    child
-        .stdin
-        .take()
-        .unwrap()
-        .write_all(req.to_string().as_bytes())
-        .unwrap();
-    let out = child.wait_with_output().unwrap();
-    assert!(out.status.success(), "reference failed");
-    let refs: Vec<serde_json::Value> = serde_json::from_slice(&out.stdout).unwrap();
+    let refs = common::float32_reference(
+        &serde_json::json!({"model": path, "prompts": prompts, "steps": STEPS}),
+    );
     // Both forward passes: candle's (contiguous cache) and the engine's
     // own kernels (the runner the scheduler uses), each teacher-forced on
     // the reference's tokens; returns first-step logits and each step's

@@ -13,15 +13,13 @@
 //! least [`NEAR_TIE`] (below that, quantized arithmetic may flip it).
 
 #![allow(clippy::unwrap_used)]
-use std::io::Write;
-use std::process::{Command, Stdio};
 use std::sync::OnceLock;
 use ultrafast_engine::api::{Event, TokenLogprob};
 use ultrafast_engine::sampling::SamplingParams;
-use ultrafast_engine::scheduler::{Engine, EngineConfig, GenerateRequest};
+use ultrafast_engine::scheduler::{Engine, EngineConfig};
 
 mod common;
-use common::{loaded, prompt};
+use common::{loaded, prompt, request as req};
 
 /// Measured at most 0.63 (a chat-template token the model finds unlikely),
 /// 0.23 over a long plain-text prompt and 0.10 over greedy output (AMD EPYC
@@ -32,18 +30,6 @@ const NEAR_TIE: f64 = 0.5;
 fn engine() -> &'static Engine {
     static E: OnceLock<Engine> = OnceLock::new();
     E.get_or_init(|| Engine::start(loaded(), EngineConfig::default()).unwrap())
-}
-
-fn req(prompt: Vec<u32>, sampling: SamplingParams, max_tokens: usize) -> GenerateRequest {
-    GenerateRequest {
-        prompt,
-        max_tokens,
-        sampling,
-        stop: vec![],
-        lane_rank: 1,
-        tenant: None,
-        guide: None,
-    }
 }
 
 /// What a request reported: the prompt's report, the tokens, and each
@@ -89,27 +75,15 @@ fn greedy() -> SamplingParams {
 type RefScores = Vec<Option<(f64, Vec<(u32, f64)>, f64)>>;
 
 fn reference(prompts: &[Vec<u32>], k: usize) -> Vec<RefScores> {
-    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/reference/llama_ref.py");
     let model = ultrafast_engine::fetch::pull(&ultrafast_engine::fetch::SMOLLM2).unwrap();
-    let mut child = Command::new("python3")
-        .arg(script)
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .spawn()
-        .expect("python3 with the `gguf` and `numpy` packages (.ci/run installs them)");
-    let req = serde_json::json!({"model": model, "prompts": prompts, "score": k});
-    child
-        .stdin
-        .take()
-        .unwrap()
-        .write_all(req.to_string().as_bytes())
-        .unwrap();
-    let out = child.wait_with_output().unwrap();
-    assert!(out.status.success(), "reference failed");
-    let v: Vec<Vec<serde_json::Value>> = serde_json::from_slice(&out.stdout).unwrap();
+    let v = common::float32_reference(
+        &serde_json::json!({"model": model, "prompts": prompts, "score": k}),
+    );
     v.into_iter()
         .map(|rows| {
-            rows.into_iter()
+            rows.as_array()
+                .unwrap()
+                .iter()
                 .map(|r| {
                     let lp = r["logprob"].as_f64()?;
                     let top = r["top"]

@@ -11,7 +11,6 @@ use std::sync::OnceLock;
 use ultrafast_engine::api::Event;
 use ultrafast_engine::sampling::SamplingParams;
 use ultrafast_engine::scheduler::{Engine, EngineConfig, GenerateRequest};
-use ultrafast_engine::tokenizer::ChatMessage;
 
 mod common;
 use common::loaded;
@@ -22,17 +21,7 @@ fn engine() -> &'static Engine {
 }
 
 fn req(q: &str, sampling: SamplingParams, max_tokens: usize) -> GenerateRequest {
-    let l = loaded();
-    let t = l.codec.render_chat(&[ChatMessage::new("user", q)]).unwrap();
-    GenerateRequest {
-        prompt: l.codec.encode(&t).unwrap(),
-        max_tokens,
-        sampling,
-        stop: vec![],
-        lane_rank: 1,
-        tenant: None,
-        guide: None,
-    }
+    common::request(common::prompt(q), sampling, max_tokens)
 }
 
 fn ids(mut rx: tokio::sync::mpsc::UnboundedReceiver<Event>) -> Vec<u32> {

@@ -20,3 +20,43 @@ pub fn prompt(q: &str) -> Vec<u32> {
     let t = l.codec.render_chat(&[ChatMessage::new("user", q)]).unwrap();
     l.codec.encode(&t).unwrap()
 }
+
+/// A lane-1 request of `prompt` with nothing but its sampling and length.
+pub fn request(
+    prompt: Vec<u32>,
+    sampling: ultrafast_engine::sampling::SamplingParams,
+    max_tokens: usize,
+) -> ultrafast_engine::scheduler::GenerateRequest {
+    ultrafast_engine::scheduler::GenerateRequest {
+        prompt,
+        max_tokens,
+        sampling,
+        stop: vec![],
+        lane_rank: 1,
+        tenant: None,
+        guide: None,
+    }
+}
+
+/// Run the float32 numpy reference (`tests/reference/llama_ref.py`) on
+/// `req` (its JSON input) and return its answer, one value per prompt.
+pub fn float32_reference(req: &serde_json::Value) -> Vec<serde_json::Value> {
+    use std::io::Write;
+    use std::process::{Command, Stdio};
+    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/reference/llama_ref.py");
+    let mut child = Command::new("python3")
+        .arg(script)
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .spawn()
+        .expect("python3 with the `gguf` and `numpy` packages (.ci/run installs them)");
+    child
+        .stdin
+        .take()
+        .unwrap()
+        .write_all(req.to_string().as_bytes())
+        .unwrap();
+    let out = child.wait_with_output().unwrap();
+    assert!(out.status.success(), "reference failed");
+    serde_json::from_slice(&out.stdout).unwrap()
+}

@@ -259,14 +259,7 @@ fn fetch(
     out: &mut StepLogits,
 ) -> Result<()> {
     let rows = needs.len();
-    let k = needs
-        .iter()
-        .filter_map(|n| match n {
-            Need::Top(k) | Need::Scored(k) => Some(*k),
-            _ => None,
-        })
-        .max()
-        .unwrap_or(0);
+    let k = needs.iter().map(Need::k).max().unwrap_or(0);
     if k > 0 {
         let (di, dv) = match c.dev.take() {
             Some((i, v)) if i.len() >= rows * k => (i, v),
