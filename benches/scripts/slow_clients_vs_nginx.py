@@ -13,16 +13,22 @@ each, one after the other, --conns connections each for --length seconds:
 
 During every attack a normal client sends a GET every 100 ms on a fresh
 connection (latency, failures) to a fixed 200 of the server itself (`/probe`),
-so that it times the edge, not the Python origin the attack keeps busy. Measured: for slowloris, RSS per attack
-connection (exact RSS from smaps_rollup, process and workers, minus idle);
-for slow body, the origin connections held (the origin's ESTABLISHED
-sockets, /proc/net/tcp, sampled every 100 ms); the normal client's p99 for
-each. Loopback only; every attacker, server and socket is stopped at the
-end, and every loop is bounded by --length.
+so that it times the edge, not the Python origin the attack keeps busy. Measured: for slowloris and slow
+read, RSS per attack connection (exact RSS from smaps_rollup, process and
+workers, peak minus idle); for slow body and slow read, the origin
+connections held (the origin's ESTABLISHED sockets, /proc/net/tcp, sampled
+every 100 ms); the normal client's p99 for each. Each attack runs against a
+freshly started server, so that its idle RSS is not the heap an earlier
+attack left behind (an allocator keeps freed memory, and the next attack's
+peak reused it: nginx's slow read once read 0.4 KiB per connection so).
+Response buffering is on for both (nginx's `proxy_buffering`, ultrafast's
+`response_buffering`, their defaults), temporary files in the run's
+directory. Loopback only; every attacker, server and socket is stopped at
+the end, and every loop is bounded by --length.
 
 usage: benches/scripts/slow_clients_vs_nginx.py [--conns 500] [--length 20]
        [--bin target/release/ultrafast] [--attacks "slow body,..."]
-       [--servers ultrafast,nginx] [--no-request-buffering]
+       [--servers ultrafast,nginx] [--no-request-buffering] [--no-response-buffering]
 Build first: cargo build --release -p ultrafast; needs nginx, slowhttptest.
 """
 import argparse, http.server, os, shutil, socket, subprocess, sys, tempfile, threading, time
@@ -76,6 +82,7 @@ def held(port):
 
 
 UF_LIMITS = ""
+NGX_EXTRA = ""
 
 
 def start(kind, binary, tmp, port, origin):
@@ -84,7 +91,7 @@ def start(kind, binary, tmp, port, origin):
         with open(cfg, "w") as f:
             f.write(f'[server]\nthreads = 1\npid_file = "{tmp}/uf.pid"\nupgrade_sock = "{tmp}/uf.sock"\n'
                     f'[admin]\nlisten = ""\n[log]\naccess_log = "off"\n'
-                    f'[limits]\nmax_connections = 0\n{UF_LIMITS}'
+                    f'[limits]\nmax_connections = 0\nproxy_temp_path = "{tmp}"\n{UF_LIMITS}'
                     f'[[listeners]]\naddress = "127.0.0.1:{port}"\n'
                     f'[pools.o]\nmembers = [{{ addr = "127.0.0.1:{origin}" }}]\n'
                     '[[routes]]\npath = "/probe"\nmatch = "exact"\nreturn = { status = 200, body = "ok" }\n'
@@ -98,7 +105,7 @@ def start(kind, binary, tmp, port, origin):
                 f"client_body_temp_path {tmp}/body; proxy_temp_path {tmp}/proxy; "
                 f"upstream o {{ server 127.0.0.1:{origin}; keepalive 32; }} "
                 f"server {{ listen 127.0.0.1:{port}; location = /probe {{ return 200 ok; }} "
-                f"location / {{ proxy_pass http://o; "
+                f"location / {{ proxy_pass http://o; {NGX_EXTRA}"
                 f"proxy_http_version 1.1; proxy_set_header Connection \"\"; }} }} }}")
     return spawn(["nginx", "-p", tmp, "-c", conf], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
@@ -159,26 +166,26 @@ def attack(kind, name, port, origin, pids, conns, length, tmp):
 
 
 def one(kind, binary, conns, length, origin):
-    tmp = tempfile.mkdtemp(prefix="uf-slow-")
-    port = free_port()
-    p = start(kind, binary, tmp, port, origin)
     out = {}
-    try:
-        wait_port(port)
-        time.sleep(1)
-        pids = with_children(p.pid)
-        for name in ATTACKS:
-            if name not in ONLY:
-                continue
+    for name in ATTACKS:
+        if name not in ONLY:
+            continue
+        tmp = tempfile.mkdtemp(prefix="uf-slow-")
+        port = free_port()
+        p = start(kind, binary, tmp, port, origin)
+        try:
+            wait_port(port)
+            time.sleep(1)
+            pids = with_children(p.pid)
             out[name] = attack(kind, name, port, origin, pids, conns, length, tmp)
             r = out[name]
             print(f"{kind:9s} {name:9s} p99 {r['p99']:.1f} ms over {r['probes']} probes, "
                   f"{r['errors']} failed; origin held {r['origin']}; {r['kib_per_conn']:.1f} KiB/conn",
                   flush=True)
-            time.sleep(2)
-    finally:
-        stop_tree(p)
-        shutil.rmtree(tmp, ignore_errors=True)
+        finally:
+            stop_tree(p)
+            shutil.rmtree(tmp, ignore_errors=True)
+        time.sleep(2)
     return out
 
 
@@ -191,11 +198,16 @@ def main():
     ap.add_argument("--servers", default="ultrafast,nginx")
     ap.add_argument("--no-request-buffering", action="store_true",
                     help="ultrafast with request_buffering = false (streams bodies, as before)")
+    ap.add_argument("--no-response-buffering", action="store_true",
+                    help="ultrafast with response_buffering = false, nginx with proxy_buffering off")
     a = ap.parse_args()
-    global UF_LIMITS, ONLY
+    global UF_LIMITS, ONLY, NGX_EXTRA
     ONLY = a.attacks.split(",")
     if a.no_request_buffering:
         UF_LIMITS = "request_buffering = false\n"
+    if a.no_response_buffering:
+        UF_LIMITS += "response_buffering = false\n"
+        NGX_EXTRA = "proxy_buffering off; "
     for need in ("nginx", "slowhttptest"):
         if not shutil.which(need):
             sys.exit(f"needs {need}")
@@ -215,13 +227,13 @@ def main():
     print(f"\n| attack ({a.conns} connections, {a.length} s) | measure | " + " | ".join(kinds) + " |")
     print("|---|---|" + "---|" * len(kinds))
     rows = [("normal client p99 (ms)", "p99", "{:.1f}", None), ("normal client failures", "errors", "{}", None),
-            ("RSS per connection (KiB)", "kib_per_conn", "{:.1f}", "slowloris"),
-            ("origin connections held (max)", "origin", "{}", "slow body")]
+            ("RSS per connection (KiB)", "kib_per_conn", "{:.1f}", ("slowloris", "slow read")),
+            ("origin connections held (max)", "origin", "{}", ("slow body", "slow read"))]
     for name in ATTACKS:
         if name not in ONLY:
             continue
         for label, key, fmt, only in rows:
-            if only in (None, name):
+            if only is None or name in only:
                 print(f"| {name} | {label} | " + " | ".join(fmt.format(res[k][name][key]) for k in kinds) + " |")
 
 

@@ -112,6 +112,9 @@ pub struct Route {
     pub budgets: Vec<Arc<crate::admission::budget::TokenBudget>>,
     /// Read a proxied body whole before taking an upstream connection.
     pub request_buffering: bool,
+    /// Proxied responses are read from the origin into a buffer and the
+    /// client served from it (`edge::spool`).
+    pub response_buffering: bool,
     /// Compression of proxied responses, if the route asks for it.
     pub compress: Option<Arc<crate::compress::CompressSpec>>,
     /// The route's HTTP cache, if it has one.
@@ -353,6 +356,7 @@ mod tests {
             limiters: Vec::new(),
             budgets: Vec::new(),
             request_buffering: true,
+            response_buffering: true,
             compress: None,
             cache: None,
         })

@@ -674,6 +674,25 @@ pub struct LimitsSection {
     /// Directory of those temporary files (nginx
     /// `client_body_temp_path`); empty = the system's temporary directory.
     pub client_body_temp_path: String,
+    /// Read a proxied response from the origin as fast as it sends and
+    /// give its connection back, serving a slow client from a buffer
+    /// (nginx `proxy_buffering on`); a route can turn it off.
+    pub response_buffering: bool,
+    /// KiB of a buffered response held in memory per connection (nginx
+    /// `proxy_buffers`); the rest goes to an unlinked temporary file.
+    pub response_buffer_kb: usize,
+    /// MiB of buffered responses in memory, all connections together;
+    /// past it, bytes go to the temporary files.
+    pub response_buffers_total_mb: u64,
+    /// Most bytes of one response's temporary file (nginx
+    /// `proxy_max_temp_file_size`); 0 = memory only. Past it, and past the
+    /// totals, the response streams unbuffered.
+    pub max_temp_file_bytes: u64,
+    /// MiB of temporary files of buffered responses, all together.
+    pub temp_files_total_mb: u64,
+    /// Directory of those temporary files (nginx `proxy_temp_path`);
+    /// empty = the system's temporary directory.
+    pub proxy_temp_path: String,
     /// Upgraded (WebSocket) connections open at most, all listeners
     /// together; one more gets a 503; 0 = no cap.
     pub max_upgraded: usize,
@@ -697,6 +716,12 @@ impl Default for LimitsSection {
             request_buffering: true,
             client_body_buffer_kb: 16,
             client_body_temp_path: String::new(),
+            response_buffering: true,
+            response_buffer_kb: 32,
+            response_buffers_total_mb: 256,
+            max_temp_file_bytes: 1 << 30,
+            temp_files_total_mb: 16 * 1024,
+            proxy_temp_path: String::new(),
             max_upgraded: 1024,
             upgraded_idle_timeout_s: 60,
         }
@@ -831,6 +856,9 @@ pub struct RouteSection {
     /// `false` streams a request body upstream as it arrives (nginx
     /// `proxy_request_buffering off`); default: `[limits]`'s.
     pub request_buffering: Option<bool>,
+    /// `false` streams this route's responses to the client as the origin
+    /// sends them (nginx `proxy_buffering off`); default: `[limits]`'s.
+    pub response_buffering: Option<bool>,
     /// Compress proxied responses (nginx `gzip on`, plus br and zstd).
     pub compress: Option<CompressSection>,
     /// Cache proxied responses (nginx `proxy_cache`).

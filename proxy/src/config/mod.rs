@@ -119,6 +119,18 @@ pub struct Limits {
     pub client_body_buffer_bytes: usize,
     /// Directory of spilled bodies.
     pub client_body_temp_path: PathBuf,
+    /// Proxied responses are read from the origin into a buffer.
+    pub response_buffering: bool,
+    /// Bytes of a buffered response in memory, per connection.
+    pub response_buffer_bytes: usize,
+    /// Bytes of buffered responses in memory, all connections.
+    pub response_buffers_total_bytes: u64,
+    /// Bytes of one response's temporary file (0: memory only).
+    pub max_temp_file_bytes: u64,
+    /// Bytes of all temporary files of buffered responses.
+    pub temp_files_total_bytes: u64,
+    /// Directory of those files.
+    pub proxy_temp_path: PathBuf,
     /// Upgraded connections at most (0 = no cap).
     pub max_upgraded: usize,
     /// Most silence from an upgraded connection's client (`None`: none).

@@ -228,6 +228,19 @@ pub fn limits(f: &FileConfig, errs: &mut Errors) -> Limits {
             format!("`{}` is not a directory", temp.display()),
         );
     }
+    if l.response_buffer_kb == 0 || l.response_buffer_kb > 1024 {
+        errs.push(at.k("response_buffer_kb"), "must be 1 to 1024");
+    }
+    let proxy_temp = match l.proxy_temp_path.as_str() {
+        "" => std::env::temp_dir(),
+        p => PathBuf::from(p),
+    };
+    if l.response_buffering && l.max_temp_file_bytes > 0 && !proxy_temp.is_dir() {
+        errs.push(
+            at.k("proxy_temp_path"),
+            format!("`{}` is not a directory", proxy_temp.display()),
+        );
+    }
     Limits {
         client_max_body_bytes: l.client_max_body_bytes,
         max_header_bytes: l.max_header_bytes,
@@ -243,6 +256,12 @@ pub fn limits(f: &FileConfig, errs: &mut Errors) -> Limits {
         request_buffering: l.request_buffering,
         client_body_buffer_bytes: l.client_body_buffer_kb.clamp(1, 64) * 1024,
         client_body_temp_path: temp,
+        response_buffering: l.response_buffering,
+        response_buffer_bytes: l.response_buffer_kb.clamp(1, 1024) * 1024,
+        response_buffers_total_bytes: l.response_buffers_total_mb.saturating_mul(1 << 20),
+        max_temp_file_bytes: l.max_temp_file_bytes,
+        temp_files_total_bytes: l.temp_files_total_mb.saturating_mul(1 << 20),
+        proxy_temp_path: proxy_temp,
         max_upgraded: l.max_upgraded,
         upgraded_idle_timeout: ms(l.upgraded_idle_timeout_s.saturating_mul(1000)),
     }

@@ -24,6 +24,7 @@
 use super::bare::{self, Rewrite};
 use super::hold::{self, Framing, Hold, Holding, Outcome};
 use super::preface;
+use super::spool::{self, Spool};
 use crate::config::Deadlines;
 use async_trait::async_trait;
 use pingora::apps::ServerApp;
@@ -162,7 +163,7 @@ impl<A: ServerApp + Send + Sync + 'static> ServerApp for Guarded<A> {
         }
         let timeout = Duration::from_millis(deadlines.client_header_timeout_ms);
         let closed = self.metrics.header_timeout.clone();
-        let mut guarded = HeadDeadline::new(stream, timeout, slot, closed);
+        let mut guarded = HeadDeadline::new(stream, timeout, Some(slot), closed);
         guarded.hsts = hsts;
         guarded.keepalive = Duration::from_secs(deadlines.keepalive_timeout_s.max(1));
         guarded.limits = limits;
@@ -274,7 +275,9 @@ pub struct HeadDeadline {
     /// made and dropped per request was a tenth of the guard's cost).
     arm_on_wait: bool,
     first: bool,
-    _slot: Slot,
+    /// The connection's place under `max_connections`, held until it
+    /// closes (by a spool's drain after the guard is gone).
+    slot: Option<Slot>,
     closed: prometheus::IntCounter,
     /// Our request filter has seen the current request ([`mark_seen`]).
     seen: AtomicBool,
@@ -305,6 +308,9 @@ pub struct HeadDeadline {
     join_head: AtomicBool,
     /// Closed at the preface deadline.
     preface_closed: Option<prometheus::IntCounter>,
+    /// Response buffering (`spool`): the current response's bytes not yet
+    /// sent. Locked only by the response filter (writes have `&mut`).
+    spool: std::sync::Mutex<Option<Spool>>,
 }
 
 /// A connection's request-buffering state.
@@ -319,22 +325,8 @@ struct Body {
 
 impl HeadDeadline {
     fn body(&mut self) -> &mut Body {
-        body_mut(&mut self.body)
+        get(&mut self.body)
     }
-
-    /// The body state, from the request filter (a poisoned lock holds
-    /// plain data: still good).
-    fn lock_body(&self) -> std::sync::MutexGuard<'_, Body> {
-        self.body
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
-    }
-}
-
-/// The body state, from a read (`&mut`: no locking).
-fn body_mut(m: &mut std::sync::Mutex<Body>) -> &mut Body {
-    m.get_mut()
-        .unwrap_or_else(std::sync::PoisonError::into_inner)
 }
 
 /// Hold the current request's body (`framing`) below Pingora's reads until
@@ -353,7 +345,7 @@ pub fn hold_body(
     let Some(g) = guard(stream) else {
         return false;
     };
-    let mut body = g.lock_body();
+    let mut body = lock(&g.body);
     let tail = body.tail.take();
     // Only where the guard saw this request's head end (so `tail` is what
     // Pingora read past it) and no earlier hold is still handing over
@@ -375,8 +367,57 @@ pub fn hold_body(
 
 /// How the current request's hold stands, if it has one.
 pub fn hold_outcome(stream: Option<&Stream>) -> Option<Outcome> {
-    let outcome = guard(stream)?.lock_body().holding.as_ref()?.hold.outcome;
+    let outcome = lock(&guard(stream)?.body).holding.as_ref()?.hold.outcome;
     Some(outcome)
+}
+
+/// Buffer the response about to be written on `stream` (response
+/// buffering, `spool`): its bytes are taken at once and sent as the client
+/// reads. False where it cannot be: not an HTTP/1 stream of the guard, or
+/// a head already written.
+pub fn spool_response(stream: Option<&Stream>, terms: spool::Terms) -> bool {
+    let Some(g) = guard(stream) else {
+        return false;
+    };
+    if g.phase != (Phase::Done { wrote: false }) {
+        return false;
+    }
+    let mut slot = lock(&g.spool);
+    match slot.as_mut() {
+        // A response before this one is still being sent: queue behind.
+        Some(s) => s.resume(),
+        None => *slot = Some(Spool::new(terms)),
+    }
+    true
+}
+
+/// The response on `stream` has ended: true when some of it is still to
+/// be sent (the connection then closes after it, see `spool`).
+pub fn end_response(stream: Option<&Stream>) -> bool {
+    let Some(g) = guard(stream) else {
+        return false;
+    };
+    let mut slot = lock(&g.spool);
+    let Some(s) = slot.as_mut() else {
+        return false;
+    };
+    s.end();
+    if s.retired() {
+        *slot = None;
+        return false;
+    }
+    true
+}
+
+/// A guard's lock (a poisoned lock holds plain data: still good).
+fn lock<T>(m: &std::sync::Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
+/// A lock's data, from `&mut` (no locking).
+fn get<T>(m: &mut std::sync::Mutex<T>) -> &mut T {
+    m.get_mut()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
 }
 
 impl std::fmt::Debug for HeadDeadline {
@@ -391,7 +432,12 @@ impl std::fmt::Debug for HeadDeadline {
 const H2_PREFACE: &[u8] = b"PRI * HTTP/2.0";
 
 impl HeadDeadline {
-    fn new(inner: Stream, timeout: Duration, slot: Slot, closed: prometheus::IntCounter) -> Self {
+    fn new(
+        inner: Stream,
+        timeout: Duration,
+        slot: Option<Slot>,
+        closed: prometheus::IntCounter,
+    ) -> Self {
         let h2 = inner.selected_alpn_proto() == Some(ALPN::H2);
         let mut s = HeadDeadline {
             inner,
@@ -404,7 +450,7 @@ impl HeadDeadline {
             deadline: None,
             arm_on_wait: false,
             first: true,
-            _slot: slot,
+            slot,
             closed,
             seen: AtomicBool::new(false),
             hsts: None,
@@ -418,6 +464,7 @@ impl HeadDeadline {
             preface_closed: None,
             wbuf: Default::default(),
             join_head: AtomicBool::new(false),
+            spool: std::sync::Mutex::new(None),
         };
         // The first head is timed from the accept, as nginx times it.
         if s.phase != Phase::Off {
@@ -570,6 +617,48 @@ impl HeadDeadline {
         self.rewrite.poll(&mut self.inner, cx, len)
     }
 
+    /// Whether a spool holds bytes not yet sent.
+    fn spooling(&mut self) -> bool {
+        get(&mut self.spool).as_ref().is_some_and(|s| !s.is_empty())
+    }
+
+    /// A write while a spool is on: taken into it, or waiting for what it
+    /// holds to go first; `None`: write through, as without buffering (no
+    /// spool, or past a bound once the spool is sent).
+    fn poll_spool(
+        &mut self,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Option<Poll<std::io::Result<usize>>> {
+        let spool = get(&mut self.spool);
+        let s = spool.as_mut()?;
+        if s.retired() {
+            *spool = None;
+            return None;
+        }
+        // A head held for its body (`wbuf`) goes first.
+        match self.wbuf.poll_send(&mut self.inner, cx) {
+            Poll::Ready(Ok(())) => {}
+            other => return Some(other.map(|r| r.map(|()| 0))),
+        }
+        // Send what the socket takes now (a slow client's takes nothing).
+        if let Poll::Ready(Err(e)) = s.poll_send(&mut self.inner, cx) {
+            return Some(Poll::Ready(Err(e)));
+        }
+        if !s.take(buf) {
+            // A bound: what is held goes first, then the rest streams.
+            return match s.poll_send(&mut self.inner, cx) {
+                Poll::Ready(Ok(())) => {
+                    *spool = None;
+                    None
+                }
+                other => Some(other.map(|r| r.map(|()| 0))),
+            };
+        }
+        self.wrote(buf);
+        Some(Poll::Ready(Ok(buf.len())))
+    }
+
     /// Follow the bytes just written.
     fn wrote(&mut self, bytes: &[u8]) {
         // Only a response's head can switch protocols: a body chunk that
@@ -598,8 +687,18 @@ impl AsyncRead for HeadDeadline {
     ) -> Poll<std::io::Result<()>> {
         let before = buf.filled().len();
         let this = &mut *self;
+        let spool = get(&mut this.spool);
+        if let Some(s) = spool.as_mut() {
+            // A read is a chance to send more of a spool (and to be woken
+            // when the client takes more).
+            match s.poll_send(&mut this.inner, cx) {
+                Poll::Ready(Err(e)) => return Poll::Ready(Err(e)),
+                Poll::Ready(Ok(())) if s.retired() => *spool = None,
+                _ => {}
+            }
+        }
         let held = {
-            body_mut(&mut this.body).holding.as_mut().map(|h| {
+            get(&mut this.body).holding.as_mut().map(|h| {
                 // What the first-head read took past the head, not yet
                 // read by Pingora, comes before the socket's next bytes.
                 if !this.peeked.is_empty() {
@@ -677,6 +776,9 @@ impl AsyncWrite for HeadDeadline {
             ready!(this.wbuf.poll_send(&mut this.inner, cx))?;
             return this.poll_replace(cx, buf.len());
         }
+        if let Some(r) = this.poll_spool(cx, buf) {
+            return r;
+        }
         if this.wbuf.takes(buf.len()) {
             this.wbuf.hold(buf);
             this.wrote(buf);
@@ -692,6 +794,16 @@ impl AsyncWrite for HeadDeadline {
 
     fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
         let this = &mut *self;
+        let spool = get(&mut this.spool);
+        if let Some(s) = spool.as_mut() {
+            // Bytes held are the spool's to send as the client reads.
+            match s.poll_send(&mut this.inner, cx) {
+                Poll::Ready(Err(e)) => return Poll::Ready(Err(e)),
+                Poll::Pending => return Poll::Ready(Ok(())),
+                Poll::Ready(Ok(())) if s.retired() => *spool = None,
+                Poll::Ready(Ok(())) => {}
+            }
+        }
         if this.join_head.swap(false, Ordering::Relaxed) && !this.wbuf.is_empty() {
             // The head's own flush: its body follows at once.
             return Poll::Ready(Ok(()));
@@ -702,6 +814,10 @@ impl AsyncWrite for HeadDeadline {
 
     fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
         let this = &mut *self;
+        if this.spooling() {
+            // The drain closes the connection once the spool is sent.
+            return Poll::Ready(Ok(()));
+        }
         ready!(this.wbuf.poll_send(&mut this.inner, cx))?;
         Pin::new(&mut this.inner).poll_shutdown(cx)
     }
@@ -720,6 +836,14 @@ impl AsyncWrite for HeadDeadline {
             n
         });
         let this = &mut *self;
+        if this.spooling() {
+            // A spool takes one buffer at a time (a short write).
+            let first = bufs
+                .iter()
+                .find(|b| !b.is_empty())
+                .map_or(&[][..], |b| &b[..]);
+            return Pin::new(this).poll_write(cx, first);
+        }
         let total: usize = bufs.iter().map(|b| b.len()).sum();
         if this.replaces(&head[..len]) {
             ready!(this.wbuf.poll_send(&mut this.inner, cx))?;
@@ -749,9 +873,31 @@ impl AsyncWrite for HeadDeadline {
     }
 }
 
+impl Drop for HeadDeadline {
+    fn drop(&mut self) {
+        // A response still being sent when its request ended: the rest
+        // goes out from a task of its own, the request's state gone.
+        let Some(s) = get(&mut self.spool).take() else {
+            return;
+        };
+        if s.is_empty() {
+            return;
+        }
+        let Ok(rt) = tokio::runtime::Handle::try_current() else {
+            return;
+        };
+        let inner = std::mem::replace(&mut self.inner, Box::new(spool::Gone));
+        rt.spawn(spool::drain(inner, s, self.slot.take()));
+    }
+}
+
 #[async_trait]
 impl Shutdown for HeadDeadline {
     async fn shutdown(&mut self) {
+        if self.spooling() {
+            // The drain closes the connection once the spool is sent.
+            return;
+        }
         // What is held goes out before the close.
         let _ = std::future::poll_fn(|cx| self.wbuf.poll_send(&mut self.inner, cx)).await;
         self.inner.shutdown().await
@@ -867,7 +1013,7 @@ mod tests {
         let closed = prometheus::IntCounter::new("c", "c").unwrap();
         let slot = Slot { open, gauge };
         // No ALPN and no timeout: watching a head, no deadline armed.
-        HeadDeadline::new(Box::new(a), Duration::ZERO, slot, closed)
+        HeadDeadline::new(Box::new(a), Duration::ZERO, Some(slot), closed)
     }
 
     /// `head_scan` against the byte-by-byte rule it replaced (which counted

@@ -4,6 +4,7 @@
 
 use super::certs::CertMetrics;
 use super::conn::ConnMetrics;
+use super::spool::SpoolMetrics;
 use super::ticket::TicketMetrics;
 use super::tls::TlsMetrics;
 use crate::prom::registered;
@@ -27,6 +28,55 @@ pub struct EdgeMetrics {
     pub cert_reloads: IntCounterVec,
     /// Connections of PROXY protocol listeners by result.
     pub proxy_protocol: IntCounterVec,
+    /// Response buffering.
+    pub spool: SpoolMetrics,
+}
+
+/// The response buffering's families.
+fn spool_metrics(r: &Registry, conns: &ConnMetrics) -> SpoolMetrics {
+    let bytes = registered(
+        r,
+        IntGaugeVec::new(
+            Opts::new(
+                "ultrafast_response_buffer_bytes",
+                "Bytes of buffered responses held, not yet sent, by store: memory, disk (temporary files).",
+            ),
+            &["store"],
+        ),
+    );
+    let overflows = registered(
+        r,
+        IntCounterVec::new(
+            Opts::new(
+                "ultrafast_response_buffer_overflows_total",
+                "Buffered responses that met a bound and streamed unbuffered from there, by bound: temp_file (max_temp_file_bytes), disk_total (temp_files_total_mb), temp_file_error (the file system refused).",
+            ),
+            &["bound"],
+        ),
+    );
+    for bound in ["temp_file", "disk_total", "temp_file_error"] {
+        overflows.with_label_values(&[bound]);
+    }
+    SpoolMetrics {
+        buffered: registered(
+            r,
+            IntCounter::new(
+                "ultrafast_responses_buffered_total",
+                "Proxied responses read into a buffer (response_buffering).",
+            ),
+        ),
+        overflows,
+        memory: bytes.with_label_values(&["memory"]),
+        disk: bytes.with_label_values(&["disk"]),
+        detached: registered(
+            r,
+            IntGauge::new(
+                "ultrafast_response_buffer_draining",
+                "Buffered responses still being sent to their clients after their requests (and origin connections) ended.",
+            ),
+        ),
+        send_timeout: conns.send_timeout.clone(),
+    }
 }
 
 impl EdgeMetrics {
@@ -182,7 +232,9 @@ impl EdgeMetrics {
                 &["result"],
             ),
         );
+        let spool = spool_metrics(r, &conns);
         EdgeMetrics {
+            spool,
             proxy_protocol,
             rejected,
             conns,

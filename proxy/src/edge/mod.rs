@@ -15,6 +15,7 @@ pub mod listener;
 pub mod metrics;
 mod preface;
 pub mod proxy_protocol;
+pub mod spool;
 pub mod ticket;
 pub mod tls;
 pub mod upgrade;

@@ -9,10 +9,19 @@
 //! Pingora reads before the upstream is taken reaches it through the 64 KiB
 //! it keeps for a retry, and a larger HTTP/2 body streams after that (its
 //! flow control already bounds what a slow client makes us hold).
+//!
+//! Response buffering, nginx's `proxy_buffering on`: a proxied response to
+//! an HTTP/1 client is written into a spool under the connection
+//! (`edge::spool`), so the origin is read at its own pace and its
+//! connection goes back to the pool while a slow client is still reading.
+//! Never for what must reach the client as it is made: event streams,
+//! gRPC, upgrades, and responses whose origin says `X-Accel-Buffering: no`.
 
 use super::{policy, Ctx, EdgeProxy};
 use crate::edge::conn;
 use crate::edge::hold::{Framing, Outcome};
+use crate::edge::spool;
+use pingora::http::ResponseHeader;
 use pingora::prelude::*;
 use pingora::proxy::Session;
 
@@ -129,6 +138,56 @@ impl EdgeProxy {
             }
         }
     }
+}
+
+impl EdgeProxy {
+    /// Buffer this proxied response if its route and its kind allow
+    /// (called before its head is written). The origin's
+    /// `X-Accel-Buffering` is read and removed, as nginx does.
+    pub(super) fn spool_response(&self, session: &Session, resp: &mut ResponseHeader, ctx: &Ctx) {
+        let accel = resp.remove_header("x-accel-buffering");
+        let on = ctx.route.as_ref().is_some_and(|r| r.response_buffering)
+            // From the origin: not a cache hit, not an upgrade.
+            && ctx.upstream_time.is_some()
+            && ctx.upgrade.is_none()
+            && !accel.is_some_and(|v| v.as_bytes().eq_ignore_ascii_case(b"no"))
+            && !streamed(resp)
+            && has_body(session, resp);
+        if !on {
+            return;
+        }
+        let limits = &ctx.cfg.limits;
+        let terms = spool::Terms {
+            memory: limits.response_buffer_bytes,
+            memory_total: clamp_i64(limits.response_buffers_total_bytes),
+            file: limits.max_temp_file_bytes,
+            disk_total: clamp_i64(limits.temp_files_total_bytes),
+            dir: limits.proxy_temp_path.clone(),
+            send_timeout: ctx.deadlines.send_timeout,
+            metrics: self.metrics.edge.spool.clone(),
+        };
+        conn::spool_response(session.as_downstream().stream(), terms);
+    }
+}
+
+fn clamp_i64(v: u64) -> i64 {
+    i64::try_from(v).unwrap_or(i64::MAX)
+}
+
+/// Whether a response is a stream its client reads as it is made.
+fn streamed(resp: &ResponseHeader) -> bool {
+    let ct = resp
+        .headers
+        .get(http::header::CONTENT_TYPE)
+        .map_or(&b""[..], |v| v.as_bytes());
+    let starts = |p: &[u8]| ct.len() >= p.len() && ct[..p.len()].eq_ignore_ascii_case(p);
+    starts(b"text/event-stream") || starts(b"application/grpc")
+}
+
+/// Whether a response has a body to buffer.
+fn has_body(session: &Session, resp: &ResponseHeader) -> bool {
+    let s = resp.status.as_u16();
+    session.req_header().method != http::Method::HEAD && s >= 200 && s != 204 && s != 304
 }
 
 /// A refusal instead of the upstream: status, message, error code.

@@ -596,6 +596,7 @@ impl ProxyHttp for EdgeProxy {
             }
         }
         cache::status_header(session, resp, ctx);
+        self.spool_response(session, resp, ctx);
         if let Some(spec) = ctx.route.as_ref().and_then(|r| r.compress.clone()) {
             compress_head(session, resp, ctx, &spec);
         }
@@ -679,6 +680,11 @@ impl ProxyHttp for EdgeProxy {
         }
         ctx.outstanding = None;
         ctx.permit = None;
+        if crate::edge::conn::end_response(session.as_downstream().stream()) {
+            // The rest goes out after the request (`edge::spool`), the
+            // connection closed after it.
+            session.set_keepalive(None);
+        }
         if let Some(t) = ctx.trace.take() {
             let req = session.req_header();
             let mut attrs = vec![

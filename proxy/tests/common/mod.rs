@@ -185,6 +185,8 @@ pub struct OriginState {
     pub last_headers: Mutex<BTreeMap<String, String>>,
     pub order: Mutex<Vec<String>>,
     pub stop: AtomicBool,
+    /// When each `/big/` response was written whole.
+    pub big_done: Mutex<Vec<Instant>>,
 }
 
 /// A real HTTP/1.1 origin on 127.0.0.1 with keepalive.
@@ -401,12 +403,17 @@ fn serve_conn(conn: TcpStream, st: Arc<OriginState>, name: String) {
             let _ = w.write_all(&body);
             continue;
         }
-        if let Some(n) = path
-            .strip_prefix("/big/")
-            .and_then(|n| n.parse::<usize>().ok())
-        {
-            // A large body, for clients that read slowly.
-            let _ = write!(w, "HTTP/1.1 200 OK\r\nContent-Length: {n}\r\n\r\n");
+        if let Some((n, query)) = path.strip_prefix("/big/").and_then(|rest| {
+            let (n, q) = rest.split_once('?').unwrap_or((rest, ""));
+            Some((n.parse::<usize>().ok()?, q.to_string()))
+        }) {
+            // A large body, for clients that read slowly; `?accel=no` asks
+            // the edge not to buffer it (nginx's `X-Accel-Buffering`).
+            let accel = match query.as_str() {
+                "accel=no" => "X-Accel-Buffering: no\r\n",
+                _ => "",
+            };
+            let _ = write!(w, "HTTP/1.1 200 OK\r\nContent-Length: {n}\r\n{accel}\r\n");
             let chunk = vec![b'x'; 64 * 1024];
             let mut left = n;
             while left > 0 {
@@ -416,6 +423,8 @@ fn serve_conn(conn: TcpStream, st: Arc<OriginState>, name: String) {
                 }
                 left -= k;
             }
+            let _ = w.flush();
+            st.big_done.lock().unwrap().push(Instant::now());
             continue;
         }
         let delay = st.delay_ms.load(Ordering::SeqCst);

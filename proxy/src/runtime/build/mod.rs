@@ -488,6 +488,7 @@ fn routes(
             limiters: route_limiters,
             budgets,
             request_buffering: r.request_buffering.unwrap_or(f.limits.request_buffering),
+            response_buffering: r.response_buffering.unwrap_or(f.limits.response_buffering),
             compress: r
                 .compress
                 .as_ref()
