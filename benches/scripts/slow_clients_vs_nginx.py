@@ -90,6 +90,8 @@ def start(kind, binary, tmp, port, origin):
         cfg = os.path.join(tmp, "uf.toml")
         with open(cfg, "w") as f:
             f.write(f'[server]\nthreads = 1\npid_file = "{tmp}/uf.pid"\nupgrade_sock = "{tmp}/uf.sock"\n'
+                    # nginx's `keepalive 32`: idle origin connections kept.
+                    'upstream_keepalive_pool_size = 32\n'
                     f'[admin]\nlisten = ""\n[log]\naccess_log = "off"\n'
                     f'[limits]\nmax_connections = 0\nproxy_temp_path = "{tmp}"\n{UF_LIMITS}'
                     f'[[listeners]]\naddress = "127.0.0.1:{port}"\n'
@@ -151,10 +153,15 @@ def attack(kind, name, port, origin, pids, conns, length, tmp):
     log = open(os.path.join(tmp, f"{name}.log"), "w")
     atk = spawn(args, stdout=log, stderr=log, stdin=subprocess.DEVNULL)
     up, peak, end = 0, 0, time.time() + length + 10
+    # What the attack costs once the origin has sent everything: the last
+    # samples before slowhttptest's own end (it stops at --length).
+    late, late_up, late_rss = time.time() + length - 2, 0, 0
     try:
         while atk.poll() is None and time.time() < end:
-            up = max(up, held(origin))
-            peak = max(peak, exact_rss_kb(pids))
+            h, rss = held(origin), exact_rss_kb(pids)
+            up, peak = max(up, h), max(peak, rss)
+            if late <= time.time() < late + 1.5:
+                late_up, late_rss = max(late_up, h), max(late_rss, rss)
             time.sleep(0.1)
     finally:
         stop_tree(atk)
@@ -162,7 +169,8 @@ def attack(kind, name, port, origin, pids, conns, length, tmp):
         t.join()
         log.close()
     return {"p99": pct_ms(lat, 0.99), "probes": len(lat), "errors": len(errors),
-            "origin": up, "kib_per_conn": (peak - idle) / conns}
+            "origin": up, "kib_per_conn": (peak - idle) / conns,
+            "late_origin": late_up, "late_kib": (late_rss - idle) / conns}
 
 
 def one(kind, binary, conns, length, origin):
@@ -180,7 +188,8 @@ def one(kind, binary, conns, length, origin):
             out[name] = attack(kind, name, port, origin, pids, conns, length, tmp)
             r = out[name]
             print(f"{kind:9s} {name:9s} p99 {r['p99']:.1f} ms over {r['probes']} probes, "
-                  f"{r['errors']} failed; origin held {r['origin']}; {r['kib_per_conn']:.1f} KiB/conn",
+                  f"{r['errors']} failed; origin held {r['origin']}; {r['kib_per_conn']:.1f} KiB/conn; "
+                  f"last 2 s: origin held {r['late_origin']}, {r['late_kib']:.1f} KiB/conn",
                   flush=True)
         finally:
             stop_tree(p)
@@ -228,7 +237,9 @@ def main():
     print("|---|---|" + "---|" * len(kinds))
     rows = [("normal client p99 (ms)", "p99", "{:.1f}", None), ("normal client failures", "errors", "{}", None),
             ("RSS per connection (KiB)", "kib_per_conn", "{:.1f}", ("slowloris", "slow read")),
-            ("origin connections held (max)", "origin", "{}", ("slow body", "slow read"))]
+            ("origin connections held (max)", "origin", "{}", ("slow body", "slow read")),
+            ("RSS per connection, last 2 s (KiB)", "late_kib", "{:.1f}", ("slow read",)),
+            ("origin connections held, last 2 s", "late_origin", "{}", ("slow read",))]
     for name in ATTACKS:
         if name not in ONLY:
             continue

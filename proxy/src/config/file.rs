@@ -1012,6 +1012,13 @@ pub struct PoolSection {
     pub max_queued: usize,
     /// Connect to members over TLS.
     pub tls: Option<UpstreamTlsSection>,
+    /// What members speak: `http1`, `h2` (HTTP/2 over TLS, ALPN `h2`; needs
+    /// `tls`) or `h2c` (HTTP/2 over TCP, prior knowledge). gRPC needs one
+    /// of the last two (nginx `grpc_pass`, `proxy_http_version 2`).
+    pub protocol: String,
+    /// HTTP/2: concurrent requests on one connection at most (less if the
+    /// member says less); more open another connection.
+    pub max_streams_per_connection: usize,
     /// Inference: how a broken chat stream continues on another member:
     /// `vllm` (`continue_final_message`), `none` (it ends with an error), or
     /// empty (what the dialect supports).
@@ -1076,6 +1083,8 @@ impl Default for PoolSection {
             max_concurrency: 0,
             max_queued: 0,
             tls: None,
+            protocol: "http1".into(),
+            max_streams_per_connection: 100,
             resume: String::new(),
             dialect: String::new(),
             request_id: "forward".into(),
@@ -1120,6 +1129,10 @@ pub struct HealthSection {
     pub fall: u32,
     /// Host header sent with the probe (default: the member address).
     pub host: String,
+    /// Probe with the gRPC health protocol (`grpc.health.v1.Health/Check`)
+    /// for this service ("" = the server as a whole) instead of a GET;
+    /// SERVING is up. Needs `protocol = "h2"` or `"h2c"`.
+    pub grpc: Option<String>,
 }
 
 impl Default for HealthSection {
@@ -1131,6 +1144,7 @@ impl Default for HealthSection {
             rise: 2,
             fall: 3,
             host: String::new(),
+            grpc: None,
         }
     }
 }

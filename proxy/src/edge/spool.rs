@@ -28,12 +28,19 @@ use std::io;
 use std::os::unix::fs::FileExt;
 use std::path::PathBuf;
 use std::pin::Pin;
-use std::task::{Context, Poll};
+use std::task::{ready, Context, Poll};
 use std::time::Duration;
 use tokio::io::AsyncWrite;
 
-/// Most bytes read back from the file at a time.
-const REFILL: usize = 16 * 1024;
+/// Most bytes read back from the file for one write. They are read into
+/// a buffer of the thread's, not the connection's: a client that takes a
+/// few bytes at a time pins no memory between its reads (the page cache
+/// keeps the file; a retried write reads its bytes again).
+const CHUNK: usize = 16 * 1024;
+
+thread_local! {
+    static SCRATCH: std::cell::RefCell<Vec<u8>> = const { std::cell::RefCell::new(Vec::new()) };
+}
 
 /// The buffering's families, process-wide.
 #[derive(Clone)]
@@ -73,7 +80,10 @@ pub struct Terms {
 }
 
 /// A response's bytes written but not yet sent: `mem[sent..]`, then
-/// `file[file_read..file_end]`.
+/// `file[file_read..file_end]`. The file's bytes start past a hole of
+/// `memory` bytes (sparse: no disk), where [`detach`](Spool::detach) moves
+/// what memory still holds, so that a response left to a slow client
+/// holds no memory of its own.
 pub struct Spool {
     terms: Terms,
     mem: Vec<u8>,
@@ -83,6 +93,8 @@ pub struct Spool {
     file: Option<File>,
     file_read: u64,
     file_end: u64,
+    /// Bytes counted in `metrics.disk`.
+    disk_counted: u64,
     /// False once the response has ended: an empty spool is retired.
     accepting: bool,
     /// A bound was met: nothing more is taken.
@@ -101,6 +113,7 @@ impl Spool {
             file: None,
             file_read: 0,
             file_end: 0,
+            disk_counted: 0,
             accepting: true,
             overflowed: false,
         }
@@ -208,65 +221,94 @@ impl Spool {
     /// file system) refuses.
     fn to_file(&mut self, bytes: &[u8]) -> Result<(), &'static str> {
         let len = bytes.len() as u64;
-        if self.file_end + len > self.terms.file {
+        let used = match self.file {
+            Some(_) => self.file_end - self.hole(),
+            None => 0,
+        };
+        if used + len > self.terms.file {
             return Err("temp_file");
         }
         if self.terms.metrics.disk.get() + len as i64 > self.terms.disk_total {
             return Err("disk_total");
         }
-        if self.file.is_none() {
-            match tempfile::tempfile_in(&self.terms.dir) {
-                Ok(f) => self.file = Some(f),
-                Err(e) => {
-                    log::warn!("proxy_temp_path: {e}");
-                    return Err("temp_file_error");
-                }
-            }
-        }
-        let f = self.file.as_ref().expect("created above");
+        self.open_file()?;
+        let f = self.file.as_ref().expect("opened above");
         if let Err(e) = f.write_all_at(bytes, self.file_end) {
             log::warn!("proxy_temp_path: {e}");
             return Err("temp_file_error");
         }
         self.file_end += len;
-        self.terms.metrics.disk.add(len as i64);
+        self.count_disk(len);
         Ok(())
     }
 
-    /// Make `mem` hold unsent bytes again from the file. False when there
-    /// are none left anywhere.
-    fn refill(&mut self) -> io::Result<bool> {
-        if self.sent < self.mem.len() {
-            return Ok(true);
+    /// The file's bytes start here (the hole before is `detach`'s).
+    fn hole(&self) -> u64 {
+        self.terms.memory as u64
+    }
+
+    fn open_file(&mut self) -> Result<(), &'static str> {
+        if self.file.is_some() {
+            return Ok(());
         }
-        self.mem.clear();
+        match tempfile::tempfile_in(&self.terms.dir) {
+            Ok(f) => {
+                self.file = Some(f);
+                self.file_read = self.hole();
+                self.file_end = self.hole();
+                Ok(())
+            }
+            Err(e) => {
+                log::warn!("proxy_temp_path: {e}");
+                Err("temp_file_error")
+            }
+        }
+    }
+
+    fn count_disk(&mut self, len: u64) {
+        self.disk_counted += len;
+        self.terms.metrics.disk.add(len as i64);
+    }
+
+    /// The request has ended with bytes still to send: move what memory
+    /// holds into the file's hole, before the file's bytes, and free it.
+    /// A connection left to a slow client then costs its socket and a
+    /// small task, its bytes waiting in the page cache. Kept in memory if
+    /// the file cannot take them.
+    pub fn detach(&mut self) {
+        let unsent = self.mem.len() - self.sent;
+        if unsent > 0 {
+            if self.terms.file == 0 || self.open_file().is_err() {
+                return;
+            }
+            let at = self.file_read - unsent as u64;
+            let f = self.file.as_ref().expect("opened above");
+            if f.write_all_at(&self.mem[self.sent..], at).is_err() {
+                return;
+            }
+            self.file_read = at;
+            self.count_disk(unsent as u64);
+        }
+        self.mem = Vec::new();
         self.sent = 0;
-        if self.file_read == self.file_end {
-            self.release();
-            return Ok(false);
-        }
-        let n = (self.file_end - self.file_read).min(REFILL as u64) as usize;
-        self.mem.resize(n, 0);
-        let f = self.file.as_ref().expect("bytes on file");
-        f.read_exact_at(&mut self.mem, self.file_read)?;
-        self.file_read += n as u64;
         self.count_mem();
-        Ok(true)
     }
 
     /// Everything sent: give memory and disk back (the file is kept,
     /// truncated, for the rest of the response).
     fn release(&mut self) {
         self.mem = Vec::new();
+        self.sent = 0;
         self.count_mem();
-        if self.file_end > 0 {
-            if let Some(f) = &self.file {
+        if let Some(f) = &self.file {
+            if self.disk_counted > 0 {
                 let _ = f.set_len(0);
             }
-            self.terms.metrics.disk.sub(self.file_end as i64);
-            self.file_read = 0;
-            self.file_end = 0;
+            self.file_read = self.hole();
+            self.file_end = self.hole();
         }
+        self.terms.metrics.disk.sub(self.disk_counted as i64);
+        self.disk_counted = 0;
     }
 
     /// One write of what is held to `w`: `Ready(Ok(true))` after a write,
@@ -277,18 +319,33 @@ impl Spool {
         w: &mut W,
         cx: &mut Context<'_>,
     ) -> Poll<io::Result<bool>> {
-        if !self.refill()? {
+        if self.sent < self.mem.len() {
+            let n = ready!(Pin::new(&mut *w).poll_write(cx, &self.mem[self.sent..]))?;
+            if n == 0 {
+                return Poll::Ready(Err(io::ErrorKind::WriteZero.into()));
+            }
+            self.sent += n;
+            return Poll::Ready(Ok(true));
+        }
+        if self.file_read == self.file_end {
+            self.release();
             return Poll::Ready(Ok(false));
         }
-        match Pin::new(&mut *w).poll_write(cx, &self.mem[self.sent..]) {
-            Poll::Ready(Ok(0)) => Poll::Ready(Err(io::ErrorKind::WriteZero.into())),
-            Poll::Ready(Ok(n)) => {
-                self.sent += n;
-                Poll::Ready(Ok(true))
-            }
-            Poll::Ready(Err(e)) => Poll::Ready(Err(e)),
-            Poll::Pending => Poll::Pending,
+        let len = (self.file_end - self.file_read).min(CHUNK as u64) as usize;
+        let f = self.file.as_ref().expect("bytes on file");
+        let at = self.file_read;
+        let n = SCRATCH.with(|s| -> Poll<io::Result<usize>> {
+            let mut buf = s.borrow_mut();
+            buf.resize(len, 0);
+            f.read_exact_at(&mut buf, at)?;
+            Pin::new(&mut *w).poll_write(cx, &buf)
+        });
+        let n = ready!(n)?;
+        if n == 0 {
+            return Poll::Ready(Err(io::ErrorKind::WriteZero.into()));
         }
+        self.file_read += n as u64;
+        Poll::Ready(Ok(true))
     }
 
     /// Send what `w` takes now: `Ready(Ok)` once everything is sent,
@@ -313,7 +370,7 @@ impl Drop for Spool {
     fn drop(&mut self) {
         let m = &self.terms.metrics;
         m.memory.sub(self.mem_counted as i64);
-        m.disk.sub(self.file_end as i64);
+        m.disk.sub(self.disk_counted as i64);
     }
 }
 
@@ -327,6 +384,7 @@ where
     use tokio::io::AsyncWriteExt;
     let metrics = spool.terms.metrics.clone();
     metrics.detached.inc();
+    spool.detach();
     let wait = spool.terms.send_timeout;
     loop {
         let step = std::future::poll_fn(|cx| spool.poll_step(&mut out, cx));
@@ -490,6 +548,32 @@ mod tests {
         assert!(s.is_empty());
         assert_eq!((m.memory.get(), m.disk.get()), (0, 0));
         drop(s);
+        assert_eq!((m.memory.get(), m.disk.get()), (0, 0));
+    }
+
+    #[tokio::test]
+    async fn a_detached_spool_keeps_its_bytes_on_disk_in_order() {
+        let t = terms(1000, 1 << 20);
+        let m = t.metrics.clone();
+        let mut s = Spool::new(t);
+        let a = bytes(900, 1);
+        let b = bytes(5000, 2);
+        assert!(s.take(&a) && s.take(&b));
+        // A client that takes 100 bytes; the rest of memory moves to the
+        // file's hole.
+        let (mut w, mut r) = tokio::io::duplex(100);
+        std::future::poll_fn(|cx| s.poll_step(&mut w, cx).map(|_| ())).await;
+        assert_eq!(s.pending(), 5800);
+        s.detach();
+        assert_eq!(m.memory.get(), 0, "no memory of its own");
+        assert_eq!(m.disk.get(), 5800);
+        let task = tokio::spawn(drain(w, s, ()));
+        let mut out = Vec::new();
+        tokio::io::AsyncReadExt::read_to_end(&mut r, &mut out)
+            .await
+            .unwrap();
+        task.await.unwrap();
+        assert_eq!(out, [a, b].concat());
         assert_eq!((m.memory.get(), m.disk.get()), (0, 0));
     }
 

@@ -32,6 +32,12 @@ impl EdgeProxy {
         self.metrics.admission.shed(lane, reason.as_str());
         let (status, headers, body) = admission::refusal(reason, retry_after, None);
         let extra: Vec<(&str, &str)> = headers.iter().map(|(k, v)| (*k, v.as_str())).collect();
+        if ctx.grpc {
+            let code = super::grpc::status_for(status);
+            let msg = format!("refused by the edge: {}", reason.as_str());
+            policy::respond_grpc(session, &ctx.policy(), code, &msg, &extra).await?;
+            return Ok(true);
+        }
         let json = "application/json";
         policy::respond(session, &ctx.policy(), status, json, body, &extra).await?;
         Ok(true)

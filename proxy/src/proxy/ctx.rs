@@ -71,6 +71,10 @@ pub struct Ctx {
     /// The edge buffers the request body (`buffering`) and has answered
     /// any `Expect: 100-continue` itself.
     pub(super) body_buffered: bool,
+    /// A gRPC call (`grpc`): the edge's own answers are gRPC statuses.
+    pub(super) grpc: bool,
+    /// Its `grpc-timeout`, from the request's start.
+    pub(super) grpc_deadline: Option<Instant>,
     /// The `max_upgraded` slot of a request that asks to upgrade.
     pub(super) upgrade: Option<super::upgrade::Slot>,
     /// What the route's cache did with the request.

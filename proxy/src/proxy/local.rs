@@ -128,7 +128,9 @@ impl EdgeProxy {
                 // END_STREAM has one.
                 if filters::has_body(session.req_header()) || !session.is_body_empty() {
                     session.enable_retry_buffering();
-                    if route.request_buffering {
+                    // A gRPC body streams both ways (a bidirectional
+                    // call would wait on itself), as nginx's grpc_pass.
+                    if route.request_buffering && !ctx.grpc {
                         return self.buffer_body(session, ctx).await;
                     }
                 }

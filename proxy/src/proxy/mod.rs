@@ -10,6 +10,7 @@ mod admit;
 mod buffering;
 mod cache;
 mod ctx;
+mod grpc;
 mod heads;
 mod infer;
 mod local;
@@ -162,6 +163,9 @@ fn client_xff(ip: std::net::IpAddr) -> http::HeaderValue {
     })
 }
 
+/// The gRPC deadline header (`grpc`).
+static GRPC_TIMEOUT: http::HeaderName = http::HeaderName::from_static("grpc-timeout");
+
 /// What the upstream request gets: trace context, `X-Forwarded-For` and
 /// `-Proto`, the request id, the upstream Host, the route's rules.
 fn forward_headers(
@@ -197,9 +201,15 @@ fn forward_headers(
         // and has the body: the upstream is not to be asked again.
         h.remove(&http::header::EXPECT);
     }
+    if let Some(deadline) = ctx.grpc_deadline {
+        // The member gets what is left of the client's budget.
+        let left = deadline.saturating_duration_since(Instant::now());
+        h.set(&GRPC_TIMEOUT, grpc::timeout_value(left))?;
+    }
+    // HTTP/2 has no `Connection` header (a stream ends, not a connection).
     if ctx
         .pool()
-        .is_some_and(|p| p.settings.keepalive_idle.is_none())
+        .is_some_and(|p| p.settings.keepalive_idle.is_none() && !p.settings.protocol.is_h2())
     {
         h.set(
             &http::header::CONNECTION,
@@ -277,6 +287,8 @@ impl ProxyHttp for EdgeProxy {
             upstream_time: None,
             body_bytes: 0,
             body_buffered: false,
+            grpc: false,
+            grpc_deadline: None,
             encoder: None,
             upgrade: None,
             error_status: 0,
@@ -304,6 +316,10 @@ impl ProxyHttp for EdgeProxy {
         session.as_downstream_mut().set_pipelining_enabled(!chunked);
         let cfg = ctx.cfg.clone();
         let redirect = self.identify(session, ctx, &cfg);
+        ctx.grpc = grpc::is_grpc(session.req_header());
+        if ctx.grpc {
+            ctx.grpc_deadline = grpc::timeout(session.req_header()).map(|d| ctx.started + d);
+        }
         // Our idle timeout, only where Pingora left keepalive on: it turns it
         // off for `Connection: close`, HTTP/1.0 and for a request with both
         // Content-Length and Transfer-Encoding (RFC 9112 6.1: close after
@@ -474,7 +490,24 @@ impl ProxyHttp for EdgeProxy {
         let m = &membership.members[idx];
         ctx.outstanding = Some(Outstanding::acquire(m));
         ctx.upstream_start = Some(Instant::now());
-        Ok(pool.peer(m))
+        let mut peer = pool.peer(m);
+        if let Some(deadline) = ctx.grpc_deadline {
+            // The call's deadline bounds every wait on the member.
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                return Error::e_explain(ErrorType::HTTPStatus(504), "gRPC deadline passed");
+            }
+            let o = &mut peer.options;
+            for t in [
+                &mut o.connection_timeout,
+                &mut o.total_connection_timeout,
+                &mut o.read_timeout,
+                &mut o.write_timeout,
+            ] {
+                *t = Some(t.map_or(left, |t| t.min(left)));
+            }
+        }
+        Ok(peer)
     }
 
     async fn connected_to_upstream(
@@ -637,7 +670,11 @@ impl ProxyHttp for EdgeProxy {
         e: &Error,
         ctx: &mut Box<Ctx>,
     ) -> FailToProxy {
-        let code = status_for(e);
+        let mut code = status_for(e);
+        if code > 0 && ctx.grpc_deadline.is_some_and(|d| d <= Instant::now()) {
+            // Whatever failed, the call's deadline has passed.
+            code = 504;
+        }
         ctx.error_status = code;
         if code > 0 && session.response_written().is_none() {
             let (msg, kind) = match code {

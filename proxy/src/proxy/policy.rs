@@ -39,6 +39,8 @@ pub(super) struct Policy<'a> {
     request_id: &'a http::HeaderValue,
     hsts: Option<&'a http::HeaderValue>,
     rules: Option<&'a HeaderOps>,
+    /// The request is a gRPC call: the edge's errors are gRPC statuses.
+    grpc: bool,
 }
 
 impl Ctx {
@@ -53,6 +55,7 @@ impl Ctx {
                 .as_ref()
                 .map(|r| &r.response_headers)
                 .filter(|ops| !ops.is_empty()),
+            grpc: self.grpc,
         }
     }
 }
@@ -118,7 +121,39 @@ pub(super) async fn respond(
     session.write_response_body(Some(body), true).await
 }
 
-/// Send the edge's own OpenAI-style JSON error.
+/// Answer a gRPC call with status `code` and `message`, trailers-only
+/// (one HEADERS frame that ends the stream: HTTP 200, `grpc-status`,
+/// `grpc-message`), as a gRPC server answers a call it fails at once.
+#[allow(clippy::disallowed_methods)] // the policy is applied here
+pub(super) async fn respond_grpc(
+    session: &mut Session,
+    policy: &Policy<'_>,
+    code: u8,
+    message: &str,
+    extra: &[(&str, &str)],
+) -> Result<()> {
+    let mut resp = ResponseHeader::build(200, Some(4 + extra.len()))?;
+    resp.insert_header(http::header::CONTENT_TYPE, "application/grpc")?;
+    resp.insert_header("grpc-status", code.to_string())?;
+    resp.insert_header("grpc-message", super::grpc::message(message))?;
+    for (k, v) in extra {
+        resp.insert_header(k.to_string(), *v)?;
+    }
+    policy.apply(&mut resp)?;
+    if session.as_downstream().is_http2() {
+        // Pingora's header writer ends an HTTP/2 stream with an empty DATA
+        // frame, which gRPC clients read as a broken stream: the task
+        // writer keeps the end on the HEADERS frame.
+        let head = pingora::protocols::http::HttpTask::Header(Box::new(resp), true);
+        session.write_response_tasks(vec![head]).await?;
+        return Ok(());
+    }
+    resp.insert_header(http::header::CONTENT_LENGTH, "0")?;
+    session.write_response_header(Box::new(resp), true).await
+}
+
+/// Send the edge's own OpenAI-style JSON error (a gRPC status to a gRPC
+/// call).
 pub(super) async fn respond_error(
     session: &mut Session,
     policy: &Policy<'_>,
@@ -126,6 +161,10 @@ pub(super) async fn respond_error(
     message: &str,
     code: &str,
 ) -> Result<()> {
+    if policy.grpc {
+        let code = super::grpc::status_for(status);
+        return respond_grpc(session, policy, code, message, &[]).await;
+    }
     let kind = if status >= 500 {
         "server_error"
     } else {
@@ -171,6 +210,7 @@ mod tests {
             request_id: &rid,
             hsts: Some(&hsts),
             rules: Some(&rules),
+            grpc: false,
         };
         let mut r = head();
         p.apply(&mut r).unwrap();
@@ -194,6 +234,7 @@ mod tests {
             request_id: &rid,
             hsts: None,
             rules: Some(&rules),
+            grpc: false,
         };
         let mut r = head();
         p.apply(&mut r).unwrap();

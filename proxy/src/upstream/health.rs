@@ -1,6 +1,6 @@
 //! Active health checks: the runtime's loop (`runtime::loops`) probes every
 //! member of every pool with a health check, `GET path` over a fresh TCP
-//! connection, and flips `Member::healthy` after `fall` consecutive failures
+//! connection (or a gRPC health call, `grpc_health`), and flips `Member::healthy` after `fall` consecutive failures
 //! or `rise` consecutive successes (nginx plus / HAProxy semantics).
 //!
 //! The loop reads the live config on each tick, so pools added by a
@@ -29,9 +29,18 @@ async fn probe_members(pool: &Arc<Pool>, pick: impl Fn(&Member) -> bool) -> Vec<
         .filter(|m| pick(m))
         .map(|m| {
             let (m, h) = (m.clone(), h.clone());
+            let peer = h.grpc.is_some().then(|| pool.peer(&m));
             tokio::spawn(async move {
                 let host = h.host.clone().unwrap_or_else(|| m.label.clone());
-                let ok = tokio::time::timeout(h.timeout, probe(&m, &host, &h.path, tls))
+                let check = async {
+                    match (&h.grpc, peer) {
+                        (Some(service), Some(peer)) => {
+                            super::grpc_health::probe(&peer, &host, service).await
+                        }
+                        _ => probe(&m, &host, &h.path, tls).await,
+                    }
+                };
+                let ok = tokio::time::timeout(h.timeout, check)
                     .await
                     .unwrap_or(false);
                 (m, ok)

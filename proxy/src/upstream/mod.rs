@@ -8,6 +8,7 @@
 //! proxy reports outcomes back through `Pool::record_*`.
 
 pub mod dns;
+pub mod grpc_health;
 pub mod health;
 pub mod lb;
 pub mod load;
@@ -40,6 +41,28 @@ pub struct HealthSettings {
     pub fall: u32,
     /// Host header of the probe (None: the member's address).
     pub host: Option<String>,
+    /// The gRPC health service probed instead of `path` (`Some("")`: the
+    /// server as a whole).
+    pub grpc: Option<String>,
+}
+
+/// What a pool's members speak.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Protocol {
+    /// HTTP/1.1 (over TLS when the pool has `tls`).
+    #[default]
+    Http1,
+    /// HTTP/2 over TLS, negotiated by ALPN.
+    H2,
+    /// HTTP/2 over TCP with prior knowledge.
+    H2c,
+}
+
+impl Protocol {
+    /// Whether members speak HTTP/2.
+    pub fn is_h2(self) -> bool {
+        self != Protocol::Http1
+    }
 }
 
 /// Per-pool connection and retry settings.
@@ -67,6 +90,10 @@ pub struct PoolSettings {
     pub server_kind: server_kind::ServerKind,
     /// What members are sent as `X-Request-Id`.
     pub request_id: crate::reqid::Upstream,
+    /// What members speak.
+    pub protocol: Protocol,
+    /// HTTP/2 requests on one connection at most.
+    pub max_streams: usize,
 }
 
 /// TLS towards a pool's members.
@@ -309,6 +336,12 @@ impl Pool {
         // Without keepalive the request carries `Connection: close` (see the
         // proxy), so the connection is never offered back to the pool.
         peer.options.idle_timeout = s.keepalive_idle;
+        if s.protocol.is_h2() {
+            // h2 over TLS by ALPN; over TCP, Pingora's connector speaks
+            // h2c with prior knowledge to a peer that must speak h2.
+            peer.options.alpn = pingora::protocols::ALPN::H2;
+            peer.options.max_h2_streams = s.max_streams.max(1);
+        }
         Box::new(peer)
     }
 

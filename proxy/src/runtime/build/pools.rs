@@ -5,6 +5,7 @@
 use super::*;
 use crate::reqid;
 use crate::upstream::server_kind::ServerKind;
+use crate::upstream::Protocol;
 
 /// A member address: a literal `ip:port`, or `name:port` for DNS.
 pub(in crate::runtime) enum MemberAddr {
@@ -203,6 +204,32 @@ pub(super) fn pool(
             LbSpec::LeastOutstanding
         }
     };
+    let protocol = match p.protocol.as_str() {
+        "http1" | "" => Protocol::Http1,
+        "h2" => Protocol::H2,
+        "h2c" => Protocol::H2c,
+        other => {
+            errs.push(
+                at.k("protocol"),
+                format!("unknown protocol `{other}` (http1, h2, h2c)"),
+            );
+            Protocol::Http1
+        }
+    };
+    match (protocol, tls_section.is_some()) {
+        (Protocol::H2, false) => errs.push(
+            at.k("protocol"),
+            "h2 is HTTP/2 over TLS: give the pool `tls`, or use h2c",
+        ),
+        (Protocol::H2c, true) => errs.push(
+            at.k("protocol"),
+            "h2c is HTTP/2 without TLS: use h2 for a pool with `tls`",
+        ),
+        _ => {}
+    }
+    if p.max_streams_per_connection == 0 {
+        errs.push(at.k("max_streams_per_connection"), "must be at least 1");
+    }
     let health = p.health_check.as_ref().map(|h| {
         let hat = at.k("health_check");
         if !h.path.is_empty() && !h.path.starts_with('/') {
@@ -220,6 +247,12 @@ pub(super) fn pool(
         if h.fall == 0 {
             errs.push(hat.k("fall"), "must be >= 1");
         }
+        if h.grpc.is_some() && !protocol.is_h2() {
+            errs.push(
+                hat.k("grpc"),
+                "a gRPC health check needs protocol = \"h2\" or \"h2c\"",
+            );
+        }
         let default_path = dialect.map_or("/", |d| d.caps().health_path);
         HealthSettings {
             path: if h.path.is_empty() {
@@ -232,6 +265,7 @@ pub(super) fn pool(
             rise: h.rise.max(1),
             fall: h.fall.max(1),
             host: (!h.host.is_empty()).then(|| h.host.clone()),
+            grpc: h.grpc.clone(),
         }
     });
     if !(1..=10).contains(&p.retry.attempts) {
@@ -280,6 +314,8 @@ pub(super) fn pool(
             attempts: p.retry.attempts,
             server_kind: dialect.unwrap_or_default(),
             request_id,
+            protocol,
+            max_streams: p.max_streams_per_connection.max(1),
         },
         health,
         budget: RetryBudget::new(p.retry.budget_ratio, p.retry.budget_min_per_s),
