@@ -50,6 +50,9 @@ def start_nginx(tmp, port, origin):
                 f"events {{ worker_connections 8192; }} http {{ access_log off; "
                 f"client_body_temp_path {tmp}/body; "
                 f"upstream o {{ server 127.0.0.1:{origin}; keepalive 32; }} "
+                # nginx closes a client connection after 1,000 requests
+                # (`keepalive_requests`), which h2load does not reopen.
+                f"keepalive_requests 1000000; "
                 f"server {{ listen 127.0.0.1:{port} http2; "
                 f"location / {{ grpc_pass grpc://o; }} }} }}")
     return spawn(["nginx", "-p", tmp, "-c", conf], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)

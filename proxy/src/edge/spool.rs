@@ -163,7 +163,7 @@ impl Spool {
             bytes.split_at(0)
         };
         if !tail.is_empty() {
-            if let Err(bound) = self.to_file(tail) {
+            if let Err(bound) = self.push_file(tail) {
                 self.overflowed = true;
                 self.terms
                     .metrics
@@ -174,7 +174,7 @@ impl Spool {
             }
         }
         if !head.is_empty() {
-            self.to_mem(head);
+            self.push_mem(head);
         }
         true
     }
@@ -188,7 +188,7 @@ impl Spool {
         own.min((total + spare).max(0) as usize)
     }
 
-    fn to_mem(&mut self, bytes: &[u8]) {
+    fn push_mem(&mut self, bytes: &[u8]) {
         if self.sent > 0 && self.sent == self.mem.len() {
             self.mem.clear();
             self.sent = 0;
@@ -219,7 +219,7 @@ impl Spool {
 
     /// Append to the temporary file; `Err(bound)` where a bound (or the
     /// file system) refuses.
-    fn to_file(&mut self, bytes: &[u8]) -> Result<(), &'static str> {
+    fn push_file(&mut self, bytes: &[u8]) -> Result<(), &'static str> {
         let len = bytes.len() as u64;
         let used = match self.file {
             Some(_) => self.file_end - self.hole(),

@@ -408,7 +408,7 @@ impl ProxyHttp for EdgeProxy {
 
     async fn request_body_filter(
         &self,
-        _session: &mut Session,
+        session: &mut Session,
         body: &mut Option<Bytes>,
         _end_of_stream: bool,
         ctx: &mut Box<Ctx>,
@@ -422,6 +422,15 @@ impl ProxyHttp for EdgeProxy {
                     .rejected
                     .with_label_values(&["body_too_large"])
                     .inc();
+                let h2_pool = ctx.pool().is_some_and(|p| p.settings.protocol.is_h2());
+                if h2_pool && session.response_written().is_none() {
+                    // Pingora's HTTP/2 upstream path logs a body it could
+                    // not send and waits on for the member's answer (until
+                    // a timeout): the client is answered now.
+                    ctx.error_status = 413;
+                    let (msg, code) = ("request body too large", "body_too_large");
+                    let _ = policy::respond_error(session, &ctx.policy(), 413, msg, code).await;
+                }
                 return Error::e_explain(ErrorType::HTTPStatus(413), "request body too large");
             }
         }

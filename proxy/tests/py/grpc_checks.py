@@ -7,7 +7,8 @@ Usage:
                  [--only unary,unary_fail,...] [--skip-control] [--edge]
 --edge adds the edge's own answers: a route to a pool with no live member
 (`/test.Down/`) answers UNAVAILABLE, a rate-limited route
-(`/test.Limited/`, one call a minute) RESOURCE_EXHAUSTED, both as gRPC
+(`/test.Limited/`, one call a minute) RESOURCE_EXHAUSTED, a message past
+the edge's body limit (4 MiB) RESOURCE_EXHAUSTED at once, each as a gRPC
 status in a trailers-only response with the edge's message.
 Prints one line per check: "PASS name" / "FAIL name: why"; exit 1 if any failed.
 """
@@ -158,7 +159,20 @@ def checks(ch, a):
         assert codes[0] == grpc.StatusCode.UNIMPLEMENTED, codes
         assert codes[1:] == [grpc.StatusCode.RESOURCE_EXHAUSTED] * 2, codes
 
-    edge = [("edge_unavailable", c_edge_unavailable), ("edge_limited", c_edge_limited)]
+    def c_edge_too_large():
+        # Past the edge's client_max_body_bytes (4 MiB in the test).
+        t0 = time.monotonic()
+        try:
+            unary(b"z" * (5 << 20), timeout=T)
+        except grpc.RpcError as e:
+            assert e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, (e.code(), e.details())
+            assert "too large" in e.details(), e.details()
+            assert time.monotonic() - t0 < 3, time.monotonic() - t0
+            return
+        raise AssertionError("no error")
+
+    edge = [("edge_unavailable", c_edge_unavailable), ("edge_limited", c_edge_limited),
+            ("edge_too_large", c_edge_too_large)]
     return ([] if not a.edge else edge) + [
         ("unary", c_unary), ("unary_fail", c_unary_fail),
         ("unimplemented", c_unimplemented), ("server_stream", c_server_stream),
