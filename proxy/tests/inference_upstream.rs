@@ -36,6 +36,34 @@ fn openai_client_against_an_upstream_pool() {
 }
 
 #[test]
+fn an_inference_pool_speaks_h2c_to_its_members() {
+    let fake = Fake::start(&["--tokens", "20"]);
+    // The member: another ultrafast whose listener relays to the fake,
+    // one with h2c and one without.
+    let h2c = free_port();
+    let relay = Ultrafast::start(&format!(
+        "[[listeners]]\naddress = \"127.0.0.1:{h2c}\"\nh2c = true\n\n\
+         [pools.f]\nmembers = [{{ addr = \"{}\" }}]\n\n[[routes]]\npath = \"/\"\npool = \"f\"\n",
+        fake.addr
+    ));
+    let front = |member: String| {
+        Ultrafast::start(&format!(
+            "{INFERENCE_ROUTE}[pools.m-pool]\nmembers = [{{ addr = \"{member}\" }}]\n\
+             protocol = \"h2c\"\nretry = {{ attempts = 1 }}\n\n\
+             [models.m]\nbackend = \"upstream\"\npool = \"m-pool\"\n"
+        ))
+    };
+    let uf = front(format!("127.0.0.1:{h2c}"));
+    python_check("basics", &uf, "m");
+    assert!(relay.metric("ultrafast_upstream_connections_total", &[]) > 0.0);
+    // The same member behind a listener that speaks HTTP/1 only refuses
+    // the HTTP/2 preface: the pool did speak h2c.
+    let http1_only = front(relay.addr.to_string());
+    let r = post_to(&http1_only, "/v1/chat/completions", &chat_body(5, false), &[]);
+    assert!(r.status >= 500, "{} {}", r.status, r.text());
+}
+
+#[test]
 fn admission_refusals_surface_as_client_exceptions() {
     let fake = Fake::start(&["--tokens", "30", "--itl-ms", "20"]);
     let uf = Ultrafast::start(&format!(
