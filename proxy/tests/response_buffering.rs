@@ -172,6 +172,63 @@ fn a_slow_reader_gets_everything_from_the_buffer_while_the_origin_is_free() {
 }
 
 #[test]
+fn over_tls_the_rest_is_sent_and_flushed_after_the_request() {
+    let dir = scratch("spool-tls");
+    std::fs::create_dir_all(&dir).unwrap();
+    let (cert, key) = dev_certs(&dir);
+    let a = Origin::start("a");
+    let port = free_port();
+    let uf = Ultrafast::start(&format!(
+        "[[listeners]]\naddress = \"127.0.0.1:{port}\"\n\
+         tls = {{ certs = [{{ cert = \"{}\", key = \"{}\", default = true }}] }}\n\n{}{ROUTES}",
+        cert.display(),
+        key.display(),
+        pool_toml("a", &[&a], "")
+    ));
+    // `openssl s_client` over HTTP/1.1 (no ALPN), its output read only
+    // once the origin has finished: a slow reader.
+    let mut child = std::process::Command::new("openssl")
+        .args(["s_client", "-quiet", "-ign_eof", "-servername", "localhost"])
+        .arg("-CAfile")
+        .arg(dir.join("ca.pem"))
+        .arg("-connect")
+        .arg(format!("127.0.0.1:{port}"))
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    let mut stdin = child.stdin.take().unwrap();
+    write!(stdin, "GET /big/{BIG} HTTP/1.1\r\nHost: x\r\n\r\n").unwrap();
+    assert!(
+        eventually(Duration::from_secs(10), || !a
+            .state
+            .big_done
+            .lock()
+            .unwrap()
+            .is_empty()),
+        "the origin finished"
+    );
+    assert!(eventually(Duration::from_secs(2), || uf.metric(
+        "ultrafast_response_buffer_draining",
+        &[]
+    ) == 1.0));
+    let mut out = Vec::new();
+    child.stdout.take().unwrap().read_to_end(&mut out).unwrap();
+    drop(stdin);
+    let _ = child.kill();
+    let _ = child.wait();
+    let end = out.windows(4).position(|w| w == b"\r\n\r\n").unwrap() + 4;
+    let body = &out[end..];
+    assert_eq!(body.len(), BIG, "every byte, the last TLS record flushed");
+    assert!(body.iter().all(|&b| b == b'x'));
+    assert!(eventually(Duration::from_secs(5), || uf.metric(
+        "ultrafast_response_buffer_draining",
+        &[]
+    ) == 0.0));
+}
+
+#[test]
 fn a_fast_reader_keeps_its_connection_and_small_responses_stay_in_memory() {
     let (a, uf, temp) = edge("");
     let mut c = Client::connect(uf.addr).unwrap();
