@@ -59,7 +59,12 @@ fn an_inference_pool_speaks_h2c_to_its_members() {
     // The same member behind a listener that speaks HTTP/1 only refuses
     // the HTTP/2 preface: the pool did speak h2c.
     let http1_only = front(relay.addr.to_string());
-    let r = post_to(&http1_only, "/v1/chat/completions", &chat_body(5, false), &[]);
+    let r = post_to(
+        &http1_only,
+        "/v1/chat/completions",
+        &chat_body(5, false),
+        &[],
+    );
     assert!(r.status >= 500, "{} {}", r.status, r.text());
 }
 

@@ -209,10 +209,9 @@ fn over_tls_the_rest_is_sent_and_flushed_after_the_request() {
             .is_empty()),
         "the origin finished"
     );
-    assert!(eventually(Duration::from_secs(2), || uf.metric(
-        "ultrafast_response_buffer_draining",
-        &[]
-    ) == 1.0));
+    assert!(eventually(Duration::from_secs(2), || uf
+        .metric("ultrafast_response_buffer_draining", &[])
+        == 1.0));
     let mut out = Vec::new();
     child.stdout.take().unwrap().read_to_end(&mut out).unwrap();
     drop(stdin);
@@ -222,10 +221,36 @@ fn over_tls_the_rest_is_sent_and_flushed_after_the_request() {
     let body = &out[end..];
     assert_eq!(body.len(), BIG, "every byte, the last TLS record flushed");
     assert!(body.iter().all(|&b| b == b'x'));
-    assert!(eventually(Duration::from_secs(5), || uf.metric(
-        "ultrafast_response_buffer_draining",
-        &[]
-    ) == 0.0));
+    assert!(eventually(Duration::from_secs(5), || uf
+        .metric("ultrafast_response_buffer_draining", &[])
+        == 0.0));
+}
+
+#[test]
+fn requests_pipelined_behind_a_buffered_response_are_answered_in_order() {
+    let (a, uf, _temp) = edge("");
+    let mut conn = TcpStream::connect(uf.addr).unwrap();
+    conn.set_read_timeout(Some(Duration::from_secs(20)))
+        .unwrap();
+    write!(
+        conn,
+        "GET /big/{BIG} HTTP/1.1\r\nHost: x\r\n\r\nGET /after HTTP/1.1\r\nHost: x\r\n\r\n"
+    )
+    .unwrap();
+    assert!(eventually(Duration::from_secs(10), || !a
+        .state
+        .big_done
+        .lock()
+        .unwrap()
+        .is_empty()));
+    // Read both: the big body whole, then the second response after it.
+    let mut c = Client::from_stream(conn);
+    let first = c.read_response(false).unwrap();
+    assert_eq!(first.status, 200);
+    assert_eq!(first.body.len(), BIG);
+    let second = c.read_response(false).unwrap();
+    assert_eq!(second.status, 200);
+    assert_eq!(second.json()["path"], "/after");
 }
 
 #[test]

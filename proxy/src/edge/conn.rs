@@ -392,7 +392,10 @@ pub fn spool_response(stream: Option<&Stream>, terms: spool::Terms) -> bool {
 }
 
 /// The response on `stream` has ended: true when some of it is still to
-/// be sent (the connection then closes after it, see `spool`).
+/// be sent and the connection is to close after it (see `spool`). Not
+/// when the client has already sent more (pipelined requests, read with
+/// the head or after the response began): those are answered in order,
+/// their responses queued behind.
 pub fn end_response(stream: Option<&Stream>) -> bool {
     let Some(g) = guard(stream) else {
         return false;
@@ -406,7 +409,9 @@ pub fn end_response(stream: Option<&Stream>) -> bool {
         *slot = None;
         return false;
     }
-    true
+    let more = matches!(g.phase, Phase::Head { .. })
+        || lock(&g.body).tail.as_ref().is_some_and(|t| !t.is_empty());
+    !more
 }
 
 /// A guard's lock (a poisoned lock holds plain data: still good).

@@ -14,7 +14,9 @@
 //! to the client as the socket takes it. A response still being sent when
 //! its request ends closes its connection after it (no keepalive): the
 //! request's state is dropped, and [`drain`] sends the rest from a small
-//! task of its own, within `send_timeout` between two writes.
+//! task of its own, within `send_timeout` between two writes. A client
+//! that already sent its next request keeps the connection, and the next
+//! response queues behind.
 //!
 //! Bounds: memory and disk in all, process-wide (`response_buffers_total_kb`,
 //! `temp_files_total_mb`). At a bound the response streams unbuffered from
