@@ -148,8 +148,11 @@ async fn handshake(
     let peer = proxy.and_then(|_| tcp.peer_addr().ok());
     let mut l4: L4Stream = tcp.into();
     l4.set_socket_digest(SocketDigest::from_raw_fd(fd));
+    // Both steps are boxed: inline, their futures (some 8 KiB with the TLS
+    // handshake's) sized the connection's task for its whole life, plain
+    // connections and finished handshakes included.
     if let Some(p) = proxy {
-        if !p.accept(&mut l4, peer).await {
+        if !Box::pin(p.accept(&mut l4, peer)).await {
             return None;
         }
     }
@@ -157,7 +160,8 @@ async fn handshake(
         return Some(Box::new(l4));
     };
     let start = Instant::now();
-    let tls = match tokio::time::timeout(t.timeout, t.acceptor.tls_handshake(l4)).await {
+    let handshake = Box::pin(t.acceptor.tls_handshake(l4));
+    let tls = match tokio::time::timeout(t.timeout, handshake).await {
         Ok(Ok(tls)) => tls,
         Ok(Err(e)) => {
             t.metrics.handshakes.with_label_values(&["failed"]).inc();
@@ -346,5 +350,24 @@ mod tests {
         let e = bind(&addr).expect_err("second bind of a taken address");
         assert_eq!(e.kind(), std::io::ErrorKind::AddrInUse);
         assert!(bind("not an address").is_err());
+    }
+}
+#[cfg(test)]
+mod task_size {
+    /// What every connection's task holds for its whole life: the TLS
+    /// handshake and the PROXY header read are boxed (inline they made it
+    /// some 8 KiB).
+    #[tokio::test]
+    async fn the_handshake_keeps_the_connection_task_small() {
+        let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let tcp = tokio::net::TcpStream::connect(l.local_addr().unwrap())
+            .await
+            .unwrap();
+        let f = super::handshake(tcp, &super::Handshake::Plain, None);
+        assert!(
+            std::mem::size_of_val(&f) < 1024,
+            "{}",
+            std::mem::size_of_val(&f)
+        );
     }
 }
