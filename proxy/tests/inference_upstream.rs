@@ -69,6 +69,38 @@ fn an_inference_pool_speaks_h2c_to_its_members() {
 }
 
 #[test]
+fn an_inference_pool_speaks_h2_over_tls_to_its_members() {
+    let fake = Fake::start(&["--tokens", "20"]);
+    let dir = scratch("h2-member");
+    std::fs::create_dir_all(&dir).unwrap();
+    let (cert, key) = dev_certs(&dir);
+    // The member: another ultrafast, TLS with ALPN h2 and http/1.1,
+    // relaying to the fake.
+    let tls = free_port();
+    let relay = Ultrafast::start(&format!(
+        "[[listeners]]\naddress = \"127.0.0.1:{tls}\"\n\
+         tls = {{ certs = [{{ cert = \"{}\", key = \"{}\", default = true }}] }}\n\n\
+         [pools.f]\nmembers = [{{ addr = \"{}\" }}]\n\n[[routes]]\npath = \"/\"\npool = \"f\"\n",
+        cert.display(),
+        key.display(),
+        fake.addr
+    ));
+    let uf = Ultrafast::start(&format!(
+        "{INFERENCE_ROUTE}[pools.m-pool]\nmembers = [{{ addr = \"127.0.0.1:{tls}\" }}]\n\
+         protocol = \"h2\"\ntls = {{ sni = \"localhost\", ca_file = \"{}\" }}\n\n\
+         [models.m]\nbackend = \"upstream\"\npool = \"m-pool\"\n",
+        dir.join("ca.pem").display()
+    ));
+    python_check("basics", &uf, "m");
+    // The member's listener negotiated h2 with the pool (ALPN).
+    assert!(relay.metric("ultrafast_tls_alpn_total", &["protocol=\"h2\""]) >= 1.0);
+    assert_eq!(
+        relay.metric("ultrafast_tls_alpn_total", &["protocol=\"http/1.1\""]),
+        0.0
+    );
+}
+
+#[test]
 fn admission_refusals_surface_as_client_exceptions() {
     let fake = Fake::start(&["--tokens", "30", "--itl-ms", "20"]);
     let uf = Ultrafast::start(&format!(
