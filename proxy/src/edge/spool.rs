@@ -381,12 +381,13 @@ impl Drop for Spool {
 /// until then. Gives up at `send_timeout` without a write.
 pub async fn drain<W, K>(mut out: W, mut spool: Spool, keep: K)
 where
-    W: AsyncWrite + Unpin,
+    W: tokio::io::AsyncRead + AsyncWrite + Unpin,
 {
     use tokio::io::AsyncWriteExt;
     let metrics = spool.terms.metrics.clone();
     metrics.detached.inc();
     spool.detach();
+    forget_reader(&mut out);
     let wait = spool.terms.send_timeout;
     loop {
         let step = std::future::poll_fn(|cx| spool.poll_step(&mut out, cx));
@@ -420,6 +421,18 @@ where
     metrics.detached.dec();
     drop(spool);
     drop(keep);
+}
+
+/// Let go of the request's task: the socket still held the waker of its
+/// last read (the request's task polled reads), which kept that task's
+/// memory for as long as the drain ran. A read with a waker that wakes
+/// nothing takes its place; a byte it may read is dropped (the connection
+/// closes after the drain).
+fn forget_reader<R: tokio::io::AsyncRead + Unpin>(r: &mut R) {
+    let mut one = [0u8; 1];
+    let mut buf = tokio::io::ReadBuf::new(&mut one);
+    let mut cx = Context::from_waker(std::task::Waker::noop());
+    let _ = Pin::new(r).poll_read(&mut cx, &mut buf);
 }
 
 /// What a guard keeps of its connection once [`drain`] has taken it: a
