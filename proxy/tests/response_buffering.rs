@@ -91,6 +91,13 @@ impl Slow {
     }
 }
 
+/// Whether the origin wrote a `/big/` response whole within 10 s.
+fn origin_finished(a: &Origin) -> bool {
+    eventually(Duration::from_secs(10), || {
+        !a.state.big_done.lock().unwrap().is_empty()
+    })
+}
+
 /// Open descriptors of the edge pointing into `dir`.
 fn files_in(uf: &Ultrafast, dir: &Path) -> usize {
     let fds = format!("/proc/{}/fd", uf.child.id());
@@ -110,12 +117,7 @@ fn a_slow_reader_gets_everything_from_the_buffer_while_the_origin_is_free() {
     assert!(slow.head().starts_with("HTTP/1.1 200"));
     // The origin sends everything although the client reads nothing.
     assert!(
-        eventually(Duration::from_secs(10), || !a
-            .state
-            .big_done
-            .lock()
-            .unwrap()
-            .is_empty()),
+        origin_finished(&a),
         "the origin could not finish: its connection is held by the slow reader"
     );
     let done = a.state.big_done.lock().unwrap()[0];
@@ -200,15 +202,7 @@ fn over_tls_the_rest_is_sent_and_flushed_after_the_request() {
         .unwrap();
     let mut stdin = child.stdin.take().unwrap();
     write!(stdin, "GET /big/{BIG} HTTP/1.1\r\nHost: x\r\n\r\n").unwrap();
-    assert!(
-        eventually(Duration::from_secs(10), || !a
-            .state
-            .big_done
-            .lock()
-            .unwrap()
-            .is_empty()),
-        "the origin finished"
-    );
+    assert!(origin_finished(&a), "the origin finished");
     assert!(eventually(Duration::from_secs(2), || uf
         .metric("ultrafast_response_buffer_draining", &[])
         == 1.0));
@@ -237,12 +231,7 @@ fn requests_pipelined_behind_a_buffered_response_are_answered_in_order() {
         "GET /big/{BIG} HTTP/1.1\r\nHost: x\r\n\r\nGET /after HTTP/1.1\r\nHost: x\r\n\r\n"
     )
     .unwrap();
-    assert!(eventually(Duration::from_secs(10), || !a
-        .state
-        .big_done
-        .lock()
-        .unwrap()
-        .is_empty()));
+    assert!(origin_finished(&a));
     // Read both: the big body whole, then the second response after it.
     let mut c = Client::from_stream(conn);
     let first = c.read_response(false).unwrap();

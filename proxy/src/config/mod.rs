@@ -130,7 +130,7 @@ pub struct Limits {
     /// Bytes of all temporary files of buffered responses.
     pub temp_files_total_bytes: u64,
     /// Directory of those files.
-    pub proxy_temp_path: PathBuf,
+    pub proxy_temp_path: std::sync::Arc<std::path::Path>,
     /// Upgraded connections at most (0 = no cap).
     pub max_upgraded: usize,
     /// Most silence from an upgraded connection's client (`None`: none).

@@ -261,7 +261,7 @@ pub fn limits(f: &FileConfig, errs: &mut Errors) -> Limits {
         response_buffers_total_bytes: l.response_buffers_total_mb.saturating_mul(1 << 20),
         max_temp_file_bytes: l.max_temp_file_bytes,
         temp_files_total_bytes: l.temp_files_total_mb.saturating_mul(1 << 20),
-        proxy_temp_path: proxy_temp,
+        proxy_temp_path: proxy_temp.into(),
         max_upgraded: l.max_upgraded,
         upgraded_idle_timeout: ms(l.upgraded_idle_timeout_s.saturating_mul(1000)),
     }

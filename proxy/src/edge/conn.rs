@@ -622,6 +622,21 @@ impl HeadDeadline {
         self.rewrite.poll(&mut self.inner, cx, len)
     }
 
+    /// Send what a spool holds as far as the socket takes it now, and
+    /// retire a spool that is done: `Pending` (waker set) while bytes
+    /// wait, `Ready(Ok)` when none do (or there is no spool).
+    fn pump_spool(&mut self, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        let spool = get(&mut self.spool);
+        let Some(s) = spool.as_mut() else {
+            return Poll::Ready(Ok(()));
+        };
+        let sent = s.poll_send(&mut self.inner, cx);
+        if matches!(sent, Poll::Ready(Ok(()))) && s.retired() {
+            *spool = None;
+        }
+        sent
+    }
+
     /// Whether a spool holds bytes not yet sent.
     fn spooling(&mut self) -> bool {
         get(&mut self.spool).as_ref().is_some_and(|s| !s.is_empty())
@@ -692,15 +707,10 @@ impl AsyncRead for HeadDeadline {
     ) -> Poll<std::io::Result<()>> {
         let before = buf.filled().len();
         let this = &mut *self;
-        let spool = get(&mut this.spool);
-        if let Some(s) = spool.as_mut() {
-            // A read is a chance to send more of a spool (and to be woken
-            // when the client takes more).
-            match s.poll_send(&mut this.inner, cx) {
-                Poll::Ready(Err(e)) => return Poll::Ready(Err(e)),
-                Poll::Ready(Ok(())) if s.retired() => *spool = None,
-                _ => {}
-            }
+        // A read is a chance to send more of a spool (and to be woken when
+        // the client takes more).
+        if let Poll::Ready(Err(e)) = this.pump_spool(cx) {
+            return Poll::Ready(Err(e));
         }
         let held = {
             get(&mut this.body).holding.as_mut().map(|h| {
@@ -799,15 +809,11 @@ impl AsyncWrite for HeadDeadline {
 
     fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
         let this = &mut *self;
-        let spool = get(&mut this.spool);
-        if let Some(s) = spool.as_mut() {
+        match this.pump_spool(cx) {
+            Poll::Ready(Err(e)) => return Poll::Ready(Err(e)),
             // Bytes held are the spool's to send as the client reads.
-            match s.poll_send(&mut this.inner, cx) {
-                Poll::Ready(Err(e)) => return Poll::Ready(Err(e)),
-                Poll::Pending => return Poll::Ready(Ok(())),
-                Poll::Ready(Ok(())) if s.retired() => *spool = None,
-                Poll::Ready(Ok(())) => {}
-            }
+            Poll::Pending => return Poll::Ready(Ok(())),
+            Poll::Ready(Ok(())) => {}
         }
         if this.join_head.swap(false, Ordering::Relaxed) && !this.wbuf.is_empty() {
             // The head's own flush: its body follows at once.

@@ -29,7 +29,7 @@ pub struct EdgeMetrics {
     /// Connections of PROXY protocol listeners by result.
     pub proxy_protocol: IntCounterVec,
     /// Response buffering.
-    pub spool: SpoolMetrics,
+    pub spool: std::sync::Arc<SpoolMetrics>,
 }
 
 /// The response buffering's families.
@@ -232,7 +232,7 @@ impl EdgeMetrics {
                 &["result"],
             ),
         );
-        let spool = spool_metrics(r, &conns);
+        let spool = std::sync::Arc::new(spool_metrics(r, &conns));
         EdgeMetrics {
             spool,
             proxy_protocol,

@@ -28,7 +28,6 @@ use prometheus::{IntCounter, IntCounterVec, IntGauge};
 use std::fs::File;
 use std::io;
 use std::os::unix::fs::FileExt;
-use std::path::PathBuf;
 use std::pin::Pin;
 use std::task::{ready, Context, Poll};
 use std::time::Duration;
@@ -73,12 +72,13 @@ pub struct Terms {
     pub file: u64,
     /// Bytes of all temporary files (`temp_files_total_mb`).
     pub disk_total: i64,
-    /// Directory of the temporary files (`proxy_temp_path`).
-    pub dir: PathBuf,
+    /// Directory of the temporary files (`proxy_temp_path`), shared: a
+    /// response's terms are made on every buffered response.
+    pub dir: std::sync::Arc<std::path::Path>,
     /// Most time between two writes to the client (`send_timeout`).
     pub send_timeout: Option<Duration>,
-    /// The families to count in.
-    pub metrics: SpoolMetrics,
+    /// The families to count in (shared, as `dir`).
+    pub metrics: std::sync::Arc<SpoolMetrics>,
 }
 
 /// A response's bytes written but not yet sent: `mem[sent..]`, then
@@ -510,16 +510,16 @@ mod tests {
             memory_total: 1 << 30,
             file,
             disk_total: 1 << 40,
-            dir: std::env::temp_dir(),
+            dir: std::env::temp_dir().into(),
             send_timeout: Some(Duration::from_secs(5)),
-            metrics: SpoolMetrics {
+            metrics: std::sync::Arc::new(SpoolMetrics {
                 buffered: IntCounter::new("b", "b").unwrap(),
                 overflows: IntCounterVec::new(Opts::new("o", "o"), &["bound"]).unwrap(),
                 memory: IntGauge::new("m", "m").unwrap(),
                 disk: IntGauge::new("d", "d").unwrap(),
                 detached: IntGauge::new("x", "x").unwrap(),
                 send_timeout: IntCounter::new("t", "t").unwrap(),
-            },
+            }),
         }
     }
 

@@ -180,7 +180,7 @@ fn streamed(resp: &ResponseHeader) -> bool {
         .headers
         .get(http::header::CONTENT_TYPE)
         .map_or(&b""[..], |v| v.as_bytes());
-    let starts = |p: &[u8]| ct.len() >= p.len() && ct[..p.len()].eq_ignore_ascii_case(p);
+    let starts = |p: &[u8]| super::grpc::starts_with_ignore_case(ct, p);
     starts(b"text/event-stream") || starts(b"application/grpc")
 }
 

@@ -28,7 +28,8 @@ pub(super) fn is_grpc(req: &RequestHeader) -> bool {
         && !starts_with_ignore_case(ct, b"application/grpc-web")
 }
 
-fn starts_with_ignore_case(s: &[u8], p: &[u8]) -> bool {
+/// Whether `s` begins with `p`, ASCII case ignored (media types).
+pub(super) fn starts_with_ignore_case(s: &[u8], p: &[u8]) -> bool {
     s.len() >= p.len() && s[..p.len()].eq_ignore_ascii_case(p)
 }
 
