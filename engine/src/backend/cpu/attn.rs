@@ -37,6 +37,9 @@ pub trait KvElem: Copy + Default + Send + Sync + 'static {
     fn from_f32(x: f32) -> Self;
     /// Convert for reading.
     fn to_f32(self) -> f32;
+    /// Convert a run for reading (`dst` as long as `src`), with the CPU's
+    /// conversion instructions where it has them.
+    fn to_f32_slice(src: &[Self], dst: &mut [f32]);
 }
 
 impl KvElem for f32 {
@@ -47,6 +50,9 @@ impl KvElem for f32 {
     fn to_f32(self) -> f32 {
         self
     }
+    fn to_f32_slice(src: &[Self], dst: &mut [f32]) {
+        dst.copy_from_slice(src);
+    }
 }
 
 impl KvElem for half::f16 {
@@ -56,6 +62,10 @@ impl KvElem for half::f16 {
     }
     fn to_f32(self) -> f32 {
         half::f16::to_f32(self)
+    }
+    fn to_f32_slice(src: &[Self], dst: &mut [f32]) {
+        use half::slice::HalfFloatSliceExt;
+        src.convert_to_f32_slice(dst);
     }
 }
 
@@ -114,6 +124,12 @@ pub struct AttnScratch {
     acc: Vec<f32>,
     m: Vec<f32>,
     l: Vec<f32>,
+    /// One block's keys and value rows in f32 (the portable path on an
+    /// f16 cache: `half`'s one-value conversion is a call per element,
+    /// which kept the loops from vectorizing and made attention 80% of a
+    /// long prompt's step on AVX2).
+    kf: Vec<f32>,
+    vf: Vec<f32>,
 }
 
 /// Tokens per task for `rep` query heads per KV head.
@@ -182,7 +198,32 @@ pub fn attend<E: KvElem>(
             continue;
         }
         let _ = isa;
-        block_portable(sc, nv, hd, bs, kt, vb, lay.n_kv * hd, g * hd, n, &visible);
+        if E::HALF || (isa == Isa::Avx2 && hd == 64 && bs == 16) {
+            // Convert the block once for all nv vectors, then run the f32
+            // loops on it (values compacted to `hd` apart).
+            let (mut kf, mut vf) = (std::mem::take(&mut sc.kf), std::mem::take(&mut sc.vf));
+            kf.resize(hd * bs, 0.0);
+            vf.resize(bs * hd, 0.0);
+            E::to_f32_slice(kt, &mut kf);
+            let v_stride = lay.n_kv * hd;
+            for p in 0..n {
+                let row = &vb[p * v_stride + g * hd..][..hd];
+                E::to_f32_slice(row, &mut vf[p * hd..(p + 1) * hd]);
+            }
+            #[cfg(target_arch = "x86_64")]
+            if isa == Isa::Avx2 && hd == 64 && bs == 16 {
+                // SAFETY: the CPU has AVX2 and FMA (`Isa::detect`); kf
+                // holds 64 x 16 keys and vf 16 rows of 64 values.
+                unsafe { x86::block_avx2(sc, nv, &kf, &vf, n, &visible) };
+                (sc.kf, sc.vf) = (kf, vf);
+                j0 += n;
+                continue;
+            }
+            block_portable(sc, nv, hd, bs, &kf, &vf, hd, 0, n, &visible);
+            (sc.kf, sc.vf) = (kf, vf);
+        } else {
+            block_portable(sc, nv, hd, bs, kt, vb, lay.n_kv * hd, g * hd, n, &visible);
+        }
         j0 += n;
     }
     for u in 0..nv {
@@ -207,6 +248,29 @@ fn rescale(m: f32, mn: f32) -> f32 {
         1.0
     } else {
         (m - mn).exp()
+    }
+}
+
+/// The online softmax step of vector `u` for the `vis` visible scores of
+/// its row (`sc.s[u * bs..]`): the running maximum and sum, the row turned
+/// into weights, the accumulator rescaled.
+#[inline(always)]
+fn softmax_update(sc: &mut AttnScratch, u: usize, bs: usize, hd: usize, vis: usize) {
+    let s = &mut sc.s[u * bs..u * bs + vis];
+    let bm = s.iter().fold(f32::NEG_INFINITY, |a, b| a.max(*b));
+    let m = sc.m[u];
+    let mn = m.max(bm);
+    let alpha = rescale(m, mn);
+    sc.m[u] = mn;
+    for x in s.iter_mut() {
+        *x -= mn;
+    }
+    exp_body(s);
+    sc.l[u] = sc.l[u] * alpha + s.iter().sum::<f32>();
+    if alpha != 1.0 {
+        for x in sc.acc[u * hd..(u + 1) * hd].iter_mut() {
+            *x *= alpha;
+        }
     }
 }
 
@@ -240,21 +304,9 @@ multiversion! {
             if vis == 0 {
                 continue;
             }
-            let s = &mut s[..vis];
-            let bm = s.iter().fold(f32::NEG_INFINITY, |a, b| a.max(*b));
-            let m = sc.m[u];
-            let mn = m.max(bm);
-            let alpha = rescale(m, mn);
-            sc.m[u] = mn;
-            for x in s.iter_mut() {
-                *x -= mn;
-            }
-            exp_body(s);
-            sc.l[u] = sc.l[u] * alpha + s.iter().sum::<f32>();
+            softmax_update(sc, u, bs, hd, vis);
+            let s = &sc.s[u * bs..u * bs + vis];
             let a = &mut sc.acc[u * hd..(u + 1) * hd];
-            for x in a.iter_mut() {
-                *x *= alpha;
-            }
             for (p, w) in s.iter().enumerate() {
                 let vr = &vb[p * v_stride + v_off..][..hd];
                 for (x, y) in a.iter_mut().zip(vr) {
@@ -268,8 +320,78 @@ multiversion! {
 
 #[cfg(target_arch = "x86_64")]
 mod x86 {
-    use super::{rescale, AttnScratch, KvElem};
+    use super::{rescale, softmax_update, AttnScratch, KvElem};
     use std::arch::x86_64::*;
+
+    /// AVX2 block loop for 16 slots and 64-wide heads on f32 keys
+    /// (`kf`, 64 rows of 16) and values (`vf`, 16 rows of 64): scores six
+    /// query vectors at a time in registers, the softmax step per vector,
+    /// then each vector's 64 accumulators in eight registers over the
+    /// block's value rows.
+    #[target_feature(enable = "avx2,fma")]
+    pub(super) unsafe fn block_avx2(
+        sc: &mut AttnScratch,
+        nv: usize,
+        kf: &[f32],
+        vf: &[f32],
+        n: usize,
+        visible: &dyn Fn(usize) -> usize,
+    ) {
+        const HD: usize = 64;
+        assert!(kf.len() >= HD * 16 && vf.len() >= 16 * HD);
+        assert!(sc.q.len() >= nv * HD && sc.s.len() >= nv * 16 && sc.acc.len() >= nv * HD);
+        let mut u0 = 0;
+        while u0 < nv {
+            let ut = (nv - u0).min(6);
+            let mut s = [[_mm256_setzero_ps(); 2]; 6];
+            for d in 0..HD {
+                // SAFETY: row d of the 64 x 16 tile (length checked).
+                let (k0, k1) = unsafe {
+                    let r = kf.as_ptr().add(d * 16);
+                    (_mm256_loadu_ps(r), _mm256_loadu_ps(r.add(8)))
+                };
+                for t in 0..ut {
+                    let qd = _mm256_set1_ps(sc.q[(u0 + t) * HD + d]);
+                    s[t][0] = _mm256_fmadd_ps(qd, k0, s[t][0]);
+                    s[t][1] = _mm256_fmadd_ps(qd, k1, s[t][1]);
+                }
+            }
+            for t in 0..ut {
+                // SAFETY: 16 floats of row u0 + t (length checked).
+                unsafe {
+                    let r = sc.s.as_mut_ptr().add((u0 + t) * 16);
+                    _mm256_storeu_ps(r, s[t][0]);
+                    _mm256_storeu_ps(r.add(8), s[t][1]);
+                }
+            }
+            u0 += ut;
+        }
+        for u in 0..nv {
+            let vis = visible(u).min(n);
+            if vis == 0 {
+                continue;
+            }
+            softmax_update(sc, u, 16, HD, vis);
+            let a = sc.acc[u * HD..(u + 1) * HD].as_mut_ptr();
+            let mut acc = [_mm256_setzero_ps(); 8];
+            for (c, x) in acc.iter_mut().enumerate() {
+                // SAFETY: 64 floats of vector u's accumulator.
+                *x = unsafe { _mm256_loadu_ps(a.add(8 * c)) };
+            }
+            for p in 0..vis {
+                let w = _mm256_set1_ps(sc.s[u * 16 + p]);
+                for (c, x) in acc.iter_mut().enumerate() {
+                    // SAFETY: value row p (p < n <= 16, length checked).
+                    let v = unsafe { _mm256_loadu_ps(vf.as_ptr().add(p * HD + 8 * c)) };
+                    *x = _mm256_fmadd_ps(w, v, *x);
+                }
+            }
+            for (c, x) in acc.iter().enumerate() {
+                // SAFETY: as above.
+                unsafe { _mm256_storeu_ps(a.add(8 * c), *x) };
+            }
+        }
+    }
 
     /// 16 stored values at `p` as f32.
     #[inline(always)]

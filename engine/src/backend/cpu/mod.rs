@@ -33,6 +33,7 @@ pub mod amx;
 pub mod attn;
 pub mod profile;
 pub mod team;
+pub mod transcode;
 pub mod weights;
 
 use super::KvDtype;

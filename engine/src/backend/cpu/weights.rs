@@ -1,12 +1,14 @@
 //! The model's weights in the CPU kernels' layout, read from the GGUF file.
 //!
-//! Quantized matrices keep the file's bytes per weight, regrouped in
-//! panels of 16 rows (`simd`); Q, K and V become one matrix, as do gate and up, so each
+//! Q4_1 and Q8_0 matrices keep the file's bytes per weight, regrouped in
+//! panels of 16 rows (`simd`); other types are rewritten into one of the
+//! two first (`transcode`). Q, K and V become one matrix, as do gate and up, so each
 //! is one pass over the step's activations. Norm weights and biases are
 //! f32. The embedding stays in its file format and rows are dequantized as
 //! tokens need them (a dequantized SmolLM2 embedding would be 113 MB).
 
 use super::simd::{Format, PANEL};
+use super::transcode;
 use crate::model::{Arch, ModelConfig};
 use candle_core::quantized::gguf_file::Content;
 use candle_core::quantized::{GgmlDType, QTensor};
@@ -47,7 +49,7 @@ impl QMat {
 
     /// Stack `parts` (same format and columns, rows in the file's blocks)
     /// into one matrix, rows in order, in panels.
-    fn stack(parts: &[(Format, usize, usize, Vec<u8>)]) -> Result<QMat, String> {
+    pub(crate) fn stack(parts: &[(Format, usize, usize, Vec<u8>)]) -> Result<QMat, String> {
         let (fmt, _, cols, _) = parts[0];
         let mut rows = 0;
         for (f, r, c, _) in parts {
@@ -140,37 +142,16 @@ impl Embedding {
         else {
             return false;
         };
-        let f16 = |b: &[u8]| half::f16::from_le_bytes([b[0], b[1]]).to_f32();
-        match self.dtype {
-            GgmlDType::Q8_0 => {
-                for (blk, o) in raw.chunks_exact(34).zip(out.chunks_exact_mut(32)) {
-                    let d = f16(blk);
-                    for (v, q) in o.iter_mut().zip(&blk[2..]) {
-                        *v = d * (*q as i8) as f32;
-                    }
-                }
-            }
-            GgmlDType::Q4_1 => {
-                for (blk, o) in raw.chunks_exact(20).zip(out.chunks_exact_mut(32)) {
-                    let (d, m) = (f16(blk), f16(&blk[2..]));
-                    for j in 0..16 {
-                        o[j] = d * (blk[4 + j] & 15) as f32 + m;
-                        o[j + 16] = d * (blk[4 + j] >> 4) as f32 + m;
-                    }
-                }
-            }
-            GgmlDType::F16 => {
-                for (v, b) in out.iter_mut().zip(raw.chunks_exact(2)) {
-                    *v = f16(b);
-                }
-            }
-            _ => {
-                for (v, b) in out.iter_mut().zip(raw.chunks_exact(4)) {
-                    *v = f32::from_le_bytes([b[0], b[1], b[2], b[3]]);
-                }
-            }
+        let Some((n, bytes)) = transcode::block_shape(self.dtype) else {
+            return false;
+        };
+        if out.len() != self.dim {
+            return false;
         }
-        out.len() == self.dim
+        for (blk, o) in raw.chunks_exact(bytes).zip(out.chunks_exact_mut(n)) {
+            transcode::dequantize_into(self.dtype, blk, o);
+        }
+        true
     }
 }
 
@@ -194,16 +175,6 @@ pub struct Weights {
     pub max_positions: usize,
 }
 
-fn format_of(t: &QTensor) -> Result<Format, String> {
-    match t.dtype() {
-        GgmlDType::Q4_1 => Ok(Format::Q4_1),
-        GgmlDType::Q8_0 => Ok(Format::Q8_0),
-        other => Err(format!(
-            "{other:?} weights (the CPU kernels take Q4_1 and Q8_0)"
-        )),
-    }
-}
-
 impl Weights {
     /// Read from an open GGUF file whose metadata is `ct`; `Err` names what
     /// the kernels do not cover (the caller falls back to candle).
@@ -219,12 +190,9 @@ impl Weights {
         };
         let raw = |t: &QTensor| -> Result<(Format, usize, usize, Vec<u8>), String> {
             let (r, c) = t.shape().dims2().map_err(|e| e.to_string())?;
-            Ok((
-                format_of(t)?,
-                r,
-                c,
-                t.data().map_err(|e| e.to_string())?.to_vec(),
-            ))
+            let bytes = t.data().map_err(|e| e.to_string())?.to_vec();
+            let (fmt, bytes) = transcode::to_kernel_blocks(t.dtype(), bytes)?;
+            Ok((fmt, r, c, bytes))
         };
         let vec = |t: QTensor| -> Result<Vec<f32>, String> {
             t.dequantize(&dev)
@@ -238,12 +206,9 @@ impl Weights {
         }
         let dtype = embed_t.dtype();
         let data = embed_t.data().map_err(|e| e.to_string())?.to_vec();
-        let row_bytes = match dtype {
-            GgmlDType::Q8_0 => dim / 32 * 34,
-            GgmlDType::Q4_1 => dim / 32 * 20,
-            GgmlDType::F16 => dim * 2,
-            GgmlDType::F32 => dim * 4,
-            other => return Err(format!("{other:?} embedding")),
+        let row_bytes = match transcode::block_shape(dtype) {
+            Some((n, bytes)) if dim.is_multiple_of(n) => dim / n * bytes,
+            _ => return Err(format!("{dtype:?} embedding of width {dim}")),
         };
         if data.len() != vocab * row_bytes {
             return Err("embedding size".into());
