@@ -263,7 +263,7 @@ fn kernels_mode() {
     println!("| kernels | format | decode, 96 MB (GB/s) | decode, 1 MB (GB/s) | 64 tokens, 1 MB (GMAC/s) |");
     println!("|---|---|---|---|---|");
     for isa in Isa::available() {
-        for fmt in [Format::Q4_1, Format::Q8_0] {
+        for fmt in [Format::Q4_1, Format::Q8_0, Format::Q5] {
             let gb = fmt.panel_bytes() * nb;
             let run = |bytes: usize, tokens: usize, reps: usize| -> (f64, f64) {
                 let panels = bytes / gb;
@@ -334,7 +334,7 @@ fn amx_kernels(cols: usize) {
     let nb = cols / 32;
     println!("| kernels | format | 16 tokens, 96 MB (GB/s; GMAC/s) | 16 tokens, 1 MB (GMAC/s) | 64 tokens, 1 MB (GMAC/s) | 128 tokens, 1 MB (GMAC/s) | 512 tokens, 1 MB (GMAC/s) |");
     println!("|---|---|---|---|---|---|---|");
-    for fmt in [Format::Q4_1, Format::Q8_0] {
+    for fmt in [Format::Q4_1, Format::Q8_0, Format::Q5] {
         let gb = fmt.panel_bytes() * nb;
         let mut s = Scratch::default();
         let mut run = |bytes: usize, tokens: usize, reps: usize| -> (f64, f64) {

@@ -105,6 +105,12 @@ pub enum Format {
     Q4_1,
     /// GGML Q8_0: 8-bit values with a scale per 32.
     Q8_0,
+    /// Q8_0 blocks whose values all lie in -16..=15 (what a Q5_0 file
+    /// becomes, `transcode`): the Q8_0 panel stored plus 16 instead of
+    /// 128, so AVX2 multiplies the unsigned values directly and adds four
+    /// products in 16 bits (4 x 2 x 31 x 127 fits), without the sign
+    /// trick Q8_0's full range needs.
+    Q5,
 }
 
 impl Format {
@@ -112,7 +118,7 @@ impl Format {
     pub fn panel_bytes(self) -> usize {
         match self {
             Format::Q4_1 => Q4_1_PANEL,
-            Format::Q8_0 => Q8_0_PANEL,
+            Format::Q8_0 | Format::Q5 => Q8_0_PANEL,
         }
     }
 
@@ -120,7 +126,15 @@ impl Format {
     pub fn values_at(self) -> usize {
         match self {
             Format::Q4_1 => 64,
-            Format::Q8_0 => 32,
+            Format::Q8_0 | Format::Q5 => 32,
+        }
+    }
+
+    /// What a stored value has added to it (8-bit formats).
+    pub fn bias(self) -> i32 {
+        match self {
+            Format::Q5 => 16,
+            _ => 128,
         }
     }
 }
@@ -257,7 +271,7 @@ pub fn reference(fmt: Format, w: &[u8], nb: usize, x: &[Q8Block], r: usize) -> f
                     let byte = v[64 * (k % 16 / 4) + 4 * r + k % 4];
                     (if k < 16 { byte & 0x0f } else { byte >> 4 }) as i32
                 }
-                Format::Q8_0 => v[64 * (k / 4) + 4 * r + k % 4] as i32 - 128,
+                Format::Q8_0 | Format::Q5 => v[64 * (k / 4) + 4 * r + k % 4] as i32 - fmt.bias(),
             };
             sum += q * xb.q[k] as i32;
         }
@@ -303,10 +317,12 @@ mod x86 {
         // `w` and `x` hold what the kernel reads.
         unsafe {
             match (isa, fmt) {
-                (Isa::Avx512Vnni, Format::Q4_1) => widths!(k512, true),
-                (Isa::Avx512Vnni, Format::Q8_0) => widths!(k512, false),
-                (_, Format::Q4_1) => widths!(kavx2, true),
-                (_, Format::Q8_0) => widths!(kavx2, false),
+                (Isa::Avx512Vnni, Format::Q4_1) => widths!(k512, true, 0),
+                (Isa::Avx512Vnni, Format::Q8_0) => widths!(k512, false, 128),
+                (Isa::Avx512Vnni, Format::Q5) => widths!(k512, false, 16),
+                (_, Format::Q4_1) => widths!(kavx2, 1),
+                (_, Format::Q8_0) => widths!(kavx2, 0),
+                (_, Format::Q5) => widths!(kavx2, 2),
             }
         }
     }
@@ -376,7 +392,7 @@ mod x86 {
     /// activation bytes, chained with `vpdpbusd` into the 16 rows' exact
     /// sums; then the float steps on 16 rows at once.
     #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl,avx512bw,avx512vnni")]
-    unsafe fn k512<const T: usize, const Q4: bool>(
+    unsafe fn k512<const T: usize, const Q4: bool, const BIAS: i32>(
         w: &[u8],
         nb: usize,
         x: &[Q8Block],
@@ -435,7 +451,7 @@ mod x86 {
                 }
                 let mut sum = _mm512_add_epi32(s0, s1);
                 if !Q4 {
-                    sum = _mm512_sub_epi32(sum, _mm512_set1_epi32(128 * xb.n));
+                    sum = _mm512_sub_epi32(sum, _mm512_set1_epi32(BIAS * xb.n));
                 }
                 let d = _mm512_mul_ps(dw, _mm512_set1_ps(xb.d));
                 *a = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), d, *a);
@@ -452,22 +468,25 @@ mod x86 {
 
     /// AVX2: the same layout as `k512`, each 64-byte value row as two
     /// registers of eight rows; `vpmaddubsw` then `vpmaddwd` for the byte
-    /// products (Q4_1: four of them added as i16 first, at most 4 x 2 x 15
-    /// x 127; Q8_0: signed values through the sign trick, each `vpmaddwd`
-    /// on its own: 2 x 128 x 127 fits i16 once).
+    /// products. `KIND` 1 (Q4_1) and 2 (Q5): unsigned values straight into
+    /// `vpmaddubsw`, four products added as i16 first (at most 4 x 2 x 31
+    /// x 127), the half block's values unpacked once for all `T` tokens;
+    /// 0 (Q8_0): signed values through the sign trick, each `vpmaddwd` on
+    /// its own (2 x 128 x 127 fits i16 once).
     #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn kavx2<const T: usize, const Q4: bool>(
+    unsafe fn kavx2<const T: usize, const KIND: u8>(
         w: &[u8],
         nb: usize,
         x: &[Q8Block],
         stride: usize,
         out: &mut [[f32; PANEL]; MAX_T],
     ) {
-        let (fmt, pb) = if Q4 {
-            (Format::Q4_1, super::Q4_1_PANEL)
-        } else {
-            (Format::Q8_0, super::Q8_0_PANEL)
+        let fmt = match KIND {
+            1 => Format::Q4_1,
+            2 => Format::Q5,
+            _ => Format::Q8_0,
         };
+        let pb = fmt.panel_bytes();
         let mask = _mm256_set1_epi8(0x0f);
         let flip = _mm256_set1_epi8(-128);
         let ones = _mm256_set1_epi16(1);
@@ -492,26 +511,39 @@ mod x86 {
                         )
                     }
                 };
+                // Unsigned values paired with activation bytes 4j.. (j < 8).
+                let mut u = [_mm256_setzero_si256(); 8];
+                if KIND == 1 {
+                    for j in 0..4 {
+                        let raw = vals(j);
+                        u[j] = _mm256_and_si256(raw, mask);
+                        u[4 + j] = _mm256_and_si256(_mm256_srli_epi16::<4>(raw), mask);
+                    }
+                } else if KIND == 2 {
+                    for (j, v) in u.iter_mut().enumerate() {
+                        *v = vals(j);
+                    }
+                }
                 for (t, a) in acc.iter_mut().enumerate() {
                     let xb = &x[t * stride + b];
                     // SAFETY: four of the block's 32 bytes (j < 8).
                     let xq = |j: usize| unsafe {
                         _mm256_set1_epi32((xb.q.as_ptr().add(4 * j) as *const i32).read_unaligned())
                     };
-                    let sum = if Q4 {
-                        // Two pairs of value rows, four i16 products each.
-                        let half = |j0: usize| {
-                            let mut p = _mm256_setzero_si256();
-                            for j in j0..j0 + 2 {
-                                let raw = vals(j);
-                                let lo = _mm256_and_si256(raw, mask);
-                                let hi = _mm256_and_si256(_mm256_srli_epi16::<4>(raw), mask);
-                                p = _mm256_add_epi16(p, _mm256_maddubs_epi16(lo, xq(j)));
-                                p = _mm256_add_epi16(p, _mm256_maddubs_epi16(hi, xq(4 + j)));
+                    let sum = if KIND != 0 {
+                        let four = |j0: usize| {
+                            let mut p = _mm256_maddubs_epi16(u[j0], xq(j0));
+                            for (j, v) in u.iter().enumerate().skip(j0 + 1).take(3) {
+                                p = _mm256_add_epi16(p, _mm256_maddubs_epi16(*v, xq(j)));
                             }
                             _mm256_madd_epi16(p, ones)
                         };
-                        _mm256_add_epi32(half(0), half(2))
+                        let sum = _mm256_add_epi32(four(0), four(4));
+                        if KIND == 2 {
+                            _mm256_sub_epi32(sum, _mm256_set1_epi32(16 * xb.n))
+                        } else {
+                            sum
+                        }
                     } else {
                         let mut p = _mm256_setzero_si256();
                         for j in 0..8 {
@@ -527,7 +559,7 @@ mod x86 {
                     };
                     let d = _mm256_mul_ps(dw, _mm256_set1_ps(xb.d));
                     a[h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), d, a[h]);
-                    if Q4 {
+                    if KIND == 1 {
                         a[h] = _mm256_fmadd_ps(mw, _mm256_set1_ps(xb.s), a[h]);
                     }
                 }
@@ -607,10 +639,14 @@ pub(crate) mod tests {
                                 ((q >> 4) as f32).mul_add(d.to_f32(), m.to_f32());
                         }
                     }
-                    Format::Q8_0 => {
+                    Format::Q8_0 | Format::Q5 => {
                         for j in 0..32 {
-                            let q = (next() as i8).max(-127);
-                            g[v + 64 * (j / 4) + 4 * r + j % 4] = (q as i32 + 128) as u8;
+                            let q = if fmt == Format::Q5 {
+                                (next() % 32) as i8 - 16
+                            } else {
+                                (next() as i8).max(-127)
+                            };
+                            g[v + 64 * (j / 4) + 4 * r + j % 4] = (q as i32 + fmt.bias()) as u8;
                             rows[r][b * 32 + j] = d.to_f32() * q as f32;
                         }
                     }
@@ -648,7 +684,7 @@ pub(crate) mod tests {
 
     #[test]
     fn kernels_match_the_reference_the_dequantized_product_and_each_other_bit_for_bit() {
-        for fmt in [Format::Q4_1, Format::Q8_0] {
+        for fmt in [Format::Q4_1, Format::Q8_0, Format::Q5] {
             let nb = 9;
             let (w, rows) = panel(fmt, nb, 7);
             let (x, xv) = acts(MAX_T, nb);

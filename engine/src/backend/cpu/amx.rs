@@ -308,7 +308,8 @@ mod x86 {
         unsafe {
             match fmt {
                 Format::Q4_1 => unpack_q4(src, dst),
-                Format::Q8_0 => unpack_q8(src, dst),
+                Format::Q8_0 => unpack_q8(src, dst, 128),
+                Format::Q5 => unpack_q8(src, dst, 16),
             }
         }
     }
@@ -373,8 +374,8 @@ mod x86 {
     /// One Q8_0 panel block into its `bf16` B tile (the stored bytes less
     /// 128, times the scale).
     #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512bf16")]
-    unsafe fn unpack_q8(src: *const u8, dst: *mut u8) {
-        let bias = _mm512_set1_epi32(-128);
+    unsafe fn unpack_q8(src: *const u8, dst: *mut u8, stored_plus: i32) {
+        let bias = _mm512_set1_epi32(-stored_plus);
         let zero = _mm512_setzero_ps();
         // SAFETY: a Q8_0 panel block is 544 bytes; the tile is 1 KiB.
         unsafe {
@@ -419,7 +420,7 @@ mod tests {
             );
             return;
         }
-        for fmt in [Format::Q4_1, Format::Q8_0] {
+        for fmt in [Format::Q4_1, Format::Q8_0, Format::Q5] {
             let nb = 3;
             let (w, rows) = panel(fmt, nb, 11);
             let pb = fmt.panel_bytes();
@@ -501,7 +502,7 @@ mod tests {
             );
         }
         let mut s = Scratch::default();
-        for fmt in [Format::Q4_1, Format::Q8_0] {
+        for fmt in [Format::Q4_1, Format::Q8_0, Format::Q5] {
             for (panels, nb, tokens) in [
                 (1, 18, 16usize),
                 (8, 3, 32),

@@ -7,7 +7,8 @@
 //! formats, and a type costs one loop over the file's bytes at load. What
 //! each rewrite keeps (the kernel tests hold it):
 //! - **Q5_0 → Q8_0, exact**: a Q5_0 value is `d * (q - 16)` with `q` in
-//!   0..=31, which is a Q8_0 value with the same `d`.
+//!   0..=31, which is a Q8_0 value with the same `d` (and whose panels take
+//!   the narrow kernels, `simd::Format::Q5`).
 //! - **Q4_K → Q4_1**, each 32-value piece as one block: values and their
 //!   order exact; the piece's scale `d * sc` and minimum `-dmin * m` are
 //!   f32 products rounded to f16 (a relative error under 2^-11 each).

@@ -64,7 +64,18 @@ impl QMat {
         let nb = cols / 32;
         let fb = match fmt {
             Format::Q4_1 => 20,
-            Format::Q8_0 => 34,
+            _ => 34,
+        };
+        // Q8_0 blocks whose values all fit 5 bits (a Q5_0 file's) take the
+        // faster narrow kernels; a fused matrix only when every part does.
+        let fmt = if fmt == Format::Q8_0
+            && parts.iter().all(|(_, _, _, raw)| {
+                raw.chunks_exact(34)
+                    .all(|b| b[2..].iter().all(|q| (-16..=15).contains(&(*q as i8))))
+            }) {
+            Format::Q5
+        } else {
+            fmt
         };
         let pb = fmt.panel_bytes();
         let v = fmt.values_at();
@@ -85,10 +96,10 @@ impl QMat {
                                 dst[v + 64 * (k / 4) + 4 * n + k % 4] = *q;
                             }
                         }
-                        Format::Q8_0 => {
+                        Format::Q8_0 | Format::Q5 => {
                             for (k, q) in src[2..34].iter().enumerate() {
                                 dst[v + 64 * (k / 4) + 4 * n + k % 4] =
-                                    (*q as i8 as i32 + 128) as u8;
+                                    (*q as i8 as i32 + fmt.bias()) as u8;
                             }
                         }
                     }
