@@ -258,6 +258,7 @@ impl TextCodec {
                 ))
             },
         );
+        env.add_filter("tojson", tojson);
         env.add_template("chat", t).map_err(err)?;
         let tmpl = env.get_template("chat").map_err(err)?;
         tmpl.render(minijinja::context! {
@@ -367,6 +368,50 @@ fn byte_of_char(c: char) -> Option<u8> {
         .map(|b| b as u8)
 }
 
+/// Jinja's `tojson` as Hugging Face's templates get it (Python's
+/// `json.dumps(x, ensure_ascii=False)`: `", "` and `": "` separators,
+/// non-ASCII kept), which is how the models saw tools in training
+/// (Qwen2.5's template writes each tool with it). Keyword arguments
+/// (`indent`) are accepted and the output stays on one line.
+fn tojson(
+    v: minijinja::Value,
+    _kwargs: minijinja::value::Kwargs,
+) -> std::result::Result<String, minijinja::Error> {
+    fn write(v: &serde_json::Value, out: &mut String) {
+        match v {
+            serde_json::Value::Array(a) => {
+                out.push('[');
+                for (i, x) in a.iter().enumerate() {
+                    if i > 0 {
+                        out.push_str(", ");
+                    }
+                    write(x, out);
+                }
+                out.push(']');
+            }
+            serde_json::Value::Object(o) => {
+                out.push('{');
+                for (i, (k, x)) in o.iter().enumerate() {
+                    if i > 0 {
+                        out.push_str(", ");
+                    }
+                    out.push_str(&serde_json::Value::from(k.as_str()).to_string());
+                    out.push_str(": ");
+                    write(x, out);
+                }
+                out.push('}');
+            }
+            other => out.push_str(&other.to_string()),
+        }
+    }
+    let json = serde_json::to_value(&v).map_err(|e| {
+        minijinja::Error::new(minijinja::ErrorKind::InvalidOperation, e.to_string())
+    })?;
+    let mut out = String::new();
+    write(&json, &mut out);
+    Ok(out)
+}
+
 #[cfg(test)]
 mod tests {
     #[test]
@@ -382,5 +427,26 @@ mod tests {
             .unwrap();
         // Booleans render as Jinja (and Hugging Face templates) render them.
         assert_eq!(out, "f 3 1.5 True True a");
+    }
+
+    #[test]
+    fn tojson_writes_what_pythons_json_dumps_writes() {
+        let v = serde_json::json!({"name": "f", "p": {"list": [1, "é", true, null]}});
+        let mut env = minijinja::Environment::new();
+        env.add_filter("tojson", super::tojson);
+        env.add_template(
+            "t",
+            "{{ tools | tojson }} {{ tools.name | tojson(indent=4) }}",
+        )
+        .unwrap();
+        let out = env
+            .get_template("t")
+            .unwrap()
+            .render(minijinja::context! { tools => super::jinja(&v) })
+            .unwrap();
+        assert_eq!(
+            out,
+            r#"{"name": "f", "p": {"list": [1, "é", true, null]}} "f""#
+        );
     }
 }
