@@ -384,9 +384,11 @@ fn penalties_bias_and_min_p_over_http() {
     let q = "Write a poem where every line is 'the cat sat on the mat'.";
     let looped = content(&chat(q, r#","temperature":0"#));
     let penalized = content(&chat(q, r#","temperature":0,"frequency_penalty":1.5"#));
-    let mats = |s: &str| s.matches("the mat").count();
-    assert!(mats(&looped) >= 2, "{looped}");
-    assert!(mats(&penalized) < mats(&looped), "{penalized} vs {looped}");
+    // How the loop shows depends on the greedy path (it moved when the
+    // attention's summation order changed), so count the word it repeats.
+    let cats = |s: &str| s.to_lowercase().matches("cat").count();
+    assert!(cats(&looped) >= 3, "{looped}");
+    assert!(cats(&penalized) < cats(&looped), "{penalized} vs {looped}");
     // A token id outside the vocabulary is the client's error, by name.
     let r = chat("hi", r#","logit_bias":{"99999999":5}"#);
     assert_eq!(r.status, 400, "{}", r.text());

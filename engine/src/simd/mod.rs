@@ -472,7 +472,8 @@ mod x86 {
     /// `vpmaddubsw`, four products added as i16 first (at most 4 x 2 x 31
     /// x 127), the half block's values unpacked once for all `T` tokens;
     /// 0 (Q8_0): signed values through the sign trick, each `vpmaddwd` on
-    /// its own (2 x 128 x 127 fits i16 once).
+    /// its own (2 x 128 x 127 fits i16 once), the weights' side of the
+    /// trick made once per four registers for all `T` tokens.
     #[target_feature(enable = "avx2,fma,f16c")]
     unsafe fn kavx2<const T: usize, const KIND: u8>(
         w: &[u8],
@@ -524,6 +525,36 @@ mod x86 {
                         *v = vals(j);
                     }
                 }
+                // Q8_0: the tile's exact sums in two passes of four value
+                // registers, each pass's magnitudes and signs made once
+                // for all tokens (eight registers; all eight would spill).
+                let mut q8 = [_mm256_setzero_si256(); T];
+                if KIND == 0 {
+                    for pass in 0..2 {
+                        let mut sw = [_mm256_setzero_si256(); 4];
+                        let mut aw = [_mm256_setzero_si256(); 4];
+                        for j in 0..4 {
+                            sw[j] = _mm256_xor_si256(vals(4 * pass + j), flip);
+                            aw[j] = _mm256_sign_epi8(sw[j], sw[j]);
+                        }
+                        for (t, p) in q8.iter_mut().enumerate() {
+                            let xq = x[t * stride + b].q.as_ptr();
+                            for j in 0..4 {
+                                // SAFETY: four of the block's 32 bytes.
+                                let xj = unsafe {
+                                    _mm256_set1_epi32(
+                                        (xq.add(4 * (4 * pass + j)) as *const i32).read_unaligned(),
+                                    )
+                                };
+                                let sx = _mm256_sign_epi8(xj, sw[j]);
+                                *p = _mm256_add_epi32(
+                                    *p,
+                                    _mm256_madd_epi16(_mm256_maddubs_epi16(aw[j], sx), ones),
+                                );
+                            }
+                        }
+                    }
+                }
                 for (t, a) in acc.iter_mut().enumerate() {
                     let xb = &x[t * stride + b];
                     // SAFETY: four of the block's 32 bytes (j < 8).
@@ -545,17 +576,7 @@ mod x86 {
                             sum
                         }
                     } else {
-                        let mut p = _mm256_setzero_si256();
-                        for j in 0..8 {
-                            let sw = _mm256_xor_si256(vals(j), flip);
-                            let aw = _mm256_sign_epi8(sw, sw);
-                            let sx = _mm256_sign_epi8(xq(j), sw);
-                            p = _mm256_add_epi32(
-                                p,
-                                _mm256_madd_epi16(_mm256_maddubs_epi16(aw, sx), ones),
-                            );
-                        }
-                        p
+                        q8[t]
                     };
                     let d = _mm256_mul_ps(dw, _mm256_set1_ps(xb.d));
                     a[h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), d, a[h]);
