@@ -85,10 +85,12 @@ fn a_named_tool_is_called_with_valid_arguments() {
         Tool {
             name: "get_weather".into(),
             description: Some("Weather of a city".into()),
+            // Closed, so that the call ends after its two arguments (an
+            // open object let greedy SmolLM2 add a long `description`).
             parameters: json!({"type": "object", "properties": {
                 "city": {"type": "string", "maxLength": 30},
                 "unit": {"enum": ["celsius", "fahrenheit"]}},
-                "required": ["city", "unit"]}),
+                "required": ["city", "unit"], "additionalProperties": false}),
         },
         Tool {
             name: "other".into(),
