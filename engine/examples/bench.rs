@@ -7,6 +7,10 @@
 //! `-- steps [CTX]`: step time against tokens per step instead (decode
 //! steps of 1 to 32 streams at about CTX tokens of context, default 48, and
 //! prefill chunks of as many tokens), with the engine's fitted step cost.
+//!
+//! `-- logits`: the engine's kernels' first-step logits for one chat
+//! prompt, with its token ids, as JSON (what `engine_vs_llamacpp.py` holds
+//! against llama.cpp's logits for the same ids).
 #![allow(clippy::unwrap_used)]
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -373,6 +377,44 @@ fn amx_kernels(cols: usize) {
     }
 }
 
+/// First-step logits of the engine's CPU runner (the scheduler's path,
+/// f16 KV) for one chat prompt.
+fn logits_mode(l: &Loaded) {
+    use ultrafast_engine::backend::cpu::CpuRunner;
+    use ultrafast_engine::backend::KvDtype;
+    use ultrafast_engine::kv::BlockPool;
+    use ultrafast_engine::model::paged::SeqStep;
+    use ultrafast_engine::tokenizer::ChatMessage;
+    let text = l
+        .codec
+        .render_chat(&[ChatMessage::new(
+            "user",
+            "Explain in two sentences why the sky is blue.",
+        )])
+        .unwrap();
+    let ids = l.codec.encode(&text).unwrap();
+    let pool = BlockPool::new(64, 16);
+    let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let mut r = CpuRunner::new(
+        l.fast.as_ref().unwrap().clone(),
+        64,
+        16,
+        KvDtype::F16,
+        threads,
+        || {},
+    )
+    .unwrap();
+    let seq = pool.allocate(&ids).unwrap();
+    let s = SeqStep {
+        tokens: &ids,
+        start: 0,
+        blocks: seq.blocks(),
+    };
+    let mut logits = Vec::new();
+    assert!(r.step(&[s], &|_| false, &mut logits).unwrap());
+    println!("{}", serde_json::json!({"ids": ids, "logits": logits}));
+}
+
 /// The model measured: `ULTRAFAST_BENCH_MODEL` (a known name such as
 /// `qwen2.5-coder-0.5b-instruct`, or a path to a GGUF), else SmolLM2.
 fn model_path() -> std::path::PathBuf {
@@ -385,6 +427,9 @@ fn model_path() -> std::path::PathBuf {
 fn main() {
     if std::env::args().nth(1).as_deref() == Some("kernels") {
         return kernels_mode();
+    }
+    if std::env::args().nth(1).as_deref() == Some("logits") {
+        return logits_mode(&generate::load(&model_path()).unwrap());
     }
     if std::env::args().nth(1).as_deref() == Some("phases") {
         let l = Arc::new(generate::load(&model_path()).unwrap());
