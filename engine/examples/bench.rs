@@ -448,7 +448,9 @@ fn main() {
         .and_then(|s| s.parse().ok())
         .unwrap_or(3);
     let quick = std::env::args().any(|a| a == "quick");
-    let l = Arc::new(generate::load(&model_path()).unwrap());
+    // Resolved once: a known model's resolution hashes the whole file.
+    let path = model_path();
+    let l = Arc::new(generate::load(&path).unwrap());
     let e = Engine::start(
         l,
         EngineConfig {
@@ -508,7 +510,7 @@ fn main() {
     }
     println!(
         "{{\"model\": {:?}, \"threads\": {}, \"prefill_512_tok_s\": {:.1}, \"ttft_128_ms\": {:.1}, \"decode_1_tok_s\": {:.1}, \"decode_4_tok_s\": {:.1}, \"decode_16_tok_s\": {:.1}, \"decode_1_sampled_tok_s\": {:.1}}}",
-        model_path().display().to_string(),
+        path.display().to_string(),
         std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1),
         median(prefill),
         median(ttft128),

@@ -414,17 +414,25 @@ fn tojson(
 
 #[cfg(test)]
 mod tests {
+    /// `src` rendered with `tools` = `v`, in an environment with our
+    /// `tojson` filter.
+    fn render(src: &str, v: &serde_json::Value) -> String {
+        let mut env = minijinja::Environment::new();
+        env.add_filter("tojson", super::tojson);
+        env.add_template("t", src).unwrap();
+        env.get_template("t")
+            .unwrap()
+            .render(minijinja::context! { tools => super::jinja(v) })
+            .unwrap()
+    }
+
     #[test]
     fn json_reaches_a_template_as_it_is() {
         let v = serde_json::json!([{"type": "function", "function": {"name": "f", "n": 2, "x": 1.5, "ok": true, "none": null, "list": ["a"]}}]);
-        let mut env = minijinja::Environment::new();
-        env.add_template("t", "{% for t in tools %}{{ t.function.name }} {{ t.function.n + 1 }} {{ t.function.x }} {{ t.function.ok }} {{ t.function.none is none }} {{ t.function.list[0] }}{% endfor %}")
-            .unwrap();
-        let out = env
-            .get_template("t")
-            .unwrap()
-            .render(minijinja::context! { tools => super::jinja(&v) })
-            .unwrap();
+        let out = render(
+            "{% for t in tools %}{{ t.function.name }} {{ t.function.n + 1 }} {{ t.function.x }} {{ t.function.ok }} {{ t.function.none is none }} {{ t.function.list[0] }}{% endfor %}",
+            &v,
+        );
         // Booleans render as Jinja (and Hugging Face templates) render them.
         assert_eq!(out, "f 3 1.5 True True a");
     }
@@ -432,18 +440,10 @@ mod tests {
     #[test]
     fn tojson_writes_what_pythons_json_dumps_writes() {
         let v = serde_json::json!({"name": "f", "p": {"list": [1, "é", true, null]}});
-        let mut env = minijinja::Environment::new();
-        env.add_filter("tojson", super::tojson);
-        env.add_template(
-            "t",
+        let out = render(
             "{{ tools | tojson }} {{ tools.name | tojson(indent=4) }}",
-        )
-        .unwrap();
-        let out = env
-            .get_template("t")
-            .unwrap()
-            .render(minijinja::context! { tools => super::jinja(&v) })
-            .unwrap();
+            &v,
+        );
         assert_eq!(
             out,
             r#"{"name": "f", "p": {"list": [1, "é", true, null]}} "f""#

@@ -7,6 +7,7 @@
 //! references, so a kernel that agrees there agrees with the engine here.
 #![allow(clippy::unwrap_used)]
 
+mod common;
 use candle_core::quantized::{ggml_file::qtensor_from_ggml, GgmlDType};
 use candle_core::Device;
 use ultrafast_engine::backend::cpu::{ops, transcode};
@@ -15,6 +16,18 @@ use ultrafast_kernels::reference::{self as r, Format, PagedKv, XorShift as Gen};
 /// `format`'s blocks with realistic random scales.
 fn blocks(g: &mut Gen, format: Format, rows: usize, cols: usize) -> Vec<u8> {
     r::random_blocks(g, format, rows, cols, r::realistic_scale(format))
+}
+
+/// `rows x cols` weights of `dtype` blocks as candle dequantizes them.
+fn candle_dequantized(dtype: GgmlDType, raw: &[u8], rows: usize, cols: usize) -> Vec<f32> {
+    qtensor_from_ggml(dtype, raw, vec![rows, cols], &Device::Cpu)
+        .unwrap()
+        .dequantize(&Device::Cpu)
+        .unwrap()
+        .flatten_all()
+        .unwrap()
+        .to_vec1()
+        .unwrap()
 }
 
 #[test]
@@ -28,14 +41,7 @@ fn gguf_blocks_dequantize_as_candle_reads_them() {
     ] {
         let (rows, cols) = (3, 512);
         let w = blocks(&mut g, format, rows, cols);
-        let want: Vec<f32> = qtensor_from_ggml(dtype, &w, vec![rows, cols], &Device::Cpu)
-            .unwrap()
-            .dequantize(&Device::Cpu)
-            .unwrap()
-            .flatten_all()
-            .unwrap()
-            .to_vec1()
-            .unwrap();
+        let want = candle_dequantized(dtype, &w, rows, cols);
         let got: Vec<f32> = w
             .chunks(format.block_bytes())
             .flat_map(|b| r::dequantize(format, b))
@@ -206,27 +212,6 @@ fn kv_slots_top_k_and_attention_keep_the_engines_meaning() {
     assert!(top.windows(2).all(|w| w[0].1 >= w[1].1));
 }
 
-/// `n` random blocks of `t` (`(weights, bytes)` per block): random bytes,
-/// then sane f16 scales where `t` keeps them.
-fn random_of(g: &mut Gen, t: GgmlDType, n: usize) -> Vec<u8> {
-    let (_, bytes) = transcode::block_shape(t).unwrap();
-    let mut out: Vec<u8> = (0..n * bytes).map(|_| g.next_u64() as u8).collect();
-    for b in out.chunks_exact_mut(bytes) {
-        let mut put = |at: usize, v: f32| {
-            b[at..at + 2].copy_from_slice(&half::f16::from_f32(v).to_le_bytes());
-        };
-        match t {
-            GgmlDType::Q6K => put(208, g.f() * 0.0005),
-            GgmlDType::Q4K | GgmlDType::Q5K => {
-                put(0, g.f() * 0.002);
-                put(2, g.f() * 0.002);
-            }
-            _ => put(0, g.f() * 0.02),
-        }
-    }
-    out
-}
-
 /// The block types the CPU runner rewrites at load, dequantized by the
 /// engine (`transcode::dequantize_into`, what its rewrites are held to)
 /// against two independent readings of the GGUF format: the `gguf`
@@ -245,7 +230,7 @@ fn rewritten_block_types_dequantize_as_gguf_py_and_candle_read_them() {
     let mut req = Vec::new();
     for (t, name) in types {
         let (n, _) = transcode::block_shape(t).unwrap();
-        let raw = random_of(&mut g, t, rows * cols / n);
+        let raw = transcode::random_blocks(&mut g, t, rows * cols / n);
         let mut got = vec![0f32; rows * cols];
         for (b, o) in raw
             .chunks_exact(transcode::block_shape(t).unwrap().1)
@@ -253,14 +238,7 @@ fn rewritten_block_types_dequantize_as_gguf_py_and_candle_read_them() {
         {
             assert!(transcode::dequantize_into(t, b, o));
         }
-        let candle: Vec<f32> = qtensor_from_ggml(t, &raw, vec![rows, cols], &Device::Cpu)
-            .unwrap()
-            .dequantize(&Device::Cpu)
-            .unwrap()
-            .flatten_all()
-            .unwrap()
-            .to_vec1()
-            .unwrap();
+        let candle = candle_dequantized(t, &raw, rows, cols);
         for (i, (a, b)) in got.iter().zip(&candle).enumerate() {
             assert!(
                 (a - b).abs() <= 1e-6 * b.abs().max(1e-3),
@@ -282,22 +260,8 @@ for r in json.load(sys.stdin):
     out.append(dequantize(raw, T[r["type"]]).astype(np.float32).view(np.uint32).tolist())
 json.dump(out, sys.stdout)
 "#;
-    let mut child = std::process::Command::new("python3")
-        .args(["-c", script])
-        .stdin(std::process::Stdio::piped())
-        .stdout(std::process::Stdio::piped())
-        .spawn()
-        .expect("python3 with the `gguf` package (.ci/run installs it)");
-    use std::io::Write;
-    child
-        .stdin
-        .take()
-        .unwrap()
-        .write_all(serde_json::Value::from(req).to_string().as_bytes())
-        .unwrap();
-    let out = child.wait_with_output().unwrap();
-    assert!(out.status.success(), "gguf-py failed");
-    let py: Vec<Vec<u32>> = serde_json::from_slice(&out.stdout).unwrap();
+    let py: Vec<Vec<u32>> =
+        serde_json::from_value(common::python_json(&["-c", script], &req.into())).unwrap();
     assert_eq!(py.len(), ours.len());
     for ((name, got), want) in ours.iter().zip(&py) {
         assert_eq!(got.len(), want.len(), "{name}");

@@ -8,7 +8,7 @@
 #![allow(clippy::unwrap_used)]
 use serde_json::{json, Value};
 use std::sync::Arc;
-use ultrafast_engine::api::{Event, Structure, Tool, ToolChoice};
+use ultrafast_engine::api::{Structure, Tool, ToolChoice};
 use ultrafast_engine::backend::loaded::Loaded;
 use ultrafast_engine::fetch::{self, QWEN25_CODER};
 use ultrafast_engine::generate;
@@ -17,34 +17,17 @@ use ultrafast_engine::sampling::SamplingParams;
 use ultrafast_engine::scheduler::{Engine, EngineConfig, GenerateRequest};
 use ultrafast_engine::tokenizer::ChatMessage;
 
-fn text(mut rx: tokio::sync::mpsc::UnboundedReceiver<Event>) -> String {
-    let mut out = String::new();
-    while let Some(ev) = rx.blocking_recv() {
-        match ev {
-            Event::Token { text, .. } => out.push_str(&text),
-            Event::Done { text, .. } => {
-                out.push_str(&text);
-                return out;
-            }
-            Event::Error(e) => panic!("engine error: {e}"),
-            _ => panic!("nothing asked for reports or choices"),
-        }
-    }
-    out
-}
+mod common;
+use common::text;
 
 fn request(l: &Loaded, rendered: &str, s: &Structure) -> GenerateRequest {
+    let greedy = SamplingParams {
+        temperature: 0.0,
+        ..Default::default()
+    };
     GenerateRequest {
-        prompt: l.codec.encode(rendered).unwrap(),
-        max_tokens: 80,
-        sampling: SamplingParams {
-            temperature: 0.0,
-            ..Default::default()
-        },
-        stop: vec![],
-        lane_rank: 1,
-        tenant: None,
         guide: Some(l.guides.as_ref().unwrap().compile(s).unwrap()),
+        ..common::request(l.codec.encode(rendered).unwrap(), greedy, 80)
     }
 }
 

@@ -7,15 +7,14 @@
 #![allow(clippy::unwrap_used)]
 use serde_json::{json, Value};
 use std::sync::OnceLock;
-use ultrafast_engine::api::{Event, Structure, Tool, ToolChoice};
+use ultrafast_engine::api::{Structure, Tool, ToolChoice};
 use ultrafast_engine::guide::{CALL_CLOSE, CALL_OPEN};
 use ultrafast_engine::sampling::SamplingParams;
 use ultrafast_engine::scheduler::GenerateRequest;
 use ultrafast_engine::scheduler::{Engine, EngineConfig};
-use ultrafast_engine::tokenizer::ChatMessage;
 
 mod common;
-use common::loaded;
+use common::{loaded, text};
 
 fn engine() -> &'static Engine {
     static E: OnceLock<Engine> = OnceLock::new();
@@ -24,38 +23,14 @@ fn engine() -> &'static Engine {
 
 fn req(q: &str, s: Option<&Structure>, max_tokens: usize) -> GenerateRequest {
     let l = loaded();
-    let t = l.codec.render_chat(&[ChatMessage::new("user", q)]).unwrap();
+    let greedy = SamplingParams {
+        temperature: 0.0,
+        ..Default::default()
+    };
     GenerateRequest {
-        prompt: l.codec.encode(&t).unwrap(),
-        max_tokens,
-        sampling: SamplingParams {
-            temperature: 0.0,
-            ..Default::default()
-        },
-        stop: vec![],
-        lane_rank: 1,
-        tenant: None,
         guide: s.map(|s| l.guides.as_ref().unwrap().compile(s).unwrap()),
+        ..common::request(common::prompt(q), greedy, max_tokens)
     }
-}
-
-fn text(mut rx: tokio::sync::mpsc::UnboundedReceiver<Event>) -> String {
-    let mut out = String::new();
-    while let Some(ev) = rx.blocking_recv() {
-        match ev {
-            Event::Raw { .. } => panic!("the engine sent a raw event"),
-            Event::Prompt(_) | Event::Logprob(_) | Event::Indexed(..) => {
-                panic!("nothing asked for reports or choices")
-            }
-            Event::Token { text, .. } => out.push_str(&text),
-            Event::Done { text, .. } => {
-                out.push_str(&text);
-                return out;
-            }
-            Event::Error(e) => panic!("engine error: {e}"),
-        }
-    }
-    out
 }
 
 fn run(q: &str, s: Option<&Structure>) -> String {

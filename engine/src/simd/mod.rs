@@ -320,9 +320,9 @@ mod x86 {
                 (Isa::Avx512Vnni, Format::Q4_1) => widths!(k512, true, 0),
                 (Isa::Avx512Vnni, Format::Q8_0) => widths!(k512, false, 128),
                 (Isa::Avx512Vnni, Format::Q5) => widths!(k512, false, 16),
-                (_, Format::Q4_1) => widths!(kavx2, 1),
-                (_, Format::Q8_0) => widths!(kavx2, 0),
-                (_, Format::Q5) => widths!(kavx2, 2),
+                (_, Format::Q4_1) => widths!(kavx2, K_Q4_1),
+                (_, Format::Q8_0) => widths!(kavx2, K_Q8_0),
+                (_, Format::Q5) => widths!(kavx2, K_Q5),
             }
         }
     }
@@ -466,12 +466,17 @@ mod x86 {
         }
     }
 
+    /// `kavx2`'s `KIND`s (a const parameter cannot be the `Format` enum).
+    const K_Q8_0: u8 = 0;
+    const K_Q4_1: u8 = 1;
+    const K_Q5: u8 = 2;
+
     /// AVX2: the same layout as `k512`, each 64-byte value row as two
     /// registers of eight rows; `vpmaddubsw` then `vpmaddwd` for the byte
-    /// products. `KIND` 1 (Q4_1) and 2 (Q5): unsigned values straight into
+    /// products. `K_Q4_1` and `K_Q5`: unsigned values straight into
     /// `vpmaddubsw`, four products added as i16 first (at most 4 x 2 x 31
     /// x 127), the half block's values unpacked once for all `T` tokens;
-    /// 0 (Q8_0): signed values through the sign trick, each `vpmaddwd` on
+    /// `K_Q8_0`: signed values through the sign trick, each `vpmaddwd` on
     /// its own (2 x 128 x 127 fits i16 once), the weights' side of the
     /// trick made once per four registers for all `T` tokens.
     #[target_feature(enable = "avx2,fma,f16c")]
@@ -483,8 +488,8 @@ mod x86 {
         out: &mut [[f32; PANEL]; MAX_T],
     ) {
         let fmt = match KIND {
-            1 => Format::Q4_1,
-            2 => Format::Q5,
+            K_Q4_1 => Format::Q4_1,
+            K_Q5 => Format::Q5,
             _ => Format::Q8_0,
         };
         let pb = fmt.panel_bytes();
@@ -514,13 +519,13 @@ mod x86 {
                 };
                 // Unsigned values paired with activation bytes 4j.. (j < 8).
                 let mut u = [_mm256_setzero_si256(); 8];
-                if KIND == 1 {
+                if KIND == K_Q4_1 {
                     for j in 0..4 {
                         let raw = vals(j);
                         u[j] = _mm256_and_si256(raw, mask);
                         u[4 + j] = _mm256_and_si256(_mm256_srli_epi16::<4>(raw), mask);
                     }
-                } else if KIND == 2 {
+                } else if KIND == K_Q5 {
                     for (j, v) in u.iter_mut().enumerate() {
                         *v = vals(j);
                     }
@@ -529,7 +534,7 @@ mod x86 {
                 // registers, each pass's magnitudes and signs made once
                 // for all tokens (eight registers; all eight would spill).
                 let mut q8 = [_mm256_setzero_si256(); T];
-                if KIND == 0 {
+                if KIND == K_Q8_0 {
                     for pass in 0..2 {
                         let mut sw = [_mm256_setzero_si256(); 4];
                         let mut aw = [_mm256_setzero_si256(); 4];
@@ -561,7 +566,7 @@ mod x86 {
                     let xq = |j: usize| unsafe {
                         _mm256_set1_epi32((xb.q.as_ptr().add(4 * j) as *const i32).read_unaligned())
                     };
-                    let sum = if KIND != 0 {
+                    let sum = if KIND != K_Q8_0 {
                         let four = |j0: usize| {
                             let mut p = _mm256_maddubs_epi16(u[j0], xq(j0));
                             for (j, v) in u.iter().enumerate().skip(j0 + 1).take(3) {
@@ -570,7 +575,7 @@ mod x86 {
                             _mm256_madd_epi16(p, ones)
                         };
                         let sum = _mm256_add_epi32(four(0), four(4));
-                        if KIND == 2 {
+                        if KIND == K_Q5 {
                             _mm256_sub_epi32(sum, _mm256_set1_epi32(16 * xb.n))
                         } else {
                             sum
@@ -580,7 +585,7 @@ mod x86 {
                     };
                     let d = _mm256_mul_ps(dw, _mm256_set1_ps(xb.d));
                     a[h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), d, a[h]);
-                    if KIND == 1 {
+                    if KIND == K_Q4_1 {
                         a[h] = _mm256_fmadd_ps(mw, _mm256_set1_ps(xb.s), a[h]);
                     }
                 }

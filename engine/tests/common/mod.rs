@@ -41,11 +41,17 @@ pub fn request(
 /// Run the float32 numpy reference (`tests/reference/llama_ref.py`) on
 /// `req` (its JSON input) and return its answer, one value per prompt.
 pub fn float32_reference(req: &serde_json::Value) -> Vec<serde_json::Value> {
+    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/reference/llama_ref.py");
+    serde_json::from_value(python_json(&[script], req)).unwrap()
+}
+
+/// Run `python3 ARGS` with `req` as JSON on stdin and return its stdout
+/// as JSON (the `.venv` on `PATH` has `gguf` and `numpy`, `.ci/run`).
+pub fn python_json(args: &[&str], req: &serde_json::Value) -> serde_json::Value {
     use std::io::Write;
     use std::process::{Command, Stdio};
-    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/reference/llama_ref.py");
     let mut child = Command::new("python3")
-        .arg(script)
+        .args(args)
         .stdin(Stdio::piped())
         .stdout(Stdio::piped())
         .spawn()
@@ -57,6 +63,28 @@ pub fn float32_reference(req: &serde_json::Value) -> Vec<serde_json::Value> {
         .write_all(req.to_string().as_bytes())
         .unwrap();
     let out = child.wait_with_output().unwrap();
-    assert!(out.status.success(), "reference failed");
+    assert!(out.status.success(), "python3 {args:?} failed");
     serde_json::from_slice(&out.stdout).unwrap()
+}
+
+/// The text a request's events spell until `Done`, refusing events
+/// nothing asked for (raw tokens, reports, choices) and errors.
+pub fn text(mut rx: tokio::sync::mpsc::UnboundedReceiver<ultrafast_engine::api::Event>) -> String {
+    use ultrafast_engine::api::Event;
+    let mut out = String::new();
+    while let Some(ev) = rx.blocking_recv() {
+        match ev {
+            Event::Raw { .. } => panic!("the engine sent a raw event"),
+            Event::Prompt(_) | Event::Logprob(_) | Event::Indexed(..) => {
+                panic!("nothing asked for reports or choices")
+            }
+            Event::Token { text, .. } => out.push_str(&text),
+            Event::Done { text, .. } => {
+                out.push_str(&text);
+                return out;
+            }
+            Event::Error(e) => panic!("engine error: {e}"),
+        }
+    }
+    out
 }

@@ -177,6 +177,8 @@ pub fn attend<E: KvElem>(
     sc.l.clear();
     sc.l.resize(nv, 0.0);
     let ctx = seq.start + tokens.end;
+    // The AVX2 block loop's shape (AVX-512 has its own, below).
+    let avx2_block = isa == Isa::Avx2 && hd == 64 && bs == 16;
     let mut j0 = 0;
     while j0 < ctx {
         let n = bs.min(ctx - j0);
@@ -197,8 +199,7 @@ pub fn attend<E: KvElem>(
             j0 += n;
             continue;
         }
-        let _ = isa;
-        if E::HALF || (isa == Isa::Avx2 && hd == 64 && bs == 16) {
+        if E::HALF || avx2_block {
             // Convert the block once for all nv vectors, then run the f32
             // loops on it (values compacted to `hd` apart).
             let (mut kf, mut vf) = (std::mem::take(&mut sc.kf), std::mem::take(&mut sc.vf));
@@ -210,16 +211,17 @@ pub fn attend<E: KvElem>(
                 let row = &vb[p * v_stride + g * hd..][..hd];
                 E::to_f32_slice(row, &mut vf[p * hd..(p + 1) * hd]);
             }
-            #[cfg(target_arch = "x86_64")]
-            if isa == Isa::Avx2 && hd == 64 && bs == 16 {
+            if avx2_block {
+                // (Only x86-64 detects `Isa::Avx2`.)
+                #[cfg(target_arch = "x86_64")]
                 // SAFETY: the CPU has AVX2 and FMA (`Isa::detect`); kf
                 // holds 64 x 16 keys and vf 16 rows of 64 values.
-                unsafe { x86::block_avx2(sc, nv, &kf, &vf, n, &visible) };
-                (sc.kf, sc.vf) = (kf, vf);
-                j0 += n;
-                continue;
+                unsafe {
+                    x86::block_avx2(sc, nv, &kf, &vf, n, &visible)
+                };
+            } else {
+                block_portable(sc, nv, hd, bs, &kf, &vf, hd, 0, n, &visible);
             }
-            block_portable(sc, nv, hd, bs, &kf, &vf, hd, 0, n, &visible);
             (sc.kf, sc.vf) = (kf, vf);
         } else {
             block_portable(sc, nv, hd, bs, kt, vb, lay.n_kv * hd, g * hd, n, &visible);

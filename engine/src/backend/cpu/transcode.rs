@@ -35,8 +35,10 @@ fn h(b: &[u8], at: usize) -> f32 {
 /// reads (None: not one of them).
 pub fn block_shape(t: GgmlDType) -> Option<(usize, usize)> {
     Some(match t {
-        GgmlDType::F32 => (1, 4),
-        GgmlDType::F16 => (1, 2),
+        // Floats in runs of 32 (widths are multiples of 32), so an
+        // embedding row is a few calls, not one per value.
+        GgmlDType::F32 => (32, 128),
+        GgmlDType::F16 => (32, 64),
         GgmlDType::Q4_1 => (32, 20),
         GgmlDType::Q8_0 => (32, 34),
         GgmlDType::Q5_0 => (32, 22),
@@ -95,8 +97,16 @@ fn q5_k_into(b: &[u8], w: &mut [f32]) {
 /// GGUF reference dequantizes it. Returns false for a type not read here.
 pub fn dequantize_into(t: GgmlDType, b: &[u8], w: &mut [f32]) -> bool {
     match t {
-        GgmlDType::F32 => w[0] = f32::from_le_bytes([b[0], b[1], b[2], b[3]]),
-        GgmlDType::F16 => w[0] = h(b, 0),
+        GgmlDType::F32 => {
+            for (v, x) in w.iter_mut().zip(b.chunks_exact(4)) {
+                *v = f32::from_le_bytes([x[0], x[1], x[2], x[3]]);
+            }
+        }
+        GgmlDType::F16 => {
+            for (v, x) in w.iter_mut().zip(b.chunks_exact(2)) {
+                *v = h(x, 0);
+            }
+        }
         GgmlDType::Q4_1 => kref::dequantize_into(KFormat::Q4_1, b, w),
         GgmlDType::Q8_0 => kref::dequantize_into(KFormat::Q8_0, b, w),
         GgmlDType::Q4K => kref::dequantize_into(KFormat::Q4K, b, w),
@@ -181,6 +191,29 @@ pub fn to_kernel_blocks(t: GgmlDType, raw: Vec<u8>) -> Result<(Format, Vec<u8>),
             ))
         }
     })
+}
+
+/// `n` random blocks of `t` for tests and checks: random bytes (every
+/// value, sub-scale and high-bit pattern occurs), then f16 scales of a
+/// realistic size where `t` keeps them, so none is NaN or infinite.
+pub fn random_blocks(g: &mut kref::XorShift, t: GgmlDType, n: usize) -> Vec<u8> {
+    let (_, bytes) = block_shape(t).expect("a type the CPU runner reads");
+    let mut out: Vec<u8> = (0..n * bytes).map(|_| g.next_u64() as u8).collect();
+    for b in out.chunks_exact_mut(bytes) {
+        let mut put = |at: usize, v: f32| {
+            b[at..at + 2].copy_from_slice(&f16::from_f32(v).to_le_bytes());
+        };
+        match t {
+            GgmlDType::Q6K => put(208, g.f() * 0.0005),
+            GgmlDType::Q4K | GgmlDType::Q5K => {
+                put(0, g.f() * 0.002);
+                put(2, g.f() * 0.002);
+            }
+            GgmlDType::Q4_1 | GgmlDType::Q8_0 | GgmlDType::Q5_0 => put(0, g.f() * 0.02),
+            _ => {}
+        }
+    }
+    out
 }
 
 #[cfg(test)]

@@ -11,26 +11,8 @@ const TYPES: [GgmlDType; 4] = [
     GgmlDType::Q6K,
 ];
 
-/// `n` random blocks of `t` with sane f16 scales (random bytes elsewhere:
-/// every value, sub-scale and high bit pattern occurs).
 fn blocks(t: GgmlDType, n: usize, seed: u64) -> Vec<u8> {
-    let (_, bytes) = block_shape(t).unwrap();
-    let mut g = XorShift(seed);
-    let mut out: Vec<u8> = (0..n * bytes).map(|_| g.next_u64() as u8).collect();
-    for b in out.chunks_exact_mut(bytes) {
-        let mut put = |at: usize, v: f32| {
-            b[at..at + 2].copy_from_slice(&f16::from_f32(v).to_le_bytes());
-        };
-        match t {
-            GgmlDType::Q5_0 => put(0, g.f() * 0.02),
-            GgmlDType::Q4K | GgmlDType::Q5K => {
-                put(0, g.f() * 0.002);
-                put(2, g.f() * 0.002);
-            }
-            _ => put(208, g.f() * 0.0005),
-        }
-    }
-    out
+    random_blocks(&mut XorShift(seed), t, n)
 }
 
 fn dequant_all(t: GgmlDType, raw: &[u8]) -> Vec<f32> {
