@@ -6,6 +6,7 @@
 use crate::accesslog::AccessLog;
 use crate::admin::{AdminApp, Readiness};
 use crate::config;
+use crate::edge::acme::Issuer;
 use crate::edge::certs::{CertStore, CertWatcher, FullHandshakes, SniResolver};
 use crate::edge::conn::Guarded;
 use crate::edge::listener::{self, Endpoint, Handshake, ListenerService, TlsHandshake};
@@ -149,6 +150,7 @@ pub fn serve(path: &Path, opts: ServeOptions) -> anyhow::Result<()> {
     let open = Arc::new(AtomicUsize::new(0));
     let mut endpoints = Vec::new();
     let mut watched = Vec::new();
+    let mut issuers = Vec::new();
     for l in &listeners {
         let mut app = pingora::proxy::http_proxy(&server.configuration, edge());
         let mut options = HttpServerOptions::default();
@@ -200,7 +202,21 @@ pub fn serve(path: &Path, opts: ServeOptions) -> anyhow::Result<()> {
                     ticketer,
                     cache_size: tls.cache_size,
                     h2: tls.h2,
+                    acme_alpn: tls
+                        .acme
+                        .as_ref()
+                        .is_some_and(|a| a.challenge == config::AcmeChallenge::TlsAlpn01),
                 };
+                match &tls.acme {
+                    Some(spec) => issuers.push(Issuer::new(
+                        l.name.clone(),
+                        spec.clone(),
+                        resolver.clone(),
+                        tls.certs.clone(),
+                        metrics.edge.acme.clone(),
+                    )),
+                    None => crate::edge::acme::register(&l.name, &tls.certs, None),
+                }
                 watched.push((resolver, tls.certs.clone()));
                 Handshake::Tls(TlsHandshake {
                     acceptor: Acceptor::from_server_config(server_config(build, &metrics.edge.tls)),
@@ -232,6 +248,9 @@ pub fn serve(path: &Path, opts: ServeOptions) -> anyhow::Result<()> {
     if !watched.is_empty() {
         let watcher = CertWatcher::new(watched, metrics.edge.cert_reloads.clone());
         server.add_service(background_service("cert watch", watcher));
+    }
+    for issuer in issuers {
+        server.add_service(background_service("acme", issuer));
     }
 
     let manager = Arc::new(

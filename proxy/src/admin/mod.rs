@@ -372,6 +372,11 @@ impl ServeHttp for AdminApp {
             "/admin/cache/purge" => reply(405, "text/plain", b"use POST\n".to_vec()),
             "/admin/cache" => cache::list(),
             "/admin/slo" => self.slo(),
+            "/admin/certs" => reply(
+                200,
+                "application/json",
+                crate::edge::acme::view().to_string().into_bytes(),
+            ),
             "/admin/cluster" => match crate::cluster::get() {
                 Some(c) => reply(200, "application/json", c.view().to_string().into_bytes()),
                 None => reply(

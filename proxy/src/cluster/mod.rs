@@ -19,11 +19,14 @@
 //!   cancelled from any instance.
 //! - `fair`: the fair-share counters of every gate and engine, exchanged
 //!   four times a second.
+//! - `kv`: a lock one instance holds at a time and small shared values
+//!   (the ACME certificate and its HTTP-01 answers).
 //! - `members`: the heartbeat (a key with a TTL per instance) and the live
 //!   count the `local` fallback divides limits by.
 
 pub mod fair;
 pub mod jobs;
+mod kv;
 pub mod limits;
 mod members;
 mod metrics;

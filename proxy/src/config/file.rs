@@ -785,6 +785,44 @@ pub struct TlsSection {
     pub handshake_timeout_ms: u64,
     /// Send `Strict-Transport-Security: max-age=N` (0 = off).
     pub hsts_max_age_s: u64,
+    /// Certificates ordered and renewed through ACME (RFC 8555).
+    pub acme: Option<AcmeSection>,
+}
+
+/// `acme = { ... }` of a listener's `tls`: a certificate for `domains`,
+/// issued and renewed by an ACME directory (nginx-acme's `acme_issuer` and
+/// `acme_certificate`).
+#[derive(Debug, Clone, PartialEq, Deserialize, Serialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct AcmeSection {
+    /// The directory URL (`https://...`), e.g. Let's Encrypt's
+    /// `https://acme-v02.api.letsencrypt.org/directory`.
+    pub directory: String,
+    /// The names the certificate is for (no wildcards: they need DNS-01).
+    pub domains: Vec<String>,
+    /// Account contacts, e.g. `["mailto:ops@example.com"]`.
+    pub contact: Vec<String>,
+    /// `http-01` (answered on the plain listeners) or `tls-alpn-01`
+    /// (answered on this listener).
+    pub challenge: String,
+    /// PEM file of the CA that signs the directory's own HTTPS certificate
+    /// (private CAs, tests); empty: the public web roots.
+    pub trust_roots: String,
+    /// Where the account key and the certificate are kept (mode 0700).
+    pub state_dir: String,
+}
+
+impl Default for AcmeSection {
+    fn default() -> Self {
+        Self {
+            directory: String::new(),
+            domains: Vec::new(),
+            contact: Vec::new(),
+            challenge: "http-01".into(),
+            trust_roots: String::new(),
+            state_dir: String::new(),
+        }
+    }
 }
 
 impl Default for TlsSection {
@@ -798,6 +836,7 @@ impl Default for TlsSection {
             session_cache_size: 20_480,
             handshake_timeout_ms: 10_000,
             hsts_max_age_s: 0,
+            acme: None,
         }
     }
 }

@@ -9,6 +9,7 @@
 //! validation of the sections that become objects), swaps it whole on
 //! reload, and keeps the loops that walk it.
 
+pub mod acme;
 pub mod file;
 pub mod locate;
 pub mod spec;
@@ -169,6 +170,54 @@ pub struct CertSpec {
     pub names: Vec<String>,
     /// Serve it when no name matches.
     pub default: bool,
+    /// Skipped while its file does not exist (an ACME certificate not yet
+    /// issued); any other entry that cannot load fails its store.
+    pub optional: bool,
+}
+
+/// The ACME challenge a listener answers.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum AcmeChallenge {
+    /// `http-01`: a token under `/.well-known/acme-challenge/` on port 80.
+    Http01,
+    /// `tls-alpn-01`: a certificate for the `acme-tls/1` protocol.
+    TlsAlpn01,
+}
+
+/// A listener's ACME settings, validated.
+#[derive(Debug, Clone, PartialEq)]
+pub struct AcmeSpec {
+    /// Directory URL.
+    pub directory: String,
+    /// Names of the certificate (lowercase).
+    pub domains: Vec<String>,
+    /// Account contacts.
+    pub contact: Vec<String>,
+    /// The challenge to answer.
+    pub challenge: AcmeChallenge,
+    /// DER certificates trusted for the directory (empty: the web roots).
+    pub trust_roots: Vec<Vec<u8>>,
+    /// Account and certificate state.
+    pub state_dir: PathBuf,
+}
+
+impl AcmeSpec {
+    /// The file holding the issued chain and its key.
+    pub fn cert_file(&self) -> PathBuf {
+        self.state_dir.join("certificate.pem")
+    }
+
+    /// The certificate entry that serves the issued certificate.
+    pub fn cert_spec(&self, default: bool) -> CertSpec {
+        CertSpec {
+            cert: self.cert_file(),
+            key: self.cert_file(),
+            ocsp: None,
+            names: self.domains.clone(),
+            default,
+            optional: true,
+        }
+    }
 }
 
 /// TLS settings of a listener.
@@ -190,6 +239,8 @@ pub struct TlsListener {
     pub handshake_timeout: std::time::Duration,
     /// HSTS max-age (None: no header).
     pub hsts_max_age_s: Option<u64>,
+    /// ACME settings, when a certificate comes from ACME.
+    pub acme: Option<AcmeSpec>,
 }
 
 /// What a listener does to every request it receives.

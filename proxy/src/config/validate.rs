@@ -319,6 +319,16 @@ pub fn listeners(f: &FileConfig, defaults: &Deadlines, errs: &mut Errors) -> Vec
                 "h2c and redirect_https_port apply to plain listeners only",
             );
         }
+        let http01 = tls
+            .as_ref()
+            .and_then(|t| t.acme.as_ref())
+            .is_some_and(|a| a.challenge == super::AcmeChallenge::Http01);
+        if http01 && f.listeners.iter().all(|o| o.tls.is_some()) {
+            errs.push(
+                at.i(i).k("tls").k("acme").k("challenge"),
+                "http-01 is answered on a plain listener (port 80), and there is none",
+            );
+        }
         let proxy_protocol = proxy_protocol(l, &at.i(i), errs);
         let name = if l.name.is_empty() {
             format!("listener{i}")
@@ -374,10 +384,10 @@ fn proxy_protocol(l: &ListenerSection, at: &FieldPath, errs: &mut Errors) -> Opt
 
 fn tls_listener(t: &TlsSection, at: &FieldPath, errs: &mut Errors) -> Option<TlsListener> {
     let before = errs.0.len();
-    if t.certs.is_empty() {
+    if t.certs.is_empty() && t.acme.is_none() {
         errs.push(
             at.k("certs"),
-            "a TLS listener needs at least one certificate",
+            "a TLS listener needs at least one certificate (or `acme`)",
         );
     }
     if t.certs.iter().filter(|c| c.default).count() > 1 {
@@ -414,6 +424,16 @@ fn tls_listener(t: &TlsSection, at: &FieldPath, errs: &mut Errors) -> Option<Tls
         let spec = cert_spec(c);
         certs.push(spec);
     }
+    let acme = t
+        .acme
+        .as_ref()
+        .and_then(|a| super::acme::acme(a, &at.k("acme"), errs));
+    if let Some(a) = &acme {
+        // The issued certificate answers names no file serves, and every
+        // name when no file is the default.
+        let default = !certs.iter().any(|c| c.default);
+        certs.push(a.cert_spec(default));
+    }
     if errs.0.len() != before {
         return None;
     }
@@ -426,6 +446,7 @@ fn tls_listener(t: &TlsSection, at: &FieldPath, errs: &mut Errors) -> Option<Tls
         cache_size: t.session_cache_size,
         handshake_timeout: Duration::from_millis(t.handshake_timeout_ms.max(1)),
         hsts_max_age_s: (t.hsts_max_age_s > 0).then_some(t.hsts_max_age_s),
+        acme,
     })
 }
 
@@ -437,6 +458,7 @@ pub fn cert_spec(c: &CertSection) -> CertSpec {
         ocsp: (!c.ocsp.is_empty()).then(|| PathBuf::from(&c.ocsp)),
         names: c.names.clone(),
         default: c.default,
+        optional: false,
     }
 }
 

@@ -171,6 +171,9 @@ impl CertStore {
     pub fn load(specs: &[CertSpec], metrics: &CertMetrics) -> Result<Self, String> {
         let mut store = CertStore::default();
         for spec in specs {
+            if spec.optional && !spec.cert.exists() {
+                continue;
+            }
             let (ck, expires) = load_one(spec, metrics)?;
             if let Some(e) = expires {
                 store.staple_expires = Some(store.staple_expires.map_or(e, |s| s.min(e)));
@@ -246,6 +249,12 @@ impl SniResolver {
 
 impl ResolvesServerCert for SniResolver {
     fn resolve(&self, hello: ClientHello<'_>) -> Option<Arc<CertifiedKey>> {
+        // An ACME validator's TLS-ALPN-01 handshake offers `acme-tls/1`
+        // alone (RFC 8737 3): it gets the challenge's certificate, or
+        // nothing; never the names' real one.
+        if super::acme::is_challenge_hello(hello.alpn()) {
+            return hello.server_name().and_then(super::acme::alpn_certificate);
+        }
         let found = self.store.load().find(hello.server_name());
         match (&found, &self.full) {
             (None, _) => self.metrics.unknown_sni.inc(),

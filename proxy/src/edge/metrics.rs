@@ -30,6 +30,8 @@ pub struct EdgeMetrics {
     pub proxy_protocol: IntCounterVec,
     /// Response buffering.
     pub spool: std::sync::Arc<SpoolMetrics>,
+    /// ACME orders and certificate lifetimes.
+    pub acme: super::acme::AcmeMetrics,
 }
 
 /// The response buffering's families.
@@ -234,6 +236,7 @@ impl EdgeMetrics {
         );
         let spool = std::sync::Arc::new(spool_metrics(r, &conns));
         EdgeMetrics {
+            acme: super::acme::AcmeMetrics::new(r),
             spool,
             proxy_protocol,
             rejected,

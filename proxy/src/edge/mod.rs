@@ -3,8 +3,10 @@
 //! (`conn`) and its stand-in for Pingora's bare 400 (`bare`), certificates
 //! with SNI, OCSP staples and hot reload (`certs`), rotating session-ticket
 //! keys (`ticket`), the DER reading they need (`der`), and
-//! `ultrafast certs dev` (`devcerts`).
+//! `ultrafast certs dev` (`devcerts`), and certificates ordered and
+//! renewed through ACME (`acme`).
 
+pub mod acme;
 mod bare;
 pub mod certs;
 pub mod conn;

@@ -78,6 +78,8 @@ pub struct TlsBuild {
     pub cache_size: usize,
     /// Offer h2 in ALPN.
     pub h2: bool,
+    /// Accept `acme-tls/1` (the listener answers TLS-ALPN-01).
+    pub acme_alpn: bool,
 }
 
 /// Build the rustls server config of a TLS listener.
@@ -94,6 +96,10 @@ pub fn server_config(b: TlsBuild, metrics: &TlsMetrics) -> Arc<rustls::ServerCon
     } else {
         vec![b"http/1.1".to_vec()]
     };
+    if b.acme_alpn {
+        // Last: rustls picks in this order, and only a validator offers it.
+        cfg.alpn_protocols.push(super::acme::ACME_TLS_ALPN.to_vec());
+    }
     if let Some(t) = b.ticketer {
         cfg.ticketer = t;
     }

@@ -52,6 +52,33 @@ impl EdgeProxy {
         Ok(true)
     }
 
+    /// Answer an ACME HTTP-01 validation (`GET
+    /// /.well-known/acme-challenge/TOKEN`) for a token of an open order;
+    /// Ok(false) for every other request.
+    pub(super) async fn acme_http01(&self, session: &mut Session, ctx: &Ctx) -> Result<bool> {
+        use crate::edge::acme;
+        let req = session.req_header();
+        let Some(token) = req.uri.path().strip_prefix(acme::HTTP01_PREFIX) else {
+            return Ok(false);
+        };
+        if req.method != http::Method::GET && req.method != http::Method::HEAD {
+            return Ok(false);
+        }
+        let Some(key_auth) = acme::http_answer(token).await else {
+            return Ok(false);
+        };
+        policy::respond(
+            session,
+            &ctx.policy(),
+            200,
+            "application/octet-stream",
+            Bytes::from(key_auth),
+            &[],
+        )
+        .await?;
+        Ok(true)
+    }
+
     /// The 301 of a listener with `redirect_https_port`: same host (without
     /// its port) and URI, on HTTPS.
     pub(super) async fn redirect_to_https(

@@ -376,6 +376,11 @@ impl ProxyHttp for EdgeProxy {
             policy::respond_error(session, &ctx.policy(), 400, why, "bad_request").await?;
             return Ok(true);
         }
+        // ACME HTTP-01 validations reach the plain listeners (port 80),
+        // the redirecting one included, before any route or redirect.
+        if !ctx.tls && self.acme_http01(session, ctx).await? {
+            return Ok(true);
+        }
         if let Some(port) = redirect {
             return self.redirect_to_https(session, ctx, port).await;
         }

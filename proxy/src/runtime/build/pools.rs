@@ -379,6 +379,7 @@ fn upstream_tls(
                 ocsp: None,
                 names: vec![],
                 default: false,
+                optional: false,
             };
             let metrics = crate::edge::certs::CertMetrics::detached();
             match crate::edge::certs::CertStore::load(std::slice::from_ref(&spec), &metrics) {
