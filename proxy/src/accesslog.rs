@@ -50,6 +50,8 @@ pub struct Entry<'a> {
     pub tries: u32,
     /// User agent.
     pub user_agent: &'a str,
+    /// The protocol the request came in (`HTTP/1.1`, `HTTP/2`, `HTTP/3`).
+    pub protocol: &'static str,
     /// Lane name.
     pub lane: &'a str,
     /// Time waited for an admission slot.
@@ -309,6 +311,8 @@ fn json_line(e: &Entry<'_>, out: &mut String, memo: &mut Memo) {
     json_str(out, e.lane);
     out.push_str(",\"method\":");
     json_str(out, e.method);
+    out.push_str(",\"protocol\":");
+    json_str(out, e.protocol);
     out.push_str(",\"queue_ms\":");
     push_ms(out, e.queue);
     out.push_str(",\"request_id\":");
@@ -511,7 +515,7 @@ fn combined_line(e: &Entry<'_>, out: &mut String) {
     push_log_escaped(out, e.method, true);
     out.push(' ');
     push_log_escaped(out, e.uri, true);
-    let _ = write!(out, " HTTP/1.1\" {} {} \"-\" \"", e.status, e.bytes);
+    let _ = write!(out, " {}\" {} {} \"-\" \"", e.protocol, e.status, e.bytes);
     push_log_escaped(out, e.user_agent, false);
     out.push_str("\" rid=");
     push_log_escaped(out, e.request_id, true);
@@ -638,6 +642,7 @@ mod tests {
             upstream_time: None,
             tries: 1,
             user_agent: "ua\" rid=forged \u{e9}",
+            protocol: "HTTP/1.1",
             lane: "",
             queue: None,
         };
@@ -667,6 +672,7 @@ mod tests {
             upstream_time: None,
             tries: 2,
             user_agent: "",
+            protocol: "HTTP/1.1",
             lane: "ultra",
             queue: Some(Duration::from_micros(250)),
         };
@@ -692,7 +698,8 @@ mod tests {
         assert_eq!(v["tries"].as_u64(), Some(2));
         assert_eq!(v["lane"], "ultra");
         assert_eq!(v["time"], "2024-02-29T12:34:56.123Z");
-        assert_eq!(v.as_object().unwrap().len(), 15);
+        assert_eq!(v.as_object().unwrap().len(), 16);
+        assert_eq!(v["protocol"], "HTTP/1.1");
         // An IPv6 member as `SocketAddr` writes it (brackets, scope).
         let e = Entry {
             upstream: Some("[fe80::1%3]:8000".parse().unwrap()),
@@ -725,6 +732,7 @@ mod tests {
             upstream_time: None,
             tries: 0,
             user_agent: "",
+            protocol: "HTTP/1.1",
             lane: "",
             queue: None,
         }

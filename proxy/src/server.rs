@@ -151,6 +151,8 @@ pub fn serve(path: &Path, opts: ServeOptions) -> anyhow::Result<()> {
     let mut endpoints = Vec::new();
     let mut watched = Vec::new();
     let mut issuers = Vec::new();
+    let mut h3_endpoints = Vec::new();
+    let mut udp = bind_udp(&listeners)?;
     for l in &listeners {
         let mut app = pingora::proxy::http_proxy(&server.configuration, edge());
         let mut options = HttpServerOptions::default();
@@ -168,13 +170,15 @@ pub fn serve(path: &Path, opts: ServeOptions) -> anyhow::Result<()> {
         let mut h2 = pingora::protocols::http::v2::server::default_h2_options();
         h2.max_header_list_size(H2_HEADER_LIST_MAX);
         app.h2_options = Some(h2);
-        let app = Guarded::new(
-            app,
-            shared.clone(),
-            open.clone(),
-            metrics.edge.conns.clone(),
-        )
-        .with_h2c(l.h2c);
+        let app = Arc::new(
+            Guarded::new(
+                app,
+                shared.clone(),
+                open.clone(),
+                metrics.edge.conns.clone(),
+            )
+            .with_h2c(l.h2c),
+        );
         let handshake = match &l.tls {
             None => Handshake::Plain,
             Some(tls) => {
@@ -197,6 +201,7 @@ pub fn serve(path: &Path, opts: ServeOptions) -> anyhow::Result<()> {
                     )),
                     false => None,
                 };
+                let build_ticketer = ticketer.clone();
                 let build = TlsBuild {
                     resolver: resolver.clone(),
                     ticketer,
@@ -216,6 +221,25 @@ pub fn serve(path: &Path, opts: ServeOptions) -> anyhow::Result<()> {
                         metrics.edge.acme.clone(),
                     )),
                     None => crate::edge::acme::register(&l.name, &tls.certs, None),
+                }
+                if let Some(h3) = &tls.http3 {
+                    let config = crate::edge::h3::server_config(
+                        resolver.clone(),
+                        build_ticketer.clone(),
+                        h3,
+                    )
+                    .map_err(anyhow::Error::msg)?;
+                    let socket = udp.remove(&l.address).ok_or_else(|| {
+                        anyhow::anyhow!("listener `{}`: UDP socket not bound", l.name)
+                    })?;
+                    h3_endpoints.push(crate::edge::h3::H3Endpoint {
+                        name: l.name.clone(),
+                        socket,
+                        config,
+                        settings: h3.clone(),
+                        handshake_timeout: tls.handshake_timeout,
+                        app: app.clone(),
+                    });
                 }
                 watched.push((resolver, tls.certs.clone()));
                 Handshake::Tls(TlsHandshake {
@@ -237,7 +261,7 @@ pub fn serve(path: &Path, opts: ServeOptions) -> anyhow::Result<()> {
             socket: sockets.remove(&l.address).flatten(),
             handshake,
             proxy_protocol,
-            app: Arc::new(app),
+            app,
         });
     }
     server.add_service(ListenerService::new(
@@ -245,6 +269,13 @@ pub fn serve(path: &Path, opts: ServeOptions) -> anyhow::Result<()> {
         endpoints,
         threads,
     ));
+    if !h3_endpoints.is_empty() {
+        server.add_service(crate::edge::h3::H3Service::new(
+            h3_endpoints,
+            threads,
+            metrics.edge.h3.clone(),
+        ));
+    }
     if !watched.is_empty() {
         let watcher = CertWatcher::new(watched, metrics.edge.cert_reloads.clone());
         server.add_service(background_service("cert watch", watcher));
@@ -324,6 +355,23 @@ pub fn serve(path: &Path, opts: ServeOptions) -> anyhow::Result<()> {
         path.display()
     );
     server.run_forever()
+}
+
+/// Bind the UDP socket of every HTTP/3 listener before serving (a port
+/// that cannot be bound fails `serve` with its address, as for TCP).
+fn bind_udp(
+    listeners: &[config::Listener],
+) -> anyhow::Result<HashMap<String, std::net::UdpSocket>> {
+    let mut out = HashMap::new();
+    for l in listeners {
+        if l.tls.as_ref().is_some_and(|t| t.http3.is_some()) {
+            let s = crate::edge::h3::bind(&l.address).map_err(|e| {
+                anyhow::anyhow!("listener `{}` cannot bind UDP {}: {e}", l.name, l.address)
+            })?;
+            out.insert(l.address.clone(), s);
+        }
+    }
+    Ok(out)
 }
 
 /// Bind every listener (traffic and admin) before serving, so one that

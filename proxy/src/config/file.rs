@@ -787,6 +787,26 @@ pub struct TlsSection {
     pub hsts_max_age_s: u64,
     /// Certificates ordered and renewed through ACME (RFC 8555).
     pub acme: Option<AcmeSection>,
+    /// Also serve HTTP/3 (QUIC) on UDP at this listener's address.
+    pub http3: bool,
+    /// Concurrent request streams per HTTP/3 connection (nginx
+    /// `http3_max_concurrent_streams`).
+    pub http3_max_streams: u32,
+    /// An HTTP/3 connection silent this long is closed (nginx
+    /// `keepalive_timeout` for QUIC).
+    pub http3_idle_timeout_ms: u64,
+    /// HTTP/3 connections at most; more are refused at once.
+    pub http3_max_connections: usize,
+    /// Address validation with a QUIC Retry: `auto` (under load: many
+    /// handshakes at once, or half the connection cap), `always`, `never`
+    /// (nginx `quic_retry`).
+    pub http3_retry: String,
+    /// Accept 0-RTT data (nginx `ssl_early_data`); off: replayable. When
+    /// on, only GET, HEAD and OPTIONS are forwarded before the handshake
+    /// completes; other methods wait for it.
+    pub http3_early_data: bool,
+    /// `Alt-Svc: h3=":PORT"; ma=N` on this listener's TCP responses.
+    pub http3_alt_svc_max_age_s: u64,
 }
 
 /// `acme = { ... }` of a listener's `tls`: a certificate for `domains`,
@@ -837,6 +857,13 @@ impl Default for TlsSection {
             handshake_timeout_ms: 10_000,
             hsts_max_age_s: 0,
             acme: None,
+            http3: false,
+            http3_max_streams: 128,
+            http3_idle_timeout_ms: 60_000,
+            http3_max_connections: 10_000,
+            http3_retry: "auto".into(),
+            http3_early_data: false,
+            http3_alt_svc_max_age_s: 86_400,
         }
     }
 }

@@ -241,6 +241,37 @@ pub struct TlsListener {
     pub hsts_max_age_s: Option<u64>,
     /// ACME settings, when a certificate comes from ACME.
     pub acme: Option<AcmeSpec>,
+    /// HTTP/3 settings, when the listener also speaks QUIC.
+    pub http3: Option<Http3>,
+}
+
+/// When an HTTP/3 listener asks a new client to prove its address (a QUIC
+/// Retry: one round trip more, no state kept for a spoofed source).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum QuicRetry {
+    /// Under load only.
+    Auto,
+    /// Every new connection.
+    Always,
+    /// Never.
+    Never,
+}
+
+/// A TLS listener's HTTP/3 settings.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Http3 {
+    /// Concurrent request streams per connection.
+    pub max_streams: u32,
+    /// Idle timeout.
+    pub idle_timeout: std::time::Duration,
+    /// Connections at most.
+    pub max_connections: usize,
+    /// Address validation.
+    pub retry: QuicRetry,
+    /// 0-RTT accepted.
+    pub early_data: bool,
+    /// `Alt-Svc` max-age.
+    pub alt_svc_max_age_s: u64,
 }
 
 /// What a listener does to every request it receives.
@@ -252,6 +283,9 @@ pub struct ListenerRule {
     pub redirect_https_port: Option<u16>,
     /// HSTS header value for responses.
     pub hsts: Option<http::HeaderValue>,
+    /// `Alt-Svc` advertising HTTP/3 on this listener's port, for its TCP
+    /// responses.
+    pub alt_svc: Option<http::HeaderValue>,
     /// The listener's deadlines.
     pub deadlines: Deadlines,
 }
@@ -262,20 +296,27 @@ pub fn listener_rules(listeners: &[Listener], defaults: &Deadlines) -> Vec<Liste
     listeners
         .iter()
         .filter_map(|l| {
-            let addr = l.address.parse().ok()?;
+            let addr: std::net::SocketAddr = l.address.parse().ok()?;
             let redirect = (l.redirect_https_port != 0).then_some(l.redirect_https_port);
             let hsts = l
                 .tls
                 .as_ref()
                 .and_then(|t| t.hsts_max_age_s)
                 .and_then(|s| http::HeaderValue::from_str(&format!("max-age={s}")).ok());
+            let alt_svc = l.tls.as_ref().and_then(|t| t.http3.as_ref()).and_then(|h| {
+                let v = format!("h3=\":{}\"; ma={}", addr.port(), h.alt_svc_max_age_s);
+                http::HeaderValue::from_str(&v).ok()
+            });
             let own = l.deadlines != *defaults;
-            (redirect.is_some() || hsts.is_some() || own).then_some(ListenerRule {
-                addr,
-                redirect_https_port: redirect,
-                hsts,
-                deadlines: l.deadlines,
-            })
+            (redirect.is_some() || hsts.is_some() || alt_svc.is_some() || own).then_some(
+                ListenerRule {
+                    addr,
+                    redirect_https_port: redirect,
+                    hsts,
+                    alt_svc,
+                    deadlines: l.deadlines,
+                },
+            )
         })
         .collect()
 }

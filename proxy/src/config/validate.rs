@@ -434,6 +434,7 @@ fn tls_listener(t: &TlsSection, at: &FieldPath, errs: &mut Errors) -> Option<Tls
         let default = !certs.iter().any(|c| c.default);
         certs.push(a.cert_spec(default));
     }
+    let http3 = t.http3.then(|| http3(t, at, errs));
     if errs.0.len() != before {
         return None;
     }
@@ -447,7 +448,41 @@ fn tls_listener(t: &TlsSection, at: &FieldPath, errs: &mut Errors) -> Option<Tls
         handshake_timeout: Duration::from_millis(t.handshake_timeout_ms.max(1)),
         hsts_max_age_s: (t.hsts_max_age_s > 0).then_some(t.hsts_max_age_s),
         acme,
+        http3,
     })
+}
+
+/// A TLS listener's HTTP/3 settings.
+fn http3(t: &TlsSection, at: &FieldPath, errs: &mut Errors) -> super::Http3 {
+    if !(1..=10_000).contains(&t.http3_max_streams) {
+        errs.push(at.k("http3_max_streams"), "must be 1..=10000");
+    }
+    if t.http3_idle_timeout_ms == 0 {
+        errs.push(at.k("http3_idle_timeout_ms"), "must be > 0");
+    }
+    if t.http3_max_connections == 0 {
+        errs.push(at.k("http3_max_connections"), "must be > 0");
+    }
+    let retry = match t.http3_retry.as_str() {
+        "auto" => super::QuicRetry::Auto,
+        "always" => super::QuicRetry::Always,
+        "never" => super::QuicRetry::Never,
+        other => {
+            errs.push(
+                at.k("http3_retry"),
+                format!("`{other}` is not one of auto, always, never"),
+            );
+            super::QuicRetry::Auto
+        }
+    };
+    super::Http3 {
+        max_streams: t.http3_max_streams,
+        idle_timeout: Duration::from_millis(t.http3_idle_timeout_ms.clamp(1, 3_600_000)),
+        max_connections: t.http3_max_connections,
+        retry,
+        early_data: t.http3_early_data,
+        alt_svc_max_age_s: t.http3_alt_svc_max_age_s,
+    }
 }
 
 /// The certificate entry a `[[listeners.tls.certs]]` section names.

@@ -32,6 +32,10 @@ pub struct EdgeMetrics {
     pub spool: std::sync::Arc<SpoolMetrics>,
     /// ACME orders and certificate lifetimes.
     pub acme: super::acme::AcmeMetrics,
+    /// HTTP/3 connections and requests.
+    pub h3: super::h3::H3Metrics,
+    /// Requests by protocol (HTTP/1.1, HTTP/2, HTTP/3).
+    pub protocols: IntCounterVec,
 }
 
 /// The response buffering's families.
@@ -235,8 +239,23 @@ impl EdgeMetrics {
             ),
         );
         let spool = std::sync::Arc::new(spool_metrics(r, &conns));
+        let protocols = registered(
+            r,
+            IntCounterVec::new(
+                Opts::new(
+                    "ultrafast_downstream_requests_total",
+                    "Requests by the protocol they came in: HTTP/1.1 (or 1.0), HTTP/2, HTTP/3.",
+                ),
+                &["protocol"],
+            ),
+        );
+        for p in ["HTTP/1.1", "HTTP/2", "HTTP/3"] {
+            protocols.with_label_values(&[p]);
+        }
         EdgeMetrics {
             acme: super::acme::AcmeMetrics::new(r),
+            h3: super::h3::H3Metrics::new(r),
+            protocols,
             spool,
             proxy_protocol,
             rejected,

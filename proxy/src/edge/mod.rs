@@ -4,7 +4,7 @@
 //! with SNI, OCSP staples and hot reload (`certs`), rotating session-ticket
 //! keys (`ticket`), the DER reading they need (`der`), and
 //! `ultrafast certs dev` (`devcerts`), and certificates ordered and
-//! renewed through ACME (`acme`).
+//! renewed through ACME (`acme`), and HTTP/3 (`h3`).
 
 pub mod acme;
 mod bare;
@@ -12,6 +12,7 @@ pub mod certs;
 pub mod conn;
 pub mod der;
 pub mod devcerts;
+pub mod h3;
 pub mod hold;
 pub mod listener;
 pub mod metrics;

@@ -84,6 +84,10 @@ pub struct Ctx {
     pub(super) error_status: u16,
     /// HSTS of the listener, sent only when `tls` (see `policy`).
     pub(super) hsts: Option<http::HeaderValue>,
+    /// `Alt-Svc` for this listener's TCP responses (none over HTTP/3).
+    pub(super) alt_svc: Option<http::HeaderValue>,
+    /// The request came over HTTP/3 (`edge::h3`).
+    pub(super) h3: bool,
     /// Deadlines of the listener the request came in on.
     pub(super) deadlines: crate::config::Deadlines,
     /// The request came over TLS: `X-Forwarded-Proto: https`, and HSTS.

@@ -12,11 +12,15 @@ impl EdgeProxy {
     pub(super) fn identify(&self, session: &Session, ctx: &mut Ctx, cfg: &Config) -> Option<u16> {
         (ctx.request_id, ctx.own_id) = filters::request_id(session.req_header(), ctx.started_wall);
         ctx.tls = policy::is_tls(session);
+        ctx.h3 = crate::edge::h3::is_h3(session.digest());
         let local = session.server_addr().and_then(|a| a.as_inet()).copied();
         let rule = cfg.listener_rule(local);
         ctx.deadlines = rule.map_or(cfg.limits.deadlines, |r| r.deadlines);
         let rule = rule?;
         ctx.hsts = rule.hsts.clone();
+        if !ctx.h3 {
+            ctx.alt_svc = rule.alt_svc.clone();
+        }
         rule.redirect_https_port
     }
 

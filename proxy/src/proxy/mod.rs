@@ -294,6 +294,8 @@ impl ProxyHttp for EdgeProxy {
             error_status: 0,
             cache: Default::default(),
             hsts: None,
+            alt_svc: None,
+            h3: false,
             tls: false,
             trace: None,
             _inflight: InFlight::new(&self.inflight),
@@ -731,6 +733,18 @@ impl ProxyHttp for EdgeProxy {
         }
         ctx.outstanding = None;
         ctx.permit = None;
+        let protocol = if ctx.h3 {
+            "HTTP/3"
+        } else if session.as_downstream().is_http2() {
+            "HTTP/2"
+        } else {
+            "HTTP/1.1"
+        };
+        self.metrics
+            .edge
+            .protocols
+            .with_label_values(&[protocol])
+            .inc();
         if crate::edge::conn::end_response(session.as_downstream().stream()) {
             // The rest goes out after the request (`edge::spool`), the
             // connection closed after it.
@@ -778,6 +792,7 @@ impl ProxyHttp for EdgeProxy {
                 .get(http::header::USER_AGENT)
                 .and_then(|v| v.to_str().ok())
                 .unwrap_or(""),
+            protocol,
         });
     }
 }

@@ -38,6 +38,7 @@ use pingora::Result;
 pub(super) struct Policy<'a> {
     request_id: &'a http::HeaderValue,
     hsts: Option<&'a http::HeaderValue>,
+    alt_svc: Option<&'a http::HeaderValue>,
     rules: Option<&'a HeaderOps>,
     /// The request is a gRPC call: the edge's errors are gRPC statuses.
     grpc: bool,
@@ -50,6 +51,7 @@ impl Ctx {
             request_id: &self.request_id,
             // RFC 6797 7.2: never over plain HTTP, whatever the config says.
             hsts: self.hsts.as_ref().filter(|_| self.tls),
+            alt_svc: self.alt_svc.as_ref().filter(|_| self.tls),
             rules: self
                 .route
                 .as_ref()
@@ -68,6 +70,7 @@ impl Policy<'_> {
         // cost a rehash of every header.
         let extra = usize::from(!self.request_id.is_empty())
             + usize::from(self.hsts.is_some())
+            + usize::from(self.alt_svc.is_some())
             + self.rules.map_or(0, |r| r.set.len() + r.add.len());
         super::heads::edit_response(resp, extra, |h| {
             if !self.request_id.is_empty() {
@@ -75,6 +78,9 @@ impl Policy<'_> {
             }
             if let Some(v) = self.hsts {
                 h.set(&http::header::STRICT_TRANSPORT_SECURITY, v.clone())?;
+            }
+            if let Some(v) = self.alt_svc {
+                h.set(&http::header::ALT_SVC, v.clone())?;
             }
             if let Some(ops) = self.rules {
                 // The same rules, in the same order, as a request's.
@@ -209,6 +215,7 @@ mod tests {
         let p = Policy {
             request_id: &rid,
             hsts: Some(&hsts),
+            alt_svc: None,
             rules: Some(&rules),
             grpc: false,
         };
@@ -233,6 +240,7 @@ mod tests {
         let p = Policy {
             request_id: &rid,
             hsts: None,
+            alt_svc: None,
             rules: Some(&rules),
             grpc: false,
         };

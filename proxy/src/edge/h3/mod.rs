@@ -1,0 +1,433 @@
+//! HTTP/3 to clients (QUIC, RFC 9000/9114) on TLS listeners with
+//! `http3 = true`: quinn on the listener's UDP port, with the same rustls
+//! certificate resolver as its TCP side (SNI, files, ACME), and the h3
+//! crate for the requests.
+//!
+//! Each QUIC connection is served by the same Pingora app as TCP
+//! connections: requests cross over an in-memory HTTP/2 connection
+//! (`bridge`, `relay`), so they take the one request path (routes,
+//! admission, inference, proxying, the response policy, access log,
+//! metrics, traces), and `is_h3` lets that path tell them apart.
+//!
+//! Limits: concurrent streams per connection and the idle timeout (QUIC
+//! transport parameters), the TLS listener's handshake timeout, a cap on
+//! connections (more are refused at once), address validation with a
+//! Retry (`http3_retry`), 0-RTT off unless `http3_early_data`, and then
+//! only for requests safe to replay.
+
+mod bridge;
+mod relay;
+
+pub use bridge::QUIC_VERSION;
+
+use crate::config::{Http3, QuicRetry};
+use crate::prom::registered;
+use async_trait::async_trait;
+use bridge::Bridge;
+use bytes::Bytes;
+use pingora::apps::ServerApp;
+use pingora::server::{ListenFds, ShutdownWatch};
+use pingora::services::Service;
+use prometheus::{IntCounter, IntCounterVec, IntGauge, Opts, Registry};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+
+/// Handshakes in progress above which `auto` asks new clients to prove
+/// their address first.
+const RETRY_HANDSHAKES: usize = 64;
+/// Bytes in flight each way between a connection and its bridge.
+const BRIDGE_BUFFER: usize = 256 * 1024;
+/// Most bytes of a request's header section (as the TCP listeners' 1 MiB).
+const MAX_FIELD_SECTION: u64 = 1 << 20;
+
+/// Whether a request came over HTTP/3 (its connection's digest is a
+/// bridge's).
+pub fn is_h3(d: Option<&pingora::protocols::Digest>) -> bool {
+    d.and_then(|d| d.ssl_digest.as_ref())
+        .is_some_and(|s| s.version == QUIC_VERSION)
+}
+
+/// The HTTP/3 metric families.
+#[derive(Clone)]
+pub struct H3Metrics {
+    open: IntGauge,
+    conns: IntCounterVec,
+    requests: IntCounter,
+}
+
+impl H3Metrics {
+    /// Register the families.
+    pub fn new(r: &Registry) -> Self {
+        let conns = registered(
+            r,
+            IntCounterVec::new(
+                Opts::new(
+                    "ultrafast_http3_connections_total",
+                    "QUIC connection attempts by result: accepted, refused (http3_max_connections), retry (asked to prove their address), failed (handshake failed or timed out).",
+                ),
+                &["result"],
+            ),
+        );
+        for r in ["accepted", "refused", "retry", "failed"] {
+            conns.with_label_values(&[r]);
+        }
+        H3Metrics {
+            open: registered(
+                r,
+                IntGauge::new(
+                    "ultrafast_http3_connections",
+                    "HTTP/3 connections open now.",
+                ),
+            ),
+            conns,
+            requests: registered(
+                r,
+                IntCounter::new(
+                    "ultrafast_http3_requests_total",
+                    "HTTP/3 requests received.",
+                ),
+            ),
+        }
+    }
+}
+
+/// The rustls and QUIC settings of an HTTP/3 listener: TLS 1.3 only, ALPN
+/// `h3`, the TCP side's resolver and ticket keys.
+pub fn server_config(
+    resolver: Arc<super::certs::SniResolver>,
+    ticketer: Option<Arc<super::ticket::RotatingTicketer>>,
+    h3: &Http3,
+) -> Result<quinn::ServerConfig, String> {
+    pingora::tls::install_default_crypto_provider();
+    let mut tls = rustls::ServerConfig::builder_with_protocol_versions(&[&rustls::version::TLS13])
+        .with_no_client_auth()
+        .with_cert_resolver(resolver);
+    tls.alpn_protocols = vec![b"h3".to_vec()];
+    // 0-RTT is replayable (RFC 9001 9.2): off unless asked for.
+    tls.max_early_data_size = if h3.early_data { u32::MAX } else { 0 };
+    if let Some(t) = ticketer {
+        tls.ticketer = t;
+    }
+    let crypto =
+        quinn::crypto::rustls::QuicServerConfig::try_from(tls).map_err(|e| e.to_string())?;
+    let mut cfg = quinn::ServerConfig::with_crypto(Arc::new(crypto));
+    let mut transport = quinn::TransportConfig::default();
+    transport.max_concurrent_bidi_streams(h3.max_streams.into());
+    // The control and QPACK streams of each side.
+    transport.max_concurrent_uni_streams(8u32.into());
+    transport.max_idle_timeout(Some(
+        quinn::IdleTimeout::try_from(h3.idle_timeout).map_err(|e| e.to_string())?,
+    ));
+    cfg.transport_config(Arc::new(transport));
+    Ok(cfg)
+}
+
+/// Bind a listener's UDP socket (SO_REUSEPORT, as its TCP socket, so that
+/// a graceful upgrade's new process binds beside the old one).
+pub fn bind(address: &str) -> std::io::Result<std::net::UdpSocket> {
+    use socket2::{Domain, Protocol, Socket, Type};
+    let addr: std::net::SocketAddr = address
+        .parse()
+        .map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidInput, e))?;
+    let sock = Socket::new(Domain::for_address(addr), Type::DGRAM, Some(Protocol::UDP))?;
+    sock.set_reuse_port(true)?;
+    if addr.is_ipv6() {
+        sock.set_only_v6(true)?;
+    }
+    sock.set_nonblocking(true)?;
+    sock.bind(&addr.into())?;
+    Ok(sock.into())
+}
+
+/// One HTTP/3 listener.
+pub struct H3Endpoint<A> {
+    /// The listener's name.
+    pub name: String,
+    /// Its UDP socket, bound.
+    pub socket: std::net::UdpSocket,
+    /// QUIC and TLS settings.
+    pub config: quinn::ServerConfig,
+    /// Limits.
+    pub settings: Http3,
+    /// The TLS handshake deadline.
+    pub handshake_timeout: std::time::Duration,
+    /// The app its requests go to (the TCP listeners').
+    pub app: Arc<A>,
+}
+
+/// The HTTP/3 listeners of the process.
+pub struct H3Service<A> {
+    endpoints: Vec<H3Endpoint<A>>,
+    threads: usize,
+    metrics: H3Metrics,
+}
+
+impl<A> H3Service<A> {
+    /// A service for `endpoints` on `threads` threads.
+    pub fn new(endpoints: Vec<H3Endpoint<A>>, threads: usize, metrics: H3Metrics) -> Self {
+        H3Service {
+            endpoints,
+            threads,
+            metrics,
+        }
+    }
+}
+
+/// What each connection of one endpoint shares.
+struct Shared<A> {
+    app: Arc<A>,
+    settings: Http3,
+    handshake_timeout: std::time::Duration,
+    local: std::net::SocketAddr,
+    metrics: H3Metrics,
+    handshaking: AtomicUsize,
+    open: AtomicUsize,
+}
+
+/// Decrements a count when dropped.
+struct Counted<'a>(&'a AtomicUsize);
+
+impl<'a> Counted<'a> {
+    fn new(c: &'a AtomicUsize) -> Self {
+        c.fetch_add(1, Ordering::Relaxed);
+        Counted(c)
+    }
+}
+
+impl Drop for Counted<'_> {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::Relaxed);
+    }
+}
+
+async fn serve_endpoint<A: ServerApp + Send + Sync + 'static>(
+    ep: H3Endpoint<A>,
+    metrics: H3Metrics,
+    mut shutdown: ShutdownWatch,
+) {
+    let local = match ep.socket.local_addr() {
+        Ok(a) => a,
+        Err(e) => {
+            log::error!("HTTP/3 listener `{}`: {e}", ep.name);
+            return;
+        }
+    };
+    let endpoint = match quinn::Endpoint::new(
+        quinn::EndpointConfig::default(),
+        Some(ep.config),
+        ep.socket,
+        Arc::new(quinn::TokioRuntime),
+    ) {
+        Ok(e) => e,
+        Err(e) => {
+            log::error!("HTTP/3 listener `{}` on {local}: {e}", ep.name);
+            std::process::exit(1);
+        }
+    };
+    let shared = Arc::new(Shared {
+        app: ep.app,
+        settings: ep.settings,
+        handshake_timeout: ep.handshake_timeout,
+        local,
+        metrics,
+        handshaking: AtomicUsize::new(0),
+        open: AtomicUsize::new(0),
+    });
+    loop {
+        tokio::select! {
+            changed = shutdown.changed() => {
+                if changed.is_err() || *shutdown.borrow() {
+                    break;
+                }
+            }
+            incoming = endpoint.accept() => {
+                let Some(incoming) = incoming else { break };
+                admit(incoming, &shared, &shutdown);
+            }
+        }
+    }
+    // New connections are refused from here; open ones were told to go
+    // away (each finishes its requests), and the endpoint waits for them.
+    endpoint.set_server_config(None);
+    endpoint.wait_idle().await;
+    log::info!("HTTP/3 listener `{}` on {local} stopped", ep.name);
+}
+
+/// Refuse, validate or accept a new connection.
+fn admit<A: ServerApp + Send + Sync + 'static>(
+    incoming: quinn::Incoming,
+    shared: &Arc<Shared<A>>,
+    shutdown: &ShutdownWatch,
+) {
+    let s = &shared.settings;
+    let open = shared.open.load(Ordering::Relaxed);
+    if open >= s.max_connections {
+        shared.metrics.conns.with_label_values(&["refused"]).inc();
+        incoming.refuse();
+        return;
+    }
+    let validate = match s.retry {
+        QuicRetry::Always => true,
+        QuicRetry::Never => false,
+        QuicRetry::Auto => {
+            shared.handshaking.load(Ordering::Relaxed) >= RETRY_HANDSHAKES
+                || open >= s.max_connections / 2
+        }
+    };
+    if validate && !incoming.remote_address_validated() {
+        shared.metrics.conns.with_label_values(&["retry"]).inc();
+        let _ = incoming.retry();
+        return;
+    }
+    tokio::spawn(connection(incoming, shared.clone(), shutdown.clone()));
+}
+
+/// The handshake (0-RTT if allowed), then every request of the connection.
+async fn connection<A: ServerApp + Send + Sync + 'static>(
+    incoming: quinn::Incoming,
+    shared: Arc<Shared<A>>,
+    mut shutdown: ShutdownWatch,
+) {
+    let failed = || shared.metrics.conns.with_label_values(&["failed"]).inc();
+    let handshaking = Counted::new(&shared.handshaking);
+    let Ok(connecting) = incoming.accept() else {
+        failed();
+        return;
+    };
+    let (conn, confirmed) = if shared.settings.early_data {
+        match connecting.into_0rtt() {
+            Ok((conn, accepted)) => {
+                let (tx, rx) = tokio::sync::watch::channel(false);
+                tokio::spawn(async move {
+                    let _ = accepted.await;
+                    let _ = tx.send(true);
+                });
+                (conn, rx)
+            }
+            Err(connecting) => {
+                match tokio::time::timeout(shared.handshake_timeout, connecting).await {
+                    Ok(Ok(c)) => (c, tokio::sync::watch::channel(true).1),
+                    _ => {
+                        failed();
+                        return;
+                    }
+                }
+            }
+        }
+    } else {
+        match tokio::time::timeout(shared.handshake_timeout, connecting).await {
+            Ok(Ok(c)) => (c, tokio::sync::watch::channel(true).1),
+            _ => {
+                failed();
+                return;
+            }
+        }
+    };
+    drop(handshaking);
+    shared.metrics.conns.with_label_values(&["accepted"]).inc();
+    let _open = Counted::new(&shared.open);
+    shared.metrics.open.inc();
+    serve(conn, &shared, &mut shutdown, confirmed).await;
+    shared.metrics.open.dec();
+}
+
+async fn serve<A: ServerApp + Send + Sync + 'static>(
+    conn: quinn::Connection,
+    shared: &Arc<Shared<A>>,
+    shutdown: &mut ShutdownWatch,
+    confirmed: tokio::sync::watch::Receiver<bool>,
+) {
+    let peer = conn.remote_address();
+    let mut h3 = match h3::server::builder()
+        .max_field_section_size(MAX_FIELD_SECTION)
+        .build::<_, Bytes>(h3_quinn::Connection::new(conn))
+        .await
+    {
+        Ok(h) => h,
+        Err(e) => {
+            log::debug!("HTTP/3 connection from {peer}: {e}");
+            return;
+        }
+    };
+    let (ours, theirs) = tokio::io::duplex(BRIDGE_BUFFER);
+    let app = shared.app.clone();
+    let sd = shutdown.clone();
+    let bridge = Bridge::new(theirs, peer, shared.local);
+    tokio::spawn(async move {
+        let mut next = app.process_new(Box::new(bridge), &sd).await;
+        while let Some(s) = next {
+            next = app.process_new(s, &sd).await;
+        }
+    });
+    let (h2, h2conn) = match h2::client::Builder::new()
+        .initial_window_size(1 << 20)
+        .initial_connection_window_size(16 << 20)
+        .handshake::<_, Bytes>(ours)
+        .await
+    {
+        Ok(c) => c,
+        Err(e) => {
+            log::warn!("HTTP/3 bridge for {peer}: {e}");
+            return;
+        }
+    };
+    tokio::spawn(async move {
+        let _ = h2conn.await;
+    });
+    let mut going_away = false;
+    loop {
+        tokio::select! {
+            accepted = h3.accept() => match accepted {
+                Ok(Some(resolver)) => {
+                    let (h2, confirmed) = (h2.clone(), confirmed.clone());
+                    let requests = shared.metrics.requests.clone();
+                    tokio::spawn(async move {
+                        if let Ok((req, stream)) = resolver.resolve_request().await {
+                            requests.inc();
+                            relay::relay(req, stream, h2, confirmed).await;
+                        }
+                    });
+                }
+                Ok(None) => break,
+                Err(e) => {
+                    log::debug!("HTTP/3 connection from {peer} ended: {e}");
+                    break;
+                }
+            },
+            changed = shutdown.changed(), if !going_away => {
+                if changed.is_err() || *shutdown.borrow() {
+                    // GOAWAY: requests already received finish.
+                    going_away = true;
+                    let _ = h3.shutdown(0).await;
+                }
+            }
+        }
+    }
+}
+
+#[async_trait]
+impl<A: ServerApp + Send + Sync + 'static> Service for H3Service<A> {
+    async fn start_service(
+        &mut self,
+        _fds: Option<ListenFds>,
+        shutdown: ShutdownWatch,
+        _per_fd: usize,
+    ) {
+        let loops: Vec<_> = self
+            .endpoints
+            .drain(..)
+            .map(|ep| tokio::spawn(serve_endpoint(ep, self.metrics.clone(), shutdown.clone())))
+            .collect();
+        for l in loops {
+            let _ = l.await;
+        }
+    }
+
+    fn name(&self) -> &str {
+        "http3"
+    }
+
+    fn threads(&self) -> Option<usize> {
+        Some(self.threads)
+    }
+}

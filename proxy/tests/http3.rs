@@ -1,0 +1,299 @@
+//! HTTP/3 to clients with a real client: aioquic (`py/h3_client.py`, in
+//! `.venv`) against a TLS listener with `http3 = true`. Requests take the
+//! path TCP requests take: the OpenAI API (a streamed chat ending with
+//! `[DONE]`, from a fake inference upstream speaking the real protocol), a
+//! proxied route with a body, the response policy's headers, the access
+//! log and metrics by protocol; the TCP side advertises HTTP/3 with
+//! `Alt-Svc`; the QUIC limits hold (streams, idle timeout, connection cap,
+//! Retry); a reload during an HTTP/3 stream does not cut it.
+
+#![allow(clippy::unwrap_used)]
+mod common;
+use common::infer::*;
+use common::*;
+use std::path::Path;
+use std::process::Command;
+use std::time::Duration;
+
+/// Run `py/h3_client.py` with `args`; its JSON answer.
+fn h3(args: &[&str]) -> serde_json::Value {
+    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/py/h3_client.py");
+    let out = Command::new("timeout")
+        .arg("90")
+        .arg("python3")
+        .arg(script)
+        .args(args)
+        .output()
+        .expect("python3 with aioquic (.ci/run installs it in .venv)");
+    let text = String::from_utf8_lossy(&out.stdout).into_owned();
+    serde_json::from_str(&text).unwrap_or_else(|e| {
+        panic!(
+            "h3_client {args:?}: {e}\nstdout: {text}\nstderr: {}",
+            String::from_utf8_lossy(&out.stderr)
+        )
+    })
+}
+
+/// Requests over one HTTP/3 connection to `port`.
+fn h3_requests(port: u16, ca: &Path, requests: serde_json::Value) -> Vec<serde_json::Value> {
+    let v = h3(&[
+        "requests",
+        "--port",
+        &port.to_string(),
+        "--cafile",
+        ca.to_str().unwrap(),
+        "--requests",
+        &requests.to_string(),
+    ]);
+    v.as_array()
+        .unwrap_or_else(|| panic!("no answers: {v}"))
+        .clone()
+}
+
+fn header<'a>(r: &'a serde_json::Value, name: &str) -> Option<&'a str> {
+    r["headers"]
+        .as_array()?
+        .iter()
+        .find(|h| h[0] == name)
+        .and_then(|h| h[1].as_str())
+}
+
+/// An ultrafast with an HTTP/3 TLS listener on `tls_port` (`tls_extra`
+/// added to its `tls`) and `body` after it.
+fn start(tls_port: u16, dir: &Path, tls_extra: &str, body: &str) -> Ultrafast {
+    let (cert, key) = dev_certs(dir);
+    Ultrafast::start(&format!(
+        "[[listeners]]\nname = \"https\"\naddress = \"127.0.0.1:{tls_port}\"\n\
+         tls = {{ certs = [{{ cert = \"{}\", key = \"{}\", names = [\"localhost\"], default = true }}], \
+         http3 = true, hsts_max_age_s = 600{tls_extra} }}\n\n{body}",
+        cert.display(),
+        key.display()
+    ))
+}
+
+#[test]
+fn http3_serves_the_api_a_stream_a_proxied_route_and_the_policy() {
+    let dir = scratch("h3");
+    let tls_port = free_port();
+    let fake = Fake::start(&["--tokens", "12", "--itl-ms", "5", "--ttft-ms", "5"]);
+    let origin = Origin::start("web");
+    let body = format!(
+        "{INFERENCE_ROUTE}[[routes]]\nname = \"web\"\npath = \"/web/\"\npool = \"web\"\n\
+         headers.response.set = {{ \"x-served-by\" = \"ultrafast\" }}\n\n{}{}",
+        pool_toml("web", &[&origin], ""),
+        upstream_model("fm", &[&fake], "")
+    );
+    let uf = start(tls_port, &dir, "", &body);
+    let ca = dir.join("ca.pem");
+    let chat = serde_json::json!({
+        "model": "fm",
+        "stream": true,
+        "messages": [{"role": "user", "content": "hello"}],
+        "max_tokens": 12
+    });
+    let payload = "x".repeat(100_000);
+    let answers = h3_requests(
+        tls_port,
+        &ca,
+        serde_json::json!([
+            {"path": "/v1/models"},
+            {"method": "POST", "path": "/v1/chat/completions",
+             "headers": {"content-type": "application/json"}, "body": chat.to_string()},
+            {"method": "POST", "path": "/web/echo", "body": payload},
+            {"path": "/nowhere"},
+        ]),
+    );
+    let models = &answers[0];
+    assert_eq!(models["status"], 200, "{models}");
+    let listed: serde_json::Value = serde_json::from_str(models["body"].as_str().unwrap()).unwrap();
+    assert!(
+        listed["data"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|m| m["id"] == "fm"),
+        "{listed}"
+    );
+
+    let stream = &answers[1];
+    assert_eq!(stream["status"], 200, "{stream}");
+    assert_eq!(header(stream, "content-type"), Some("text/event-stream"));
+    let text = stream["body"].as_str().unwrap();
+    assert!(text.trim_end().ends_with("data: [DONE]"), "{text}");
+    let deltas = text.matches("\"delta\"").count();
+    assert!(deltas >= 12, "{deltas} deltas in {text}");
+    // Tokens arrive as they are made, not in one piece at the end.
+    assert!(
+        stream["chunk_times"].as_array().unwrap().len() >= 3,
+        "{stream}"
+    );
+
+    let proxied = &answers[2];
+    assert_eq!(proxied["status"], 200, "{proxied}");
+    assert_eq!(header(proxied, "x-served-by"), Some("ultrafast"));
+    // The origin saw the whole body, intact.
+    let seen: serde_json::Value = serde_json::from_str(proxied["body"].as_str().unwrap()).unwrap();
+    assert_eq!(seen["body_len"], payload.len(), "{seen}");
+    assert_eq!(seen["body_fnv"], fnv(payload.as_bytes()), "{seen}");
+    assert_eq!(seen["method"], "POST");
+    // Every response: the request id and HSTS (QUIC is TLS); no Alt-Svc
+    // over HTTP/3 itself.
+    for r in &answers {
+        assert!(header(r, "x-request-id").is_some(), "{r}");
+        assert_eq!(
+            header(r, "strict-transport-security"),
+            Some("max-age=600"),
+            "{r}"
+        );
+        assert_eq!(header(r, "alt-svc"), None, "{r}");
+    }
+    assert_eq!(answers[3]["status"], 404);
+
+    // The TCP side advertises HTTP/3 on the same port.
+    let out = Command::new("curl")
+        .args(["-s", "-D", "-", "-o", "/dev/null", "--cacert"])
+        .arg(&ca)
+        .arg(format!("https://localhost:{tls_port}/v1/models"))
+        .output()
+        .unwrap();
+    let head = String::from_utf8_lossy(&out.stdout).to_ascii_lowercase();
+    assert!(
+        head.contains(&format!("alt-svc: h3=\":{tls_port}\"; ma=86400")),
+        "{head}"
+    );
+
+    // Logged and counted as HTTP/3.
+    let log = uf.access_log();
+    assert_eq!(log.matches("\"protocol\":\"HTTP/3\"").count(), 4, "{log}");
+    assert_eq!(
+        uf.metric(
+            "ultrafast_downstream_requests_total",
+            &["protocol=\"HTTP/3\""]
+        ),
+        4.0
+    );
+    assert_eq!(uf.metric("ultrafast_http3_requests_total", &[]), 4.0);
+    assert!(
+        uf.metric(
+            "ultrafast_http3_connections_total",
+            &["result=\"accepted\""]
+        ) >= 1.0
+    );
+}
+
+#[test]
+fn quic_limits_hold_streams_idle_connections_and_retry() {
+    let dir = scratch("h3-limits");
+    let tls_port = free_port();
+    let origin = Origin::start("web");
+    let body = format!(
+        "[[routes]]\npath = \"/\"\npool = \"web\"\n\n{}",
+        pool_toml("web", &[&origin], "")
+    );
+    let uf = start(
+        tls_port,
+        &dir,
+        ", http3_max_streams = 7, http3_idle_timeout_ms = 1000, http3_max_connections = 2, http3_retry = \"always\"",
+        &body,
+    );
+    let ca = dir.join("ca.pem");
+    let port = tls_port.to_string();
+    let ca_s = ca.to_str().unwrap();
+    // What the server advertises; the idle timeout enforced by the
+    // server itself: its connection is gone while the client still sleeps.
+    let client = {
+        let (port, ca) = (port.clone(), ca_s.to_string());
+        std::thread::spawn(move || h3(&["limits", "--port", &port, "--cafile", &ca, "--idle", "4"]))
+    };
+    assert!(eventually(Duration::from_secs(3), || {
+        uf.metric("ultrafast_http3_connections", &[]) == 1.0
+    }));
+    assert!(
+        eventually(Duration::from_secs(3), || {
+            uf.metric("ultrafast_http3_connections", &[]) == 0.0
+        }),
+        "the idle connection was not closed"
+    );
+    let l = client.join().unwrap();
+    assert_eq!(l["max_streams_bidi"], 7, "{l}");
+    assert_eq!(l["idle_timeout_ms"], 1000, "{l}");
+    assert!(l["terminated_after_s"].as_f64().is_some(), "{l}");
+    // Every new connection proved its address first (and still worked).
+    assert!(uf.metric("ultrafast_http3_connections_total", &["result=\"retry\""]) >= 1.0);
+    // Twelve requests on one connection allowed 7 streams at once: all
+    // answered.
+    let many: Vec<_> = (0..12)
+        .map(|i| serde_json::json!({"path": format!("/s{i}")}))
+        .collect();
+    let v = h3(&[
+        "requests",
+        "--port",
+        &port,
+        "--cafile",
+        ca_s,
+        "--parallel",
+        "--requests",
+        &serde_json::Value::from(many).to_string(),
+    ]);
+    let statuses: Vec<_> = v
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|r| r["status"].clone())
+        .collect();
+    assert!(statuses.iter().all(|s| *s == 200), "{v}");
+    // A third connection while two are open is refused.
+    let c = h3(&[
+        "conns", "--port", &port, "--cafile", ca_s, "--count", "3", "--hold", "1.5",
+    ]);
+    let oks: Vec<bool> = c
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|r| r["ok"] == true)
+        .collect();
+    assert_eq!(oks, vec![true, true, false], "{c}");
+    assert!(uf.metric("ultrafast_http3_connections_total", &["result=\"refused\""]) >= 1.0);
+}
+
+#[test]
+fn a_reload_during_an_http3_stream_does_not_cut_it() {
+    let dir = scratch("h3-reload");
+    let tls_port = free_port();
+    // 40 tokens, 50 ms apart: a two-second stream.
+    let fake = Fake::start(&["--tokens", "40", "--itl-ms", "50", "--ttft-ms", "5"]);
+    let body = format!("{INFERENCE_ROUTE}{}", upstream_model("fm", &[&fake], ""));
+    let uf = start(tls_port, &dir, "", &body);
+    let ca = dir.join("ca.pem");
+    let chat = serde_json::json!({
+        "model": "fm", "stream": true, "max_tokens": 40,
+        "messages": [{"role": "user", "content": "a long answer"}]
+    });
+    let reqs = serde_json::json!([{"method": "POST", "path": "/v1/chat/completions",
+        "headers": {"content-type": "application/json"}, "body": chat.to_string()}]);
+    let client = {
+        let ca = ca.clone();
+        std::thread::spawn(move || h3_requests(tls_port, &ca, reqs))
+    };
+    std::thread::sleep(Duration::from_millis(600));
+    // A changed config (a new route) swapped in mid-stream.
+    let (cert, key) = (dir.join("localhost.pem"), dir.join("localhost.key"));
+    uf.write_config(&format!(
+        "[[listeners]]\nname = \"https\"\naddress = \"127.0.0.1:{tls_port}\"\n\
+         tls = {{ certs = [{{ cert = \"{}\", key = \"{}\", names = [\"localhost\"], default = true }}], \
+         http3 = true, hsts_max_age_s = 600 }}\n\n{body}[[routes]]\npath = \"/new\"\nreturn = {{ status = 204 }}\n",
+        cert.display(),
+        key.display()
+    ));
+    let r = uf.reload();
+    assert_eq!(r.status, 200, "{}", r.text());
+    let answers = client.join().unwrap();
+    let s = &answers[0];
+    assert_eq!(s["status"], 200, "{s}");
+    let text = s["body"].as_str().unwrap();
+    assert!(text.trim_end().ends_with("data: [DONE]"), "{text}");
+    assert!(text.matches("\"delta\"").count() >= 40, "{text}");
+    // The new config serves HTTP/3 too.
+    let after = h3_requests(tls_port, &ca, serde_json::json!([{"path": "/new"}]));
+    assert_eq!(after[0]["status"], 204, "{}", after[0]);
+}

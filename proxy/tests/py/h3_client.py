@@ -1,0 +1,202 @@
+"""An HTTP/3 client for the tests (aioquic): requests over one QUIC
+connection, the connection's limits as the server advertises them, and
+several connections at once. Prints one JSON document on stdout.
+
+  h3_client.py requests --port P --cafile CA --requests '[{"method": "GET", "path": "/"}]'
+  h3_client.py limits   --port P --cafile CA [--idle 2.0]
+  h3_client.py conns    --port P --cafile CA --count 3 --hold 1.0
+"""
+
+import argparse
+import asyncio
+import json
+import ssl
+import sys
+import time
+
+from aioquic.asyncio.client import connect
+from aioquic.asyncio.protocol import QuicConnectionProtocol
+from aioquic.h3.connection import H3_ALPN, H3Connection
+from aioquic.h3.events import DataReceived, HeadersReceived
+from aioquic.quic.configuration import QuicConfiguration
+from aioquic.quic.events import ConnectionTerminated, QuicEvent
+
+
+class Client(QuicConnectionProtocol):
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.h3 = H3Connection(self._quic)
+        self.streams = {}
+        self.terminated = None
+
+    def quic_event_received(self, event: QuicEvent):
+        if isinstance(event, ConnectionTerminated):
+            self.terminated = {
+                "error_code": event.error_code,
+                "reason": event.reason_phrase,
+                "at": time.monotonic(),
+            }
+            for s in self.streams.values():
+                if not s["done"].done():
+                    s["done"].set_result(None)
+        for ev in self.h3.handle_event(event):
+            s = self.streams.get(getattr(ev, "stream_id", None))
+            if s is None:
+                continue
+            if isinstance(ev, HeadersReceived):
+                if s["status"] is None:
+                    s["headers"] = [(k.decode(), v.decode()) for k, v in ev.headers]
+                    s["status"] = int(dict(s["headers"]).get(":status", "0"))
+                else:
+                    s["trailers"] = [(k.decode(), v.decode()) for k, v in ev.headers]
+            elif isinstance(ev, DataReceived):
+                if ev.data:
+                    s["chunks"].append((time.monotonic() - s["t0"], ev.data))
+            if getattr(ev, "stream_ended", False) and not s["done"].done():
+                s["done"].set_result(None)
+
+    async def request(self, method, path, headers=None, body=b"", authority="localhost"):
+        sid = self._quic.get_next_available_stream_id()
+        loop = asyncio.get_running_loop()
+        s = {
+            "status": None,
+            "headers": [],
+            "trailers": [],
+            "chunks": [],
+            "t0": time.monotonic(),
+            "done": loop.create_future(),
+        }
+        self.streams[sid] = s
+        hs = [
+            (b":method", method.encode()),
+            (b":scheme", b"https"),
+            (b":authority", authority.encode()),
+            (b":path", path.encode()),
+        ] + [(k.lower().encode(), v.encode()) for k, v in (headers or {}).items()]
+        self.h3.send_headers(sid, hs, end_stream=not body)
+        if body:
+            self.h3.send_data(sid, body, end_stream=True)
+        self.transmit()
+        await s["done"]
+        text = b"".join(c for _, c in s["chunks"])
+        return {
+            "status": s["status"],
+            "headers": s["headers"],
+            "trailers": s["trailers"],
+            "body": text.decode("utf-8", "replace"),
+            "chunk_times": [round(t, 4) for t, _ in s["chunks"]],
+            "ended": s["done"].done() and self.terminated is None,
+        }
+
+
+def config(args):
+    c = QuicConfiguration(is_client=True, alpn_protocols=H3_ALPN)
+    c.load_verify_locations(args.cafile)
+    c.server_name = args.servername
+    c.idle_timeout = 30.0
+    return c
+
+
+async def requests(args):
+    out = []
+    async with connect(
+        args.host, args.port, configuration=config(args), create_protocol=Client
+    ) as client:
+        todo = json.loads(args.requests)
+        if args.parallel:
+            results = await asyncio.gather(
+                *[
+                    client.request(
+                        r.get("method", "GET"),
+                        r["path"],
+                        r.get("headers"),
+                        r.get("body", "").encode(),
+                        args.servername,
+                    )
+                    for r in todo
+                ]
+            )
+            out.extend(results)
+        else:
+            for r in todo:
+                out.append(
+                    await client.request(
+                        r.get("method", "GET"),
+                        r["path"],
+                        r.get("headers"),
+                        r.get("body", "").encode(),
+                        args.servername,
+                    )
+                )
+    return out
+
+
+async def limits(args):
+    async with connect(
+        args.host, args.port, configuration=config(args), create_protocol=Client
+    ) as client:
+        await client.ping()
+        q = client._quic
+        report = {
+            "max_streams_bidi": q._remote_max_streams_bidi,
+            "idle_timeout_ms": (
+                round(q._remote_max_idle_timeout * 1000) if q._remote_max_idle_timeout else None
+            ),
+        }
+        if args.idle:
+            t0 = time.monotonic()
+            await asyncio.sleep(args.idle)
+            report["terminated_after_s"] = (
+                round(client.terminated["at"] - t0, 3) if client.terminated else None
+            )
+        return report
+
+
+async def one_conn(args, hold):
+    try:
+        async with connect(
+            args.host, args.port, configuration=config(args), create_protocol=Client,
+        ) as client:
+            r = await asyncio.wait_for(client.request("GET", args.path, None, b"", args.servername), 10)
+            await asyncio.sleep(hold)
+            return {"ok": True, "status": r["status"]}
+    except Exception as e:  # refused, timed out
+        return {"ok": False, "error": type(e).__name__ + ": " + str(e)}
+
+
+async def conns(args):
+    held = []
+    # Open them one after the other, each kept open while the next opens.
+    tasks = []
+    for i in range(args.count):
+        tasks.append(asyncio.create_task(one_conn(args, args.hold * (args.count - i))))
+        await asyncio.sleep(0.3)
+    held = await asyncio.gather(*tasks)
+    return held
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("mode", choices=["requests", "limits", "conns"])
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, required=True)
+    p.add_argument("--cafile", required=True)
+    p.add_argument("--servername", default="localhost")
+    p.add_argument("--requests", default="[]")
+    p.add_argument("--parallel", action="store_true")
+    p.add_argument("--idle", type=float, default=0.0)
+    p.add_argument("--count", type=int, default=1)
+    p.add_argument("--hold", type=float, default=1.0)
+    p.add_argument("--path", default="/")
+    args = p.parse_args()
+    run = {"requests": requests, "limits": limits, "conns": conns}[args.mode]
+    try:
+        result = asyncio.run(asyncio.wait_for(run(args), 60))
+    except Exception as e:
+        print(json.dumps({"error": type(e).__name__ + ": " + str(e)}))
+        sys.exit(2)
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
