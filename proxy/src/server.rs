@@ -226,6 +226,7 @@ pub fn serve(path: &Path, opts: ServeOptions) -> anyhow::Result<()> {
                     let config = crate::edge::h3::server_config(
                         resolver.clone(),
                         build_ticketer.clone(),
+                        tls.cache_size,
                         h3,
                     )
                     .map_err(anyhow::Error::msg)?;

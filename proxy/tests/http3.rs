@@ -297,3 +297,94 @@ fn a_reload_during_an_http3_stream_does_not_cut_it() {
     let after = h3_requests(tls_port, &ca, serde_json::json!([{"path": "/new"}]));
     assert_eq!(after[0]["status"], 204, "{}", after[0]);
 }
+
+/// Requests on a resumed connection sent before its handshake completes:
+/// (whether the server accepted 0-RTT, the `early-data` header each
+/// request reached the origin with).
+fn zero_rtt(port: u16, ca: &Path) -> (bool, Vec<Option<String>>) {
+    let reqs = serde_json::json!([
+        {"path": "/get"},
+        {"method": "POST", "path": "/post", "body": "not to be replayed"},
+    ]);
+    let v = h3(&[
+        "early",
+        "--port",
+        &port.to_string(),
+        "--cafile",
+        ca.to_str().unwrap(),
+        "--requests",
+        &reqs.to_string(),
+    ]);
+    let results = v["results"].as_array().unwrap_or_else(|| panic!("{v}"));
+    let seen = results
+        .iter()
+        .map(|r| {
+            assert_eq!(r["status"], 200, "{r}");
+            let o: serde_json::Value = serde_json::from_str(r["body"].as_str().unwrap()).unwrap();
+            o["headers"]["early-data"].as_str().map(String::from)
+        })
+        .collect();
+    (v["early_data_accepted"] == true, seen)
+}
+
+#[test]
+fn zero_rtt_is_off_by_default_and_when_on_serves_only_what_is_safe_to_replay() {
+    let origin = Origin::start("web");
+    let body = format!(
+        "[[routes]]\npath = \"/\"\npool = \"web\"\n\n{}",
+        pool_toml("web", &[&origin], "")
+    );
+    // Off: the resumed connection's requests wait for the handshake.
+    let dir = scratch("h3-0rtt-off");
+    let port = free_port();
+    let _uf = start(port, &dir, "", &body);
+    let (accepted, seen) = zero_rtt(port, &dir.join("ca.pem"));
+    assert!(!accepted);
+    assert_eq!(seen, vec![None, None]);
+    // On: the GET goes at once, marked; the POST waits for the handshake.
+    let dir = scratch("h3-0rtt-on");
+    let port = free_port();
+    let _uf = start(port, &dir, ", http3_early_data = true", &body);
+    let (accepted, seen) = zero_rtt(port, &dir.join("ca.pem"));
+    assert!(accepted, "0-RTT was not accepted");
+    assert_eq!(seen, vec![Some("1".to_string()), None]);
+}
+
+#[test]
+fn check_refuses_bad_http3_settings() {
+    let dir = scratch("h3-check");
+    let (cert, key) = dev_certs(&dir);
+    let cfg = dir.join("bad.toml");
+    std::fs::write(
+        &cfg,
+        format!(
+            "[[listeners]]\naddress = \"127.0.0.1:1\"\n\
+             tls = {{ certs = [{{ cert = \"{}\", key = \"{}\", default = true }}], http3 = true, \
+             http3_max_streams = 0, http3_idle_timeout_ms = 0, http3_max_connections = 0, http3_retry = \"sometimes\" }}\n\
+             [[routes]]\npath = \"/\"\nreturn = {{ status = 200 }}\n",
+            cert.display(),
+            key.display()
+        ),
+    )
+    .unwrap();
+    let out = Command::new(bin())
+        .arg("check")
+        .arg("-c")
+        .arg(&cfg)
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let text =
+        String::from_utf8_lossy(&out.stderr).into_owned() + &String::from_utf8_lossy(&out.stdout);
+    for field in [
+        "http3_max_streams",
+        "http3_idle_timeout_ms",
+        "http3_max_connections",
+        "http3_retry",
+    ] {
+        assert!(
+            text.contains(&format!("listeners[0].tls.{field}")),
+            "{field}: {text}"
+        );
+    }
+}

@@ -5,6 +5,9 @@ several connections at once. Prints one JSON document on stdout.
   h3_client.py requests --port P --cafile CA --requests '[{"method": "GET", "path": "/"}]'
   h3_client.py limits   --port P --cafile CA [--idle 2.0]
   h3_client.py conns    --port P --cafile CA --count 3 --hold 1.0
+  h3_client.py early    --port P --cafile CA --requests '[...]'
+      (a first connection for a session ticket, then the requests at once
+      on a resumed connection, in 0-RTT where the ticket allows it)
 """
 
 import argparse
@@ -175,9 +178,43 @@ async def conns(args):
     return held
 
 
+async def early(args):
+    tickets = []
+    c = config(args)
+    async with connect(
+        args.host, args.port, configuration=c, create_protocol=Client,
+        session_ticket_handler=tickets.append,
+    ) as client:
+        await client.request("GET", args.path, None, b"", args.servername)
+        await asyncio.sleep(0.2)
+    if not tickets:
+        return {"error": "no session ticket"}
+    c = config(args)
+    c.session_ticket = tickets[-1]
+    todo = json.loads(args.requests)
+    async with connect(
+        args.host, args.port, configuration=c, create_protocol=Client,
+        wait_connected=False,
+    ) as client:
+        results = await asyncio.gather(
+            *[
+                client.request(
+                    r.get("method", "GET"), r["path"], r.get("headers"),
+                    r.get("body", "").encode(), args.servername,
+                )
+                for r in todo
+            ]
+        )
+        return {
+            "ticket_allows_early_data": tickets[-1].max_early_data_size is not None,
+            "early_data_accepted": bool(client._quic.tls.early_data_accepted),
+            "results": results,
+        }
+
+
 def main():
     p = argparse.ArgumentParser()
-    p.add_argument("mode", choices=["requests", "limits", "conns"])
+    p.add_argument("mode", choices=["requests", "limits", "conns", "early"])
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, required=True)
     p.add_argument("--cafile", required=True)
@@ -189,7 +226,7 @@ def main():
     p.add_argument("--hold", type=float, default=1.0)
     p.add_argument("--path", default="/")
     args = p.parse_args()
-    run = {"requests": requests, "limits": limits, "conns": conns}[args.mode]
+    run = {"requests": requests, "limits": limits, "conns": conns, "early": early}[args.mode]
     try:
         result = asyncio.run(asyncio.wait_for(run(args), 60))
     except Exception as e:

@@ -92,10 +92,14 @@ impl H3Metrics {
 }
 
 /// The rustls and QUIC settings of an HTTP/3 listener: TLS 1.3 only, ALPN
-/// `h3`, the TCP side's resolver and ticket keys.
+/// `h3`, the TCP side's resolver and ticket keys; with 0-RTT, a session
+/// cache instead of tickets (rustls accepts early data only on stateful
+/// resumption, whose sessions are taken once: a replayed ClientHello
+/// finds none).
 pub fn server_config(
     resolver: Arc<super::certs::SniResolver>,
     ticketer: Option<Arc<super::ticket::RotatingTicketer>>,
+    cache_size: usize,
     h3: &Http3,
 ) -> Result<quinn::ServerConfig, String> {
     pingora::tls::install_default_crypto_provider();
@@ -105,7 +109,9 @@ pub fn server_config(
     tls.alpn_protocols = vec![b"h3".to_vec()];
     // 0-RTT is replayable (RFC 9001 9.2): off unless asked for.
     tls.max_early_data_size = if h3.early_data { u32::MAX } else { 0 };
-    if let Some(t) = ticketer {
+    if h3.early_data {
+        tls.session_storage = rustls::server::ServerSessionMemoryCache::new(cache_size.max(1024));
+    } else if let Some(t) = ticketer {
         tls.ticketer = t;
     }
     let crypto =

@@ -84,10 +84,14 @@ pub async fn relay(
     mut confirmed: tokio::sync::watch::Receiver<bool>,
 ) {
     let (mut tx, rx) = stream.split();
-    let early = !*confirmed.borrow();
-    if early && !idempotent_safe(req.method()) && confirmed.wait_for(|c| *c).await.is_err() {
+    if !*confirmed.borrow()
+        && !idempotent_safe(req.method())
+        && confirmed.wait_for(|c| *c).await.is_err()
+    {
         return;
     }
+    // Still before the handshake's end: this request came in 0-RTT data.
+    let early = !*confirmed.borrow();
     let (mut parts, ()) = req.into_parts();
     for h in &HOP_BY_HOP {
         parts.headers.remove(h);
