@@ -47,7 +47,16 @@ async fn send_all(tx: &mut h2::SendStream<Bytes>, mut data: Bytes) -> Result<(),
 }
 
 /// The request body, from the client to the HTTP/2 side.
-async fn upload(mut rx: RequestStream<h3_quinn::RecvStream, Bytes>, mut tx: h2::SendStream<Bytes>) {
+async fn upload(
+    mut rx: RequestStream<h3_quinn::RecvStream, Bytes>,
+    mut tx: h2::SendStream<Bytes>,
+    first: Option<Bytes>,
+) {
+    if let Some(b) = first {
+        if send_all(&mut tx, b).await.is_err() {
+            return;
+        }
+    }
     loop {
         match rx.recv_data().await {
             Ok(Some(mut chunk)) => {
@@ -110,18 +119,31 @@ pub async fn relay(
         tx.stop_stream(h3::error::Code::H3_INTERNAL_ERROR);
         return;
     };
-    let (response, body_tx) = match ready.send_request(req, false) {
+    // A request whose stream already ended (a GET, most often) goes as
+    // one HEADERS frame with END_STREAM, and needs no upload task.
+    let mut rx = rx;
+    let (bodiless, first) = match futures_util::FutureExt::now_or_never(rx.recv_data()) {
+        Some(Ok(None)) => (true, None),
+        Some(Ok(Some(mut c))) => (false, Some(c.copy_to_bytes(c.remaining()))),
+        _ => (false, None),
+    };
+    let (response, body_tx) = match ready.send_request(req, bodiless) {
         Ok(r) => r,
         Err(_) => {
             tx.stop_stream(h3::error::Code::H3_INTERNAL_ERROR);
             return;
         }
     };
-    let upload = tokio::spawn(upload(rx, body_tx));
+    let upload = (!bodiless).then(|| tokio::spawn(upload(rx, body_tx, first)));
+    let abort = || {
+        if let Some(u) = &upload {
+            u.abort();
+        }
+    };
     let resp = match response.await {
         Ok(r) => r,
         Err(_) => {
-            upload.abort();
+            abort();
             tx.stop_stream(h3::error::Code::H3_INTERNAL_ERROR);
             return;
         }
@@ -133,29 +155,29 @@ pub async fn relay(
         .await
         .is_err()
     {
-        upload.abort();
+        abort();
         return;
     }
     while let Some(chunk) = body.data().await {
         let Ok(chunk) = chunk else {
-            upload.abort();
+            abort();
             tx.stop_stream(h3::error::Code::H3_INTERNAL_ERROR);
             return;
         };
         let _ = body.flow_control().release_capacity(chunk.len());
         if tx.send_data(chunk).await.is_err() {
             // The client went away: dropping the HTTP/2 side resets it.
-            upload.abort();
+            abort();
             return;
         }
     }
     if let Ok(Some(trailers)) = body.trailers().await {
         if tx.send_trailers(trailers).await.is_err() {
-            upload.abort();
+            abort();
             return;
         }
     }
     let _ = tx.finish().await;
     // The body may still be arriving for a response that ended first.
-    upload.abort();
+    abort();
 }

@@ -1,0 +1,204 @@
+#!/usr/bin/env python3
+"""HTTP/3 against HTTP/2 to ultrafast, one run, both protocols alternating.
+
+1. Clean link (loopback): server CPU per request. One TLS listener with
+   `http3 = true` answers a fixed route; HTTP/2 load is h2load (one
+   connection, 16 streams), HTTP/3 load is aioquic (`proxy/tests/py/
+   h3_client.py`, one connection, 16 streams). Measured: ultrafast's CPU
+   ticks (/proc) over the requests it served: the server's cost per
+   request, whatever each client costs. Target: HTTP/3 within 1.5x.
+2. Bad links: streamed completions (fake-openai, 64 tokens 20 ms apart)
+   through a pair of network namespaces this script makes, joined by a
+   veth pair with `tc netem` (25 ms each way: 50 ms RTT; 0, 1 and 3 %
+   loss). Measured per protocol: TTFT p50/p99 and the standard deviation
+   of the gaps between tokens. Target: HTTP/3 at most HTTP/2's at every
+   loss rate. Needs root and the kernel's `sch_netem`; without them this
+   part says why and is not run (it is not counted as met).
+
+usage: benches/scripts/h3_vs_h2.py [--requests 4000] [--rounds 3] [--streams 30]
+Build first: cargo build --release -p ultrafast -p ultrafast-benches
+"""
+import argparse, json, os, shutil, statistics, subprocess, sys, tempfile, time
+from benchlib import ROOT, free_port, pct_ms, spawn, stop_tree, tail, wait_port
+
+REL = os.path.join(ROOT, "target", "release")
+PY = os.path.join(ROOT, ".venv", "bin", "python3")
+H3 = os.path.join(ROOT, "proxy", "tests", "py", "h3_client.py")
+CLK = os.sysconf("SC_CLK_TCK")
+
+
+def cpu_model():
+    for line in open("/proc/cpuinfo"):
+        if line.startswith("model name"):
+            return line.split(":", 1)[1].strip()
+    return "unknown"
+
+
+def cpu_ticks(pid):
+    f = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+    return int(f[11]) + int(f[12])
+
+
+def config(tmp, port, admin, tls_port, extra="", bind="127.0.0.1"):
+    return (f'[server]\nthreads = 1\npid_file = "{tmp}/uf.pid"\nupgrade_sock = "{tmp}/uf.sock"\n\n'
+            f'[admin]\nlisten = "127.0.0.1:{admin}"\n\n[log]\naccess_log = "off"\n\n'
+            f'[[listeners]]\nname = "http"\naddress = "127.0.0.1:{port}"\n\n'
+            f'[[listeners]]\nname = "https"\naddress = "{bind}:{tls_port}"\n'
+            f'tls = {{ certs = [{{ cert = "{tmp}/localhost.pem", key = "{tmp}/localhost.key", default = true }}], http3 = true }}\n\n'
+            f'[[routes]]\nname = "fixed"\npath = "/fixed"\nreturn = {{ status = 200, body = "ok\\n" }}\n\n{extra}')
+
+
+def clean_link(args, tmp):
+    port, admin, tls = free_port(), free_port(), free_port()
+    cfg = os.path.join(tmp, "clean.toml")
+    open(cfg, "w").write(config(tmp, port, admin, tls))
+    log = open(os.path.join(tmp, "clean.log"), "w")
+    p = spawn([os.path.join(REL, "ultrafast"), "serve", "-c", cfg], stdout=log, stderr=log)
+    try:
+        wait_port(tls)
+        time.sleep(0.5)
+        per = {"h2": [], "h3": []}
+        for r in range(args.rounds):
+            for proto in (["h2", "h3"] if r % 2 == 0 else ["h3", "h2"]):
+                t0 = cpu_ticks(p.pid)
+                if proto == "h2":
+                    out = subprocess.run(["h2load", "-n", str(args.requests), "-c", "1", "-m", "16",
+                                          f"https://localhost:{tls}/fixed"],
+                                         capture_output=True, text=True, timeout=120).stdout
+                    done = int(out.split("requests:")[1].split("succeeded,")[0].split()[-1]) if "succeeded" in out else 0
+                else:
+                    done = 0
+                    # Batches of 16 in flight on one connection, bounded.
+                    for _ in range(max(1, args.requests // 400)):
+                        res = subprocess.run([PY, H3, "requests", "--port", str(tls), "--cafile",
+                                              os.path.join(tmp, "ca.pem"), "--parallel", "--requests",
+                                              json.dumps([{"path": "/fixed"}] * 400)],
+                                             capture_output=True, text=True, timeout=120)
+                        done += sum(1 for x in json.loads(res.stdout) if x["status"] == 200)
+                ticks = cpu_ticks(p.pid) - t0
+                us = ticks / CLK / max(done, 1) * 1e6
+                per[proto].append(us)
+                print(f"  round {r + 1} {proto}: {done} requests, server CPU {us:.1f} us/request", flush=True)
+        h2, h3 = statistics.median(per["h2"]), statistics.median(per["h3"])
+        return h2, h3
+    finally:
+        stop_tree(p)
+
+
+def sh(cmd):
+    return subprocess.run(cmd, shell=True, capture_output=True, text=True)
+
+
+def netns_setup(loss):
+    sh("ip netns del ufb-srv; ip netns del ufb-cli")
+    steps = [
+        "ip netns add ufb-srv", "ip netns add ufb-cli",
+        "ip link add ufb-a type veth peer name ufb-b",
+        "ip link set ufb-a netns ufb-srv", "ip link set ufb-b netns ufb-cli",
+        "ip -n ufb-srv addr add 10.213.0.1/24 dev ufb-a", "ip -n ufb-cli addr add 10.213.0.2/24 dev ufb-b",
+        "ip -n ufb-srv link set ufb-a up", "ip -n ufb-cli link set ufb-b up",
+        "ip -n ufb-srv link set lo up", "ip -n ufb-cli link set lo up",
+        f"ip netns exec ufb-srv tc qdisc add dev ufb-a root netem delay 25ms loss {loss}%",
+        f"ip netns exec ufb-cli tc qdisc add dev ufb-b root netem delay 25ms loss {loss}%",
+    ]
+    for s in steps:
+        r = sh(s)
+        if r.returncode != 0:
+            return f"`{s}`: {r.stderr.strip()}"
+    return None
+
+
+def netns_teardown():
+    sh("ip netns del ufb-srv; ip netns del ufb-cli")
+
+
+H2_CLIENT = r'''
+import httpx, json, sys, time
+url, ca, n, body = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
+out = []
+with httpx.Client(http2=True, verify=ca, timeout=60) as c:
+    for _ in range(n):
+        t0 = time.monotonic(); times = []
+        with c.stream("POST", url, content=body, headers={"content-type": "application/json"}) as r:
+            for chunk in r.iter_raw():
+                if chunk:
+                    times.append(round(time.monotonic() - t0, 4))
+        out.append(times)
+print(json.dumps(out))
+'''
+
+
+def streams(args, tmp, loss):
+    why = netns_setup(loss)
+    if why:
+        netns_teardown()
+        return why
+    fake = spawn(["ip", "netns", "exec", "ufb-srv", os.path.join(REL, "fake-openai"), "--tokens", "64",
+                  "--itl-ms", "20", "--ttft-ms", "20"], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    addr = fake.stdout.readline().strip().removeprefix("listening on ")
+    tls, port, admin = 8443, 8080, 9901
+    cfg = os.path.join(tmp, f"loss{loss}.toml")
+    extra = (f'[[routes]]\nname = "openai"\npath = "/v1/"\ninference = true\n\n'
+             f'[pools.fm-pool]\nmembers = [{{ addr = "{addr}" }}]\n\n[models.fm]\nbackend = "upstream"\npool = "fm-pool"\n')
+    open(cfg, "w").write(config(tmp, port, admin, tls, extra, bind="10.213.0.1"))
+    log = open(os.path.join(tmp, f"loss{loss}.log"), "w")
+    uf = spawn(["ip", "netns", "exec", "ufb-srv", os.path.join(REL, "ultrafast"), "serve", "-c", cfg], stdout=log, stderr=log)
+    try:
+        time.sleep(1.5)
+        body = json.dumps({"model": "fm", "stream": True, "max_tokens": 64,
+                           "messages": [{"role": "user", "content": "hi"}]})
+        ca = os.path.join(tmp, "ca.pem")
+        res = {}
+        for proto in ["h2", "h3"]:
+            if proto == "h2":
+                r = subprocess.run(["ip", "netns", "exec", "ufb-cli", PY, "-c", H2_CLIENT,
+                                    f"https://localhost:{tls}/v1/chat/completions", ca, str(args.streams), body],
+                                   capture_output=True, text=True, timeout=600,
+                                   env={**os.environ, "no_proxy": "*"})
+                runs = json.loads(r.stdout)
+            else:
+                runs = []
+                for _ in range(args.streams):
+                    r = subprocess.run(["ip", "netns", "exec", "ufb-cli", PY, H3, "requests", "--host", "10.213.0.1",
+                                        "--port", str(tls), "--cafile", ca, "--requests",
+                                        json.dumps([{"method": "POST", "path": "/v1/chat/completions",
+                                                     "headers": {"content-type": "application/json"}, "body": body}])],
+                                       capture_output=True, text=True, timeout=120)
+                    runs.append(json.loads(r.stdout)[0]["chunk_times"])
+            ttft = [t[0] for t in runs if t]
+            gaps = [(b - a) * 1000 for t in runs for a, b in zip(t, t[1:])]
+            res[proto] = (pct_ms(ttft, 0.5), pct_ms(ttft, 0.99), statistics.pstdev(gaps) if gaps else float("nan"))
+        return res
+    finally:
+        stop_tree(uf)
+        stop_tree(fake)
+        netns_teardown()
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--requests", type=int, default=4000)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--streams", type=int, default=30)
+    args = ap.parse_args()
+    tmp = tempfile.mkdtemp(prefix="h3bench-")
+    subprocess.run([os.path.join(REL, "ultrafast"), "certs", "dev", "--out", tmp], check=True, capture_output=True)
+    print(f"CPU: {cpu_model()}, {os.cpu_count()} cores")
+    print("1. clean link, server CPU per request (1 connection, 16 streams):")
+    h2, h3 = clean_link(args, tmp)
+    print(f"| protocol | server CPU per request (us, median of {args.rounds}) |\n|---|---|")
+    print(f"| HTTP/2 | {h2:.1f} |\n| HTTP/3 | {h3:.1f} |")
+    print(f"HTTP/3 / HTTP/2: {h3 / h2:.2f}x (target at most 1.5x)")
+    print("2. streamed completions through netns + netem, 50 ms RTT:")
+    for loss in [0, 1, 3]:
+        r = streams(args, tmp, loss)
+        if isinstance(r, str):
+            print(f"  not run: cannot make the impaired link ({r})")
+            break
+        print(f"  loss {loss}%: " + "; ".join(
+            f"{p}: TTFT p50 {v[0]:.1f} p99 {v[1]:.1f} ms, gap stddev {v[2]:.2f} ms" for p, v in r.items()))
+    shutil.rmtree(tmp, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
