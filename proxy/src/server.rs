@@ -239,7 +239,7 @@ pub fn serve(path: &Path, opts: ServeOptions) -> anyhow::Result<()> {
                         config,
                         settings: h3.clone(),
                         handshake_timeout: tls.handshake_timeout,
-                        app: app.clone(),
+                        app: app.inner().clone(),
                     });
                 }
                 watched.push((resolver, tls.certs.clone()));

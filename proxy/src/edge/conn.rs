@@ -93,6 +93,11 @@ pub struct Guarded<A> {
 }
 
 impl<A> Guarded<A> {
+    /// The guarded app (HTTP/3 requests go to it directly).
+    pub fn inner(&self) -> &Arc<A> {
+        &self.inner
+    }
+
     /// Guard `inner`'s connections with the limits of the live config.
     /// Services given the same `open` counter share one cap.
     pub fn new(

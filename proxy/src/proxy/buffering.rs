@@ -38,7 +38,7 @@ impl EdgeProxy {
         }
         answer_continue(session).await?;
         ctx.body_buffered = true;
-        let refusal = if session.as_downstream().is_http2() {
+        let refusal = if super::framed(session) {
             self.buffer_h2(session, ctx).await?
         } else {
             self.hold_h1(session, ctx).await?

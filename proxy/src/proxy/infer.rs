@@ -41,9 +41,8 @@ impl Down<'_> {
     /// chunked: only to an HTTP/1.1 client (HTTP/2 frames its own bodies;
     /// HTTP/1.0 knows no chunks), and never for a head without a body.
     fn chunks_unsized(&self, resp: &ResponseHeader) -> bool {
-        let down = self.session.as_downstream();
-        let req = down.req_header();
-        !down.is_http2()
+        let req = self.session.as_downstream().req_header();
+        !super::framed(self.session)
             && req.version == http::Version::HTTP_11
             && req.method != http::Method::HEAD
             && !matches!(resp.status.as_u16(), 100..=199 | 204 | 304)
@@ -71,8 +70,7 @@ impl Downstream for Down<'_> {
         // A stream's head whose first bytes are ready waits for them over
         // HTTP/1 (Pingora flushes a head without `Content-Length` at once):
         // only the flush inside this write is held, never a later one.
-        let join =
-            std::mem::take(&mut self.body_follows) && !self.session.as_downstream().is_http2();
+        let join = std::mem::take(&mut self.body_follows) && !super::framed(self.session);
         if join {
             crate::edge::conn::join_head_to_body(self.session.as_downstream().stream(), true);
         }

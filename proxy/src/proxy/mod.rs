@@ -74,6 +74,14 @@ impl EdgeProxy {
     }
 }
 
+/// Whether the client's protocol frames its own messages (HTTP/2, and
+/// HTTP/3 as Pingora's custom session): no chunked coding, no raw stream
+/// underneath.
+pub(super) fn framed(session: &Session) -> bool {
+    let d = session.as_downstream();
+    d.is_http2() || d.is_custom()
+}
+
 fn is_idempotent(m: &http::Method) -> bool {
     matches!(
         *m,
@@ -101,7 +109,7 @@ fn compress_head(
     let Some((coding, level)) = spec.choose(req.headers.get(http::header::ACCEPT_ENCODING)) else {
         return;
     };
-    let http1 = !session.as_downstream().is_http2();
+    let http1 = !framed(session);
     if req.method == http::Method::HEAD {
         // The head a GET would get, and no body to encode.
         crate::compress::set_encoded(resp, coding, http1);

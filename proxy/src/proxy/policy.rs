@@ -146,7 +146,7 @@ pub(super) async fn respond_grpc(
         resp.insert_header(k.to_string(), *v)?;
     }
     policy.apply(&mut resp)?;
-    if session.as_downstream().is_http2() {
+    if super::framed(session) {
         // Pingora's header writer ends an HTTP/2 stream with an empty DATA
         // frame, which gRPC clients read as a broken stream: the task
         // writer keeps the end on the HEADERS frame.

@@ -6,6 +6,10 @@ several connections at once. Prints one JSON document on stdout.
   h3_client.py limits   --port P --cafile CA [--idle 2.0]
   h3_client.py conns    --port P --cafile CA --count 3 --hold 1.0
   h3_client.py early    --port P --cafile CA --requests '[...]'
+  h3_client.py load     --port P --cafile CA --count N --inflight M --path /p
+      (N GETs, M in flight on one connection, as h2load -m M does: a new
+      request is queued as a response ends, and the connection sends once
+      per batch of received packets)
       (a first connection for a session ticket, then the requests at once
       on a resumed connection, in 0-RTT where the ticket allows it)
 """
@@ -90,6 +94,52 @@ class Client(QuicConnectionProtocol):
             "chunk_times": [round(t, 4) for t, _ in s["chunks"]],
             "ended": s["done"].done() and self.terminated is None,
         }
+
+
+class Load(Client):
+    """Keeps `inflight` GETs of `path` going until `count` are answered."""
+
+    def start_load(self, path, authority, count, inflight):
+        self.path, self.authority, self.left, self.ok = path, authority, count, 0
+        self.finished = asyncio.get_running_loop().create_future()
+        for _ in range(min(inflight, count)):
+            self.send_next()
+        self.transmit()
+
+    def send_next(self):
+        if self.left == 0:
+            return
+        self.left -= 1
+        sid = self._quic.get_next_available_stream_id()
+        self.h3.send_headers(sid, [
+            (b":method", b"GET"), (b":scheme", b"https"),
+            (b":authority", self.authority.encode()), (b":path", self.path.encode()),
+        ], end_stream=True)
+        self.load_streams.add(sid)
+
+    def quic_event_received(self, event):
+        if isinstance(event, ConnectionTerminated) and not self.finished.done():
+            self.finished.set_result(None)
+        for ev in self.h3.handle_event(event):
+            sid = getattr(ev, "stream_id", None)
+            if sid in self.load_streams and getattr(ev, "stream_ended", False):
+                self.load_streams.discard(sid)
+                if isinstance(ev, (HeadersReceived, DataReceived)):
+                    self.ok += 1
+                self.send_next()
+                if not self.load_streams and self.left == 0 and not self.finished.done():
+                    self.finished.set_result(None)
+        # The protocol sends what was queued here once this batch is done.
+
+
+async def load(args):
+    c = config(args)
+    async with connect(args.host, args.port, configuration=c, create_protocol=Load) as client:
+        client.load_streams = set()
+        t0 = time.monotonic()
+        client.start_load(args.path, args.servername, args.count, args.inflight)
+        await asyncio.wait_for(client.finished, 120)
+        return {"ok": client.ok, "seconds": round(time.monotonic() - t0, 3)}
 
 
 def config(args):
@@ -214,7 +264,7 @@ async def early(args):
 
 def main():
     p = argparse.ArgumentParser()
-    p.add_argument("mode", choices=["requests", "limits", "conns", "early"])
+    p.add_argument("mode", choices=["requests", "limits", "conns", "early", "load"])
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, required=True)
     p.add_argument("--cafile", required=True)
@@ -225,8 +275,9 @@ def main():
     p.add_argument("--count", type=int, default=1)
     p.add_argument("--hold", type=float, default=1.0)
     p.add_argument("--path", default="/")
+    p.add_argument("--inflight", type=int, default=16)
     args = p.parse_args()
-    run = {"requests": requests, "limits": limits, "conns": conns, "early": early}[args.mode]
+    run = {"requests": requests, "limits": limits, "conns": conns, "early": early, "load": load}[args.mode]
     try:
         result = asyncio.run(asyncio.wait_for(run(args), 60))
     except Exception as e:

@@ -3,11 +3,11 @@
 //! certificate resolver as its TCP side (SNI, files, ACME), and the h3
 //! crate for the requests.
 //!
-//! Each QUIC connection is served by the same Pingora app as TCP
-//! connections: requests cross over an in-memory HTTP/2 connection
-//! (`bridge`, `relay`), so they take the one request path (routes,
-//! admission, inference, proxying, the response policy, access log,
-//! metrics, traces), and `is_h3` lets that path tell them apart.
+//! Each request goes to the same Pingora proxy as TCP requests, as a
+//! Pingora custom session over its QUIC stream (`session`, `request`), so
+//! it takes the one request path (routes, admission, inference, proxying,
+//! the response policy, access log, metrics, traces); `is_h3` lets that
+//! path tell it apart (`digest` gives its connection's digest).
 //!
 //! Limits: concurrent streams per connection and the idle timeout (QUIC
 //! transport parameters), the TLS listener's handshake timeout, a cap on
@@ -15,17 +15,17 @@
 //! Retry (`http3_retry`), 0-RTT off unless `http3_early_data`, and then
 //! only for requests safe to replay.
 
-mod bridge;
-mod relay;
+mod digest;
+mod request;
+mod session;
 
-pub use bridge::QUIC_VERSION;
+pub use digest::QUIC_VERSION;
 
 use crate::config::{Http3, QuicRetry};
 use crate::prom::registered;
 use async_trait::async_trait;
-use bridge::Bridge;
 use bytes::Bytes;
-use pingora::apps::ServerApp;
+use pingora::apps::HttpServerApp;
 use pingora::server::{ListenFds, ShutdownWatch};
 use pingora::services::Service;
 use prometheus::{IntCounter, IntCounterVec, IntGauge, Opts, Registry};
@@ -35,8 +35,6 @@ use std::sync::Arc;
 /// Handshakes in progress above which `auto` asks new clients to prove
 /// their address first.
 const RETRY_HANDSHAKES: usize = 64;
-/// Bytes in flight each way between a connection and its bridge.
-const BRIDGE_BUFFER: usize = 256 * 1024;
 /// Most bytes of a request's header section (as the TCP listeners' 1 MiB).
 const MAX_FIELD_SECTION: u64 = 1 << 20;
 
@@ -206,7 +204,7 @@ impl Drop for Counted<'_> {
     }
 }
 
-async fn serve_endpoint<A: ServerApp + Send + Sync + 'static>(
+async fn serve_endpoint<A: HttpServerApp + Send + Sync + 'static>(
     ep: H3Endpoint<A>,
     metrics: H3Metrics,
     mut shutdown: ShutdownWatch,
@@ -260,7 +258,7 @@ async fn serve_endpoint<A: ServerApp + Send + Sync + 'static>(
 }
 
 /// Refuse, validate or accept a new connection.
-fn admit<A: ServerApp + Send + Sync + 'static>(
+fn admit<A: HttpServerApp + Send + Sync + 'static>(
     incoming: quinn::Incoming,
     shared: &Arc<Shared<A>>,
     shutdown: &ShutdownWatch,
@@ -289,7 +287,7 @@ fn admit<A: ServerApp + Send + Sync + 'static>(
 }
 
 /// The handshake (0-RTT if allowed), then every request of the connection.
-async fn connection<A: ServerApp + Send + Sync + 'static>(
+async fn connection<A: HttpServerApp + Send + Sync + 'static>(
     incoming: quinn::Incoming,
     shared: Arc<Shared<A>>,
     mut shutdown: ShutdownWatch,
@@ -337,13 +335,14 @@ async fn connection<A: ServerApp + Send + Sync + 'static>(
     shared.metrics.open.dec();
 }
 
-async fn serve<A: ServerApp + Send + Sync + 'static>(
+async fn serve<A: HttpServerApp + Send + Sync + 'static>(
     conn: quinn::Connection,
     shared: &Arc<Shared<A>>,
     shutdown: &mut ShutdownWatch,
     confirmed: tokio::sync::watch::Receiver<bool>,
 ) {
     let peer = conn.remote_address();
+    let quic = conn.clone();
     let mut h3 = match h3::server::builder()
         .max_field_section_size(MAX_FIELD_SECTION)
         .build::<_, Bytes>(h3_quinn::Connection::new(conn))
@@ -355,42 +354,24 @@ async fn serve<A: ServerApp + Send + Sync + 'static>(
             return;
         }
     };
-    let (ours, theirs) = tokio::io::duplex(BRIDGE_BUFFER);
-    let app = shared.app.clone();
-    let sd = shutdown.clone();
-    let bridge = Bridge::new(theirs, peer, shared.local);
-    tokio::spawn(async move {
-        let mut next = app.process_new(Box::new(bridge), &sd).await;
-        while let Some(s) = next {
-            next = app.process_new(s, &sd).await;
-        }
-    });
-    let (h2, h2conn) = match h2::client::Builder::new()
-        .initial_window_size(1 << 20)
-        .initial_connection_window_size(16 << 20)
-        .handshake::<_, Bytes>(ours)
-        .await
-    {
-        Ok(c) => c,
-        Err(e) => {
-            log::warn!("HTTP/3 bridge for {peer}: {e}");
-            return;
-        }
-    };
-    tokio::spawn(async move {
-        let _ = h2conn.await;
+    let conn = Arc::new(request::Conn {
+        app: shared.app.clone(),
+        digest: digest::of(peer, shared.local),
+        quic,
+        confirmed,
+        shutdown: shutdown.clone(),
     });
     let mut going_away = false;
     loop {
         tokio::select! {
             accepted = h3.accept() => match accepted {
                 Ok(Some(resolver)) => {
-                    let (h2, confirmed) = (h2.clone(), confirmed.clone());
+                    let conn = conn.clone();
                     let requests = shared.metrics.requests.clone();
                     tokio::spawn(async move {
                         if let Ok((req, stream)) = resolver.resolve_request().await {
                             requests.inc();
-                            relay::relay(req, stream, h2, confirmed).await;
+                            request::serve(req, stream, conn).await;
                         }
                     });
                 }
@@ -412,7 +393,7 @@ async fn serve<A: ServerApp + Send + Sync + 'static>(
 }
 
 #[async_trait]
-impl<A: ServerApp + Send + Sync + 'static> Service for H3Service<A> {
+impl<A: HttpServerApp + Send + Sync + 'static> Service for H3Service<A> {
     async fn start_service(
         &mut self,
         _fds: Option<ListenFds>,

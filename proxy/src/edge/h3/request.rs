@@ -1,0 +1,89 @@
+//! One HTTP/3 request handed to the proxy as a Pingora custom session:
+//! the 0-RTT rule (what is not safe to replay waits for the handshake),
+//! hop-by-hop headers dropped, and a first look at the body (a request
+//! whose stream already ended has none).
+
+use super::session::H3Session;
+use bytes::{Buf, Bytes};
+use pingora::apps::HttpServerApp;
+use pingora::protocols::http::ServerSession;
+use pingora::protocols::Digest;
+use pingora::server::ShutdownWatch;
+use std::sync::Arc;
+
+/// Headers HTTP/3 forbids (RFC 9114 4.2); a request carrying one is
+/// malformed, and none reaches the proxy.
+const HOP_BY_HOP: [http::HeaderName; 5] = [
+    http::header::CONNECTION,
+    http::header::TRANSFER_ENCODING,
+    http::header::UPGRADE,
+    http::HeaderName::from_static("keep-alive"),
+    http::HeaderName::from_static("proxy-connection"),
+];
+
+/// Whether a method is safe to serve from 0-RTT data (RFC 8470 4.1: a
+/// replay of it changes nothing).
+pub fn idempotent_safe(m: &http::Method) -> bool {
+    matches!(
+        *m,
+        http::Method::GET | http::Method::HEAD | http::Method::OPTIONS
+    )
+}
+
+/// What each request of a connection needs.
+pub struct Conn<A> {
+    /// The proxy.
+    pub app: Arc<A>,
+    /// The QUIC connection (its close ends the proxy's idle waits).
+    pub quic: quinn::Connection,
+    /// Its addresses and TLS facts.
+    pub digest: Digest,
+    /// True once the handshake is complete (at once without 0-RTT).
+    pub confirmed: tokio::sync::watch::Receiver<bool>,
+    /// The process's shutdown.
+    pub shutdown: ShutdownWatch,
+}
+
+/// Serve one request of `conn`.
+pub async fn serve<A: HttpServerApp + Send + Sync + 'static>(
+    req: http::Request<()>,
+    mut stream: h3::server::RequestStream<h3_quinn::BidiStream<Bytes>, Bytes>,
+    conn: Arc<Conn<A>>,
+) {
+    let mut confirmed = conn.confirmed.clone();
+    if !*confirmed.borrow()
+        && !idempotent_safe(req.method())
+        && confirmed.wait_for(|c| *c).await.is_err()
+    {
+        return;
+    }
+    // Still before the handshake's end: this request came in 0-RTT data.
+    let early = !*confirmed.borrow();
+    let (mut parts, ()) = req.into_parts();
+    for h in &HOP_BY_HOP {
+        parts.headers.remove(h);
+    }
+    if early {
+        // RFC 8470 5.1: the origin may answer 425 to what it will not take
+        // from early data.
+        parts
+            .headers
+            .insert("early-data", http::HeaderValue::from_static("1"));
+    }
+    let first = match futures_util::FutureExt::now_or_never(stream.recv_data()) {
+        Some(Ok(None)) => None,
+        Some(Ok(Some(mut c))) => Some(Some(c.copy_to_bytes(c.remaining()))),
+        _ => Some(None),
+    };
+    let session = H3Session::new(
+        http::Request::from_parts(parts, ()),
+        stream,
+        first,
+        conn.quic.clone(),
+        conn.digest.clone(),
+    );
+    let _ = conn
+        .app
+        .process_new_http(ServerSession::new_custom(Box::new(session)), &conn.shutdown)
+        .await;
+}
