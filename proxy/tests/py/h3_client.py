@@ -92,6 +92,7 @@ class Client(QuicConnectionProtocol):
             "trailers": s["trailers"],
             "body": text.decode("utf-8", "replace"),
             "chunk_times": [round(t, 4) for t, _ in s["chunks"]],
+            "chunk_events": [c.count(b"data:") for _, c in s["chunks"]],
             "ended": s["done"].done() and self.terminated is None,
         }
 
