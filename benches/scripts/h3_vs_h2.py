@@ -183,7 +183,7 @@ def streams(args, tmp, loss):
                 req = {"method": "POST", "path": "/v1/chat/completions",
                        "headers": {"content-type": "application/json"}, "body": body}
                 r = subprocess.run(["ip", "netns", "exec", "ufb-cli", PY, H3, "requests", "--host", "10.213.0.1",
-                                    "--port", str(tls), "--cafile", ca, "--requests",
+                                    "--port", str(tls), "--cafile", ca, "--timeout", "590", "--requests",
                                     json.dumps([{"path": "/v1/models"}] + [req] * args.streams)],
                                    capture_output=True, text=True, timeout=600)
                 runs = [[t for t, n in zip(one["chunk_times"], one["chunk_events"]) for _ in range(n)]

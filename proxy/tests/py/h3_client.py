@@ -277,10 +277,11 @@ def main():
     p.add_argument("--hold", type=float, default=1.0)
     p.add_argument("--path", default="/")
     p.add_argument("--inflight", type=int, default=16)
+    p.add_argument("--timeout", type=float, default=60.0, help="seconds for the whole run")
     args = p.parse_args()
     run = {"requests": requests, "limits": limits, "conns": conns, "early": early, "load": load}[args.mode]
     try:
-        result = asyncio.run(asyncio.wait_for(run(args), 60))
+        result = asyncio.run(asyncio.wait_for(run(args), args.timeout))
     except Exception as e:
         print(json.dumps({"error": type(e).__name__ + ": " + str(e)}))
         sys.exit(2)
