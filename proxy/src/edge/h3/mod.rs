@@ -35,6 +35,10 @@ use std::sync::Arc;
 /// Handshakes in progress above which `auto` asks new clients to prove
 /// their address first.
 const RETRY_HANDSHAKES: usize = 64;
+/// Bytes a client may send on one stream before the proxy reads them.
+const STREAM_WINDOW: u32 = 256 * 1024;
+/// Bytes a client may send on one connection before the proxy reads them.
+const CONNECTION_WINDOW: u32 = 2 * 1024 * 1024;
 /// Most bytes of a request's header section (as the TCP listeners' 1 MiB).
 const MAX_FIELD_SECTION: u64 = 1 << 20;
 
@@ -119,6 +123,12 @@ pub fn server_config(
     transport.max_concurrent_bidi_streams(h3.max_streams.into());
     // The control and QPACK streams of each side.
     transport.max_concurrent_uni_streams(8u32.into());
+    // What a client may send ahead of what the proxy reads (a request
+    // body waiting for admission, say): 256 KiB per stream and 2 MiB per
+    // connection, where quinn's default for a connection is unbounded
+    // (nginx: `http3_stream_buffer_size` 64k).
+    transport.stream_receive_window(STREAM_WINDOW.into());
+    transport.receive_window(CONNECTION_WINDOW.into());
     transport.max_idle_timeout(Some(
         quinn::IdleTimeout::try_from(h3.idle_timeout).map_err(|e| e.to_string())?,
     ));
