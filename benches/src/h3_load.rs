@@ -7,7 +7,11 @@
 //!        --path /fixed -n 10000 -m 16
 //! Prints `{"ok": N, "failed": N, "seconds": S}`.
 
-use bytes::{Buf, Bytes};
+#[path = "bench_util.rs"]
+#[allow(dead_code)] // its summary() is the decision benches'
+mod bench_util;
+use bench_util::arg;
+use bytes::Buf;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Instant;
@@ -25,22 +29,15 @@ struct Args {
 }
 
 fn args() -> Result<Args, String> {
-    let a: Vec<String> = std::env::args().skip(1).collect();
-    let get = |k: &str| {
-        a.iter()
-            .position(|x| x == k)
-            .and_then(|i| a.get(i + 1))
-            .cloned()
-            .ok_or(format!("missing {k}"))
-    };
+    let get = |k: &str| arg(k).ok_or(format!("missing {k}"));
     Ok(Args {
         addr: get("--addr")?.parse().map_err(|e| format!("--addr: {e}"))?,
         ca: get("--ca")?,
-        name: get("--name").unwrap_or_else(|_| "localhost".into()),
-        path: get("--path").unwrap_or_else(|_| "/".into()),
+        name: arg("--name").unwrap_or_else(|| "localhost".into()),
+        path: arg("--path").unwrap_or_else(|| "/".into()),
         n: get("-n")?.parse().map_err(|e| format!("-n: {e}"))?,
-        m: get("-m")
-            .unwrap_or_else(|_| "16".into())
+        m: arg("-m")
+            .unwrap_or_else(|| "16".into())
             .parse()
             .map_err(|e| format!("-m: {e}"))?,
     })
@@ -120,7 +117,6 @@ async fn run(a: Args) -> Result<(u64, u64, f64), String> {
     drop(send);
     ep.close(0u32.into(), b"done");
     ep.wait_idle().await;
-    let _: Option<Bytes> = None;
     Ok((
         ok.load(Ordering::Relaxed),
         failed.load(Ordering::Relaxed),

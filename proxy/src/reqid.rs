@@ -160,6 +160,14 @@ pub fn is_uuid(s: &str) -> bool {
         })
 }
 
+/// 64 random bits from the system's CSPRNG (jitter, random points of a
+/// window).
+pub fn random_u64() -> u64 {
+    let mut b = [0u8; 8];
+    random(&mut b);
+    u64::from_le_bytes(b)
+}
+
 /// A fresh job id: `req_` and 128 random bits from the system's CSPRNG,
 /// so an id can be neither guessed nor chosen by a client.
 pub fn random_id() -> String {

@@ -454,24 +454,13 @@ fn short_lived_certificates_renew_under_load_and_a_refused_order_keeps_the_old_o
 #[test]
 fn check_refuses_bad_acme_settings_with_their_fields() {
     let dir = scratch("acme-check");
-    let cfg = dir.join("bad.toml");
-    std::fs::write(
-        &cfg,
+    let text = check_refused(
+        &dir,
         "[[listeners]]\naddress = \"127.0.0.1:1\"\n\
          tls = { acme = { directory = \"http://ca.example/dir\", domains = [\"*.example.com\", \"nodot\"], \
          contact = [\"ops@example.com\"], challenge = \"dns-01\", trust_roots = \"/nonexistent.pem\" } }\n\
          [[routes]]\npath = \"/\"\nreturn = { status = 200 }\n",
-    )
-    .unwrap();
-    let out = Command::new(bin())
-        .arg("check")
-        .arg("-c")
-        .arg(&cfg)
-        .output()
-        .unwrap();
-    assert!(!out.status.success());
-    let text =
-        String::from_utf8_lossy(&out.stderr).into_owned() + &String::from_utf8_lossy(&out.stdout);
+    );
     for field in [
         "listeners[0].tls.acme.directory",
         "listeners[0].tls.acme.domains[0]",
@@ -485,22 +474,12 @@ fn check_refuses_bad_acme_settings_with_their_fields() {
     }
     assert!(text.contains("bad.toml:"), "{text}");
     // HTTP-01 needs a plain listener to be answered on.
-    std::fs::write(
-        &cfg,
+    let text = check_refused(
+        &dir,
         "[[listeners]]\naddress = \"127.0.0.1:1\"\n\
          tls = { acme = { directory = \"https://ca.example/dir\", domains = [\"a.example.com\"], state_dir = \"/tmp/x\" } }\n\
          [[routes]]\npath = \"/\"\nreturn = { status = 200 }\n",
-    )
-    .unwrap();
-    let out = Command::new(bin())
-        .arg("check")
-        .arg("-c")
-        .arg(&cfg)
-        .output()
-        .unwrap();
-    assert!(!out.status.success());
-    let text =
-        String::from_utf8_lossy(&out.stderr).into_owned() + &String::from_utf8_lossy(&out.stdout);
+    );
     assert!(
         text.contains("listeners[0].tls.acme.challenge") && text.contains("plain listener"),
         "{text}"

@@ -1180,6 +1180,20 @@ pub fn dev_certs(dir: &std::path::Path) -> (PathBuf, PathBuf) {
     (dir.join("localhost.pem"), dir.join("localhost.key"))
 }
 
+/// Write `text` as a config file in `dir` and run `ultrafast check` on it,
+/// which must refuse it; its output (stderr, then stdout).
+pub fn check_refused(dir: &std::path::Path, text: &str) -> String {
+    let cfg = dir.join("bad.toml");
+    std::fs::write(&cfg, text).unwrap();
+    let out = Command::new(bin())
+        .args(["check", "-c"])
+        .arg(&cfg)
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    String::from_utf8_lossy(&out.stderr).into_owned() + &String::from_utf8_lossy(&out.stdout)
+}
+
 /// Run `serve -c cfg` and wait for it to exit (killed after `limit`): its
 /// exit code (None if it kept running) and its stderr.
 pub fn serve_until_exit(cfg: &std::path::Path, limit: Duration) -> (Option<i32>, String) {

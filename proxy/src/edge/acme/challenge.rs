@@ -108,15 +108,19 @@ impl Installed {
 
     /// Remove the answers now, from the store too.
     pub async fn clear(&mut self) {
-        let tokens = std::mem::take(&mut self.tokens);
         if let Some(c) = crate::cluster::get() {
-            for t in &tokens {
+            for t in &self.tokens {
                 let _ = c.remove(&shared_name(t)).await;
             }
         }
+        self.forget();
+    }
+
+    /// Remove the answers from this instance's tables.
+    fn forget(&mut self) {
         let mut http = HTTP.lock();
-        for t in &tokens {
-            http.remove(t);
+        for t in self.tokens.drain(..) {
+            http.remove(&t);
         }
         drop(http);
         let mut alpn = ALPN.lock();
@@ -128,15 +132,9 @@ impl Installed {
 
 impl Drop for Installed {
     fn drop(&mut self) {
-        let mut http = HTTP.lock();
-        for t in self.tokens.drain(..) {
-            http.remove(&t);
-        }
-        drop(http);
-        let mut alpn = ALPN.lock();
-        for n in self.names.drain(..) {
-            alpn.remove(&n);
-        }
+        // An order that failed or was dropped mid-way: the store's copies
+        // lapse with their TTL.
+        self.forget();
     }
 }
 

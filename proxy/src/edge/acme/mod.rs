@@ -32,7 +32,7 @@ pub use challenge::{
 use super::certs::{CertSpec, CertStore, SniResolver};
 use crate::config::{AcmeChallenge, AcmeSpec};
 use crate::prom::registered;
-use instant_acme::{Account, CertificateIdentifier};
+use instant_acme::Account;
 use parking_lot::Mutex;
 use prometheus::{GaugeVec, IntCounterVec, Opts, Registry};
 use state::Issued;
@@ -133,15 +133,7 @@ fn unix(t: SystemTime) -> i64 {
 
 /// A number in [0, 1) that differs between calls and instances.
 fn random_unit() -> f64 {
-    use std::hash::{BuildHasher, Hasher};
-    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
-    h.write_u128(
-        SystemTime::now()
-            .duration_since(SystemTime::UNIX_EPOCH)
-            .unwrap_or_default()
-            .as_nanos(),
-    );
-    (h.finish() >> 11) as f64 / (1u64 << 53) as f64
+    (crate::reqid::random_u64() >> 11) as f64 / (1u64 << 53) as f64
 }
 
 /// The wait after `failures` failed orders in a row: exponential, capped,
@@ -248,9 +240,7 @@ impl Issuer {
         current: &Issued,
     ) -> Option<(SystemTime, Duration)> {
         let a = self.account(account).await.ok()?;
-        let der = rustls::pki_types::CertificateDer::from(current.leaf.clone());
-        let id = CertificateIdentifier::try_from(&der).ok()?.into_owned();
-        let (info, retry) = a.renewal_info(&id).await.ok()?;
+        let (info, retry) = a.renewal_info(&current.cert_id()?).await.ok()?;
         let (start, end): (SystemTime, SystemTime) = (
             info.suggested_window.start.into(),
             info.suggested_window.end.into(),
@@ -299,12 +289,7 @@ impl Issuer {
         current: Option<&Issued>,
         ari: bool,
     ) -> Result<String, String> {
-        let replaces = current.filter(|_| ari).and_then(|c| {
-            let der = rustls::pki_types::CertificateDer::from(c.leaf.clone());
-            CertificateIdentifier::try_from(&der)
-                .ok()
-                .map(|i| i.into_owned())
-        });
+        let replaces = current.filter(|_| ari).and_then(Issued::cert_id);
         for attempt in 0..2 {
             let a = self.account(account).await?;
             match order::order(&self.spec, &a, replaces.clone()).await {
@@ -354,7 +339,6 @@ impl pingora::services::background::BackgroundService for Issuer {
         let mut retry_at: Option<SystemTime> = None;
         // The directory's advice: when, and when to ask again.
         let mut advice: Option<(SystemTime, std::time::Instant)> = None;
-        let mut ari = false;
         loop {
             let file =
                 Issued::read(&self.spec.cert_file()).filter(|i| i.covers(&self.spec.domains));
@@ -369,8 +353,7 @@ impl pingora::services::background::BackgroundService for Issuer {
                     advice = self.advised(&mut account, c).await.map(|(t, retry)| {
                         (t, std::time::Instant::now() + retry.max(ARI_MIN_RECHECK))
                     });
-                    ari = advice.is_some();
-                    self.status.lock().advised_by_directory = ari;
+                    self.status.lock().advised_by_directory = advice.is_some();
                 }
                 due = advice.map_or_else(|| c.two_thirds(), |(t, _)| t);
             }
@@ -385,6 +368,8 @@ impl pingora::services::background::BackgroundService for Issuer {
                     _ = tokio::time::sleep(wait) => continue,
                 }
             }
+            // A renewal the directory advised names what it replaces.
+            let ari = advice.is_some();
             match self.renew(&mut account, current.as_ref(), ari).await {
                 Ok(i) => {
                     self.count("issued");

@@ -117,6 +117,15 @@ impl Issued {
         Issued::from_pem(&std::fs::read(path).ok()?)
     }
 
+    /// Its ACME identifier (RFC 9773: authority key id and serial), for
+    /// Renewal Information and an order's `replaces`.
+    pub fn cert_id(&self) -> Option<instant_acme::CertificateIdentifier<'static>> {
+        let der = rustls::pki_types::CertificateDer::from(self.leaf.as_slice());
+        instant_acme::CertificateIdentifier::try_from(&der)
+            .ok()
+            .map(|i| i.into_owned())
+    }
+
     /// Whether it serves every one of `domains`.
     pub fn covers(&self, domains: &[String]) -> bool {
         domains.iter().all(|d| self.names.contains(d))

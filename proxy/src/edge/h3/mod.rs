@@ -42,8 +42,7 @@ const CONNECTION_WINDOW: u32 = 2 * 1024 * 1024;
 /// Most bytes of a request's header section (as the TCP listeners' 1 MiB).
 const MAX_FIELD_SECTION: u64 = 1 << 20;
 
-/// Whether a request came over HTTP/3 (its connection's digest is a
-/// bridge's).
+/// Whether a request came over HTTP/3 (its connection's digest says QUIC).
 pub fn is_h3(d: Option<&pingora::protocols::Digest>) -> bool {
     d.and_then(|d| d.ssl_digest.as_ref())
         .is_some_and(|s| s.version == QUIC_VERSION)
@@ -198,19 +197,26 @@ struct Shared<A> {
     open: AtomicUsize,
 }
 
-/// Decrements a count when dropped.
-struct Counted<'a>(&'a AtomicUsize);
+/// A count (and, for open connections, the gauge beside it) held up for
+/// as long as this lives, whichever way its task ends.
+struct Counted<'a>(&'a AtomicUsize, Option<&'a IntGauge>);
 
 impl<'a> Counted<'a> {
-    fn new(c: &'a AtomicUsize) -> Self {
+    fn new(c: &'a AtomicUsize, gauge: Option<&'a IntGauge>) -> Self {
         c.fetch_add(1, Ordering::Relaxed);
-        Counted(c)
+        if let Some(g) = gauge {
+            g.inc();
+        }
+        Counted(c, gauge)
     }
 }
 
 impl Drop for Counted<'_> {
     fn drop(&mut self) {
         self.0.fetch_sub(1, Ordering::Relaxed);
+        if let Some(g) = self.1 {
+            g.dec();
+        }
     }
 }
 
@@ -303,46 +309,38 @@ async fn connection<A: HttpServerApp + Send + Sync + 'static>(
     mut shutdown: ShutdownWatch,
 ) {
     let failed = || shared.metrics.conns.with_label_values(&["failed"]).inc();
-    let handshaking = Counted::new(&shared.handshaking);
+    let handshaking = Counted::new(&shared.handshaking, None);
     let Ok(connecting) = incoming.accept() else {
         failed();
         return;
     };
-    let (conn, confirmed) = if shared.settings.early_data {
-        match connecting.into_0rtt() {
-            Ok((conn, accepted)) => {
-                let (tx, rx) = tokio::sync::watch::channel(false);
-                tokio::spawn(async move {
-                    let _ = accepted.await;
-                    let _ = tx.send(true);
-                });
-                (conn, rx)
-            }
-            Err(connecting) => {
-                match tokio::time::timeout(shared.handshake_timeout, connecting).await {
-                    Ok(Ok(c)) => (c, tokio::sync::watch::channel(true).1),
-                    _ => {
-                        failed();
-                        return;
-                    }
-                }
-            }
+    // With 0-RTT the connection serves at once and `confirmed` turns true
+    // when the handshake completes; without, it is true from the start.
+    let zero_rtt = match shared.settings.early_data {
+        true => connecting.into_0rtt(),
+        false => Err(connecting),
+    };
+    let (conn, confirmed) = match zero_rtt {
+        Ok((conn, accepted)) => {
+            let (tx, rx) = tokio::sync::watch::channel(false);
+            tokio::spawn(async move {
+                let _ = accepted.await;
+                let _ = tx.send(true);
+            });
+            (conn, rx)
         }
-    } else {
-        match tokio::time::timeout(shared.handshake_timeout, connecting).await {
+        Err(connecting) => match tokio::time::timeout(shared.handshake_timeout, connecting).await {
             Ok(Ok(c)) => (c, tokio::sync::watch::channel(true).1),
             _ => {
                 failed();
                 return;
             }
-        }
+        },
     };
     drop(handshaking);
     shared.metrics.conns.with_label_values(&["accepted"]).inc();
-    let _open = Counted::new(&shared.open);
-    shared.metrics.open.inc();
+    let _open = Counted::new(&shared.open, Some(&shared.metrics.open));
     serve(conn, &shared, &mut shutdown, confirmed).await;
-    shared.metrics.open.dec();
 }
 
 async fn serve<A: HttpServerApp + Send + Sync + 'static>(
@@ -366,7 +364,7 @@ async fn serve<A: HttpServerApp + Send + Sync + 'static>(
     };
     let conn = Arc::new(request::Conn {
         app: shared.app.clone(),
-        digest: digest::of(peer, shared.local),
+        digest: Arc::new(digest::of(peer, shared.local)),
         quic,
         confirmed,
         shutdown: shutdown.clone(),

@@ -3,23 +3,13 @@
 //! hop-by-hop headers dropped, and a first look at the body (a request
 //! whose stream already ended has none).
 
-use super::session::H3Session;
+use super::session::{FirstLook, H3Session, HOP_BY_HOP};
 use bytes::{Buf, Bytes};
 use pingora::apps::HttpServerApp;
 use pingora::protocols::http::ServerSession;
 use pingora::protocols::Digest;
 use pingora::server::ShutdownWatch;
 use std::sync::Arc;
-
-/// Headers HTTP/3 forbids (RFC 9114 4.2); a request carrying one is
-/// malformed, and none reaches the proxy.
-const HOP_BY_HOP: [http::HeaderName; 5] = [
-    http::header::CONNECTION,
-    http::header::TRANSFER_ENCODING,
-    http::header::UPGRADE,
-    http::HeaderName::from_static("keep-alive"),
-    http::HeaderName::from_static("proxy-connection"),
-];
 
 /// Whether a method is safe to serve from 0-RTT data (RFC 8470 4.1: a
 /// replay of it changes nothing).
@@ -37,7 +27,7 @@ pub struct Conn<A> {
     /// The QUIC connection (its close ends the proxy's idle waits).
     pub quic: quinn::Connection,
     /// Its addresses and TLS facts.
-    pub digest: Digest,
+    pub digest: Arc<Digest>,
     /// True once the handshake is complete (at once without 0-RTT).
     pub confirmed: tokio::sync::watch::Receiver<bool>,
     /// The process's shutdown.
@@ -71,9 +61,9 @@ pub async fn serve<A: HttpServerApp + Send + Sync + 'static>(
             .insert("early-data", http::HeaderValue::from_static("1"));
     }
     let first = match futures_util::FutureExt::now_or_never(stream.recv_data()) {
-        Some(Ok(None)) => None,
-        Some(Ok(Some(mut c))) => Some(Some(c.copy_to_bytes(c.remaining()))),
-        _ => Some(None),
+        Some(Ok(None)) => FirstLook::Ended,
+        Some(Ok(Some(mut c))) => FirstLook::Data(c.copy_to_bytes(c.remaining())),
+        _ => FirstLook::Pending,
     };
     let session = H3Session::new(
         http::Request::from_parts(parts, ()),

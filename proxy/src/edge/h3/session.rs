@@ -17,10 +17,31 @@ use pingora::protocols::http::HttpTask;
 use pingora::protocols::l4::socket::SocketAddr;
 use pingora::protocols::Digest;
 use pingora::{Error, ErrorType, OrErr, Result};
+use std::sync::Arc;
 use std::time::Duration;
 
 /// Request body bytes kept for a retry (as Pingora's HTTP/2 session).
 const RETRY_BUFFER: usize = 64 * 1024;
+
+/// Headers HTTP/3 forbids (RFC 9114 4.2): dropped from requests before the
+/// proxy sees them and from responses before they are sent.
+pub const HOP_BY_HOP: [http::HeaderName; 5] = [
+    http::header::CONNECTION,
+    http::header::TRANSFER_ENCODING,
+    http::header::UPGRADE,
+    http::HeaderName::from_static("keep-alive"),
+    http::HeaderName::from_static("proxy-connection"),
+];
+
+/// What a request's body looked like when the request arrived.
+pub enum FirstLook {
+    /// The stream had ended: no body at all.
+    Ended,
+    /// Nothing had arrived yet.
+    Pending,
+    /// Its first bytes.
+    Data(Bytes),
+}
 
 type Tx = RequestStream<h3_quinn::SendStream<Bytes>, Bytes>;
 type Rx = RequestStream<h3_quinn::RecvStream, Bytes>;
@@ -33,9 +54,8 @@ pub struct H3Session {
     /// The request body's first bytes, read when the request arrived.
     first: Option<Bytes>,
     conn: quinn::Connection,
-    digest: Digest,
-    client: SocketAddr,
-    server: SocketAddr,
+    /// The connection's addresses and TLS facts (shared by its requests).
+    digest: Arc<Digest>,
     read_timeout: Option<Duration>,
     write_timeout: Option<Duration>,
     drain_timeout: Option<Duration>,
@@ -69,36 +89,30 @@ async fn within<T>(
 }
 
 impl H3Session {
-    /// A session for `req` on `stream`; `first` says what the request body
-    /// looked like when the request arrived: `None` for "ended, empty",
-    /// `Some(None)` for "not yet known", `Some(Some(bytes))` for its first
-    /// bytes.
+    /// A session for `req` on `stream`, whose body looked like `first`
+    /// when it arrived.
     pub fn new(
         req: http::Request<()>,
         stream: RequestStream<h3_quinn::BidiStream<Bytes>, Bytes>,
-        first: Option<Option<Bytes>>,
+        first: FirstLook,
         conn: quinn::Connection,
-        digest: Digest,
+        digest: Arc<Digest>,
     ) -> Self {
         let (tx, rx) = stream.split();
         let (parts, ()) = req.into_parts();
-        let peer = conn.remote_address();
-        let local = digest
-            .socket_digest
-            .as_ref()
-            .and_then(|d| d.local_addr.get().cloned().flatten())
-            .unwrap_or(SocketAddr::Inet(peer));
+        let ended = matches!(first, FirstLook::Ended);
         H3Session {
             req: RequestHeader::from(parts),
             tx,
             rx,
-            body_empty: first.is_none(),
-            body_done: first.is_none(),
-            first: first.flatten(),
+            body_empty: ended,
+            body_done: ended,
+            first: match first {
+                FirstLook::Data(b) => Some(b),
+                _ => None,
+            },
             conn,
             digest,
-            client: SocketAddr::Inet(peer),
-            server: local,
             read_timeout: None,
             write_timeout: None,
             drain_timeout: None,
@@ -184,25 +198,18 @@ impl Session for H3Session {
         }
     }
 
-    async fn write_response_header(&mut self, resp: Box<ResponseHeader>, end: bool) -> Result<()> {
-        self.write_response_header_ref(&resp, end).await
-    }
-
-    async fn write_response_header_ref(&mut self, resp: &ResponseHeader, end: bool) -> Result<()> {
+    async fn write_response_header(
+        &mut self,
+        mut head: Box<ResponseHeader>,
+        end: bool,
+    ) -> Result<()> {
         // One response per stream: informational heads are not sent (as
         // Pingora's HTTP/2 session does), nor a second head.
-        if self.ended || resp.status.is_informational() || self.response.is_some() {
+        if self.ended || head.status.is_informational() || self.response.is_some() {
             return Ok(());
         }
-        let mut head = resp.clone();
-        for h in [
-            http::header::TRANSFER_ENCODING,
-            http::header::CONNECTION,
-            http::header::UPGRADE,
-            http::HeaderName::from_static("keep-alive"),
-            http::HeaderName::from_static("proxy-connection"),
-        ] {
-            head.remove_header(&h);
+        for h in &HOP_BY_HOP {
+            head.remove_header(h);
         }
         let mut parts = head.as_owned_parts();
         parts.version = http::Version::HTTP_3;
@@ -213,11 +220,16 @@ impl Session for H3Session {
         )
         .await?;
         sent.map_err(|e| err(ErrorType::WriteError, "writing the HTTP/3 response head", e))?;
-        self.response = Some(head);
+        self.response = Some(*head);
         if end {
             self.end().await?;
         }
         Ok(())
+    }
+
+    async fn write_response_header_ref(&mut self, resp: &ResponseHeader, end: bool) -> Result<()> {
+        self.write_response_header(Box::new(resp.clone()), end)
+            .await
     }
 
     async fn write_body(&mut self, data: Bytes, end: bool) -> Result<()> {
@@ -376,15 +388,26 @@ impl Session for H3Session {
     }
 
     fn digest_mut(&mut self) -> Option<&mut Digest> {
-        Some(&mut self.digest)
+        // Shared by the connection's requests, as Pingora's HTTP/2 does.
+        Arc::get_mut(&mut self.digest)
     }
 
     fn client_addr(&self) -> Option<&SocketAddr> {
-        Some(&self.client)
+        self.digest
+            .socket_digest
+            .as_ref()?
+            .peer_addr
+            .get()?
+            .as_ref()
     }
 
     fn server_addr(&self) -> Option<&SocketAddr> {
-        Some(&self.server)
+        self.digest
+            .socket_digest
+            .as_ref()?
+            .local_addr
+            .get()?
+            .as_ref()
     }
 
     fn pseudo_raw_h1_request_header(&self) -> Bytes {
