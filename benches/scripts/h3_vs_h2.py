@@ -127,33 +127,41 @@ def netns_teardown(made=None):
 
 
 H2_CLIENT = r'''
-import httpx, json, sys, time
-url, ca, n, body = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
-out = []
+import asyncio, httpx, json, sys, time
+url, n, body, inflight, stagger = sys.argv[1], int(sys.argv[2]), sys.argv[3], int(sys.argv[4]), float(sys.argv[5])
+out, left = [], [n]
 # The dev certificate names localhost, and the server is at 10.213.0.1
 # across the link: TLS without verification (SNI absent, so the listener's
 # default certificate), as aioquic gets it with `localhost` as its name.
-with httpx.Client(http2=True, verify=False, timeout=60) as c:
-    # The connection is made (and its handshake done) before the timed
-    # streams, as the HTTP/3 client's is.
-    c.get(url.rsplit("/", 2)[0] + "/models")
-    for _ in range(n):
+async def worker(c, k):
+    await asyncio.sleep(k * stagger / 1000)
+    while left[0] > 0:
+        left[0] -= 1
         t0 = time.monotonic(); times = []
-        with c.stream("POST", url, content=body, headers={"content-type": "application/json"}) as r:
-            for chunk in r.iter_raw():
+        async with c.stream("POST", url, content=body, headers={"content-type": "application/json"}) as r:
+            async for chunk in r.aiter_raw():
                 if chunk:
                     # One arrival time per SSE event in the chunk.
                     times += [round(time.monotonic() - t0, 4)] * chunk.count(b"data:")
         out.append(times)
+async def main():
+    async with httpx.AsyncClient(http2=True, verify=False, timeout=60) as c:
+        # The connection is made (and its handshake done) before the timed
+        # streams, as the HTTP/3 client's is; every stream then shares it.
+        await c.get(url.rsplit("/", 2)[0] + "/models")
+        await asyncio.gather(*[worker(c, k) for k in range(inflight)])
+asyncio.run(main())
 print(json.dumps(out))
 '''
 
 
-def streams(args, tmp, loss):
+def start_link(args, tmp, loss):
+    """The impaired link with fake-openai and ultrafast in the server's
+    namespace. Returns (made, [processes]) or (None, why)."""
     made, why = netns_setup(loss)
     if why:
         netns_teardown()
-        return why
+        return None, why
     fake = spawn(["ip", "netns", "exec", "ufb-srv", os.path.join(REL, "fake-openai"), "--tokens", str(args.tokens),
                   "--itl-ms", "20", "--ttft-ms", "20"], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     addr = fake.stdout.readline().strip().removeprefix("listening on ")
@@ -164,42 +172,62 @@ def streams(args, tmp, loss):
     open(cfg, "w").write(config(tmp, port, admin, tls, extra, bind="10.213.0.1"))
     log = open(os.path.join(tmp, f"loss{loss}.log"), "w")
     uf = spawn(["ip", "netns", "exec", "ufb-srv", os.path.join(REL, "ultrafast"), "serve", "-c", cfg], stdout=log, stderr=log)
+    time.sleep(1.5)
+    return made, [uf, fake]
+
+
+def one_protocol(args, tmp, proto, inflight):
+    """`args.streams` streamed chats over one connection, `inflight` at a
+    time (the first ones `args.stagger_ms` apart). Returns each stream's
+    event arrival times (seconds after its request)."""
+    tls = 8443
+    body = json.dumps({"model": "fm", "stream": True, "max_tokens": args.tokens,
+                       "messages": [{"role": "user", "content": "hi"}]})
+    ca = os.path.join(tmp, "ca.pem")
+    if proto == "h2":
+        r = subprocess.run(["ip", "netns", "exec", "ufb-cli", PY, "-c", H2_CLIENT,
+                            f"https://10.213.0.1:{tls}/v1/chat/completions", str(args.streams), body,
+                            str(inflight), str(args.stagger_ms)],
+                           capture_output=True, text=True, timeout=600, env={**os.environ, "no_proxy": "*"})
+        return json.loads(r.stdout)
+    req = {"method": "POST", "path": "/v1/chat/completions",
+           "headers": {"content-type": "application/json"}, "body": body}
+    r = subprocess.run(["ip", "netns", "exec", "ufb-cli", PY, H3, "streams", "--host", "10.213.0.1",
+                        "--port", str(tls), "--cafile", ca, "--timeout", "590", "--count", str(args.streams),
+                        "--inflight", str(inflight), "--stagger-ms", str(args.stagger_ms),
+                        "--requests", json.dumps([req])],
+                       capture_output=True, text=True, timeout=600)
+    return [[t for t, n in zip(one["chunk_times"], one["chunk_events"]) for _ in range(n)]
+            for one in json.loads(r.stdout)]
+
+
+def summarize(runs):
+    # TTFT: the first content event (the first is the role's); gaps
+    # between the events after it (the last is [DONE]).
+    ttft = [t[1] for t in runs if len(t) > 1]
+    gaps = [(b - a) * 1000 for t in runs for a, b in zip(t[1:], t[2:-1])]
+    return (pct_ms(ttft, 0.5), pct_ms(ttft, 0.99), statistics.pstdev(gaps) if gaps else float("nan"),
+            pct_ms([g / 1000 for g in gaps], 0.99) if gaps else float("nan"), len(runs))
+
+
+def streams(args, tmp, loss):
+    """Every in-flight count for both protocols on one link, `args.link_rounds`
+    times with the protocols' order alternating; samples pooled per cell."""
+    made, procs = start_link(args, tmp, loss)
+    if made is None:
+        return procs
     try:
-        time.sleep(1.5)
-        body = json.dumps({"model": "fm", "stream": True, "max_tokens": args.tokens,
-                           "messages": [{"role": "user", "content": "hi"}]})
-        ca = os.path.join(tmp, "ca.pem")
         res = {}
-        for proto in ["h2", "h3"]:
-            if proto == "h2":
-                r = subprocess.run(["ip", "netns", "exec", "ufb-cli", PY, "-c", H2_CLIENT,
-                                    f"https://10.213.0.1:{tls}/v1/chat/completions", ca, str(args.streams), body],
-                                   capture_output=True, text=True, timeout=600,
-                                   env={**os.environ, "no_proxy": "*"})
-                runs = json.loads(r.stdout)
-            else:
-                # One connection for all the streams, one after the other,
-                # as the HTTP/2 client's.
-                req = {"method": "POST", "path": "/v1/chat/completions",
-                       "headers": {"content-type": "application/json"}, "body": body}
-                r = subprocess.run(["ip", "netns", "exec", "ufb-cli", PY, H3, "requests", "--host", "10.213.0.1",
-                                    "--port", str(tls), "--cafile", ca, "--timeout", "590", "--requests",
-                                    json.dumps([{"path": "/v1/models"}] + [req] * args.streams)],
-                                   capture_output=True, text=True, timeout=600)
-                runs = [[t for t, n in zip(one["chunk_times"], one["chunk_events"]) for _ in range(n)]
-                        for one in json.loads(r.stdout)[1:]]
-            # TTFT: the first content event (the first is the role's);
-            # gaps between the events after it (the last is [DONE]).
-            ttft = [t[1] for t in runs if len(t) > 1]
-            gaps = [(b - a) * 1000 for t in runs for a, b in zip(t[1:], t[2:-1])]
-            res[proto] = (pct_ms(ttft, 0.5), pct_ms(ttft, 0.99), statistics.pstdev(gaps) if gaps else float("nan"))
-        return res
+        for rnd in range(args.link_rounds):
+            for inflight in args.inflight:
+                for proto in (["h2", "h3"] if rnd % 2 == 0 else ["h3", "h2"]):
+                    res.setdefault((inflight, proto), []).extend(one_protocol(args, tmp, proto, inflight))
+        return {k: summarize(v) for k, v in res.items()}
     finally:
-        stop_tree(uf)
-        stop_tree(fake)
-        res_kind = made[0]
+        for p in procs:
+            stop_tree(p)
         netns_teardown(made)
-        print(f"  (link: {'tc netem' if res_kind == 'netem' else 'user-space TUN link, tunlink.py'})", flush=True)
+        print(f"  (link: {'tc netem' if made[0] == 'netem' else 'user-space TUN link, tunlink.py'})", flush=True)
 
 
 def main():
@@ -208,8 +236,15 @@ def main():
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--streams", type=int, default=30)
     ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--inflight", default="1,4",
+                    help="streams in flight per connection, comma-separated: each is measured")
+    ap.add_argument("--stagger-ms", type=float, default=5.0,
+                    help="start offset between the first in-flight streams (so their tokens are not sent together)")
+    ap.add_argument("--link-rounds", type=int, default=1,
+                    help="repeats per loss rate, protocols alternating first; samples pooled")
     ap.add_argument("--skip-clean", action="store_true", help="only the bad-link part")
     args = ap.parse_args()
+    args.inflight = [int(x) for x in args.inflight.split(",")]
     tmp = tempfile.mkdtemp(prefix="h3bench-")
     subprocess.run([os.path.join(REL, "ultrafast"), "certs", "dev", "--out", tmp], check=True, capture_output=True)
     print(f"CPU: {cpu_model()}, {os.cpu_count()} cores")
@@ -220,13 +255,20 @@ def main():
         print(f"| HTTP/2 | {h2:.1f} |\n| HTTP/3 | {h3:.1f} |")
         print(f"HTTP/3 / HTTP/2: {h3 / h2:.2f}x (target at most 1.5x)")
     print("2. streamed completions through netns + netem, 50 ms RTT:")
+    rows = []
     for loss in [0, 1, 3]:
         r = streams(args, tmp, loss)
         if isinstance(r, str):
             print(f"  not run: cannot make the impaired link ({r})")
             break
-        print(f"  loss {loss}%: " + "; ".join(
-            f"{p}: TTFT p50 {v[0]:.1f} p99 {v[1]:.1f} ms, gap stddev {v[2]:.2f} ms" for p, v in r.items()))
+        for (inflight, proto), v in sorted(r.items()):
+            rows.append((inflight, loss, proto, v))
+            print(f"  loss {loss}%, {inflight} in flight, {proto}: {v[4]} streams, TTFT p50 {v[0]:.1f} p99 {v[1]:.1f} ms, "
+                  f"gap stddev {v[2]:.2f} ms, gap p99 {v[3]:.1f} ms", flush=True)
+    print("| in flight | loss | protocol | streams | TTFT p50 (ms) | TTFT p99 (ms) | gap stddev (ms) | gap p99 (ms) |")
+    print("|---|---|---|---|---|---|---|---|")
+    for inflight, loss, proto, v in sorted(rows):
+        print(f"| {inflight} | {loss} % | {'HTTP/2' if proto == 'h2' else 'HTTP/3'} | {v[4]} | {v[0]:.1f} | {v[1]:.1f} | {v[2]:.2f} | {v[3]:.1f} |")
     shutil.rmtree(tmp, ignore_errors=True)
 
 

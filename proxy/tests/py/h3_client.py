@@ -6,6 +6,10 @@ several connections at once. Prints one JSON document on stdout.
   h3_client.py limits   --port P --cafile CA [--idle 2.0]
   h3_client.py conns    --port P --cafile CA --count 3 --hold 1.0
   h3_client.py early    --port P --cafile CA --requests '[...]'
+  h3_client.py streams  --port P --cafile CA --count N --inflight M --stagger-ms S --requests '[{...}]'
+      (N copies of the one request, M in flight on one connection, the
+      first M started S ms apart so that their bodies' chunks are not sent
+      together; each ended one is followed at once by the next)
   h3_client.py load     --port P --cafile CA --count N --inflight M --path /p
       (N GETs, M in flight on one connection, as h2load -m M does: a new
       request is queued as a response ends, and the connection sends once
@@ -143,6 +147,31 @@ async def load(args):
         return {"ok": client.ok, "seconds": round(time.monotonic() - t0, 3)}
 
 
+async def streams(args):
+    """`count` copies of one request, `inflight` at a time on one
+    connection, the first ones staggered: what a client with several
+    completions in flight sends (bench h3_vs_h2.py, concurrent mode)."""
+    r = json.loads(args.requests)[0]
+    out = []
+    left = [args.count]
+    async with connect(
+        args.host, args.port, configuration=config(args), create_protocol=Client
+    ) as client:
+        await client.request("GET", "/v1/models", None, b"", args.servername)
+
+        async def worker(k):
+            await asyncio.sleep(k * args.stagger_ms / 1000)
+            while left[0] > 0:
+                left[0] -= 1
+                out.append(await client.request(
+                    r.get("method", "GET"), r["path"], r.get("headers"),
+                    r.get("body", "").encode(), args.servername,
+                ))
+
+        await asyncio.gather(*[worker(k) for k in range(args.inflight)])
+    return out
+
+
 def config(args):
     c = QuicConfiguration(is_client=True, alpn_protocols=H3_ALPN)
     c.load_verify_locations(args.cafile)
@@ -265,7 +294,7 @@ async def early(args):
 
 def main():
     p = argparse.ArgumentParser()
-    p.add_argument("mode", choices=["requests", "limits", "conns", "early", "load"])
+    p.add_argument("mode", choices=["requests", "limits", "conns", "early", "load", "streams"])
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, required=True)
     p.add_argument("--cafile", required=True)
@@ -277,9 +306,11 @@ def main():
     p.add_argument("--hold", type=float, default=1.0)
     p.add_argument("--path", default="/")
     p.add_argument("--inflight", type=int, default=16)
+    p.add_argument("--stagger-ms", type=float, default=0.0)
     p.add_argument("--timeout", type=float, default=60.0, help="seconds for the whole run")
     args = p.parse_args()
-    run = {"requests": requests, "limits": limits, "conns": conns, "early": early, "load": load}[args.mode]
+    run = {"requests": requests, "limits": limits, "conns": conns, "early": early, "load": load,
+           "streams": streams}[args.mode]
     try:
         result = asyncio.run(asyncio.wait_for(run(args), args.timeout))
     except Exception as e:
