@@ -12,9 +12,16 @@
 2. Bad links: streamed completions (fake-openai, `--tokens` 20 ms apart)
    through a pair of network namespaces this script makes, joined by a
    veth pair with `tc netem` (25 ms each way: 50 ms RTT; 0, 1 and 3 %
-   loss). Measured per protocol: TTFT p50/p99 and the standard deviation
-   of the gaps between tokens. Target: HTTP/3 at most HTTP/2's at every
-   loss rate. Needs root; where the kernel has no `sch_netem`, the same
+   loss). Each protocol streams `--streams` completions over one
+   connection, `--inflight` of them at a time (1: one after the other; 4:
+   four at once, started `--stagger-ms` apart so their tokens travel in
+   different packets, as independent requests' do). Clients: aioquic
+   (h3_client.py streams) and the h2 package (h2_streams.py), both one
+   asyncio reader per connection that timestamps each event as its bytes
+   arrive. Measured per protocol: TTFT p50/p99 and the standard deviation
+   (and p99) of the gaps between tokens, pooled over `--link-rounds`
+   rounds with the protocols' order alternating. Target: HTTP/3 at most
+   HTTP/2's at every loss rate. Needs root; where the kernel has no `sch_netem`, the same
    delay and loss are made in user space over TUN devices (`tunlink.py`),
    and the output says which link was used.
 
@@ -25,6 +32,7 @@ from benchlib import ROOT, free_port, pct_ms, spawn, stop_tree, tail, wait_port
 REL = os.path.join(ROOT, "target", "release")
 PY = os.path.join(ROOT, ".venv", "bin", "python3")
 H3 = os.path.join(ROOT, "proxy", "tests", "py", "h3_client.py")
+H2 = os.path.join(os.path.dirname(os.path.abspath(__file__)), "h2_streams.py")
 CLK = os.sysconf("SC_CLK_TCK")
 
 
@@ -126,35 +134,6 @@ def netns_teardown(made=None):
     sh("ip netns del ufb-srv; ip netns del ufb-cli")
 
 
-H2_CLIENT = r'''
-import asyncio, httpx, json, sys, time
-url, n, body, inflight, stagger = sys.argv[1], int(sys.argv[2]), sys.argv[3], int(sys.argv[4]), float(sys.argv[5])
-out, left = [], [n]
-# The dev certificate names localhost, and the server is at 10.213.0.1
-# across the link: TLS without verification (SNI absent, so the listener's
-# default certificate), as aioquic gets it with `localhost` as its name.
-async def worker(c, k):
-    await asyncio.sleep(k * stagger / 1000)
-    while left[0] > 0:
-        left[0] -= 1
-        t0 = time.monotonic(); times = []
-        async with c.stream("POST", url, content=body, headers={"content-type": "application/json"}) as r:
-            async for chunk in r.aiter_raw():
-                if chunk:
-                    # One arrival time per SSE event in the chunk.
-                    times += [round(time.monotonic() - t0, 4)] * chunk.count(b"data:")
-        out.append(times)
-async def main():
-    async with httpx.AsyncClient(http2=True, verify=False, timeout=60) as c:
-        # The connection is made (and its handshake done) before the timed
-        # streams, as the HTTP/3 client's is; every stream then shares it.
-        await c.get(url.rsplit("/", 2)[0] + "/models")
-        await asyncio.gather(*[worker(c, k) for k in range(inflight)])
-asyncio.run(main())
-print(json.dumps(out))
-'''
-
-
 def start_link(args, tmp, loss):
     """The impaired link with fake-openai and ultrafast in the server's
     namespace. Returns (made, [processes]) or (None, why)."""
@@ -185,7 +164,7 @@ def one_protocol(args, tmp, proto, inflight):
                        "messages": [{"role": "user", "content": "hi"}]})
     ca = os.path.join(tmp, "ca.pem")
     if proto == "h2":
-        r = subprocess.run(["ip", "netns", "exec", "ufb-cli", PY, "-c", H2_CLIENT,
+        r = subprocess.run(["ip", "netns", "exec", "ufb-cli", PY, H2,
                             f"https://10.213.0.1:{tls}/v1/chat/completions", str(args.streams), body,
                             str(inflight), str(args.stagger_ms)],
                            capture_output=True, text=True, timeout=600, env={**os.environ, "no_proxy": "*"})
@@ -242,6 +221,7 @@ def main():
                     help="start offset between the first in-flight streams (so their tokens are not sent together)")
     ap.add_argument("--link-rounds", type=int, default=1,
                     help="repeats per loss rate, protocols alternating first; samples pooled")
+    ap.add_argument("--losses", default="0,1,3", help="loss rates in percent, comma-separated")
     ap.add_argument("--skip-clean", action="store_true", help="only the bad-link part")
     args = ap.parse_args()
     args.inflight = [int(x) for x in args.inflight.split(",")]
@@ -256,7 +236,7 @@ def main():
         print(f"HTTP/3 / HTTP/2: {h3 / h2:.2f}x (target at most 1.5x)")
     print("2. streamed completions through netns + netem, 50 ms RTT:")
     rows = []
-    for loss in [0, 1, 3]:
+    for loss in [float(x) if "." in x else int(x) for x in args.losses.split(",")]:
         r = streams(args, tmp, loss)
         if isinstance(r, str):
             print(f"  not run: cannot make the impaired link ({r})")

@@ -173,6 +173,10 @@ fn http3_serves_the_api_a_stream_a_proxied_route_and_the_policy() {
         4.0
     );
     assert_eq!(uf.metric("ultrafast_http3_requests_total", &[]), 4.0);
+    // The event stream's writes were followed by loss probes (on a
+    // stream of a reserved type, which the client discarded: every
+    // answer above came whole).
+    assert!(uf.metric("ultrafast_http3_loss_probes_total", &[]) >= 1.0);
     assert!(
         uf.metric(
             "ultrafast_http3_connections_total",

@@ -16,6 +16,7 @@
 //! only for requests safe to replay.
 
 mod digest;
+mod probe;
 mod request;
 mod session;
 
@@ -54,6 +55,7 @@ pub struct H3Metrics {
     open: IntGauge,
     conns: IntCounterVec,
     requests: IntCounter,
+    probes: IntCounter,
 }
 
 impl H3Metrics {
@@ -86,6 +88,13 @@ impl H3Metrics {
                 IntCounter::new(
                     "ultrafast_http3_requests_total",
                     "HTTP/3 requests received.",
+                ),
+            ),
+            probes: registered(
+                r,
+                IntCounter::new(
+                    "ultrafast_http3_loss_probes_total",
+                    "Ack-eliciting probes sent after event streams' writes paused, so that a lost token is detected within about one RTT.",
                 ),
             ),
         }
@@ -365,6 +374,7 @@ async fn serve<A: HttpServerApp + Send + Sync + 'static>(
     let conn = Arc::new(request::Conn {
         app: shared.app.clone(),
         digest: Arc::new(digest::of(peer, shared.local)),
+        probe: probe::Probe::new(quic.clone(), shared.metrics.probes.clone()),
         quic,
         confirmed,
         shutdown: shutdown.clone(),

@@ -28,6 +28,8 @@ pub struct Conn<A> {
     pub quic: quinn::Connection,
     /// Its addresses and TLS facts.
     pub digest: Arc<Digest>,
+    /// Its loss prober, for event streams.
+    pub probe: super::probe::Probe,
     /// True once the handshake is complete (at once without 0-RTT).
     pub confirmed: tokio::sync::watch::Receiver<bool>,
     /// The process's shutdown.
@@ -71,6 +73,7 @@ pub async fn serve<A: HttpServerApp + Send + Sync + 'static>(
         first,
         conn.quic.clone(),
         conn.digest.clone(),
+        conn.probe.clone(),
     );
     let _ = conn
         .app

@@ -4,6 +4,7 @@
 //! request path (routes, admission, inference, proxying, the response
 //! policy, logs, metrics) with no protocol in between.
 
+use super::probe::Probe;
 use async_trait::async_trait;
 use bytes::{Buf, Bytes};
 use futures_util::Stream;
@@ -56,6 +57,10 @@ pub struct H3Session {
     conn: quinn::Connection,
     /// The connection's addresses and TLS facts (shared by its requests).
     digest: Arc<Digest>,
+    /// The connection's loss prober, told of each write of an event stream.
+    probe: Probe,
+    /// The response is an event stream (`text/event-stream`).
+    event_stream: bool,
     read_timeout: Option<Duration>,
     write_timeout: Option<Duration>,
     drain_timeout: Option<Duration>,
@@ -97,6 +102,7 @@ impl H3Session {
         first: FirstLook,
         conn: quinn::Connection,
         digest: Arc<Digest>,
+        probe: Probe,
     ) -> Self {
         let (tx, rx) = stream.split();
         let (parts, ()) = req.into_parts();
@@ -113,6 +119,8 @@ impl H3Session {
             },
             conn,
             digest,
+            probe,
+            event_stream: false,
             read_timeout: None,
             write_timeout: None,
             drain_timeout: None,
@@ -211,6 +219,10 @@ impl Session for H3Session {
         for h in &HOP_BY_HOP {
             head.remove_header(h);
         }
+        self.event_stream = head
+            .headers
+            .get(http::header::CONTENT_TYPE)
+            .is_some_and(|v| v.as_bytes().starts_with(b"text/event-stream"));
         let mut parts = head.as_owned_parts();
         parts.version = http::Version::HTTP_3;
         let sent = within(
@@ -249,6 +261,9 @@ impl Session for H3Session {
         }
         if end {
             self.end().await?;
+        }
+        if self.event_stream {
+            self.probe.written();
         }
         Ok(())
     }
