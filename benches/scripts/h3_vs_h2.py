@@ -34,6 +34,8 @@ PY = os.path.join(ROOT, ".venv", "bin", "python3")
 H3 = os.path.join(ROOT, "proxy", "tests", "py", "h3_client.py")
 H2 = os.path.join(os.path.dirname(os.path.abspath(__file__)), "h2_streams.py")
 CLK = os.sysconf("SC_CLK_TCK")
+# The bad-link server's ports, inside its own namespace.
+LINK_TLS, LINK_HTTP, LINK_ADMIN = 8443, 8080, 9901
 
 
 def cpu_model():
@@ -144,7 +146,7 @@ def start_link(args, tmp, loss):
     fake = spawn(["ip", "netns", "exec", "ufb-srv", os.path.join(REL, "fake-openai"), "--tokens", str(args.tokens),
                   "--itl-ms", "20", "--ttft-ms", "20"], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     addr = fake.stdout.readline().strip().removeprefix("listening on ")
-    tls, port, admin = 8443, 8080, 9901
+    tls, port, admin = LINK_TLS, LINK_HTTP, LINK_ADMIN
     cfg = os.path.join(tmp, f"loss{loss}.toml")
     extra = (f'[[routes]]\nname = "openai"\npath = "/v1/"\ninference = true\n\n'
              f'[pools.fm-pool]\nmembers = [{{ addr = "{addr}" }}]\n\n[models.fm]\nbackend = "upstream"\npool = "fm-pool"\n')
@@ -159,7 +161,7 @@ def one_protocol(args, tmp, proto, inflight):
     """`args.streams` streamed chats over one connection, `inflight` at a
     time (the first ones `args.stagger_ms` apart). Returns each stream's
     event arrival times (seconds after its request)."""
-    tls = 8443
+    tls = LINK_TLS
     body = json.dumps({"model": "fm", "stream": True, "max_tokens": args.tokens,
                        "messages": [{"role": "user", "content": "hi"}]})
     ca = os.path.join(tmp, "ca.pem")

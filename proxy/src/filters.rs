@@ -103,6 +103,17 @@ pub fn has_token(v: &[u8], token: &[u8]) -> bool {
         .any(|t| t.trim_ascii().eq_ignore_ascii_case(token))
 }
 
+/// Whether `headers` say the body is a server-sent event stream: its
+/// `Content-Type` is `text/event-stream` (ASCII case-insensitive, any
+/// parameters).
+pub fn is_event_stream(headers: &http::HeaderMap) -> bool {
+    const SSE: &[u8] = b"text/event-stream";
+    headers
+        .get(http::header::CONTENT_TYPE)
+        .map(|v| v.as_bytes())
+        .is_some_and(|v| v.len() >= SSE.len() && v[..SSE.len()].eq_ignore_ascii_case(SSE))
+}
+
 /// Whether the request may carry a body.
 pub fn has_body(req: &RequestHeader) -> bool {
     req.headers.contains_key(http::header::TRANSFER_ENCODING)
@@ -185,6 +196,16 @@ mod tests {
 
     fn check(headers: &[(&str, &str)]) -> Option<Refusal> {
         check_head(&head(headers), 32 * 1024, 100, 1 << 20)
+    }
+
+    #[test]
+    fn event_streams_are_told_by_media_type_in_any_case() {
+        let sse = |ct: &str| is_event_stream(&head(&[("content-type", ct)]).headers);
+        assert!(sse("text/event-stream"));
+        assert!(sse("Text/Event-Stream; charset=utf-8"));
+        assert!(!sse("text/plain"));
+        assert!(!sse("text/event"));
+        assert!(!is_event_stream(&head(&[]).headers));
     }
 
     #[test]

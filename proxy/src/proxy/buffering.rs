@@ -176,12 +176,13 @@ fn clamp_i64(v: u64) -> i64 {
 
 /// Whether a response is a stream its client reads as it is made.
 fn streamed(resp: &ResponseHeader) -> bool {
-    let ct = resp
-        .headers
-        .get(http::header::CONTENT_TYPE)
-        .map_or(&b""[..], |v| v.as_bytes());
-    let starts = |p: &[u8]| super::grpc::starts_with_ignore_case(ct, p);
-    starts(b"text/event-stream") || starts(b"application/grpc")
+    crate::filters::is_event_stream(&resp.headers)
+        || resp
+            .headers
+            .get(http::header::CONTENT_TYPE)
+            .is_some_and(|v| {
+                super::grpc::starts_with_ignore_case(v.as_bytes(), b"application/grpc")
+            })
 }
 
 /// Whether a response has a body to buffer.

@@ -374,7 +374,7 @@ async fn serve<A: HttpServerApp + Send + Sync + 'static>(
     let conn = Arc::new(request::Conn {
         app: shared.app.clone(),
         digest: Arc::new(digest::of(peer, shared.local)),
-        probe: probe::Probe::new(quic.clone(), shared.metrics.probes.clone()),
+        probe: probe::Probe::new(shared.metrics.probes.clone()),
         quic,
         confirmed,
         shutdown: shutdown.clone(),

@@ -43,27 +43,25 @@ const MAX_STREAMS: u32 = 8;
 pub struct Probe(Arc<Inner>);
 
 struct Inner {
-    quic: quinn::Connection,
     wake: OnceLock<mpsc::Sender<()>>,
     sent: IntCounter,
 }
 
 impl Probe {
-    /// The prober of `quic`, counting its probes in `sent`.
-    pub fn new(quic: quinn::Connection, sent: IntCounter) -> Self {
+    /// A connection's prober, counting its probes in `sent`.
+    pub fn new(sent: IntCounter) -> Self {
         Probe(Arc::new(Inner {
-            quic,
             wake: OnceLock::new(),
             sent,
         }))
     }
 
-    /// An event stream wrote: a probe follows unless more is written
-    /// within the quiet time.
-    pub fn written(&self) {
+    /// An event stream of `quic` (this prober's connection) wrote: a probe
+    /// follows unless more is written within the quiet time.
+    pub fn written(&self, quic: &quinn::Connection) {
         let wake = self.0.wake.get_or_init(|| {
             let (tx, rx) = mpsc::channel(1);
-            tokio::spawn(run(self.0.quic.clone(), rx, self.0.sent.clone()));
+            tokio::spawn(run(quic.clone(), rx, self.0.sent.clone()));
             tx
         });
         // Full: a wake is already pending, which is all it means.

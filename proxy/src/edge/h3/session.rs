@@ -219,10 +219,7 @@ impl Session for H3Session {
         for h in &HOP_BY_HOP {
             head.remove_header(h);
         }
-        self.event_stream = head
-            .headers
-            .get(http::header::CONTENT_TYPE)
-            .is_some_and(|v| v.as_bytes().starts_with(b"text/event-stream"));
+        self.event_stream = crate::filters::is_event_stream(&head.headers);
         let mut parts = head.as_owned_parts();
         parts.version = http::Version::HTTP_3;
         let sent = within(
@@ -263,7 +260,7 @@ impl Session for H3Session {
             self.end().await?;
         }
         if self.event_stream {
-            self.probe.written();
+            self.probe.written(&self.conn);
         }
         Ok(())
     }
