@@ -11,6 +11,9 @@ holding the read lock gets one of its own (up to a token's interval at 4
 in flight), which was the client's jitter, not the server's.
 
   h2_streams.py URL COUNT BODY INFLIGHT STAGGER_MS   (prints JSON)
+
+Needs the `h2` package in the project's .venv (`.venv/bin/pip install h2`;
+.ci/run does not install it, as no test uses it).
 """
 import asyncio
 import json
