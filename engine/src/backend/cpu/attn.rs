@@ -40,6 +40,11 @@ pub trait KvElem: Copy + Default + Send + Sync + 'static {
     /// Convert a run for reading (`dst` as long as `src`), with the CPU's
     /// conversion instructions where it has them.
     fn to_f32_slice(src: &[Self], dst: &mut [f32]);
+    /// Convert a run for storing (`dst` as long as `src`), with the CPU's
+    /// conversion instructions where it has them: on the baseline build
+    /// [`from_f32`](Self::from_f32) is a call per value, which made
+    /// writing K/V a tenth of a 16-stream step.
+    fn from_f32_slice(src: &[f32], dst: &mut [Self]);
 }
 
 impl KvElem for f32 {
@@ -51,6 +56,9 @@ impl KvElem for f32 {
         self
     }
     fn to_f32_slice(src: &[Self], dst: &mut [f32]) {
+        dst.copy_from_slice(src);
+    }
+    fn from_f32_slice(src: &[f32], dst: &mut [Self]) {
         dst.copy_from_slice(src);
     }
 }
@@ -65,7 +73,24 @@ impl KvElem for half::f16 {
     }
     fn to_f32_slice(src: &[Self], dst: &mut [f32]) {
         use half::slice::HalfFloatSliceExt;
+        assert_eq!(src.len(), dst.len(), "f16 run and f32 run differ");
+        #[cfg(target_arch = "x86_64")]
+        if Isa::current() != Isa::Scalar {
+            // SAFETY: the CPU has F16C (`Isa::current` found AVX2, FMA and
+            // F16C); equal lengths checked above.
+            return unsafe { x86::f16_to_f32(src.reinterpret_cast(), dst) };
+        }
         src.convert_to_f32_slice(dst);
+    }
+    fn from_f32_slice(src: &[f32], dst: &mut [Self]) {
+        use half::slice::HalfFloatSliceExt;
+        assert_eq!(src.len(), dst.len(), "f32 run and f16 run differ");
+        #[cfg(target_arch = "x86_64")]
+        if Isa::current() != Isa::Scalar {
+            // SAFETY: as in `to_f32_slice`.
+            return unsafe { x86::f32_to_f16(src, dst.reinterpret_cast_mut()) };
+        }
+        dst.convert_from_f32_slice(src);
     }
 }
 
@@ -185,6 +210,19 @@ pub fn attend<E: KvElem>(
         let b = seq.slots[j0] / bs;
         let kt = &k[lay.k_tile(b, g)..][..hd * bs];
         let vb = &v[lay.v_index(b * bs, 0)..][..bs * lay.n_kv * hd];
+        // The next block's keys and this group's values, asked for while
+        // this block computes: a step of many decodes reads each sequence's
+        // cache once (nothing is shared between sequences), and without
+        // this the reads' latency was most of attention's time.
+        if j0 + n < ctx {
+            let nb = seq.slots[j0 + n] / bs;
+            let kn = &k[lay.k_tile(nb, g)..][..hd * bs];
+            let vn = &v[lay.v_index(nb * bs, 0)..][..bs * lay.n_kv * hd];
+            prefetch(kn);
+            for p in 0..bs.min(ctx - j0 - n) {
+                prefetch(&vn[p * lay.n_kv * hd + g * hd..][..hd]);
+            }
+        }
         // Positions of this block token u may see.
         let visible = |u: usize| -> usize {
             let last = seq.start + tokens.start + u / rep;
@@ -236,6 +274,27 @@ pub fn attend<E: KvElem>(
         }
         out(tokens.start + u / rep, g * rep + u % rep, a);
     }
+}
+
+/// Ask the memory for the cache lines of `xs` (a hint: no effect on
+/// results, and never a fault).
+#[inline(always)]
+fn prefetch<E>(xs: &[E]) {
+    #[cfg(target_arch = "x86_64")]
+    {
+        let p = xs.as_ptr() as *const u8;
+        let bytes = std::mem::size_of_val(xs);
+        for off in (0..bytes).step_by(64) {
+            // SAFETY: inside `xs`; prefetching has no architectural effect.
+            unsafe {
+                std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T0 }>(
+                    p.add(off) as *const i8
+                )
+            };
+        }
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = xs;
 }
 
 /// What the sums so far are multiplied by when the running maximum goes
@@ -324,6 +383,46 @@ multiversion! {
 mod x86 {
     use super::{rescale, softmax_update, AttnScratch, KvElem};
     use std::arch::x86_64::*;
+
+    /// f16 bits to f32, eight at a time with F16C inline: `half`'s slice
+    /// conversion calls a function per eight values (its F16C code cannot
+    /// be inlined into a baseline build), which cost AVX2 attention more
+    /// than its arithmetic.
+    #[target_feature(enable = "avx2,f16c")]
+    pub(super) unsafe fn f16_to_f32(src: &[u16], dst: &mut [f32]) {
+        let n = src.len().min(dst.len());
+        let mut i = 0;
+        while i + 8 <= n {
+            // SAFETY: eight values in both runs from i.
+            unsafe {
+                let h = _mm_loadu_si128(src.as_ptr().add(i) as *const __m128i);
+                _mm256_storeu_ps(dst.as_mut_ptr().add(i), _mm256_cvtph_ps(h));
+            }
+            i += 8;
+        }
+        for j in i..n {
+            dst[j] = half::f16::from_bits(src[j]).to_f32();
+        }
+    }
+
+    /// f32 to f16 bits, rounding to nearest even as `half::f16::from_f32`.
+    #[target_feature(enable = "avx2,f16c")]
+    pub(super) unsafe fn f32_to_f16(src: &[f32], dst: &mut [u16]) {
+        let n = src.len().min(dst.len());
+        let mut i = 0;
+        while i + 8 <= n {
+            // SAFETY: eight values in both runs from i.
+            unsafe {
+                let f = _mm256_loadu_ps(src.as_ptr().add(i));
+                let h = _mm256_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(f);
+                _mm_storeu_si128(dst.as_mut_ptr().add(i) as *mut __m128i, h);
+            }
+            i += 8;
+        }
+        for j in i..n {
+            dst[j] = half::f16::from_f32(src[j]).to_bits();
+        }
+    }
 
     /// AVX2 block loop for 16 slots and 64-wide heads on f32 keys
     /// (`kf`, 64 rows of 16) and values (`vf`, 16 rows of 64): scores six
@@ -543,6 +642,48 @@ mod x86 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The run conversions give what the one-value ones give, bit for bit:
+    /// rounding ties, overflow to infinity, subnormals, NaN, and runs
+    /// whose length is not a multiple of eight.
+    #[test]
+    fn f16_run_conversions_match_the_value_conversions() {
+        let mut xs: Vec<f32> = (0..997)
+            .map(|i| (i as f32 - 498.0) * 0.37 * (1.0 + (i % 7) as f32 * 1e-3))
+            .collect();
+        xs.extend([
+            0.0,
+            -0.0,
+            1.0 + 1.0 / 2048.0, // a tie: rounds to even
+            1.0 + 3.0 / 2048.0,
+            65504.0,
+            70000.0,
+            -1e9,
+            f32::INFINITY,
+            f32::NEG_INFINITY,
+            f32::NAN,
+            1e-7, // subnormal in f16
+            -3e-5,
+            1e-10, // flushes to zero
+        ]);
+        for n in [xs.len(), 7, 8, 9, 1, 0] {
+            let src = &xs[..n];
+            let mut h = vec![half::f16::ZERO; n];
+            half::f16::from_f32_slice(src, &mut h);
+            for (a, b) in h.iter().zip(src) {
+                let want = half::f16::from_f32(*b);
+                assert!(
+                    a.to_bits() == want.to_bits() || (a.is_nan() && want.is_nan()),
+                    "{b} -> {a} want {want}"
+                );
+            }
+            let mut back = vec![0f32; n];
+            half::f16::to_f32_slice(&h, &mut back);
+            for (a, b) in back.iter().zip(&h) {
+                assert!(a.to_bits() == b.to_f32().to_bits() || (a.is_nan() && b.is_nan()));
+            }
+        }
+    }
 
     /// Against a direct softmax, for head sizes with and without the
     /// specialized path, contexts across several blocks, tasks that start

@@ -403,6 +403,9 @@ impl<'a, E> std::ops::Deref for Job<'a, E> {
     }
 }
 
+/// Keys converted to the cache's precision per run of this many values.
+const KV_RUN: usize = 128;
+
 /// Rows `(first, count)` of a step.
 type Run = (usize, usize);
 
@@ -657,16 +660,22 @@ impl<E: KvElem> Job<'_, E> {
                 let slot = p.write[t];
                 // SAFETY: see above.
                 unsafe {
+                    // Keys are stored transposed (a block's positions side
+                    // by side per dimension): converted as a run first.
+                    let mut kc = [E::default(); KV_RUN];
                     for g in 0..c.n_kv_head {
                         let base = lay.k_index(slot, g, 0);
-                        for d in 0..hd {
-                            self.k[l].set(base + d * lay.bs, E::from_f32(k[g * hd + d]));
+                        for d0 in (0..hd).step_by(KV_RUN) {
+                            let n = (hd - d0).min(KV_RUN);
+                            let src = &k[g * hd + d0..g * hd + d0 + n];
+                            E::from_f32_slice(src, &mut kc[..n]);
+                            for (d, x) in kc[..n].iter().enumerate() {
+                                self.k[l].set(base + (d0 + d) * lay.bs, *x);
+                            }
                         }
                     }
                     let vs = self.v[l].slice_mut(lay.v_index(slot, 0), kv_dim);
-                    for (o, x) in vs.iter_mut().zip(v.iter()) {
-                        *o = E::from_f32(*x);
-                    }
+                    E::from_f32_slice(v, vs);
                 }
             });
             ctx.barrier();
