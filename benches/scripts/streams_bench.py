@@ -98,6 +98,8 @@ def main():
                     help="[inference] keepalive_ms: an SSE comment on every stream idle this long between tokens")
     ap.add_argument("--proxy", choices=["ultrafast", "nginx"], default="ultrafast",
                     help="the proxy under test: ultrafast, or nginx as the reference")
+    ap.add_argument("--work-stealing", choices=["true", "false"], default=None,
+                    help="ultrafast's [server] work_stealing (its default when not given)")
     ap.add_argument("--isolate", choices=["none", "pin", "nice"], default="none",
                     help="keep the stand-ins for other machines (fake-openai, the stream client) off "
                          "the proxy's CPU: pin = they on CPU 1, ultrafast, nginx and the plain client "
@@ -113,7 +115,8 @@ def main():
     resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
     cpu = next((l.split(":", 1)[1].strip() for l in open("/proc/cpuinfo") if l.startswith("model name")), "?")
     out = {"cpu": cpu, "cores": os.cpu_count(), "streams": a.streams, "itl_ms": a.itl_ms,
-           "heartbeat_ms": a.heartbeat_ms, "keepalive_ms": a.keepalive_ms, "isolate": a.isolate, "proxy": a.proxy}
+           "heartbeat_ms": a.heartbeat_ms, "keepalive_ms": a.keepalive_ms, "isolate": a.isolate, "proxy": a.proxy,
+           "work_stealing": a.work_stealing}
     procs = []
     with tempfile.TemporaryDirectory(prefix="uf-streams-") as tmp:
         try:
@@ -135,7 +138,10 @@ def main():
             port, admin = free_port(), free_port()
             conf = os.path.join(tmp, "uf.toml")
             with open(conf, "w") as f:
-                f.write(uf_head(tmp, port, admin) +
+                head = uf_head(tmp, port, admin)
+                if a.work_stealing is not None:
+                    head = head.replace("[server]\n", f"[server]\nwork_stealing = {a.work_stealing}\n", 1)
+                f.write(head +
                         f'[limits]\nmax_connections = {a.streams * 4}\n\n'
                         f'[inference]\nheartbeat_ms = {a.heartbeat_ms}\nkeepalive_ms = {a.keepalive_ms}\n\n'
                         f'[[routes]]\nname = "openai"\npath = "/v1/"\ninference = true\n\n'
