@@ -474,8 +474,9 @@ mod x86 {
     /// AVX2: the same layout as `k512`, each 64-byte value row as two
     /// registers of eight rows; `vpmaddubsw` then `vpmaddwd` for the byte
     /// products. `K_Q4_1` and `K_Q5`: unsigned values straight into
-    /// `vpmaddubsw`, four products added as i16 first (at most 4 x 2 x 31
-    /// x 127), the half block's values unpacked once for all `T` tokens;
+    /// `vpmaddubsw`, products added as i16 first (`K_Q5`: four, at most
+    /// 4 x 2 x 31 x 127; `K_Q4_1`: all eight, at most 8 x 2 x 15 x 127),
+    /// the half block's values unpacked once for all `T` tokens;
     /// `K_Q8_0`: signed values through the sign trick, each `vpmaddwd` on
     /// its own (2 x 128 x 127 fits i16 once), the weights' side of the
     /// trick made once per four registers for all `T` tokens.
@@ -574,7 +575,18 @@ mod x86 {
                             }
                             _mm256_madd_epi16(p, ones)
                         };
-                        let sum = _mm256_add_epi32(four(0), four(4));
+                        // Q4_1's values are at most 15: all eight pair
+                        // sums fit i16 (8 x 2 x 15 x 127 = 30480), so one
+                        // widening instead of two and an add.
+                        let sum = if KIND == K_Q4_1 {
+                            let mut p = _mm256_maddubs_epi16(u[0], xq(0));
+                            for (j, v) in u.iter().enumerate().skip(1) {
+                                p = _mm256_add_epi16(p, _mm256_maddubs_epi16(*v, xq(j)));
+                            }
+                            _mm256_madd_epi16(p, ones)
+                        } else {
+                            _mm256_add_epi32(four(0), four(4))
+                        };
                         if KIND == K_Q5 {
                             _mm256_sub_epi32(sum, _mm256_set1_epi32(16 * xb.n))
                         } else {
