@@ -202,8 +202,6 @@ pub fn attend<E: KvElem>(
     sc.l.clear();
     sc.l.resize(nv, 0.0);
     let ctx = seq.start + tokens.end;
-    // The AVX2 block loop's shape (AVX-512 has its own, below).
-    let avx2_block = isa == Isa::Avx2 && hd == 64 && bs == 16;
     let mut j0 = 0;
     while j0 < ctx {
         let n = bs.min(ctx - j0);
@@ -237,7 +235,21 @@ pub fn attend<E: KvElem>(
             j0 += n;
             continue;
         }
-        if E::HALF || avx2_block {
+        // The AVX2 block loop's shape (AVX-512 has its own, above). A
+        // decode task's few vectors read the cache in place; a prompt's
+        // many would each convert the same values again, so they take the
+        // converted copy below (the same numbers either way).
+        let avx2_block = isa == Isa::Avx2 && hd == 64 && bs == 16;
+        #[cfg(target_arch = "x86_64")]
+        if avx2_block && (nv <= 6 || !E::HALF) {
+            // SAFETY: the CPU has AVX2, FMA and F16C (`Isa::detect`); the
+            // block slices hold 64 x 16 keys and 16 value rows (checked
+            // above by the slicing), the scratch holds nv vectors.
+            unsafe { x86::block_avx2(sc, nv, kt, vb, lay.n_kv * hd, g * hd, n, &visible) };
+            j0 += n;
+            continue;
+        }
+        if E::HALF {
             // Convert the block once for all nv vectors, then run the f32
             // loops on it (values compacted to `hd` apart).
             let (mut kf, mut vf) = (std::mem::take(&mut sc.kf), std::mem::take(&mut sc.vf));
@@ -252,10 +264,10 @@ pub fn attend<E: KvElem>(
             if avx2_block {
                 // (Only x86-64 detects `Isa::Avx2`.)
                 #[cfg(target_arch = "x86_64")]
-                // SAFETY: the CPU has AVX2 and FMA (`Isa::detect`); kf
-                // holds 64 x 16 keys and vf 16 rows of 64 values.
+                // SAFETY: as above, on the converted copy (64 x 16 keys, 16
+                // value rows `hd` apart).
                 unsafe {
-                    x86::block_avx2(sc, nv, &kf, &vf, n, &visible)
+                    x86::block_avx2(sc, nv, &kf, &vf, hd, 0, n, &visible)
                 };
             } else {
                 block_portable(sc, nv, hd, bs, &kf, &vf, hd, 0, n, &visible);
@@ -424,22 +436,27 @@ mod x86 {
         }
     }
 
-    /// AVX2 block loop for 16 slots and 64-wide heads on f32 keys
-    /// (`kf`, 64 rows of 16) and values (`vf`, 16 rows of 64): scores six
-    /// query vectors at a time in registers, the softmax step per vector,
-    /// then each vector's 64 accumulators in eight registers over the
-    /// block's value rows.
-    #[target_feature(enable = "avx2,fma")]
-    pub(super) unsafe fn block_avx2(
+    /// AVX2 block loop for 16 slots and 64-wide heads on the cache's
+    /// keys (`kt`, 64 rows of 16) and values (`vb`, row p at `p *
+    /// v_stride + v_off`), read in place (f16 converted as it is loaded):
+    /// scores six query vectors at a time in registers, the softmax step
+    /// per vector, then each vector's 64 accumulators in eight registers
+    /// over the block's value rows.
+    #[allow(clippy::too_many_arguments)]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub(super) unsafe fn block_avx2<E: KvElem>(
         sc: &mut AttnScratch,
         nv: usize,
-        kf: &[f32],
-        vf: &[f32],
+        kt: &[E],
+        vb: &[E],
+        v_stride: usize,
+        v_off: usize,
         n: usize,
         visible: &dyn Fn(usize) -> usize,
     ) {
         const HD: usize = 64;
-        assert!(kf.len() >= HD * 16 && vf.len() >= 16 * HD);
+        assert!(kt.len() >= HD * 16);
+        assert!(vb.len() >= (n.max(1) - 1) * v_stride + v_off + HD);
         assert!(sc.q.len() >= nv * HD && sc.s.len() >= nv * 16 && sc.acc.len() >= nv * HD);
         let mut u0 = 0;
         while u0 < nv {
@@ -448,8 +465,8 @@ mod x86 {
             for d in 0..HD {
                 // SAFETY: row d of the 64 x 16 tile (length checked).
                 let (k0, k1) = unsafe {
-                    let r = kf.as_ptr().add(d * 16);
-                    (_mm256_loadu_ps(r), _mm256_loadu_ps(r.add(8)))
+                    let r = kt.as_ptr().add(d * 16);
+                    (load8(r), load8(r.add(8)))
                 };
                 for t in 0..ut {
                     let qd = _mm256_set1_ps(sc.q[(u0 + t) * HD + d]);
@@ -482,14 +499,28 @@ mod x86 {
             for p in 0..vis {
                 let w = _mm256_set1_ps(sc.s[u * 16 + p]);
                 for (c, x) in acc.iter_mut().enumerate() {
-                    // SAFETY: value row p (p < n <= 16, length checked).
-                    let v = unsafe { _mm256_loadu_ps(vf.as_ptr().add(p * HD + 8 * c)) };
+                    // SAFETY: value row p (p < n, length checked).
+                    let v = unsafe { load8(vb.as_ptr().add(p * v_stride + v_off + 8 * c)) };
                     *x = _mm256_fmadd_ps(w, v, *x);
                 }
             }
             for (c, x) in acc.iter().enumerate() {
                 // SAFETY: as above.
                 unsafe { _mm256_storeu_ps(a.add(8 * c), *x) };
+            }
+        }
+    }
+
+    /// 8 stored values at `p` as f32.
+    #[inline(always)]
+    unsafe fn load8<E: KvElem>(p: *const E) -> __m256 {
+        // SAFETY: the caller's slice has 8 elements at `p`; the features
+        // are those of the caller (always inlined into it).
+        unsafe {
+            if E::HALF {
+                _mm256_cvtph_ps(_mm_loadu_si128(p as *const __m128i))
+            } else {
+                _mm256_loadu_ps(p as *const f32)
             }
         }
     }
