@@ -376,15 +376,10 @@ mod x86 {
     const AHEAD: usize = 1024;
 
     /// Prefetch the panel block `AHEAD` bytes past `g` (`len` bytes). The
-    /// address may lie past the weights: a prefetch never faults, and the
-    /// pointer is only formed with wrapping arithmetic.
+    /// address may lie past the weights: a prefetch never faults.
     #[inline(always)]
     fn prefetch(g: *const u8, len: usize) {
-        for off in (0..len).step_by(64) {
-            // SAFETY: prefetching has no architectural effect and cannot
-            // fault, whatever the address.
-            unsafe { _mm_prefetch::<_MM_HINT_T0>(g.wrapping_add(AHEAD + off) as *const i8) };
-        }
+        super::prefetch_lines(g.wrapping_add(AHEAD), len);
     }
 
     /// AVX-512 VNNI: per block, the value registers (`v[j]`: bytes 4j..
@@ -568,24 +563,21 @@ mod x86 {
                         _mm256_set1_epi32((xb.q.as_ptr().add(4 * j) as *const i32).read_unaligned())
                     };
                     let sum = if KIND != K_Q8_0 {
-                        let four = |j0: usize| {
+                        // `n` registers' pair sums from j0 added in i16,
+                        // then widened once: Q4_1's values (at most 15) let
+                        // all eight add (8 x 2 x 15 x 127 = 30480), Q5's
+                        // four (4 x 2 x 31 x 127).
+                        let run = |j0: usize, n: usize| {
                             let mut p = _mm256_maddubs_epi16(u[j0], xq(j0));
-                            for (j, v) in u.iter().enumerate().skip(j0 + 1).take(3) {
+                            for (j, v) in u.iter().enumerate().skip(j0 + 1).take(n - 1) {
                                 p = _mm256_add_epi16(p, _mm256_maddubs_epi16(*v, xq(j)));
                             }
                             _mm256_madd_epi16(p, ones)
                         };
-                        // Q4_1's values are at most 15: all eight pair
-                        // sums fit i16 (8 x 2 x 15 x 127 = 30480), so one
-                        // widening instead of two and an add.
                         let sum = if KIND == K_Q4_1 {
-                            let mut p = _mm256_maddubs_epi16(u[0], xq(0));
-                            for (j, v) in u.iter().enumerate().skip(1) {
-                                p = _mm256_add_epi16(p, _mm256_maddubs_epi16(*v, xq(j)));
-                            }
-                            _mm256_madd_epi16(p, ones)
+                            run(0, 8)
                         } else {
-                            _mm256_add_epi32(four(0), four(4))
+                            _mm256_add_epi32(run(0, 4), run(4, 4))
                         };
                         if KIND == K_Q5 {
                             _mm256_sub_epi32(sum, _mm256_set1_epi32(16 * xb.n))
@@ -611,6 +603,26 @@ mod x86 {
             }
         }
     }
+}
+
+/// Ask the memory for the cache lines of the `len` bytes at `p` (a hint:
+/// no effect on results). The address may lie outside any allocation: a
+/// prefetch never faults, and the pointers are only formed with wrapping
+/// arithmetic.
+#[inline(always)]
+pub fn prefetch_lines(p: *const u8, len: usize) {
+    #[cfg(target_arch = "x86_64")]
+    for off in (0..len).step_by(64) {
+        // SAFETY: prefetching has no architectural effect and cannot fault,
+        // whatever the address.
+        unsafe {
+            std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T0 }>(
+                p.wrapping_add(off) as *const i8,
+            )
+        };
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = (p, len);
 }
 
 /// Quantize 32 values to a [`Q8Block`] (round to nearest even, scale by

@@ -289,24 +289,10 @@ pub fn attend<E: KvElem>(
 }
 
 /// Ask the memory for the cache lines of `xs` (a hint: no effect on
-/// results, and never a fault).
+/// results).
 #[inline(always)]
 fn prefetch<E>(xs: &[E]) {
-    #[cfg(target_arch = "x86_64")]
-    {
-        let p = xs.as_ptr() as *const u8;
-        let bytes = std::mem::size_of_val(xs);
-        for off in (0..bytes).step_by(64) {
-            // SAFETY: inside `xs`; prefetching has no architectural effect.
-            unsafe {
-                std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T0 }>(
-                    p.add(off) as *const i8
-                )
-            };
-        }
-    }
-    #[cfg(not(target_arch = "x86_64"))]
-    let _ = xs;
+    super::simd::prefetch_lines(xs.as_ptr() as *const u8, std::mem::size_of_val(xs));
 }
 
 /// What the sums so far are multiplied by when the running maximum goes
@@ -700,7 +686,7 @@ mod tests {
         for n in [xs.len(), 7, 8, 9, 1, 0] {
             let src = &xs[..n];
             let mut h = vec![half::f16::ZERO; n];
-            half::f16::from_f32_slice(src, &mut h);
+            <half::f16 as KvElem>::from_f32_slice(src, &mut h);
             for (a, b) in h.iter().zip(src) {
                 let want = half::f16::from_f32(*b);
                 assert!(
@@ -709,7 +695,7 @@ mod tests {
                 );
             }
             let mut back = vec![0f32; n];
-            half::f16::to_f32_slice(&h, &mut back);
+            <half::f16 as KvElem>::to_f32_slice(&h, &mut back);
             for (a, b) in back.iter().zip(&h) {
                 assert!(a.to_bits() == b.to_f32().to_bits() || (a.is_nan() && b.is_nan()));
             }
