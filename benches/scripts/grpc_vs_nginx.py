@@ -46,7 +46,9 @@ def start_ultrafast(binary, tmp, port, origin):
 def start_nginx(tmp, port, origin):
     conf = os.path.join(tmp, "nginx.conf")
     with open(conf, "w") as f:
-        f.write(f"daemon off; pid {tmp}/ngx.pid; error_log {tmp}/ngx.err; worker_processes 1; "
+        # `user root`: a worker of the default user could not create a
+        # temporary file in the run's 0700 directory (RESULTS section 29).
+        f.write(f"daemon off; user root; pid {tmp}/ngx.pid; error_log {tmp}/ngx.err; worker_processes 1; "
                 f"events {{ worker_connections 8192; }} http {{ access_log off; "
                 f"client_body_temp_path {tmp}/body; "
                 f"upstream o {{ server 127.0.0.1:{origin}; keepalive 32; }} "

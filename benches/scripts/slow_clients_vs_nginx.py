@@ -27,9 +27,18 @@ Response buffering is on for both (nginx's `proxy_buffering`, ultrafast's
 directory. Loopback only; every attacker, server and socket is stopped at
 the end, and every loop is bounded by --length.
 
+nginx runs with `user root`: a worker of the default user cannot enter
+the run's 0700 directory, fails every temporary file and closes each slow
+reader once its socket buffer is full (every nginx slow-read figure before
+RESULTS section 29 was that). --origin-concurrency N gives ultrafast's
+origin pool `max_concurrency = N`: the rest of a burst waits at the edge,
+where nginx, which has no such queue, holds few origin connections only by
+accepting slowly.
+
 usage: benches/scripts/slow_clients_vs_nginx.py [--conns 500] [--length 20]
        [--bin target/release/ultrafast] [--attacks "slow body,..."]
        [--servers ultrafast,nginx] [--no-request-buffering] [--no-response-buffering]
+       [--origin-concurrency N]
 Build first: cargo build --release -p ultrafast; needs nginx, slowhttptest.
 """
 import argparse, http.server, os, shutil, socket, subprocess, sys, tempfile, threading, time
@@ -83,6 +92,7 @@ def held(port):
 
 
 UF_LIMITS = ""
+UF_POOL = ""
 NGX_EXTRA = ""
 
 
@@ -96,14 +106,18 @@ def start(kind, binary, tmp, port, origin):
                     f'[admin]\nlisten = ""\n[log]\naccess_log = "off"\n'
                     f'[limits]\nmax_connections = 0\nproxy_temp_path = "{tmp}"\n{UF_LIMITS}'
                     f'[[listeners]]\naddress = "127.0.0.1:{port}"\n'
-                    f'[pools.o]\nmembers = [{{ addr = "127.0.0.1:{origin}" }}]\n'
+                    f'[pools.o]\nmembers = [{{ addr = "127.0.0.1:{origin}" }}]\n{UF_POOL}'
                     '[[routes]]\npath = "/probe"\nmatch = "exact"\nreturn = { status = 200, body = "ok" }\n'
                     '[[routes]]\npath = "/"\npool = "o"\n')
         return spawn([binary, "serve", "-c", cfg], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                      env={**os.environ, "RUST_LOG": "error"})
     conf = os.path.join(tmp, "nginx.conf")
     with open(conf, "w") as f:
-        f.write(f"daemon off; pid {tmp}/ngx.pid; error_log {tmp}/ngx.err; worker_processes 1; "
+        # `user root`: a worker of the default user cannot enter the run's
+        # directory (mkdtemp makes it 0700), so every temporary file failed
+        # (`open() ... failed (13: Permission denied) while reading upstream`)
+        # and nginx closed each slow reader once its socket buffer was full.
+        f.write(f"daemon off; user root; pid {tmp}/ngx.pid; error_log {tmp}/ngx.err; worker_processes 1; "
                 f"events {{ worker_connections 8192; }} http {{ access_log off; "
                 f"client_body_temp_path {tmp}/body; proxy_temp_path {tmp}/proxy; "
                 f"upstream o {{ server 127.0.0.1:{origin}; keepalive 32; }} "
@@ -224,8 +238,12 @@ def main():
                     help="ultrafast with request_buffering = false (streams bodies, as before)")
     ap.add_argument("--no-response-buffering", action="store_true",
                     help="ultrafast with response_buffering = false, nginx with proxy_buffering off")
+    ap.add_argument("--origin-concurrency", type=int, default=0,
+                    help="ultrafast's max_concurrency on the origin's pool (0: none)")
     a = ap.parse_args()
-    global UF_LIMITS, ONLY, NGX_EXTRA
+    global UF_LIMITS, ONLY, NGX_EXTRA, UF_POOL
+    if a.origin_concurrency:
+        UF_POOL = f"max_concurrency = {a.origin_concurrency}\n"
     ONLY = a.attacks.split(",")
     if a.no_request_buffering:
         UF_LIMITS = "request_buffering = false\n"

@@ -318,3 +318,53 @@ fn past_the_temporary_file_bound_the_rest_streams_and_nothing_is_lost() {
     assert!(eventually(Duration::from_secs(5), || files_in(&uf, &temp) == 0));
     assert_eq!(uf.metric("ultrafast_response_buffer_bytes", &[]), 0.0);
 }
+
+#[test]
+fn a_burst_of_slow_readers_holds_no_more_origin_connections_than_the_pool_allows() {
+    // nginx holds few origin connections under a slow-read burst only
+    // because it accepts slowly; here the pool's `max_concurrency` queues
+    // the rest at the edge, and buffering frees each slot as soon as its
+    // origin has sent everything.
+    const N: usize = 10;
+    const SIZE: usize = 8 << 20;
+    let a = Origin::start("a");
+    let temp = scratch("spool-burst");
+    std::fs::create_dir_all(&temp).unwrap();
+    let uf = Ultrafast::start(&format!(
+        "[limits]\nproxy_temp_path = \"{}\"\n\n{}[[routes]]\npath = \"/\"\npool = \"a\"\n",
+        temp.display(),
+        pool_toml("a", &[&a], "max_concurrency = 2")
+    ));
+    let origin = a.addr.port();
+    let mut readers: Vec<Slow> = (0..N)
+        .map(|i| Slow::open(&uf, "x", &format!("/big/{SIZE}?n={i}")))
+        .collect();
+    // Nobody reads, yet every response is fetched, two at a time.
+    let mut most = 0;
+    let all = eventually(Duration::from_secs(30), || {
+        most = most.max(held(origin));
+        a.state.big_done.lock().unwrap().len() == N
+    });
+    assert!(
+        all,
+        "the origin sent every response to readers that read nothing"
+    );
+    assert!(most <= 2, "{most} origin connections held at once");
+    assert!(
+        a.state
+            .connections
+            .load(std::sync::atomic::Ordering::SeqCst)
+            <= 2,
+        "the two connections were reused"
+    );
+    for r in &mut readers {
+        assert!(r.head().starts_with("HTTP/1.1 200"));
+        r.read_to(SIZE);
+        assert_eq!((r.got, r.bad), (SIZE, 0), "every byte, intact");
+    }
+    assert!(eventually(Duration::from_secs(5), || files_in(&uf, &temp) == 0));
+    assert_eq!(
+        uf.metric("ultrafast_responses_buffered_total", &[]),
+        N as f64
+    );
+}
