@@ -20,13 +20,30 @@ fn blocks(g: &mut Gen, format: Format, rows: usize, cols: usize) -> Vec<u8> {
     r::random_blocks(g, format, rows, cols, r::realistic_scale(format))
 }
 
-/// Largest `|a - b| / (1 + |b|)`.
+thread_local! {
+    /// Where the last [`err`] was worst: index, GPU value, reference value
+    /// (printed by a failing row, so that it names the mismatch).
+    static WORST: std::cell::Cell<(usize, f32, f32)> = const { std::cell::Cell::new((0, 0.0, 0.0)) };
+}
+
+/// Largest `|a - b| / (1 + |b|)` (NaN counts as infinite).
 fn err(a: &[f32], b: &[f32]) -> f32 {
     assert_eq!(a.len(), b.len());
-    a.iter()
-        .zip(b)
-        .map(|(x, y)| (x - y).abs() / (1.0 + y.abs()))
-        .fold(0.0, f32::max)
+    let mut worst = (0.0f32, 0usize);
+    for (i, (x, y)) in a.iter().zip(b).enumerate() {
+        let e = (x - y).abs() / (1.0 + y.abs());
+        let e = if e.is_nan() { f32::INFINITY } else { e };
+        if e > worst.0 || i == 0 {
+            worst = (e, i);
+        }
+    }
+    let i = worst.1;
+    WORST.set((
+        i,
+        a.get(i).copied().unwrap_or(0.0),
+        b.get(i).copied().unwrap_or(0.0),
+    ));
+    worst.0
 }
 
 struct Report {
@@ -41,6 +58,10 @@ impl Report {
             "| {name} | {e:.2e} | {tol:.0e} | {us:.1} | {} |",
             if ok { "pass" } else { "FAIL" }
         );
+        if !ok {
+            let (i, got, want) = WORST.get();
+            println!("  worst at [{i}]: GPU {got} against the reference's {want}");
+        }
     }
 }
 
@@ -174,7 +195,8 @@ fn main() {
             );
         }
         let (mut dx, dp) = (gpu.upload(&x).unwrap(), gpu.upload(&pos).unwrap());
-        gpu.rope(&mut dx, &dp, heads, hd, stride, 0, tokens, theta, neox)
+        let table = gpu.upload(&r::rope_table(theta, hd, 1024)).unwrap();
+        gpu.rope(&mut dx, &dp, heads, hd, stride, 0, tokens, &table, neox)
             .unwrap();
         rep.row(
             &format!("rope 8x9x64, neox {neox}"),
@@ -266,33 +288,51 @@ fn main() {
         gpu.upload(&qseq).unwrap(),
         gpu.upload(&qpos).unwrap(),
     );
-    let mut dout = gpu.zeros::<f32>(queries.len() * heads * hd).unwrap();
     let shape = AttnShape {
         heads,
         kv_heads,
         hd,
         block_size: bs,
     };
-    gpu.paged_attention(
-        &dq,
-        heads * hd,
-        &kc,
-        &vc,
-        &dt,
-        8,
-        &ds,
-        &dp,
-        &mut dout,
-        shape,
-        queries.len(),
-    )
-    .unwrap();
-    rep.row(
-        "paged_attention 9/3 heads, 6 queries",
-        err(&gpu.download(&dout).unwrap(), &want),
-        1e-3,
-        0.0,
-    );
+    // Whole contexts (one part), the split the runner would choose for six
+    // rows of at most 128 positions, and parts of 32 positions (some past
+    // a row's end, which must weigh nothing in the merge).
+    let chosen = ultrafast_kernels::gpu::attention_split(queries.len(), kv_heads, 8 * bs);
+    for (parts, chunk) in [(1, 8 * bs), chosen, (4, 32)] {
+        let mut dout = gpu.zeros::<f32>(queries.len() * heads * hd).unwrap();
+        let mut scratch = gpu
+            .zeros::<f32>(queries.len() * parts * heads * (hd + 2))
+            .unwrap();
+        let split = ultrafast_kernels::gpu::Split {
+            parts,
+            chunk,
+            scratch: &mut scratch,
+        };
+        let t = Instant::now();
+        gpu.paged_attention(
+            &dq,
+            heads * hd,
+            &kc,
+            &vc,
+            &dt,
+            8,
+            &ds,
+            &dp,
+            &mut dout,
+            shape,
+            queries.len(),
+            split,
+        )
+        .unwrap();
+        gpu.synchronize().unwrap();
+        let us = t.elapsed().as_secs_f64() * 1e6;
+        rep.row(
+            &format!("paged_attention 9/3 heads, 6 queries, {parts} parts of {chunk}"),
+            err(&gpu.download(&dout).unwrap(), &want),
+            1e-3,
+            us,
+        );
+    }
 
     // Top-k over two vocabulary rows: exact indices.
     let (vocab, k) = (49_152, 8);

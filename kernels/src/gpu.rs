@@ -204,7 +204,8 @@ impl Gpu {
     }
 
     /// `rope` in place over `tokens` rows of `stride` floats, on the
-    /// `heads` heads starting `off` floats into each row.
+    /// `heads` heads starting `off` floats into each row, turned by
+    /// `table` (`reference::rope_table` for `hd`, uploaded once).
     #[allow(clippy::too_many_arguments)]
     pub fn rope(
         &self,
@@ -215,16 +216,19 @@ impl Gpu {
         stride: usize,
         off: usize,
         tokens: usize,
-        theta: f32,
+        table: &CudaSlice<f32>,
         neox: bool,
     ) -> Result<()> {
         if x.len() < tokens * stride
             || pos.len() < tokens
             || off + heads * hd > stride
             || hd % 2 == 1
+            || hd == 0
+            || table.len() < hd
         {
             return Err(format!("rope shapes: {tokens} x {heads} x {hd}"));
         }
+        let npos = i32::try_from(table.len() / hd).unwrap_or(i32::MAX);
         let f = self.func("rope")?;
         let cfg = LaunchConfig {
             grid_dim: (tokens as u32, 1, 1),
@@ -245,7 +249,8 @@ impl Gpu {
             .arg(&d)
             .arg(&s)
             .arg(&o)
-            .arg(&theta)
+            .arg(table)
+            .arg(&npos)
             .arg(&n);
         // SAFETY: as in `gemv`.
         unsafe { b.launch(cfg) }.map(|_| ()).map_err(e("rope"))
@@ -315,7 +320,10 @@ impl Gpu {
         unsafe { b.launch(cfg) }.map(|_| ()).map_err(e("kv_write"))
     }
 
-    /// `paged_attention` for `tokens` query rows.
+    /// `paged_attention` for `tokens` query rows, each row's context split
+    /// into `split.parts` parts of `split.chunk` positions (see
+    /// [`attention_split`]), merged by `attention_merge` through
+    /// `split.scratch` when there are several.
     #[allow(clippy::too_many_arguments)]
     pub fn paged_attention(
         &self,
@@ -330,6 +338,7 @@ impl Gpu {
         out: &mut CudaSlice<f32>,
         shape: AttnShape,
         tokens: usize,
+        split: Split<'_>,
     ) -> Result<()> {
         let AttnShape {
             heads,
@@ -352,9 +361,17 @@ impl Gpu {
                 "attention shapes: {heads}/{kv_heads} heads of {hd}"
             ));
         }
+        let parts = split.parts.max(1);
+        if parts > 1 && split.scratch.len() < tokens * parts * heads * (hd + 2) || parts > 64 {
+            return Err(format!(
+                "attention split: {parts} parts of {tokens} rows need {} floats of scratch, not {}",
+                tokens * parts * heads * (hd + 2),
+                split.scratch.len()
+            ));
+        }
         let f = self.func("paged_attention")?;
         let cfg = LaunchConfig {
-            grid_dim: (kv_heads as u32, tokens as u32, 1),
+            grid_dim: (kv_heads as u32, tokens as u32, parts as u32),
             block_dim: (32 * group as u32, 1, 1),
             shared_mem_bytes: 0,
         };
@@ -367,20 +384,42 @@ impl Gpu {
             hd as i32,
             block_size as i32,
         );
+        let chunk = split.chunk.clamp(1, i32::MAX as usize) as i32;
+        {
+            let mut b = self.stream.launch_builder(f);
+            b.arg(q)
+                .arg(&qs)
+                .arg(kc)
+                .arg(vc)
+                .arg(tables)
+                .arg(&mb)
+                .arg(qseq)
+                .arg(qpos)
+                .arg(&mut *out);
+            b.arg(&h).arg(&kh).arg(&d).arg(&bs).arg(&scale).arg(&chunk);
+            b.arg(&mut *split.scratch);
+            // SAFETY: as in `gemv`; the tables and positions come from a
+            // `StepLayout`, which checks them against the pool; the scratch
+            // holds every part's sums (checked above).
+            unsafe { b.launch(cfg) }.map_err(e("attention"))?;
+        }
+        if parts == 1 {
+            return Ok(());
+        }
+        let f = self.func("attention_merge")?;
+        let cfg = LaunchConfig {
+            grid_dim: (heads as u32, tokens as u32, 1),
+            block_dim: (hd as u32, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let pz = parts as i32;
         let mut b = self.stream.launch_builder(f);
-        b.arg(q)
-            .arg(&qs)
-            .arg(kc)
-            .arg(vc)
-            .arg(tables)
-            .arg(&mb)
-            .arg(qseq)
-            .arg(qpos)
-            .arg(out);
-        b.arg(&h).arg(&kh).arg(&d).arg(&bs).arg(&scale);
-        // SAFETY: as in `gemv`; the tables and positions come from a
-        // `StepLayout`, which checks them against the pool.
-        unsafe { b.launch(cfg) }.map(|_| ()).map_err(e("attention"))
+        b.arg(&*split.scratch).arg(out).arg(&pz).arg(&h).arg(&d);
+        // SAFETY: as above: the scratch and out were checked for these
+        // shapes.
+        unsafe { b.launch(cfg) }
+            .map(|_| ())
+            .map_err(e("attention_merge"))
     }
 
     /// `top_k`: the k best of each of `rows` rows of `vocab` logits.
@@ -432,6 +471,94 @@ impl Gpu {
         b.arg(logits).arg(&v).arg(out);
         // SAFETY: as in `gemv`; the shapes are checked above.
         unsafe { b.launch(cfg) }.map(|_| ()).map_err(e("log_norm"))
+    }
+}
+
+/// How one attention launch splits each row's context (flash-decoding).
+pub struct Split<'a> {
+    /// Parts per row (1: no split, the kernel writes the output itself).
+    pub parts: usize,
+    /// Positions per part.
+    pub chunk: usize,
+    /// `tokens * parts * heads * (hd + 2)` floats where `parts` > 1
+    /// (unread otherwise).
+    pub scratch: &'a mut CudaSlice<f32>,
+}
+
+/// Blocks an attention launch should have at least to keep a GPU busy:
+/// a few per streaming multiprocessor of the largest GPUs (132 on an
+/// H100/H200).
+pub const ATTENTION_TARGET_BLOCKS: usize = 264;
+
+/// Most parts a row's context is split into.
+pub const ATTENTION_MAX_PARTS: usize = 32;
+
+/// Positions per part at least: one tile of the kernel's, so no part is
+/// mostly overhead.
+pub const ATTENTION_MIN_CHUNK: usize = 64;
+
+/// Parts and positions per part for `tokens` query rows over `kv_heads`
+/// KV heads with contexts of at most `positions`: enough blocks to fill
+/// the GPU ([`ATTENTION_TARGET_BLOCKS`]), parts of at least
+/// [`ATTENTION_MIN_CHUNK`] positions, a multiple of 32. A prompt's many
+/// rows already fill it: one part. The answer depends on its arguments
+/// only, so a captured graph's launches stay valid for its bucket and
+/// width.
+pub fn attention_split(tokens: usize, kv_heads: usize, positions: usize) -> (usize, usize) {
+    let blocks = tokens.max(1) * kv_heads.max(1);
+    let want = ATTENTION_TARGET_BLOCKS.div_ceil(blocks);
+    let most = positions.div_ceil(ATTENTION_MIN_CHUNK).max(1);
+    let parts = want.min(most).clamp(1, ATTENTION_MAX_PARTS);
+    let chunk = positions.max(1).div_ceil(parts).next_multiple_of(32);
+    (positions.max(1).div_ceil(chunk), chunk)
+}
+
+/// Scratch floats a split attention needs at most for up to `rows` rows
+/// (what [`attention_split`] can ask for, at any context and any row
+/// count up to `rows`: rows x parts is not monotonic in the rows).
+pub fn attention_scratch(rows: usize, heads: usize, kv_heads: usize, hd: usize) -> usize {
+    let most = (1..=rows.min(ATTENTION_TARGET_BLOCKS))
+        .map(|t| t * attention_split(t, kv_heads, usize::MAX / 4).0)
+        .max()
+        .unwrap_or(0)
+        .max(rows)
+        .max(1);
+    most * heads * (hd + 2)
+}
+
+#[cfg(test)]
+mod split_tests {
+    use super::*;
+
+    #[test]
+    fn a_decode_row_is_split_until_the_gpu_is_busy_and_a_prompt_is_not() {
+        // One row, 3 KV heads, 640 positions: parts of 64 (10), as many as
+        // the context allows short of 88.
+        assert_eq!(attention_split(1, 3, 640), (10, 64));
+        // 8,192 positions: capped at 32 parts of 256.
+        assert_eq!(attention_split(1, 3, 8192), (32, 256));
+        // 64 rows already make 192 blocks: two parts.
+        assert_eq!(attention_split(64, 3, 640), (2, 320));
+        // A prompt's 512 rows: one part, the whole context.
+        assert_eq!(attention_split(512, 3, 640), (1, 640));
+        // Short contexts are not split below 64 positions a part.
+        assert_eq!(attention_split(1, 3, 1), (1, 32));
+        assert_eq!(attention_split(1, 3, 100), (2, 64));
+    }
+
+    #[test]
+    fn the_parts_cover_every_position_once() {
+        for tokens in [1, 2, 3, 7, 64, 100] {
+            for positions in [1, 31, 32, 33, 100, 640, 4097] {
+                let (parts, chunk) = attention_split(tokens, 3, positions);
+                assert!((1..=ATTENTION_MAX_PARTS).contains(&parts));
+                assert_eq!(chunk % 32, 0);
+                assert!(parts * chunk >= positions, "{tokens} {positions}");
+                assert!((parts - 1) * chunk < positions, "no empty last part");
+                let need = tokens * parts * 9 * 66;
+                assert!(need <= attention_scratch(tokens.max(64), 9, 3, 64));
+            }
+        }
     }
 }
 

@@ -3,11 +3,12 @@
 //!
 //! NVRTC is opened with `dlopen` like the driver ([`crate::cuda`]), so no
 //! CUDA toolkit is needed to build or to test: the PyPI wheel
-//! `nvidia-cuda-nvrtc==13.0.*` ships `libnvrtc.so.13` and
-//! `libnvrtc-builtins.so.13.0` and nothing else (no headers, which is why
-//! the kernel sources include none). Given the wheel's `lib` folder, the
-//! builtins library is loaded first and globally, so NVRTC's own lookup of
-//! it by name succeeds without `LD_LIBRARY_PATH`.
+//! `nvidia-cuda-nvrtc==13.*` ships `libnvrtc.so.13` and
+//! `libnvrtc-builtins.so.13.N` (N its minor version) and nothing else (no
+//! headers, which is why the kernel sources include none). Given the
+//! wheel's `lib` folder, the builtins library found there, whatever its
+//! minor version, is loaded first and globally, so NVRTC's own lookup of it
+//! by name succeeds without `LD_LIBRARY_PATH`.
 
 // The C calls into NVRTC need `unsafe`; each block says why it holds.
 #![allow(unsafe_code)]
@@ -73,6 +74,26 @@ impl Compiled {
     }
 }
 
+/// The NVRTC builtins library in `dir`: `libnvrtc-builtins.so.13.N`, the
+/// newest minor version there (a 13.1 wheel has `.13.1`, not `.13.0`).
+pub fn builtins_in(dir: &Path) -> Option<PathBuf> {
+    let minor = |name: &str| -> Option<u32> {
+        name.strip_prefix("libnvrtc-builtins.so.13.")?
+            .split('.')
+            .next()?
+            .parse()
+            .ok()
+    };
+    std::fs::read_dir(dir)
+        .ok()?
+        .filter_map(|e| {
+            let name = e.ok()?.file_name().into_string().ok()?;
+            Some((minor(&name)?, name))
+        })
+        .max()
+        .map(|(_, name)| dir.join(name))
+}
+
 impl Nvrtc {
     /// Opens NVRTC: from `dir` when given (the wheel's `nvidia/cu13/lib`),
     /// else by name through the loader's search path.
@@ -89,11 +110,12 @@ impl Nvrtc {
             Some(d) => {
                 // NVRTC dlopens its builtins by name at the first compile:
                 // loaded globally first, that name is already resolved.
-                let builtins = d.join("libnvrtc-builtins.so.13.0");
-                open(
-                    &builtins.to_string_lossy(),
-                    libc::RTLD_NOW | libc::RTLD_GLOBAL,
-                );
+                if let Some(builtins) = builtins_in(d) {
+                    open(
+                        &builtins.to_string_lossy(),
+                        libc::RTLD_NOW | libc::RTLD_GLOBAL,
+                    );
+                }
                 open(&d.join("libnvrtc.so.13").to_string_lossy(), libc::RTLD_NOW)
             }
             None => open("libnvrtc.so.13", libc::RTLD_NOW),
@@ -265,6 +287,23 @@ mod tests {
             log: log.into(),
         };
         assert_eq!(c.spills(), vec!["b".to_string()]);
+    }
+
+    #[test]
+    fn the_builtins_are_found_whatever_their_minor_version() {
+        let d = std::env::temp_dir().join(format!("nvrtc-builtins-{}", std::process::id()));
+        std::fs::create_dir_all(&d).unwrap();
+        assert_eq!(builtins_in(&d), None);
+        for name in [
+            "libnvrtc.so.13",
+            "libnvrtc-builtins.so.13.0",
+            "libnvrtc-builtins.so.13.2",
+            "libnvrtc-builtins.so.12.9",
+        ] {
+            std::fs::write(d.join(name), b"").unwrap();
+        }
+        assert_eq!(builtins_in(&d), Some(d.join("libnvrtc-builtins.so.13.2")));
+        std::fs::remove_dir_all(&d).unwrap();
     }
 
     #[test]

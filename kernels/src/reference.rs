@@ -237,6 +237,27 @@ pub fn rmsnorm_residual(x: &mut [f32], add: Option<&[f32]>, w: &[f32], eps: f32)
     x.iter().zip(w).map(|(v, w)| v * inv * w).collect()
 }
 
+/// The `rope` kernel's table for heads of `hd` values and positions below
+/// `npos`: for position p and pair i, the cosine and sine of
+/// p * theta^(-2i / hd), at `(p * hd / 2 + i) * 2`. The frequency and the
+/// angle are f32 products as in [`rope`]; the power and the sine and cosine
+/// in f64, rounded once.
+pub fn rope_table(theta: f32, hd: usize, npos: usize) -> Vec<f32> {
+    let half = hd / 2;
+    let freq: Vec<f32> = (0..half)
+        .map(|i| (1.0 / (theta as f64).powf(2.0 * i as f64 / hd as f64)) as f32)
+        .collect();
+    let mut t = Vec::with_capacity(npos * half * 2);
+    for p in 0..npos {
+        for f in &freq {
+            let (s, c) = ((p as f32 * f) as f64).sin_cos();
+            t.push(c as f32);
+            t.push(s as f32);
+        }
+    }
+    t
+}
+
 /// `rope` for one token's `heads` heads of `hd` values at position `pos`.
 pub fn rope(x: &mut [f32], pos: usize, heads: usize, hd: usize, theta: f32, neox: bool) {
     let half = hd / 2;
@@ -343,6 +364,63 @@ impl PagedKv {
                 for d in 0..hd {
                     out[hh * hd + d] += ep * self.v[s + d].to_f32() / l;
                 }
+            }
+        }
+        out
+    }
+}
+
+impl PagedKv {
+    /// [`attend`](PagedKv::attend) as a split launch computes it: the
+    /// positions in parts of `chunk`, each part's unnormalized sums, max and
+    /// sum of exponentials, then `attention_merge`'s combination (a part
+    /// past the last position weighs nothing). Equal to `attend` up to
+    /// rounding: the split's arithmetic, held here where it can be read.
+    pub fn attend_split(
+        &self,
+        q: &[f32],
+        table: &[u32],
+        pos: usize,
+        heads: usize,
+        hd: usize,
+        (parts, chunk): (usize, usize),
+    ) -> Vec<f32> {
+        let group = heads / (self.kv_dim / hd);
+        let scale = 1.0 / (hd as f32).sqrt();
+        let mut out = vec![0.0f32; heads * hd];
+        for hh in 0..heads {
+            let (g, qh) = (hh / group, &q[hh * hd..][..hd]);
+            // (max, sum of exponentials, sums) of each part.
+            let part: Vec<(f32, f32, Vec<f32>)> = (0..parts)
+                .map(|z| {
+                    let (lo, hi) = (z * chunk, ((z + 1) * chunk).min(pos + 1));
+                    let at = |p: usize| self.slot(table, p) * self.kv_dim + g * hd;
+                    let sc: Vec<f32> = (lo..hi.max(lo))
+                        .map(|p| {
+                            (0..hd)
+                                .map(|d| qh[d] * scale * self.k[at(p) + d].to_f32())
+                                .sum()
+                        })
+                        .collect();
+                    let m = sc.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+                    let mut acc = vec![0.0f32; hd];
+                    let mut l = 0.0;
+                    for (i, s) in sc.iter().enumerate() {
+                        let e = (s - m).exp();
+                        l += e;
+                        for (d, a) in acc.iter_mut().enumerate() {
+                            *a += e * self.v[at(lo + i) + d].to_f32();
+                        }
+                    }
+                    (m, l, acc)
+                })
+                .collect();
+            let m = part.iter().map(|p| p.0).fold(f32::NEG_INFINITY, f32::max);
+            let weight = |p: &(f32, f32, Vec<f32>)| if p.1 > 0.0 { (p.0 - m).exp() } else { 0.0 };
+            let l: f32 = part.iter().map(|p| weight(p) * p.1).sum();
+            for d in 0..hd {
+                let a: f32 = part.iter().map(|p| weight(p) * p.2[d]).sum();
+                out[hh * hd + d] = a / l;
             }
         }
         out
@@ -466,6 +544,62 @@ mod tests {
     fn top_k_orders_by_value_then_index_and_skips_nan() {
         let row = [1.0, f32::NAN, 3.0, 3.0, -1.0];
         assert_eq!(top_k(&row, 3), vec![(2, 3.0), (3, 3.0), (0, 1.0)]);
+    }
+
+    #[test]
+    fn the_rope_table_turns_as_rope_does() {
+        let (hd, theta) = (64, 100_000.0f32);
+        let table = rope_table(theta, hd, 8192);
+        assert_eq!(table.len(), 8192 * hd);
+        let mut g = XorShift(9);
+        for pos in [0usize, 1, 97, 4000, 8191] {
+            let x = g.fs(hd, 1.0);
+            let mut want = x.clone();
+            rope(&mut want, pos, 1, hd, theta, false);
+            let row = &table[pos * hd..][..hd];
+            // `rope`'s f32 power may differ from the f64 one by an ulp of
+            // the frequency, which the position multiplies.
+            let tol = 1e-5 + pos as f32 * 1.2e-7;
+            for i in 0..hd / 2 {
+                let (c, s) = (row[2 * i], row[2 * i + 1]);
+                let (x0, x1) = (x[2 * i], x[2 * i + 1]);
+                assert!(
+                    (x0 * c - x1 * s - want[2 * i]).abs() < tol,
+                    "pos {pos} pair {i}"
+                );
+                assert!(
+                    (x0 * s + x1 * c - want[2 * i + 1]).abs() < tol,
+                    "pos {pos} pair {i}"
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn split_attention_equals_whole_attention() {
+        let (heads, kv_heads, hd, bs) = (9, 3, 64, 16);
+        let mut g = XorShift(5);
+        let mut kv = PagedKv::new(16, bs, kv_heads * hd);
+        let table: Vec<u32> = (0..12).rev().collect();
+        for p in 0..190 {
+            let slot = kv.slot(&table, p);
+            let (k, v) = (g.fs(kv_heads * hd, 2.0), g.fs(kv_heads * hd, 2.0));
+            kv.write(slot, &k, &v);
+        }
+        let q = g.fs(heads * hd, 2.0);
+        for pos in [0, 31, 32, 100, 189] {
+            let whole = kv.attend(&q, &table, pos, heads, hd);
+            // Parts of 32 (some past the end) and a few wide ones.
+            for split in [(1, 192), (6, 32), (2, 128), (3, 64)] {
+                let parts = kv.attend_split(&q, &table, pos, heads, hd, split);
+                let worst = whole
+                    .iter()
+                    .zip(&parts)
+                    .map(|(a, b)| (a - b).abs() / (1.0 + a.abs()))
+                    .fold(0.0f32, f32::max);
+                assert!(worst < 1e-5, "pos {pos} split {split:?}: {worst}");
+            }
+        }
     }
 
     #[test]

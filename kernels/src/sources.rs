@@ -64,7 +64,7 @@ pub const SOURCES: [Source; 7] = [
     Source {
         name: "attention.cu",
         text: include_str!("cu/attention.cu"),
-        kernels: &["paged_attention"],
+        kernels: &["paged_attention", "attention_merge"],
     },
     Source {
         name: "sample.cu",
@@ -114,6 +114,6 @@ mod tests {
             assert_eq!(args, arity(kernel), "launcher of {kernel}");
             seen += 1;
         }
-        assert_eq!(seen, 10, "launchers found");
+        assert_eq!(seen, 11, "launchers found");
     }
 }

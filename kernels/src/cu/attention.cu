@@ -1,9 +1,16 @@
 // Paged attention over block tables, for decode and chunked prefill alike:
-// block (kv head g, query token t) attends token t's query heads of group
-// g (warp j takes head g * group + j) to positions 0..=qpos[t] of its
-// sequence qseq[t], whose KV blocks are tables[qseq[t] * max_blocks + n].
-// K/V rows are read once per block into shared memory, 32 positions at a
-// time, for all heads of the group (GQA); an online softmax per warp.
+// block (kv head g, query token t, part z) attends token t's query heads of
+// group g (warp j takes head g * group + j) to positions
+// [z * chunk, min((z + 1) * chunk, qpos[t] + 1)) of its sequence qseq[t],
+// whose KV blocks are tables[qseq[t] * max_blocks + n]. K/V rows are read
+// once per block into shared memory, 32 positions at a time, for all heads
+// of the group (GQA); an online softmax per warp.
+// One part (gridDim.z == 1): the output, normalized. Several (split
+// context, flash-decoding: a decode step has a few query rows, so one
+// block per KV head and row would leave most of a GPU idle while each
+// walked its whole context): each part writes its unnormalized sums, its
+// running max and its sum of exponentials to `part` (hd + 2 floats per
+// head, part-major within the token), and `attention_merge` combines them.
 // q: token-major, heads * hd floats per token at q_stride; out: heads * hd
 // per token. hd <= 128 (4 values per lane), group <= 8.
 #define ATT_TILE 32
@@ -13,17 +20,19 @@ extern "C" __global__ void paged_attention(const float* q, int q_stride, const u
                                            const u16* vc, const int* tables, int max_blocks,
                                            const int* qseq, const int* qpos, float* out,
                                            int heads, int kv_heads, int hd, int block_size,
-                                           float scale) {
+                                           float scale, int chunk, float* part) {
     __shared__ float ks[ATT_TILE][ATT_MAX_HD + 1];
     __shared__ float vs[ATT_TILE][ATT_MAX_HD];
-    int g = blockIdx.x, t = blockIdx.y;
+    int g = blockIdx.x, t = blockIdx.y, z = blockIdx.z, parts = gridDim.z;
     int group = heads / kv_heads;
     int warp = threadIdx.x / 32, lane = threadIdx.x & 31;
     int head = g * group + warp;
     bool active = warp < group;
     int kv_dim = kv_heads * hd;
     const int* table = tables + (size_t)qseq[t] * max_blocks;
-    int n = qpos[t] + 1;
+    // This part's positions: [lo, n).
+    int lo = z * chunk;
+    int n = min(qpos[t] + 1, lo + chunk);
     float qv[ATT_MAX_HD / 32], acc[ATT_MAX_HD / 32];
 #pragma unroll
     for (int c = 0; c < ATT_MAX_HD / 32; c++) {
@@ -32,7 +41,7 @@ extern "C" __global__ void paged_attention(const float* q, int q_stride, const u
         acc[c] = 0.f;
     }
     float m = -UF_INF, l = 0.f;
-    for (int base = 0; base < n; base += ATT_TILE) {
+    for (int base = lo; base < n; base += ATT_TILE) {
         __syncthreads();
         for (int k = threadIdx.x; k < ATT_TILE * hd; k += blockDim.x) {
             int p = base + k / hd, d = k % hd;
@@ -75,9 +84,44 @@ extern "C" __global__ void paged_attention(const float* q, int q_stride, const u
         m = nm;
     }
     if (!active) return;
+    if (parts == 1) {
+#pragma unroll
+        for (int c = 0; c < ATT_MAX_HD / 32; c++) {
+            int d = lane + 32 * c;
+            if (d < hd) out[(size_t)t * heads * hd + head * hd + d] = acc[c] / l;
+        }
+        return;
+    }
+    // A part past the row's last position has m = -inf and l = 0.
+    float* pp = part + (((size_t)t * parts + z) * heads + head) * (hd + 2);
 #pragma unroll
     for (int c = 0; c < ATT_MAX_HD / 32; c++) {
         int d = lane + 32 * c;
-        if (d < hd) out[(size_t)t * heads * hd + head * hd + d] = acc[c] / l;
+        if (d < hd) pp[d] = acc[c];
     }
+    if (lane == 0) {
+        pp[hd] = m;
+        pp[hd + 1] = l;
+    }
+}
+
+// The parts of a split attention combined: block (head, token), thread d
+// for value d. Each part's sums are rescaled from its own max to the
+// overall one; parts that saw no position weigh nothing.
+extern "C" __global__ void attention_merge(const float* part, float* out, int parts, int heads,
+                                           int hd) {
+    int head = blockIdx.x, t = blockIdx.y, d = threadIdx.x;
+    if (d >= hd) return;
+    size_t stride = (size_t)heads * (hd + 2);
+    const float* p0 = part + ((size_t)t * parts * heads + head) * (hd + 2);
+    float m = -UF_INF;
+    for (int z = 0; z < parts; z++) m = fmaxf(m, p0[z * stride + hd]);
+    float l = 0.f, a = 0.f;
+    for (int z = 0; z < parts; z++) {
+        const float* p = p0 + z * stride;
+        float w = p[hd + 1] > 0.f ? __expf(p[hd] - m) : 0.f;
+        l += w * p[hd + 1];
+        a += w * p[d];
+    }
+    out[(size_t)t * heads * hd + head * hd + d] = a / l;
 }

@@ -6,7 +6,9 @@
 use super::super::blocks::Mat;
 use crate::error::{EngineError, Result};
 use crate::model::ModelConfig;
-use ultrafast_kernels::gpu::{AttnShape, DeviceBuffer as Buf, Gpu};
+use ultrafast_kernels::gpu::{
+    attention_scratch, attention_split, AttnShape, DeviceBuffer as Buf, Gpu, Split,
+};
 use ultrafast_kernels::reference::Format;
 
 /// Tokens per GEMV launch (the kernel's accumulators per lane).
@@ -63,6 +65,9 @@ pub(super) struct DevModel {
     pub norm: Buf<f32>,
     pub head: DevMat,
     pub block_size: usize,
+    /// RoPE's cosines and sines for every position of the context
+    /// (`reference::rope_table`), made once at load.
+    pub rope: Buf<f32>,
 }
 
 /// The KV cache: one K and one V buffer per layer, f16, in the pool's
@@ -91,6 +96,8 @@ pub(super) struct Acts {
     pub act: Buf<f32>,
     /// A prompt's activations as bfloat16 for the GEMM (widest input).
     pub xb: Buf<u16>,
+    /// A split attention's partial sums (`gpu::attention_scratch`).
+    pub part: Buf<f32>,
 }
 
 impl Acts {
@@ -106,6 +113,9 @@ impl Acts {
             act: z(c.ffn_dim)?,
             xb: g
                 .zeros::<u16>(rows * c.dim.max(c.ffn_dim))
+                .map_err(err("alloc"))?,
+            part: g
+                .zeros::<f32>(attention_scratch(rows, c.n_head, c.n_kv_head, c.head_dim))
                 .map_err(err("alloc"))?,
         })
     }
@@ -171,13 +181,16 @@ impl DevModel {
         let (d, hd, ff) = (c.dim, c.head_dim, c.ffn_dim);
         let kvd = c.n_kv_head * hd;
         let stride = d + 2 * kvd;
-        let (eps, theta) = (c.rms_eps as f32, c.rope_theta);
+        let eps = c.rms_eps as f32;
         let shape = AttnShape {
             heads: c.n_head,
             kv_heads: c.n_kv_head,
             hd,
             block_size: self.block_size,
         };
+        // Each row's context split so that a decode step fills the GPU
+        // (the same split for a graph's bucket and width every time).
+        let (parts, chunk) = attention_split(n, c.n_kv_head, max_blocks * self.block_size);
         let x = &mut io.x;
         for (li, layer) in self.layers.iter().enumerate() {
             if stop(li) {
@@ -188,14 +201,21 @@ impl DevModel {
             self.matmul(&layer.qkv, &a.h, &mut a.xb, &mut a.qkv, n, false, gemm)?;
             // K's heads follow Q's in the fused row: one launch rotates both.
             let heads = c.n_head + c.n_kv_head;
-            g.rope(&mut a.qkv, &io.pos, heads, hd, stride, 0, n, theta, false)
-                .map_err(err("rope"))?;
+            g.rope(
+                &mut a.qkv, &io.pos, heads, hd, stride, 0, n, &self.rope, false,
+            )
+            .map_err(err("rope"))?;
             let (kc, vc) = (&mut kv.k[li], &mut kv.v[li]);
             g.kv_write(&a.qkv, stride, d, d + kvd, kc, vc, &io.slots, kvd, n)
                 .map_err(err("kv_write"))?;
+            let split = Split {
+                parts,
+                chunk,
+                scratch: &mut a.part,
+            };
             g.paged_attention(
                 &a.qkv, stride, kc, vc, &io.tables, max_blocks, &io.qseq, &io.pos, &mut a.att,
-                shape, n,
+                shape, n, split,
             )
             .map_err(err("attention"))?;
             self.matmul(&layer.o, &a.att, &mut a.xb, x, n, true, gemm)?;

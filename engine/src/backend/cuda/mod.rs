@@ -144,6 +144,14 @@ impl CudaRunner {
             .context_len
             .div_ceil(block_size)
             .clamp(1, num_blocks.max(1));
+        // Positions up to the context (the scheduler keeps sequences
+        // within it): some MB, against a pow and a sincos per pair per step.
+        let table = ultrafast_kernels::reference::rope_table(
+            c.rope_theta,
+            c.head_dim,
+            c.context_len.max(1),
+        );
+        let rope = gpu.upload(&table).map_err(err("RoPE table"))?;
         Ok(CudaRunner {
             m: DevModel {
                 cfg: w.cfg.clone(),
@@ -151,6 +159,7 @@ impl CudaRunner {
                 norm,
                 head,
                 block_size,
+                rope,
                 gpu,
             },
             kv: DevKv { k, v },
@@ -190,8 +199,10 @@ impl CudaRunner {
     }
 
     /// A decode step through its bucket's graph (captured on first use);
-    /// the logits of its rows are left in the bucket's buffer.
-    fn graphed(&mut self, l: &StepLayout, bucket: usize, width: usize) -> Result<()> {
+    /// the logits of its rows are left in the bucket's buffer. False when
+    /// the capture failed: nothing ran, graphs are off from now on (logged),
+    /// and the step is the caller's to run directly.
+    fn graphed(&mut self, l: &StepLayout, bucket: usize, width: usize) -> Result<bool> {
         let g = &self.m.gpu;
         let b = match self.buckets.entry(bucket) {
             Entry::Occupied(e) => e.into_mut(),
@@ -219,21 +230,34 @@ impl CudaRunner {
         if !self.graphs.contains_key(&(bucket, width)) {
             let (m, kv) = (&self.m, &mut self.kv);
             let all: Vec<usize> = (0..bucket).collect();
-            let (graph, _) = g
-                .capture(|| {
-                    m.layers(kv, &mut b.io, &mut b.acts, bucket, width, false, &|_| false)
-                        .map_err(|e| e.to_string())?;
-                    m.head(&b.acts, &all, &mut b.logits)
-                        .map_err(|e| e.to_string())
-                })
-                .map_err(err("capture"))?;
-            self.graphs.insert((bucket, width), graph);
+            let captured = g.capture(|| {
+                m.layers(kv, &mut b.io, &mut b.acts, bucket, width, false, &|_| false)
+                    .map_err(|e| e.to_string())?;
+                m.head(&b.acts, &all, &mut b.logits)
+                    .map_err(|e| e.to_string())
+            });
+            match captured {
+                Ok((graph, _)) => {
+                    self.graphs.insert((bucket, width), graph);
+                }
+                Err(e) => {
+                    // A driver or a kernel that cannot be captured must
+                    // cost speed, not the step: launches work uncaptured.
+                    log::warn!(
+                        "CUDA graph capture failed ({bucket} rows, {width} blocks): {e}; \
+                         decode steps launch their kernels directly from now on"
+                    );
+                    self.opts.graphs = false;
+                    return Ok(false);
+                }
+            }
         }
         let graph = self
             .graphs
             .get(&(bucket, width))
             .ok_or_else(|| err("graph")("not captured".into()))?;
-        graph.launch().map_err(err("graph"))
+        graph.launch().map_err(err("graph"))?;
+        Ok(true)
     }
 }
 
@@ -435,14 +459,15 @@ impl ModelRunner for CudaRunner {
                 return Ok(false);
             }
             l.widen(width, self.num_blocks as i32);
-            self.graphed(&l, bucket, width)?;
-            let b = self
-                .buckets
-                .get(&bucket)
-                .ok_or_else(|| err("graph")("no bucket".into()))?;
-            let vocab = self.m.head.rows;
-            fetch(&self.m.gpu, vocab, &mut self.cands, needs, &b.logits, out)?;
-            return Ok(true);
+            if self.graphed(&l, bucket, width)? {
+                let b = self
+                    .buckets
+                    .get(&bucket)
+                    .ok_or_else(|| err("graph")("no bucket".into()))?;
+                let vocab = self.m.head.rows;
+                fetch(&self.m.gpu, vocab, &mut self.cands, needs, &b.logits, out)?;
+                return Ok(true);
+            }
         }
         let g = &self.m.gpu;
         let n = l.rows();
