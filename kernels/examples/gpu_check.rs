@@ -342,12 +342,18 @@ fn main() {
         .map(|(i, _)| i as i32)
         .collect();
     let dl = gpu.upload(&logits).unwrap();
-    let (mut di, mut dv) = (
-        gpu.zeros::<i32>(2 * k).unwrap(),
-        gpu.zeros::<f32>(2 * k).unwrap(),
-    );
-    gpu.top_k(&dl, vocab, 2, k, &mut di, &mut dv).unwrap();
-    let same = gpu.download(&di).unwrap() == want;
+    let mut dc = gpu.zeros::<i32>(2 * 2 * k).unwrap();
+    gpu.top_k(&dl, vocab, 2, k, &mut dc).unwrap();
+    let raw = gpu.download(&dc).unwrap();
+    let got: Vec<(i32, f32)> = (0..2)
+        .flat_map(|row| ultrafast_kernels::gpu::candidates(&raw, 2, k, row))
+        .collect();
+    let want_vals: Vec<f32> = (0..2)
+        .flat_map(|row| r::top_k(&logits[row * vocab..][..vocab], k))
+        .map(|(_, v)| v)
+        .collect();
+    let same = got.iter().map(|c| c.0).collect::<Vec<_>>() == want
+        && got.iter().map(|c| c.1).collect::<Vec<_>>() == want_vals;
     rep.row("top_k 2x49152, k 8", if same { 0.0 } else { 1.0 }, 0.0, 0.0);
 
     // The rows' log-normalisers (log-probabilities reported from

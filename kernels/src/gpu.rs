@@ -422,17 +422,17 @@ impl Gpu {
             .map_err(e("attention_merge"))
     }
 
-    /// `top_k`: the k best of each of `rows` rows of `vocab` logits.
+    /// `top_k`: the k best of each of `rows` rows of `vocab` logits into
+    /// `out`, indices then values' bits ([`candidates`] reads them).
     pub fn top_k(
         &self,
         logits: &CudaSlice<f32>,
         vocab: usize,
         rows: usize,
         k: usize,
-        idx: &mut CudaSlice<i32>,
-        val: &mut CudaSlice<f32>,
+        out: &mut CudaSlice<i32>,
     ) -> Result<()> {
-        if logits.len() < rows * vocab || idx.len() < rows * k || val.len() < rows * k || k == 0 {
+        if logits.len() < rows * vocab || out.len() < 2 * rows * k || k == 0 {
             return Err(format!("top_k shapes: {rows} x {vocab}, k {k}"));
         }
         let f = self.func("top_k")?;
@@ -443,7 +443,7 @@ impl Gpu {
         };
         let (v, kk) = (vocab as i32, k as i32);
         let mut b = self.stream.launch_builder(f);
-        b.arg(logits).arg(&v).arg(&kk).arg(idx).arg(val);
+        b.arg(logits).arg(&v).arg(&kk).arg(out);
         // SAFETY: as in `gemv`.
         unsafe { b.launch(cfg) }.map(|_| ()).map_err(e("top_k"))
     }
@@ -472,6 +472,22 @@ impl Gpu {
         // SAFETY: as in `gemv`; the shapes are checked above.
         unsafe { b.launch(cfg) }.map(|_| ()).map_err(e("log_norm"))
     }
+}
+
+/// Row `row`'s k candidates from what `top_k` wrote for `rows` rows
+/// (brought back whole): (index, value) pairs, best first; index -1 for
+/// slots past the row's last non-NaN logit.
+pub fn candidates(
+    raw: &[i32],
+    rows: usize,
+    k: usize,
+    row: usize,
+) -> impl Iterator<Item = (i32, f32)> + '_ {
+    let idx = &raw[row * k..][..k];
+    let val = &raw[rows * k + row * k..][..k];
+    idx.iter()
+        .zip(val)
+        .map(|(i, v)| (*i, f32::from_bits(*v as u32)))
 }
 
 /// How one attention launch splits each row's context (flash-decoding).
@@ -544,6 +560,18 @@ mod split_tests {
         // Short contexts are not split below 64 positions a part.
         assert_eq!(attention_split(1, 3, 1), (1, 32));
         assert_eq!(attention_split(1, 3, 100), (2, 64));
+    }
+
+    #[test]
+    fn candidates_are_read_back_from_one_buffer() {
+        // Two rows, k = 2: indices first, then the values' bits.
+        let vals = [3.5f32, -1.0, 7.25, f32::NEG_INFINITY];
+        let mut raw = vec![10, 4, 99, -1];
+        raw.extend(vals.iter().map(|v| v.to_bits() as i32));
+        let row0: Vec<(i32, f32)> = candidates(&raw, 2, 2, 0).collect();
+        let row1: Vec<(i32, f32)> = candidates(&raw, 2, 2, 1).collect();
+        assert_eq!(row0, vec![(10, 3.5), (4, -1.0)]);
+        assert_eq!(row1, vec![(99, 7.25), (-1, f32::NEG_INFINITY)]);
     }
 
     #[test]

@@ -2,17 +2,24 @@
 //! bucket and replayed with one call, so a step costs one launch of the
 //! CPU's time instead of a few hundred. A captured graph keeps the
 //! pointers and scalars of its launches, so a replayed step writes its
-//! inputs into the same buffers first ([`Gpu::copy_to`]).
+//! inputs into the same buffers first ([`Gpu::copy_to`], or
+//! [`Gpu::upload_pinned`] through page-locked memory, which the host does
+//! not wait for).
 
 // A graph handle is moved to the engine's thread: `unsafe impl Send`.
 #![allow(unsafe_code)]
 
 use crate::gpu::{Gpu, Result};
 use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
-use cudarc::driver::{CudaGraph, CudaSlice, CudaView, DeviceRepr};
+use cudarc::driver::{CudaGraph, CudaSlice, CudaView, DeviceRepr, PinnedHostSlice};
 
 /// A captured, instantiated graph.
 pub struct Graph(CudaGraph);
+
+/// Page-locked host memory the size of one device buffer: a step's input
+/// is written here and copied asynchronously (a copy from pageable memory
+/// is staged by the driver and holds the host until it is done).
+pub struct Pinned<T>(PinnedHostSlice<T>);
 
 // SAFETY: CUDA requires that calls on one graph be serialized, not that
 // they come from the thread that made it. A `Graph` is owned by one runner
@@ -47,6 +54,49 @@ impl Gpu {
         let graph = graph.ok_or("the capture recorded nothing")?;
         graph.upload().map_err(|e| format!("graph upload: {e:?}"))?;
         Ok((Graph(graph), out))
+    }
+
+    /// Page-locked memory of `n` values, zeroed, for uploads into a device
+    /// buffer of `n` values.
+    pub fn pinned<T: DeviceRepr + Copy + cudarc::driver::ValidAsZeroBits>(
+        &self,
+        n: usize,
+    ) -> Result<Pinned<T>> {
+        // SAFETY: the memory is uninitialised until the write below, which
+        // zeroes all of it before any read (`ValidAsZeroBits`).
+        let mut p = unsafe { self.ctx.alloc_pinned::<T>(n.max(1)) }
+            .map_err(|e| format!("pinned alloc: {e:?}"))?;
+        let ptr = p.as_mut_ptr().map_err(|e| format!("pinned alloc: {e:?}"))?;
+        // SAFETY: `ptr` points at `p.len()` values of this allocation.
+        unsafe { std::ptr::write_bytes(ptr, 0, p.len()) };
+        Ok(Pinned(p))
+    }
+
+    /// `host` into the start of `dev` through `pin` (as long as `dev`):
+    /// written into the page-locked buffer, then copied on the stream
+    /// without the host waiting. Writing waits for the buffer's previous
+    /// copy, long finished by the next step.
+    pub fn upload_pinned<T: DeviceRepr + Copy + cudarc::driver::ValidAsZeroBits>(
+        &self,
+        host: &[T],
+        pin: &mut Pinned<T>,
+        dev: &mut CudaSlice<T>,
+    ) -> Result<()> {
+        if host.len() > pin.0.len() || pin.0.len() > dev.len() {
+            return Err(format!(
+                "pinned copy of {} through {} into {}",
+                host.len(),
+                pin.0.len(),
+                dev.len()
+            ));
+        }
+        pin.0
+            .as_mut_slice()
+            .map_err(|e| format!("pinned write: {e:?}"))?[..host.len()]
+            .copy_from_slice(host);
+        self.stream
+            .memcpy_htod(&pin.0, dev)
+            .map_err(|e| format!("copy: {e:?}"))
     }
 
     /// Copies `host` into the start of `dev` (queued on the stream).

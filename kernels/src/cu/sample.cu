@@ -47,8 +47,12 @@ __device__ void block_best(float* v, int* i) {
 // The k largest logits of each row, largest first (ties: smaller index
 // first), k passes each taking the best below the previous one in that
 // order. k = 1 is argmax. NaN never wins; slots past the row's last
-// non-NaN logit get index -1.
-extern "C" __global__ void top_k(const float* logits, int vocab, int k, int* idx, float* val) {
+// non-NaN logit get index -1. Indices and values go to one buffer, so
+// that one copy brings them back: out[row * k + r] is an index and
+// out[rows * k + row * k + r] the bits of its value (rows = gridDim.x).
+extern "C" __global__ void top_k(const float* logits, int vocab, int k, int* out) {
+    int* idx = out;
+    int* val = out + (size_t)gridDim.x * k;
     const float* row = logits + (size_t)blockIdx.x * vocab;
     float pv = UF_INF;
     int pi = -1;
@@ -64,7 +68,7 @@ extern "C" __global__ void top_k(const float* logits, int vocab, int k, int* idx
         if (threadIdx.x == 0) {
             // -1: nothing left (the row had fewer than k non-NaN logits).
             idx[blockIdx.x * k + r] = i == 0x7fffffff ? -1 : i;
-            val[blockIdx.x * k + r] = v;
+            val[blockIdx.x * k + r] = __float_as_int(v);
         }
         pv = v;
         pi = i;

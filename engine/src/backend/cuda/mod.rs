@@ -28,8 +28,8 @@ use forward::{err, Acts, DevKv, DevLayer, DevMat, DevModel, StepIo};
 use std::collections::hash_map::Entry;
 use std::collections::HashMap;
 use std::path::PathBuf;
-use ultrafast_kernels::gpu::{DeviceBuffer as Buf, Gpu};
-use ultrafast_kernels::graph::Graph;
+use ultrafast_kernels::gpu::{candidates, DeviceBuffer as Buf, Gpu};
+use ultrafast_kernels::graph::{Graph, Pinned};
 use ultrafast_kernels::nvrtc::Nvrtc;
 
 /// What the runner may use; both on by default (`ULTRAFAST_CUDA_GRAPHS=0`
@@ -56,8 +56,23 @@ impl CudaOptions {
 /// A bucket's buffers, shared by its graphs (one per table width).
 struct Bucket {
     io: StepIo,
+    /// Page-locked copies of `io`'s inputs: a step's uploads are queued
+    /// without the host waiting for each.
+    pins: StepPins,
     acts: Acts,
     logits: Buf<f32>,
+    /// Candidates made inside the graphs, per k (a graph keeps the
+    /// pointer it was captured with, so none is ever replaced).
+    cands: HashMap<usize, Buf<i32>>,
+}
+
+/// Page-locked host buffers, one per input of [`StepIo`], each as long.
+struct StepPins {
+    x: Pinned<f32>,
+    pos: Pinned<i32>,
+    slots: Pinned<i32>,
+    qseq: Pinned<i32>,
+    tables: Pinned<i32>,
 }
 
 /// The CUDA runner (see the module's comment).
@@ -76,7 +91,8 @@ pub struct CudaRunner {
     /// (allocations synchronize the device).
     acts: Option<Acts>,
     buckets: HashMap<usize, Bucket>,
-    graphs: HashMap<(usize, usize), Graph>,
+    /// Captured decode steps by bucket, table width and candidates' k.
+    graphs: HashMap<(usize, usize, usize), Graph>,
     /// Host buffers reused from step to step.
     host: Vec<f32>,
     cands: Cands,
@@ -202,43 +218,68 @@ impl CudaRunner {
     /// the logits of its rows are left in the bucket's buffer. False when
     /// the capture failed: nothing ran, graphs are off from now on (logged),
     /// and the step is the caller's to run directly.
-    fn graphed(&mut self, l: &StepLayout, bucket: usize, width: usize) -> Result<bool> {
+    fn graphed(&mut self, l: &StepLayout, bucket: usize, width: usize, k: usize) -> Result<bool> {
         let g = &self.m.gpu;
         let b = match self.buckets.entry(bucket) {
             Entry::Occupied(e) => e.into_mut(),
             Entry::Vacant(e) => {
                 let z = |n: usize| g.zeros::<i32>(n).map_err(err("alloc"));
+                let p = |n: usize| g.pinned::<i32>(n).map_err(err("pinned"));
+                let (dim, tables) = (self.m.cfg.dim, (bucket + 1) * self.max_width);
                 e.insert(Bucket {
                     io: StepIo {
-                        x: g.zeros(bucket * self.m.cfg.dim).map_err(err("alloc"))?,
+                        x: g.zeros(bucket * dim).map_err(err("alloc"))?,
                         pos: z(bucket)?,
                         slots: z(bucket)?,
                         qseq: z(bucket)?,
-                        tables: z((bucket + 1) * self.max_width)?,
+                        tables: z(tables)?,
+                    },
+                    pins: StepPins {
+                        x: g.pinned(bucket * dim).map_err(err("pinned"))?,
+                        pos: p(bucket)?,
+                        slots: p(bucket)?,
+                        qseq: p(bucket)?,
+                        tables: p(tables)?,
                     },
                     acts: Acts::new(g, bucket, &self.m.cfg)?,
                     logits: g.zeros(bucket * self.m.head.rows).map_err(err("alloc"))?,
+                    cands: HashMap::new(),
                 })
             }
         };
-        let io = &mut b.io;
-        g.copy_to(&self.host, &mut io.x).map_err(err("copy"))?;
-        g.copy_to(&l.positions, &mut io.pos).map_err(err("copy"))?;
-        g.copy_to(&l.slots, &mut io.slots).map_err(err("copy"))?;
-        g.copy_to(&l.qseq, &mut io.qseq).map_err(err("copy"))?;
-        g.copy_to(&l.tables, &mut io.tables).map_err(err("copy"))?;
-        if !self.graphs.contains_key(&(bucket, width)) {
+        let (io, pin) = (&mut b.io, &mut b.pins);
+        g.upload_pinned(&self.host, &mut pin.x, &mut io.x)
+            .map_err(err("copy"))?;
+        g.upload_pinned(&l.positions, &mut pin.pos, &mut io.pos)
+            .map_err(err("copy"))?;
+        g.upload_pinned(&l.slots, &mut pin.slots, &mut io.slots)
+            .map_err(err("copy"))?;
+        g.upload_pinned(&l.qseq, &mut pin.qseq, &mut io.qseq)
+            .map_err(err("copy"))?;
+        g.upload_pinned(&l.tables, &mut pin.tables, &mut io.tables)
+            .map_err(err("copy"))?;
+        if !self.graphs.contains_key(&(bucket, width, k)) {
             let (m, kv) = (&self.m, &mut self.kv);
             let all: Vec<usize> = (0..bucket).collect();
+            if k > 0 && !b.cands.contains_key(&k) {
+                let c = g.zeros::<i32>(2 * bucket * k).map_err(err("alloc"))?;
+                b.cands.insert(k, c);
+            }
+            let vocab = m.head.rows;
             let captured = g.capture(|| {
                 m.layers(kv, &mut b.io, &mut b.acts, bucket, width, false, &|_| false)
                     .map_err(|e| e.to_string())?;
                 m.head(&b.acts, &all, &mut b.logits)
-                    .map_err(|e| e.to_string())
+                    .map_err(|e| e.to_string())?;
+                // The candidates too: one replay makes all the step needs.
+                match b.cands.get_mut(&k) {
+                    Some(c) => g.top_k(&b.logits, vocab, bucket, k, c),
+                    None => Ok(()),
+                }
             });
             match captured {
                 Ok((graph, _)) => {
-                    self.graphs.insert((bucket, width), graph);
+                    self.graphs.insert((bucket, width, k), graph);
                 }
                 Err(e) => {
                     // A driver or a kernel that cannot be captured must
@@ -254,7 +295,7 @@ impl CudaRunner {
         }
         let graph = self
             .graphs
-            .get(&(bucket, width))
+            .get(&(bucket, width, k))
             .ok_or_else(|| err("graph")("not captured".into()))?;
         graph.launch().map_err(err("graph"))?;
         Ok(true)
@@ -265,42 +306,48 @@ impl CudaRunner {
 /// log-normalisers where a sequence reports log-probabilities.
 #[derive(Default)]
 struct Cands {
-    dev: Option<(Buf<i32>, Buf<f32>)>,
-    idx: Vec<i32>,
-    val: Vec<f32>,
+    /// `top_k`'s output of a direct step (indices, then values' bits).
+    dev: Option<Buf<i32>>,
+    /// The same brought back, and the rows and k it was made for.
+    raw: Vec<i32>,
+    rows: usize,
+    k: usize,
     dev_norms: Option<Buf<f32>>,
     norms: Vec<f32>,
 }
 
 /// `needs` served from `logits` (row i is sequence i's): the top-k kernel
-/// for candidates, whole rows copied back only where needed.
+/// for candidates (or what a graph's own top-k left in `pre`, made for
+/// that many rows), brought back in one copy; whole rows copied back only
+/// where needed.
 fn fetch(
     g: &Gpu,
     vocab: usize,
     c: &mut Cands,
     needs: &[Need],
     logits: &Buf<f32>,
+    pre: Option<(&Buf<i32>, usize)>,
     out: &mut StepLogits,
 ) -> Result<()> {
     let rows = needs.len();
     let k = needs.iter().map(Need::k).max().unwrap_or(0);
     if k > 0 {
-        let (di, dv) = match c.dev.take() {
-            Some((i, v)) if i.len() >= rows * k => (i, v),
-            _ => (
-                g.zeros::<i32>(rows * k).map_err(err("alloc"))?,
-                g.zeros::<f32>(rows * k).map_err(err("alloc"))?,
-            ),
+        let (dev, made_for) = match pre {
+            Some(p) => p,
+            None => {
+                let d = match c.dev.take() {
+                    Some(d) if d.len() >= 2 * rows * k => d,
+                    _ => g.zeros::<i32>(2 * rows * k).map_err(err("alloc"))?,
+                };
+                let d = &mut *c.dev.insert(d);
+                g.top_k(logits, vocab, rows, k, d).map_err(err("top_k"))?;
+                (&*d, rows)
+            }
         };
-        let (di, dv) = &mut *c.dev.insert((di, dv));
-        g.top_k(logits, vocab, rows, k, di, dv)
-            .map_err(err("top_k"))?;
-        c.idx.resize(rows * k, 0);
-        c.val.resize(rows * k, 0.0);
-        g.download_into(&di.slice(..rows * k), &mut c.idx)
+        c.raw.resize(2 * made_for * k, 0);
+        g.download_into(&dev.slice(..2 * made_for * k), &mut c.raw)
             .map_err(err("download"))?;
-        g.download_into(&dv.slice(..rows * k), &mut c.val)
-            .map_err(err("download"))?;
+        (c.rows, c.k) = (made_for, k);
     }
     // The log-normaliser of every row, on the device, when a sequence
     // reports scores from candidates: `rows` floats come back, not rows.
@@ -342,13 +389,12 @@ fn fetch(
             }
             Need::Top(n) | Need::Scored(n) => {
                 let a = out.top.len();
-                let (ri, rv) = (&c.idx[i * k..][..n], &c.val[i * k..][..n]);
                 // Index -1: the row had no more (non-NaN) logits.
                 out.top.extend(
-                    ri.iter()
-                        .zip(rv)
-                        .take_while(|(t, _)| **t >= 0)
-                        .map(|(t, v)| (*t as u32, *v)),
+                    candidates(&c.raw, c.rows, c.k, i)
+                        .take(n)
+                        .take_while(|(t, _)| *t >= 0)
+                        .map(|(t, v)| (t as u32, v)),
                 );
                 RowAt::Top(a, out.top.len())
             }
@@ -459,13 +505,23 @@ impl ModelRunner for CudaRunner {
                 return Ok(false);
             }
             l.widen(width, self.num_blocks as i32);
-            if self.graphed(&l, bucket, width)? {
+            let k = needs.iter().map(Need::k).max().unwrap_or(0);
+            if self.graphed(&l, bucket, width, k)? {
                 let b = self
                     .buckets
                     .get(&bucket)
                     .ok_or_else(|| err("graph")("no bucket".into()))?;
                 let vocab = self.m.head.rows;
-                fetch(&self.m.gpu, vocab, &mut self.cands, needs, &b.logits, out)?;
+                let pre = b.cands.get(&k).map(|c| (c, bucket));
+                fetch(
+                    &self.m.gpu,
+                    vocab,
+                    &mut self.cands,
+                    needs,
+                    &b.logits,
+                    pre,
+                    out,
+                )?;
                 return Ok(true);
             }
         }
@@ -495,7 +551,7 @@ impl ModelRunner for CudaRunner {
                 } else if done {
                     let mut logits = g.zeros::<f32>(l.last.len() * vocab).map_err(err("alloc"))?;
                     self.m.head(&a, &l.last, &mut logits)?;
-                    fetch(g, vocab, &mut self.cands, needs, &logits, out)?;
+                    fetch(g, vocab, &mut self.cands, needs, &logits, None, out)?;
                 }
                 Ok(done)
             });
