@@ -102,6 +102,19 @@ for d in /usr/local/cuda/lib64 /usr/local/cuda/targets/x86_64-linux/lib $(wheel_
   fi
 done
 
+# The wheels' own versions, where the libraries came from wheels (their
+# files carry no version in the name).
+for py in python3 .venv/bin/python; do
+  command -v "$py" >/dev/null 2>&1 || continue
+  "$py" - <<'PY' 2>/dev/null || true
+import importlib.metadata as m, sys
+for d in sorted(m.distributions(), key=lambda d: d.metadata["Name"].lower()):
+    n = d.metadata["Name"]
+    if n.lower().startswith(("nvidia-", "torch", "transformers")):
+        print(f"gpu_check: wheel {n} {d.version} ({sys.executable})")
+PY
+done
+
 . "$(dirname "$0")/gpu_stages.sh"
 stage kernels 60 "$stage_dir/gpu_check"
 if [ "$GPU_CHECK_STATUS" -eq 2 ]; then
