@@ -63,7 +63,12 @@ exit $GPU_CHECK_STATUS
         cuda.contains("FAIL (CUDA error)") && cuda.ends_with("| pass |"),
         "{cuda}"
     );
-    assert!(row(&out, "hang").contains("FAIL (timed out)"));
+    let hang = row(&out, "hang");
+    assert!(hang.contains("FAIL (timed out)"), "{hang}");
+    assert!(
+        hang.ends_with("| not rerun: timed out |"),
+        "a hang is not rerun: {hang}"
+    );
     assert!(row(&out, "after").contains("| pass |"));
     assert!(row(&out, "transformers").contains("skipped: no torch here"));
 }
@@ -86,21 +91,34 @@ fn no_gpu_is_its_own_status_and_all_passed_is_zero() {
 fn the_check_keeps_within_its_budget() {
     let lib = root().join("benches/scripts/gpu_stages.sh");
     let t = std::time::Instant::now();
-    let out = Command::new("bash")
-        .arg("-c")
-        .arg(format!(
-            ". '{}'\nstage slow 60 sleep 30\nstage next 60 true\nsummary",
-            lib.display()
-        ))
-        .env("GPU_CHECK_BUDGET_S", "7")
-        .output()
-        .unwrap();
-    let out = String::from_utf8_lossy(&out.stdout).to_string();
-    assert!(t.elapsed() < std::time::Duration::from_secs(20), "{out}");
-    assert!(row(&out, "slow").contains("FAIL (timed out)"), "{out}");
+    let run = |script: &str| {
+        let out = Command::new("bash")
+            .arg("-c")
+            .arg(format!(
+                ". '{}'\n{script}\nsummary\nexit $GPU_CHECK_STATUS",
+                lib.display()
+            ))
+            .env("GPU_CHECK_BUDGET_S", "10")
+            .output()
+            .unwrap();
+        let code = out.status.code().unwrap_or(-1);
+        (String::from_utf8_lossy(&out.stdout).to_string(), code)
+    };
+    // A failure near the end of the budget: its blocking rerun does not fit.
+    let (out, code) =
+        run("stage slow 6 sleep 4\nstage crash 6 bash -c 'sleep 2; exit 3'\nstage next 60 true");
+    assert_eq!(code, 1, "{out}");
+    assert!(row(&out, "slow").contains("| pass |"), "{out}");
     assert!(
-        row(&out, "slow").ends_with("| not run: out of time |"),
+        row(&out, "crash").ends_with("| not run: out of time |"),
         "{out}"
     );
+    // A stage with no time left is skipped, and a skipped stage is no pass.
     assert!(row(&out, "next").contains("skipped: out of time"), "{out}");
+    // A hang takes its limit once (no rerun) and the rest of the budget.
+    let (out, code) = run("stage slow 60 sleep 30\nstage next 60 true");
+    assert_eq!(code, 1, "{out}");
+    assert!(row(&out, "slow").contains("FAIL (timed out)"), "{out}");
+    assert!(row(&out, "next").contains("skipped: out of time"), "{out}");
+    assert!(t.elapsed() < std::time::Duration::from_secs(25), "{out}");
 }

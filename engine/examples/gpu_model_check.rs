@@ -97,6 +97,16 @@ impl Check {
     }
 }
 
+/// Fails a row when a step meant for a graph ran directly: the runner
+/// turns graphs off after a failed capture (logged, but this check has no
+/// logger), and a graph stage must not pass on direct launches.
+fn still_graphed(gpu: &CudaRunner, check: &mut Check, what: &str) {
+    if !gpu.options().graphs {
+        println!("  {what}: the graph capture failed, the step ran directly");
+        check.row(&format!("{what}: captured as a graph"), 0.0, false);
+    }
+}
+
 /// The value, or the stage ends with status 3 and the error (a CUDA or
 /// runner error, never a mismatch).
 fn must<T, E: std::fmt::Display>(r: Result<T, E>, what: &str) -> T {
@@ -121,14 +131,23 @@ fn runner(cfg: &ultrafast_engine::model::ModelConfig) -> CudaRunner {
         graphs: true,
         gemm: true,
     };
-    let w = FileWeights::synthetic(cfg.clone(), 7);
-    let gpu = match CudaRunner::new(w, 0, BLOCKS, BLOCK, opts) {
-        Ok(r) => r,
-        Err(e) => {
-            println!("gpu_model_check: no GPU runner: {e}");
+    // No device: exit 2. A device the runner cannot start on is a
+    // failure (3), which the script shows and reruns.
+    match ultrafast_kernels::cuda::probe() {
+        Ok(gpus) if !gpus.is_empty() => {}
+        other => {
+            let why = other
+                .err()
+                .unwrap_or_else(|| "the driver lists no device".into());
+            println!("gpu_model_check: no GPU: {why}");
             std::process::exit(2);
         }
-    };
+    }
+    let w = FileWeights::synthetic(cfg.clone(), 7);
+    let gpu = must(
+        CudaRunner::new(w, 0, BLOCKS, BLOCK, opts),
+        "the CUDA runner's start",
+    );
     println!(
         "gpu_model_check: {} ready in {:.2} s",
         gpu.describe(),
@@ -190,6 +209,9 @@ fn decode(
         let (mut a, mut b, mut direct) = (Vec::new(), Vec::new(), Vec::new());
         gpu.set_graphs(true);
         must(gpu.step(&s, &|_| false, &mut a), "a step");
+        if step > 0 {
+            still_graphed(gpu, check, &format!("step {step}"));
+        }
         let next = if stage == "model" {
             must(reference.step(&s, &|_| false, &mut b), "the reference");
             let (worst, ok) = compare(&a, &b, vocab, 0.05, 0.01);
@@ -258,6 +280,7 @@ fn batch(gpu: &mut CudaRunner, reference: &mut ReferenceRunner, vocab: usize, ch
         .map(|s| seq(&next[s], prompts[s].len(), &tables[s]))
         .collect();
     must(gpu.step(&dec, &|_| false, &mut a), "a decode step");
+    still_graphed(gpu, check, "3 sequences' decode step");
     must(reference.step(&dec, &|_| false, &mut b), "the reference");
     let (worst, ok) = compare(&a, &b, vocab, 0.05, 0.01);
     check.row("3 sequences, one decode step (graph, bucket 4)", worst, ok);
@@ -267,6 +290,7 @@ fn batch(gpu: &mut CudaRunner, reference: &mut ReferenceRunner, vocab: usize, ch
         gpu.step_for(&dec, &needs, &|_| false, &mut out),
         "candidates",
     );
+    still_graphed(gpu, check, "candidates inside the graph");
     let mut same = true;
     for (i, need) in needs.iter().enumerate() {
         let row = &a[i * vocab..][..vocab];
@@ -365,6 +389,13 @@ fn speed(gpu: &mut CudaRunner) {
     for graphs in [true, false] {
         gpu.set_graphs(graphs);
         let how = if graphs { "graphs" } else { "no graphs" };
+        // A failed capture turns graphs off (and this check has no
+        // logger): say so rather than label direct launches as graphs.
+        let say_direct = |gpu: &CudaRunner| {
+            if graphs && !gpu.options().graphs {
+                println!("| graphs | the capture FAILED: the row above ran directly |");
+            }
+        };
         let mut tok = [first(&mut out, 0)];
         // A first step captures the graph; timed from the second.
         let one = |gpu: &mut CudaRunner, tok: &[u32; 1], at: usize, out: &mut StepLogits| {
@@ -388,6 +419,7 @@ fn speed(gpu: &mut CudaRunner) {
                 start + 128,
                 128.0 / t.elapsed().as_secs_f64()
             );
+            say_direct(gpu);
         }
         let tables: Vec<Vec<u32>> = (0..64u32)
             .map(|s| (0..4).map(|b| 1000 + s * 4 + b).collect())
@@ -413,6 +445,7 @@ fn speed(gpu: &mut CudaRunner) {
             "| aggregate decode, 64 streams ({how}) | {:.1} tokens/s |",
             64.0 * 32.0 / t.elapsed().as_secs_f64()
         );
+        say_direct(gpu);
     }
     gpu.set_graphs(true);
 }

@@ -2,7 +2,8 @@
 //! reference (`ultrafast_kernels::reference`) on SmolLM2-135M's shapes,
 //! random inputs, with the tolerance stated per kernel. Prints one table
 //! row per check; exits 1 if any fails, 2 when there is no GPU (with the
-//! reason). Run through `bash benches/scripts/gpu_check.sh`.
+//! reason), 3 when there is one but its kernels cannot be compiled or
+//! loaded. Run through `bash benches/scripts/gpu_check.sh`.
 //!
 //! NVRTC: `$ULTRAFAST_NVRTC_DIR` (a folder with `libnvrtc.so.13`, such as
 //! the `nvidia-cuda-nvrtc` wheel's `nvidia/cu13/lib`), else the loader's
@@ -66,12 +67,26 @@ impl Report {
 }
 
 fn main() {
+    // Exit 2 only where there is no GPU: a GPU whose kernels cannot be
+    // compiled or loaded (no NVRTC, a driver too old for its code) is a
+    // failure the check must show, not a machine without a GPU.
+    match ultrafast_kernels::cuda::probe() {
+        Ok(gpus) if !gpus.is_empty() => {}
+        Ok(_) => {
+            println!("gpu_check: no GPU: the driver lists no device");
+            std::process::exit(2);
+        }
+        Err(why) => {
+            println!("gpu_check: no GPU: {why}");
+            std::process::exit(2);
+        }
+    }
     let nvrtc_dir = std::env::var_os("ULTRAFAST_NVRTC_DIR").map(PathBuf::from);
     let nvrtc = match Nvrtc::open(nvrtc_dir.as_deref()) {
         Ok(n) => n,
         Err(why) => {
-            println!("gpu_check: no NVRTC: {why}");
-            std::process::exit(2);
+            println!("gpu_check: a GPU but no NVRTC: {why}");
+            std::process::exit(3);
         }
     };
     let cache = std::env::temp_dir().join("ultrafast-cubin");
@@ -79,8 +94,8 @@ fn main() {
     let gpu = match Gpu::open(0, &nvrtc, &cache) {
         Ok(g) => g,
         Err(why) => {
-            println!("gpu_check: no GPU: {why}");
-            std::process::exit(2);
+            println!("gpu_check: the GPU did not open or its kernels did not load: {why}");
+            std::process::exit(3);
         }
     };
     println!(

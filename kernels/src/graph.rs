@@ -11,15 +11,22 @@
 
 use crate::gpu::{Gpu, Result};
 use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
-use cudarc::driver::{CudaGraph, CudaSlice, CudaView, DeviceRepr, PinnedHostSlice};
+use cudarc::driver::{CudaEvent, CudaGraph, CudaSlice, CudaView, DeviceRepr, PinnedHostSlice};
 
 /// A captured, instantiated graph.
 pub struct Graph(CudaGraph);
 
 /// Page-locked host memory the size of one device buffer: a step's input
 /// is written here and copied asynchronously (a copy from pageable memory
-/// is staged by the driver and holds the host until it is done).
-pub struct Pinned<T>(PinnedHostSlice<T>);
+/// is staged by the driver and holds the host until it is done). Its own
+/// event marks the end of its last copy: cudarc records the slice's event
+/// only with event tracking on, which `Gpu::open` turns off, so without it
+/// a write could overtake a copy still queued (a step that brings nothing
+/// back never waits for the stream).
+pub struct Pinned<T> {
+    host: PinnedHostSlice<T>,
+    copied: CudaEvent,
+}
 
 // SAFETY: CUDA requires that calls on one graph be serialized, not that
 // they come from the thread that made it. A `Graph` is owned by one runner
@@ -69,34 +76,46 @@ impl Gpu {
         let ptr = p.as_mut_ptr().map_err(|e| format!("pinned alloc: {e:?}"))?;
         // SAFETY: `ptr` points at `p.len()` values of this allocation.
         unsafe { std::ptr::write_bytes(ptr, 0, p.len()) };
-        Ok(Pinned(p))
+        // Blocking sync: a wait for it sleeps instead of spinning.
+        let flags = cudarc::driver::sys::CUevent_flags::CU_EVENT_BLOCKING_SYNC;
+        let copied = self
+            .ctx
+            .new_event(Some(flags))
+            .map_err(|e| format!("pinned event: {e:?}"))?;
+        Ok(Pinned { host: p, copied })
     }
 
     /// `host` into the start of `dev` through `pin` (as long as `dev`):
     /// written into the page-locked buffer, then copied on the stream
-    /// without the host waiting. Writing waits for the buffer's previous
-    /// copy, long finished by the next step.
+    /// without the host waiting. Writing waits first for the buffer's
+    /// previous copy (its event), normally long finished by the next step.
     pub fn upload_pinned<T: DeviceRepr + Copy + cudarc::driver::ValidAsZeroBits>(
         &self,
         host: &[T],
         pin: &mut Pinned<T>,
         dev: &mut CudaSlice<T>,
     ) -> Result<()> {
-        if host.len() > pin.0.len() || pin.0.len() > dev.len() {
+        if host.len() > pin.host.len() || pin.host.len() > dev.len() {
             return Err(format!(
                 "pinned copy of {} through {} into {}",
                 host.len(),
-                pin.0.len(),
+                pin.host.len(),
                 dev.len()
             ));
         }
-        pin.0
+        pin.copied
+            .synchronize()
+            .map_err(|e| format!("pinned wait: {e:?}"))?;
+        pin.host
             .as_mut_slice()
             .map_err(|e| format!("pinned write: {e:?}"))?[..host.len()]
             .copy_from_slice(host);
         self.stream
-            .memcpy_htod(&pin.0, dev)
-            .map_err(|e| format!("copy: {e:?}"))
+            .memcpy_htod(&pin.host, dev)
+            .map_err(|e| format!("copy: {e:?}"))?;
+        pin.copied
+            .record(&self.stream)
+            .map_err(|e| format!("pinned event: {e:?}"))
     }
 
     /// Copies `host` into the start of `dev` (queued on the stream).

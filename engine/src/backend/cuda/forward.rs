@@ -4,6 +4,7 @@
 //! step's CUDA graph, which is why it never allocates, copies or waits.
 
 use super::super::blocks::Mat;
+use super::super::layout::graph_width;
 use crate::error::{EngineError, Result};
 use crate::model::ModelConfig;
 use ultrafast_kernels::gpu::{
@@ -68,6 +69,8 @@ pub(super) struct DevModel {
     /// RoPE's cosines and sines for every position of the context
     /// (`reference::rope_table`), made once at load.
     pub rope: Buf<f32>,
+    /// The widest block table a sequence can have (graphs' width cap).
+    pub max_width: usize,
 }
 
 /// The KV cache: one K and one V buffer per layer, f16, in the pool's
@@ -188,9 +191,11 @@ impl DevModel {
             hd,
             block_size: self.block_size,
         };
-        // Each row's context split so that a decode step fills the GPU
-        // (the same split for a graph's bucket and width every time).
-        let (parts, chunk) = attention_split(n, c.n_kv_head, max_blocks * self.block_size);
+        // Each row's context split so that a decode step fills the GPU,
+        // from the width its graph has (or would have): a step run
+        // directly splits as its graph does, so the two agree bit for bit.
+        let split_blocks = graph_width(max_blocks, self.max_width).unwrap_or(max_blocks);
+        let (parts, chunk) = attention_split(n, c.n_kv_head, split_blocks * self.block_size);
         let x = &mut io.x;
         for (li, layer) in self.layers.iter().enumerate() {
             if stop(li) {

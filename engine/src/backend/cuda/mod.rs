@@ -176,6 +176,7 @@ impl CudaRunner {
                 head,
                 block_size,
                 rope,
+                max_width,
                 gpu,
             },
             kv: DevKv { k, v },
