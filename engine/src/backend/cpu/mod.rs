@@ -588,6 +588,9 @@ impl<E: KvElem> Job<'_, E> {
         let (nbd, nbf) = (c.dim / 32, c.ffn_dim / 32);
         let half = hd / 2;
         let neox = c.arch == Arch::Qwen2;
+        // Heads of whole 32-value blocks: attention quantizes each head's
+        // output itself (the same blocks as quantizing the row after).
+        let fused = hd % 32 == 0;
         let last = c.n_layer * PHASES;
         let lay = KvLayout {
             bs: self.block_size,
@@ -716,11 +719,23 @@ impl<E: KvElem> Job<'_, E> {
                             v,
                             &mut s.attn,
                             &mut |i, h, o| {
-                                // SAFETY: head h of token row0+i belongs to
-                                // this task (its KV group, its tokens).
-                                let dst =
-                                    unsafe { self.attn.slice_mut((row0 + i) * c.dim + h * hd, hd) };
-                                dst.copy_from_slice(o);
+                                let t = row0 + i;
+                                // SAFETY (all three): head h of token t
+                                // belongs to this task (its KV group, its
+                                // tokens), and with heads a whole number of
+                                // 32-value blocks, so do its blocks of xq.
+                                if !fused {
+                                    let dst =
+                                        unsafe { self.attn.slice_mut(t * c.dim + h * hd, hd) };
+                                    dst.copy_from_slice(o);
+                                } else if p.bf[t] {
+                                    let dst = unsafe { self.xb.slice_mut(t * c.dim + h * hd, hd) };
+                                    ops::to_bf16(o, dst);
+                                } else {
+                                    let at = t * nbd + h * hd / 32;
+                                    let dst = unsafe { self.xq.slice_mut(at, hd / 32) };
+                                    ops::quantize(self.isa, o, dst);
+                                }
                             },
                         );
                     }
@@ -728,19 +743,22 @@ impl<E: KvElem> Job<'_, E> {
             }
             ctx.barrier();
             clock.tick(ctx, profile::ATTENTION);
-            // 5. Quantize the attention output.
-            self.per_token(ctx, self.counter(l, 4), t_all, 1, &mut |t| {
-                // SAFETY: read-only attn row; xq / xb row t is ours.
-                unsafe {
-                    let a = self.attn.slice(t * c.dim, c.dim);
-                    if p.bf[t] {
-                        ops::to_bf16(a, self.xb.slice_mut(t * c.dim, c.dim));
-                    } else {
-                        ops::quantize(self.isa, a, self.xq.slice_mut(t * nbd, nbd));
+            // 5. Quantize the attention output, unless each head was
+            // quantized as it came (above): a pass and a barrier fewer.
+            if !fused {
+                self.per_token(ctx, self.counter(l, 4), t_all, 1, &mut |t| {
+                    // SAFETY: read-only attn row; xq / xb row t is ours.
+                    unsafe {
+                        let a = self.attn.slice(t * c.dim, c.dim);
+                        if p.bf[t] {
+                            ops::to_bf16(a, self.xb.slice_mut(t * c.dim, c.dim));
+                        } else {
+                            ops::quantize(self.isa, a, self.xq.slice_mut(t * nbd, nbd));
+                        }
                     }
-                }
-            });
-            ctx.barrier();
+                });
+                ctx.barrier();
+            }
             clock.tick(ctx, profile::QUANT);
             // 6. Output projection into the residual.
             self.gemm(
