@@ -19,6 +19,7 @@ Build first: cargo build --release -p ultrafast; needs nginx, h2load, grpcio.
 """
 import argparse, os, re, shutil, statistics, subprocess, sys, tempfile, time
 from benchlib import ROOT, free_port, spawn, stop_tree, wait_port
+from proxy_vs_nginx import nginx
 
 ORIGIN = os.path.join(ROOT, "proxy/tests/py/grpc_origin.py")
 
@@ -44,20 +45,18 @@ def start_ultrafast(binary, tmp, port, origin):
 
 
 def start_nginx(tmp, port, origin):
-    conf = os.path.join(tmp, "nginx.conf")
-    with open(conf, "w") as f:
-        # `user root`: a worker of the default user could not create a
-        # temporary file in the run's 0700 directory (RESULTS section 29).
-        f.write(f"daemon off; user root; pid {tmp}/ngx.pid; error_log {tmp}/ngx.err; worker_processes 1; "
-                f"events {{ worker_connections 8192; }} http {{ access_log off; "
-                f"client_body_temp_path {tmp}/body; "
-                f"upstream o {{ server 127.0.0.1:{origin}; keepalive 32; }} "
-                # nginx closes a client connection after 1,000 requests
-                # (`keepalive_requests`), which h2load does not reopen.
-                f"keepalive_requests 1000000; "
-                f"server {{ listen 127.0.0.1:{port} http2; "
-                f"location / {{ grpc_pass grpc://o; }} }} }}")
-    return spawn(["nginx", "-p", tmp, "-c", conf], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    # proxy_vs_nginx's launcher (`user root`: a worker of the default user
+    # could not create a temporary file in the run's 0700 directory,
+    # RESULTS section 29).
+    return nginx(tmp, "nginx", f"worker_processes 1; "
+                 f"events {{ worker_connections 8192; }} http {{ access_log off; "
+                 f"client_body_temp_path {tmp}/body; "
+                 f"upstream o {{ server 127.0.0.1:{origin}; keepalive 32; }} "
+                 # nginx closes a client connection after 1,000 requests
+                 # (`keepalive_requests`), which h2load does not reopen.
+                 f"keepalive_requests 1000000; "
+                 f"server {{ listen 127.0.0.1:{port} http2; "
+                 f"location / {{ grpc_pass grpc://o; }} }} }}")
 
 
 def h2load(port, msg, a):

@@ -43,6 +43,7 @@ Build first: cargo build --release -p ultrafast; needs nginx, slowhttptest.
 """
 import argparse, http.server, os, shutil, socket, subprocess, sys, tempfile, threading, time
 from benchlib import ROOT, exact_rss_kb, free_port, pct_ms, spawn, stop_tree, wait_port, with_children
+from proxy_vs_nginx import nginx
 
 
 class Origin(http.server.BaseHTTPRequestHandler):
@@ -111,20 +112,18 @@ def start(kind, binary, tmp, port, origin):
                     '[[routes]]\npath = "/"\npool = "o"\n')
         return spawn([binary, "serve", "-c", cfg], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                      env={**os.environ, "RUST_LOG": "error"})
-    conf = os.path.join(tmp, "nginx.conf")
-    with open(conf, "w") as f:
-        # `user root`: a worker of the default user cannot enter the run's
-        # directory (mkdtemp makes it 0700), so every temporary file failed
-        # (`open() ... failed (13: Permission denied) while reading upstream`)
-        # and nginx closed each slow reader once its socket buffer was full.
-        f.write(f"daemon off; user root; pid {tmp}/ngx.pid; error_log {tmp}/ngx.err; worker_processes 1; "
-                f"events {{ worker_connections 8192; }} http {{ access_log off; "
-                f"client_body_temp_path {tmp}/body; proxy_temp_path {tmp}/proxy; "
-                f"upstream o {{ server 127.0.0.1:{origin}; keepalive 32; }} "
-                f"server {{ listen 127.0.0.1:{port}; location = /probe {{ return 200 ok; }} "
-                f"location / {{ proxy_pass http://o; {NGX_EXTRA}"
-                f"proxy_http_version 1.1; proxy_set_header Connection \"\"; }} }} }}")
-    return spawn(["nginx", "-p", tmp, "-c", conf], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    # proxy_vs_nginx's launcher writes `user root`: a worker of the default
+    # user cannot enter the run's directory (mkdtemp makes it 0700), so
+    # every temporary file failed (`open() ... failed (13: Permission
+    # denied) while reading upstream`) and nginx closed each slow reader
+    # once its socket buffer was full.
+    return nginx(tmp, "nginx", f"worker_processes 1; "
+                 f"events {{ worker_connections 8192; }} http {{ access_log off; "
+                 f"client_body_temp_path {tmp}/body; proxy_temp_path {tmp}/proxy; "
+                 f"upstream o {{ server 127.0.0.1:{origin}; keepalive 32; }} "
+                 f"server {{ listen 127.0.0.1:{port}; location = /probe {{ return 200 ok; }} "
+                 f"location / {{ proxy_pass http://o; {NGX_EXTRA}"
+                 f"proxy_http_version 1.1; proxy_set_header Connection \"\"; }} }} }}")
 
 
 def warm(port):

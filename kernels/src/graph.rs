@@ -2,9 +2,8 @@
 //! bucket and replayed with one call, so a step costs one launch of the
 //! CPU's time instead of a few hundred. A captured graph keeps the
 //! pointers and scalars of its launches, so a replayed step writes its
-//! inputs into the same buffers first ([`Gpu::copy_to`], or
-//! [`Gpu::upload_pinned`] through page-locked memory, which the host does
-//! not wait for).
+//! inputs into the same buffers first ([`Gpu::upload_pinned`], through
+//! page-locked memory, which the host does not wait for).
 
 // A graph handle is moved to the engine's thread: `unsafe impl Send`.
 #![allow(unsafe_code)]
@@ -116,17 +115,6 @@ impl Gpu {
         pin.copied
             .record(&self.stream)
             .map_err(|e| format!("pinned event: {e:?}"))
-    }
-
-    /// Copies `host` into the start of `dev` (queued on the stream).
-    pub fn copy_to<T: DeviceRepr>(&self, host: &[T], dev: &mut CudaSlice<T>) -> Result<()> {
-        if host.len() > dev.len() {
-            return Err(format!("copy of {} into {}", host.len(), dev.len()));
-        }
-        let mut dst = dev.slice_mut(..host.len());
-        self.stream
-            .memcpy_htod(host, &mut dst)
-            .map_err(|e| format!("copy: {e:?}"))
     }
 
     /// Copies part of a device buffer back into `host` (waits for it).

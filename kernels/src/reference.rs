@@ -341,26 +341,16 @@ impl PagedKv {
         heads: usize,
         hd: usize,
     ) -> Vec<f32> {
-        let kv_heads = self.kv_dim / hd;
-        let group = heads / kv_heads;
-        let scale = 1.0 / (hd as f32).sqrt();
+        let group = heads / (self.kv_dim / hd);
         let mut out = vec![0.0f32; heads * hd];
         for hh in 0..heads {
             let g = hh / group;
-            let qh = &q[hh * hd..][..hd];
-            let scores: Vec<f32> = (0..=pos)
-                .map(|p| {
-                    let s = self.slot(table, p) * self.kv_dim + g * hd;
-                    (0..hd)
-                        .map(|d| qh[d] * scale * self.k[s + d].to_f32())
-                        .sum()
-                })
-                .collect();
+            let scores = self.scores(&q[hh * hd..][..hd], table, g, 0..pos + 1);
             let m = scores.iter().copied().fold(f32::NEG_INFINITY, f32::max);
             let e: Vec<f32> = scores.iter().map(|s| (s - m).exp()).collect();
             let l: f32 = e.iter().sum();
             for (p, ep) in e.iter().enumerate() {
-                let s = self.slot(table, p) * self.kv_dim + g * hd;
+                let s = self.at(table, p, g, hd);
                 for d in 0..hd {
                     out[hh * hd + d] += ep * self.v[s + d].to_f32() / l;
                 }
@@ -368,9 +358,32 @@ impl PagedKv {
         }
         out
     }
-}
 
-impl PagedKv {
+    /// Where KV head `g`'s values of position `pos` start.
+    fn at(&self, table: &[u32], pos: usize, g: usize, hd: usize) -> usize {
+        self.slot(table, pos) * self.kv_dim + g * hd
+    }
+
+    /// One query head's scaled scores against KV head `g` at `positions`.
+    fn scores(
+        &self,
+        qh: &[f32],
+        table: &[u32],
+        g: usize,
+        positions: std::ops::Range<usize>,
+    ) -> Vec<f32> {
+        let hd = qh.len();
+        let scale = 1.0 / (hd as f32).sqrt();
+        positions
+            .map(|p| {
+                let s = self.at(table, p, g, hd);
+                (0..hd)
+                    .map(|d| qh[d] * scale * self.k[s + d].to_f32())
+                    .sum()
+            })
+            .collect()
+    }
+
     /// [`attend`](PagedKv::attend) as a split launch computes it: the
     /// positions in parts of `chunk`, each part's unnormalized sums, max and
     /// sum of exponentials, then `attention_merge`'s combination (a part
@@ -386,7 +399,6 @@ impl PagedKv {
         (parts, chunk): (usize, usize),
     ) -> Vec<f32> {
         let group = heads / (self.kv_dim / hd);
-        let scale = 1.0 / (hd as f32).sqrt();
         let mut out = vec![0.0f32; heads * hd];
         for hh in 0..heads {
             let (g, qh) = (hh / group, &q[hh * hd..][..hd]);
@@ -394,22 +406,15 @@ impl PagedKv {
             let part: Vec<(f32, f32, Vec<f32>)> = (0..parts)
                 .map(|z| {
                     let (lo, hi) = (z * chunk, ((z + 1) * chunk).min(pos + 1));
-                    let at = |p: usize| self.slot(table, p) * self.kv_dim + g * hd;
-                    let sc: Vec<f32> = (lo..hi.max(lo))
-                        .map(|p| {
-                            (0..hd)
-                                .map(|d| qh[d] * scale * self.k[at(p) + d].to_f32())
-                                .sum()
-                        })
-                        .collect();
+                    let sc = self.scores(qh, table, g, lo..hi.max(lo));
                     let m = sc.iter().copied().fold(f32::NEG_INFINITY, f32::max);
                     let mut acc = vec![0.0f32; hd];
                     let mut l = 0.0;
                     for (i, s) in sc.iter().enumerate() {
-                        let e = (s - m).exp();
+                        let (e, at) = ((s - m).exp(), self.at(table, lo + i, g, hd));
                         l += e;
-                        for (d, a) in acc.iter_mut().enumerate() {
-                            *a += e * self.v[at(lo + i) + d].to_f32();
+                        for (a, v) in acc.iter_mut().zip(&self.v[at..at + hd]) {
+                            *a += e * v.to_f32();
                         }
                     }
                     (m, l, acc)

@@ -23,13 +23,18 @@ const ROUTES: &str =
                       [[routes]]\npath = \"/\"\npool = \"a\"\n";
 
 fn edge(limits: &str) -> (Origin, Ultrafast, std::path::PathBuf) {
+    edge_with(limits, "")
+}
+
+/// [`edge`] with more settings of the origin's pool.
+fn edge_with(limits: &str, pool: &str) -> (Origin, Ultrafast, std::path::PathBuf) {
     let a = Origin::start("a");
     let temp = scratch("spool");
     std::fs::create_dir_all(&temp).unwrap();
     let uf = Ultrafast::start(&format!(
         "[limits]\nproxy_temp_path = \"{}\"\n{limits}\n{}{ROUTES}",
         temp.display(),
-        pool_toml("a", &[&a], "")
+        pool_toml("a", &[&a], pool)
     ));
     (a, uf, temp)
 }
@@ -327,14 +332,7 @@ fn a_burst_of_slow_readers_holds_no_more_origin_connections_than_the_pool_allows
     // origin has sent everything.
     const N: usize = 10;
     const SIZE: usize = 8 << 20;
-    let a = Origin::start("a");
-    let temp = scratch("spool-burst");
-    std::fs::create_dir_all(&temp).unwrap();
-    let uf = Ultrafast::start(&format!(
-        "[limits]\nproxy_temp_path = \"{}\"\n\n{}[[routes]]\npath = \"/\"\npool = \"a\"\n",
-        temp.display(),
-        pool_toml("a", &[&a], "max_concurrency = 2")
-    ));
+    let (a, uf, temp) = edge_with("", "max_concurrency = 2");
     let origin = a.addr.port();
     let mut readers: Vec<Slow> = (0..N)
         .map(|i| Slow::open(&uf, "x", &format!("/big/{SIZE}?n={i}")))

@@ -75,6 +75,30 @@ struct StepPins {
     tables: Pinned<i32>,
 }
 
+impl StepPins {
+    /// Buffers as long as `io`'s.
+    fn like(g: &Gpu, io: &StepIo) -> Result<StepPins> {
+        let p = |n: usize| g.pinned::<i32>(n).map_err(err("pinned"));
+        Ok(StepPins {
+            x: g.pinned(io.x.len()).map_err(err("pinned"))?,
+            pos: p(io.pos.len())?,
+            slots: p(io.slots.len())?,
+            qseq: p(io.qseq.len())?,
+            tables: p(io.tables.len())?,
+        })
+    }
+
+    /// A step's rows (`x`) and layout into `io`, queued.
+    fn upload(&mut self, g: &Gpu, x: &[f32], l: &StepLayout, io: &mut StepIo) -> Result<()> {
+        g.upload_pinned(x, &mut self.x, &mut io.x)
+            .and_then(|_| g.upload_pinned(&l.positions, &mut self.pos, &mut io.pos))
+            .and_then(|_| g.upload_pinned(&l.slots, &mut self.slots, &mut io.slots))
+            .and_then(|_| g.upload_pinned(&l.qseq, &mut self.qseq, &mut io.qseq))
+            .and_then(|_| g.upload_pinned(&l.tables, &mut self.tables, &mut io.tables))
+            .map_err(err("copy"))
+    }
+}
+
 /// The CUDA runner (see the module's comment).
 pub struct CudaRunner {
     m: DevModel,
@@ -225,40 +249,23 @@ impl CudaRunner {
             Entry::Occupied(e) => e.into_mut(),
             Entry::Vacant(e) => {
                 let z = |n: usize| g.zeros::<i32>(n).map_err(err("alloc"));
-                let p = |n: usize| g.pinned::<i32>(n).map_err(err("pinned"));
-                let (dim, tables) = (self.m.cfg.dim, (bucket + 1) * self.max_width);
+                let io = StepIo {
+                    x: g.zeros(bucket * self.m.cfg.dim).map_err(err("alloc"))?,
+                    pos: z(bucket)?,
+                    slots: z(bucket)?,
+                    qseq: z(bucket)?,
+                    tables: z((bucket + 1) * self.max_width)?,
+                };
                 e.insert(Bucket {
-                    io: StepIo {
-                        x: g.zeros(bucket * dim).map_err(err("alloc"))?,
-                        pos: z(bucket)?,
-                        slots: z(bucket)?,
-                        qseq: z(bucket)?,
-                        tables: z(tables)?,
-                    },
-                    pins: StepPins {
-                        x: g.pinned(bucket * dim).map_err(err("pinned"))?,
-                        pos: p(bucket)?,
-                        slots: p(bucket)?,
-                        qseq: p(bucket)?,
-                        tables: p(tables)?,
-                    },
+                    pins: StepPins::like(g, &io)?,
+                    io,
                     acts: Acts::new(g, bucket, &self.m.cfg)?,
                     logits: g.zeros(bucket * self.m.head.rows).map_err(err("alloc"))?,
                     cands: HashMap::new(),
                 })
             }
         };
-        let (io, pin) = (&mut b.io, &mut b.pins);
-        g.upload_pinned(&self.host, &mut pin.x, &mut io.x)
-            .map_err(err("copy"))?;
-        g.upload_pinned(&l.positions, &mut pin.pos, &mut io.pos)
-            .map_err(err("copy"))?;
-        g.upload_pinned(&l.slots, &mut pin.slots, &mut io.slots)
-            .map_err(err("copy"))?;
-        g.upload_pinned(&l.qseq, &mut pin.qseq, &mut io.qseq)
-            .map_err(err("copy"))?;
-        g.upload_pinned(&l.tables, &mut pin.tables, &mut io.tables)
-            .map_err(err("copy"))?;
+        b.pins.upload(g, &self.host, l, &mut b.io)?;
         if !self.graphs.contains_key(&(bucket, width, k)) {
             let (m, kv) = (&self.m, &mut self.kv);
             let all: Vec<usize> = (0..bucket).collect();
