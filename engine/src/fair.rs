@@ -70,16 +70,15 @@ impl Tenant {
     }
 }
 
-/// FNV-1a of the name, finished with a 64-bit mix: stable across runs (so
-/// that a shared store sees one id per name on every node).
+/// A tenant's id: SipHash-1-3 of its name under a key drawn at random once
+/// per process, so that a client choosing tenant names (`tenant = "user"`)
+/// cannot search for two names that share an id, and with it a share.
+/// Ids are this process's own: instances share counters by name.
 pub fn id_of(name: &str) -> u64 {
-    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
-    for b in name.as_bytes() {
-        h = (h ^ *b as u64).wrapping_mul(0x100_0000_01b3);
-    }
-    h = (h ^ (h >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-    h = (h ^ (h >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-    h ^ (h >> 31)
+    use std::hash::BuildHasher;
+    static KEY: std::sync::LazyLock<std::hash::RandomState> =
+        std::sync::LazyLock::new(std::hash::RandomState::new);
+    KEY.hash_one(name)
 }
 
 /// What a token costs, before the tenant's weight divides it.

@@ -96,6 +96,25 @@ pub fn request_host(req: &RequestHeader) -> &str {
         .unwrap_or("")
 }
 
+/// Whether a request names its host more than once, or twice differently:
+/// two Host fields (RFC 9112 3.2: 400), or, over HTTP/2 and HTTP/3, a Host
+/// that is not the `:authority` beside it (RFC 9113 8.3.1, RFC 9114
+/// 4.3.1). An HTTP/1.1 absolute-form target overrides Host instead.
+pub fn conflicting_host(req: &RequestHeader) -> bool {
+    let mut hosts = req.headers.get_all(http::header::HOST).iter();
+    let Some(first) = hosts.next() else {
+        return false;
+    };
+    if hosts.next().is_some() {
+        return true;
+    }
+    req.version >= http::Version::HTTP_2
+        && req
+            .uri
+            .authority()
+            .is_some_and(|a| !a.as_str().as_bytes().eq_ignore_ascii_case(first.as_bytes()))
+}
+
 /// Whether the comma-separated header value `v` lists `token` (ASCII
 /// case-insensitive, as `Connection`, `Vary` and `Cache-Control` compare).
 pub fn has_token(v: &[u8], token: &[u8]) -> bool {

@@ -66,6 +66,16 @@ pub enum UpstreamHost {
     Fixed(HeaderValue),
 }
 
+/// The target a proxied request asks its origin for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum UpstreamPath {
+    /// The normalized path the route matched (re-encoded), and the query.
+    #[default]
+    Normalized,
+    /// The client's target as it came.
+    Original,
+}
+
 /// Header rules: remove, then set, then add.
 #[derive(Debug, Clone, Default)]
 pub struct HeaderOps {
@@ -99,6 +109,10 @@ pub struct Route {
     pub response_headers: HeaderOps,
     /// Host sent upstream.
     pub upstream_host: UpstreamHost,
+    /// The target sent upstream (and named by the cache key and the log).
+    pub upstream_path: UpstreamPath,
+    /// `;` parameters on dot segments are let through.
+    pub allow_dot_parameters: bool,
     /// Pre-resolved counters.
     pub metrics: RouteMetrics,
     /// Default lane (index in rank order).
@@ -299,6 +313,8 @@ impl Router {
     /// The route for a host (may carry a port) and a path, if any.
     pub fn find(&self, host: &str, path: &str) -> Option<&Arc<Route>> {
         let host = strip_port(host);
+        // `api.example.com.` is `api.example.com` (nginx strips the dot).
+        let host = host.strip_suffix('.').unwrap_or(host);
         let lower;
         let host = if host.bytes().any(|b| b.is_ascii_uppercase()) {
             lower = host.to_ascii_lowercase();
@@ -350,6 +366,8 @@ mod tests {
             request_headers: HeaderOps::default(),
             response_headers: HeaderOps::default(),
             upstream_host: UpstreamHost::Passthrough,
+            upstream_path: UpstreamPath::Normalized,
+            allow_dot_parameters: false,
             metrics: RouteMetrics::detached(),
             lane: 0,
             anonymous_lanes: None,

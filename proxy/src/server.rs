@@ -239,6 +239,10 @@ pub fn serve(path: &Path, opts: ServeOptions) -> anyhow::Result<()> {
                         config,
                         settings: h3.clone(),
                         handshake_timeout: tls.handshake_timeout,
+                        header_timeout: match l.deadlines.client_header_timeout_ms {
+                            0 => None,
+                            ms => Some(std::time::Duration::from_millis(ms)),
+                        },
                         app: app.inner().clone(),
                     });
                 }

@@ -9,10 +9,12 @@
 //!
 //! Where nginx would still pass something ambiguous, this refuses it with
 //! 400 instead: an encoded `/` (nginx decodes it into a separator, many
-//! origins do not), an encoded NUL, a `..` above the root, and bytes that
-//! are not UTF-8 once decoded (routes and regexes match text). What goes
-//! upstream is still the original request target, as nginx's `proxy_pass`
-//! without a URI sends it.
+//! origins do not), an encoded NUL, a `..` above the root, bytes that
+//! are not UTF-8 once decoded (routes and regexes match text), and dot
+//! segments with `;` parameters (`dot_parameter`). What goes upstream is
+//! the normalized path again (`encode_path`), unless a route asks for the
+//! original target (`upstream_path = "original"`); either way the cache
+//! keys on what the origin is asked.
 
 use std::borrow::Cow;
 
@@ -187,6 +189,75 @@ pub fn valid_host(host: &str) -> bool {
     port_ok && name_ok
 }
 
+/// `path` (normalized, so decoded) as a request target's path again:
+/// every byte a target may not carry raw percent-encoded (controls, space,
+/// non-ASCII, and `"#%<>?\\^`{|}`), as nginx's `ngx_escape_uri` does for
+/// a `proxy_pass` with a URI. Borrowed when nothing needs it.
+pub fn encode_path(path: &str) -> Cow<'_, str> {
+    fn raw_ok(c: u8) -> bool {
+        c > 0x20 && c < 0x7f && !b"\"#%<>?\\^`{|}".contains(&c)
+    }
+    let b = path.as_bytes();
+    if b.iter().all(|&c| raw_ok(c)) {
+        return Cow::Borrowed(path);
+    }
+    const HEX: &[u8; 16] = b"0123456789ABCDEF";
+    let mut out = String::with_capacity(b.len() + 8);
+    for &c in b {
+        if raw_ok(c) {
+            out.push(c as char);
+        } else {
+            out.push('%');
+            out.push(HEX[usize::from(c >> 4)] as char);
+            out.push(HEX[usize::from(c & 15)] as char);
+        }
+    }
+    Cow::Owned(out)
+}
+
+/// Whether a path has a dot segment carrying `;` parameters (`/..;/`,
+/// `/.;x/`, `/%2e%2e;/`): Tomcat, Jetty and Spring drop the parameters
+/// and then resolve the dots, so `/public/..;/admin` is `/admin` to them
+/// while nginx (and routing here) read a segment named `..;`.
+pub fn dot_parameter(path: &str) -> bool {
+    let b = path.as_bytes();
+    if !b.contains(&b';') {
+        return false;
+    }
+    let decoded;
+    let b = if b.contains(&b'%') {
+        match decode(b) {
+            Ok(d) => {
+                decoded = d;
+                decoded.as_slice()
+            }
+            // Refused as malformed anyway.
+            Err(_) => return false,
+        }
+    } else {
+        b
+    };
+    b.split(|&c| c == b'/').any(|seg| {
+        seg.contains(&b';') && matches!(seg.split(|&c| c == b';').next(), Some(b".") | Some(b".."))
+    })
+}
+
+/// A Host (with or without a port) without one trailing dot on its name:
+/// `api.example.com.:443` is `api.example.com:443`, as nginx reads it.
+pub fn host_without_dot(host: &str) -> Cow<'_, str> {
+    if let Some(h) = host.strip_suffix('.') {
+        return Cow::Borrowed(h);
+    }
+    match host.rsplit_once(':') {
+        Some((name, port))
+            if name.ends_with('.') && !name.starts_with('[') && !name.contains(':') =>
+        {
+            Cow::Owned(format!("{}:{port}", &name[..name.len() - 1]))
+        }
+        _ => Cow::Borrowed(host),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -238,6 +309,47 @@ mod tests {
         assert_eq!(n("/a%zz").unwrap_err(), BadPath::Encoding);
         assert_eq!(n("/a%ff").unwrap_err(), BadPath::NotUtf8);
         assert_eq!(n("/caf%C3%A9").unwrap(), "/café");
+    }
+
+    #[test]
+    fn normalized_paths_are_encoded_again_for_the_origin() {
+        assert!(matches!(encode_path("/a/b.html"), Cow::Borrowed(_)));
+        assert_eq!(encode_path("/caf\u{e9}/a b"), "/caf%C3%A9/a%20b");
+        assert_eq!(encode_path("/x?y#z%"), "/x%3Fy%23z%25");
+        assert_eq!(encode_path("/a;b=c,d+e"), "/a;b=c,d+e");
+        // Round trip: the origin decodes what the route matched.
+        let n = normalize("/caf%C3%A9/%3F/../q%20r", true).unwrap();
+        assert_eq!(encode_path(&n), "/caf%C3%A9/q%20r");
+    }
+
+    #[test]
+    fn dot_segments_with_parameters_are_found_plain_and_encoded() {
+        for bad in [
+            "/public/..;/admin",
+            "/a/.;x/b",
+            "/%2e%2e;/x",
+            "/a/..;jsessionid=1/b",
+        ] {
+            assert!(dot_parameter(bad), "{bad}");
+        }
+        for ok in ["/a;b/c", "/x.php;y", "/..a;b/", "/a/b", "/a/../b", "/.x;y"] {
+            assert!(!dot_parameter(ok), "{ok}");
+        }
+    }
+
+    #[test]
+    fn one_trailing_dot_leaves_a_host() {
+        assert_eq!(host_without_dot("api.example.com."), "api.example.com");
+        assert_eq!(
+            host_without_dot("api.example.com.:8443"),
+            "api.example.com:8443"
+        );
+        assert_eq!(
+            host_without_dot("api.example.com:8443"),
+            "api.example.com:8443"
+        );
+        assert_eq!(host_without_dot("[::1]:8443"), "[::1]:8443");
+        assert_eq!(host_without_dot("localhost"), "localhost");
     }
 
     #[test]

@@ -150,11 +150,12 @@ fn ultrafast_on(
     ca_dir: &Path,
 ) -> Ultrafast {
     ultrafast_in(
-        http_port, tls_port, directory, domain, challenge, state, ca_dir, "",
+        http_port, tls_port, directory, domain, challenge, state, ca_dir, "", "",
     )
 }
 
-/// `ultrafast_on` with `extra` sections (a `[cluster]`).
+/// `ultrafast_on` with `extra` sections (a `[cluster]`) and `acme_extra`
+/// settings of the order.
 #[allow(clippy::too_many_arguments)]
 fn ultrafast_in(
     http_port: u16,
@@ -165,6 +166,7 @@ fn ultrafast_in(
     state: &Path,
     ca_dir: &Path,
     extra: &str,
+    acme_extra: &str,
 ) -> Ultrafast {
     let dir = scratch("uf-acme");
     let admin = free_port();
@@ -175,7 +177,7 @@ fn ultrafast_in(
          [[listeners]]\nname = \"https\"\naddress = \"127.0.0.1:{tls_port}\"\n\
          tls = {{ acme = {{ directory = \"{directory}\", domains = [\"{domain}\"], \
          contact = [\"mailto:ops@example.com\"], challenge = \"{challenge}\", \
-         trust_roots = \"{ca}\", state_dir = \"{state}\" }} }}\n\n\
+         trust_roots = \"{ca}\", state_dir = \"{state}\"{acme_extra} }} }}\n\n\
          [[routes]]\npath = \"/\"\nreturn = {{ status = 200, body = \"hello over acme\\n\" }}\n\n{extra}",
         d = dir.display(),
         ca = ca_dir.join("ca.pem").display(),
@@ -501,6 +503,15 @@ fn a_cluster_orders_once_and_every_instance_serves_the_result() {
     // store.
     let (http_a, tls_a, http_b, tls_b) = (free_port(), free_port(), free_port(), free_port());
     let pebble = Pebble::start(&dir, 0, http_a, free_port(), names.addr, 3600, &[]);
+    // The instances' shared secret: what goes through the store is sealed.
+    let key_file = dir.join("acme-shared.key");
+    std::fs::write(&key_file, "ab".repeat(32)).unwrap();
+    std::fs::set_permissions(
+        &key_file,
+        std::os::unix::fs::PermissionsExt::from_mode(0o600),
+    )
+    .unwrap();
+    let sealed = format!(", shared_key_file = \"{}\"", key_file.display());
     let start = |http, tls, state: &str| {
         ultrafast_in(
             http,
@@ -511,6 +522,7 @@ fn a_cluster_orders_once_and_every_instance_serves_the_result() {
             &dir.join(state),
             &dir,
             &cluster,
+            &sealed,
         )
     };
     let a = start(http_a, tls_a, "state-a");
@@ -553,6 +565,30 @@ fn a_cluster_orders_once_and_every_instance_serves_the_result() {
         .output()
         .unwrap();
     assert!(set.status.success(), "{set:?}");
-    let r = get(b.addr, "/.well-known/acme-challenge/shared-token_1", &[]);
+    let r = get(
+        b.addr,
+        "/.well-known/acme-challenge/shared-token_1",
+        &[("Host", domain)],
+    );
     assert_eq!((r.status, r.text().as_str()), (200, "shared-token_1.thumb"));
+    // Only for a name some listener orders by HTTP-01: another Host is an
+    // ordinary request (the route's answer), and asks nothing of the store.
+    let r = get(
+        b.addr,
+        "/.well-known/acme-challenge/shared-token_1",
+        &[("Host", "other.example")],
+    );
+    assert_eq!(r.text(), "hello over acme\n");
+    // The store holds the chain and key sealed: neither is readable there.
+    let stored = Command::new("redis-cli")
+        .args(["-p", &redis.port.to_string(), "GET"])
+        .arg(format!("acme-test:kv:acme:cert:{domain}"))
+        .output()
+        .unwrap();
+    let stored = String::from_utf8_lossy(&stored.stdout).into_owned();
+    assert!(stored.len() > 1000, "{stored}");
+    assert!(
+        !stored.contains("PRIVATE KEY") && !stored.contains("BEGIN"),
+        "{stored}"
+    );
 }

@@ -328,3 +328,37 @@ fn each_listener_keeps_its_own_deadlines() {
     let mut plain = Client::connect(at(slow_port)).unwrap();
     assert_eq!(plain.request("GET", "/", &[], b"").unwrap().status, 200);
 }
+
+#[test]
+fn a_grpc_content_type_does_not_switch_buffering_off_on_a_plain_pool() {
+    // gRPC is what the route serves: over HTTP/1.1, to an HTTP/1.1 pool,
+    // `application/grpc` is an ordinary content type. Before, the edge
+    // took the client's word, streamed the body to the origin as it came
+    // (the origin answered after 10 of 100,000 bytes) and answered its own
+    // refusals as gRPC trailers-only responses.
+    let (a, uf) = edge("client_body_timeout_ms = 20000", ROUTES);
+    let len = 100_000;
+    let b = body(len, 3);
+    let head = format!(
+        "POST /up HTTP/1.1\r\nHost: x\r\nContent-Type: application/grpc\r\nTE: trailers\r\nContent-Length: {len}\r\n\r\n"
+    );
+    let p = Partial::open(&uf, &head, &b, 10);
+    std::thread::sleep(Duration::from_millis(700));
+    assert_eq!(held(a.addr.port()), 0, "the body is not whole yet");
+    assert_eq!(a.requests(), 0);
+    let j = p.finish();
+    assert_eq!(j["body_fnv"], fnv(&b));
+    // The edge's own answers stay HTTP: a body past the limit is a 413.
+    let (_a, small) = edge("client_max_body_bytes = 1000", ROUTES);
+    let mut c = Client::connect(small.addr).unwrap();
+    let r = c
+        .request(
+            "POST",
+            "/up",
+            &[("Content-Type", "application/grpc")],
+            &[0; 2000],
+        )
+        .unwrap();
+    assert_eq!(r.status, 413, "{:?}", r.headers);
+    assert!(r.header("grpc-status").is_none(), "{:?}", r.headers);
+}

@@ -476,6 +476,40 @@ fn a_tenant_served_on_one_instance_counts_on_the_others() {
         light >= 0.7 * (heavy + light),
         "on b heavy {heavy}, light {light}: heavy's service on a did not count"
     );
+    // One counter per tenant, each expiring on its own after 300 s idle:
+    // tenant names a client chooses cannot grow the store for ever (one
+    // hash kept every name while any tenant was active).
+    let url = redis.url();
+    let port = url
+        .rsplit(':')
+        .next()
+        .unwrap()
+        .split('/')
+        .next()
+        .unwrap()
+        .to_string();
+    let cli = |args: &[&str]| {
+        let out = std::process::Command::new("redis-cli")
+            .args(["-p", &port])
+            .args(args)
+            .output()
+            .expect("redis-cli (Debian redis-tools, with redis-server)");
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    };
+    let keys: Vec<String> = cli(&["--scan", "--pattern", "*fair:m:*"])
+        .lines()
+        .map(String::from)
+        .collect();
+    for t in ["heavy", "light"] {
+        assert!(
+            keys.iter().any(|k| k.ends_with(&format!(":{t}"))),
+            "{keys:?}"
+        );
+    }
+    for k in &keys {
+        let ttl: i64 = cli(&["TTL", k]).trim().parse().unwrap();
+        assert!((1..=300).contains(&ttl), "{k}: TTL {ttl}");
+    }
     // The store stops answering: b refuses, within its timeout.
     redis.signal("-STOP");
     let chat = r#"{"model":"m","messages":[{"role":"user","content":"hi"}],"max_tokens":2}"#;

@@ -380,4 +380,280 @@ fn check_refuses_bad_http3_settings() {
             "{field}: {text}"
         );
     }
+    // QUIC carries no PROXY header: HTTP/3 beside proxy_protocol is refused
+    // (it was accepted, and its clients then came in directly).
+    let text = check_refused(
+        &dir,
+        &format!(
+            "[[listeners]]\naddress = \"127.0.0.1:1\"\nproxy_protocol = true\n\
+             proxy_protocol_from = [\"127.0.0.1\"]\n\
+             tls = {{ certs = [{{ cert = \"{}\", key = \"{}\", default = true }}], http3 = true }}\n\
+             [[routes]]\npath = \"/\"\nreturn = {{ status = 200 }}\n",
+            cert.display(),
+            key.display()
+        ),
+    );
+    assert!(
+        text.contains("listeners[0].proxy_protocol") && text.contains("http3"),
+        "{text}"
+    );
+}
+
+/// The server's resident memory, KiB.
+fn rss_kib(uf: &Ultrafast) -> u64 {
+    let s = std::fs::read_to_string(format!("/proc/{}/status", uf.child.id())).unwrap();
+    s.lines()
+        .find_map(|l| l.strip_prefix("VmRSS:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+        .unwrap()
+}
+
+/// The largest RSS of process `pid` (KiB) while `f` runs, sampled every
+/// 50 ms.
+fn peak_rss<T>(pid: u32, f: impl FnOnce() -> T) -> (T, u64) {
+    use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+    let done = std::sync::Arc::new(AtomicBool::new(false));
+    let peak = std::sync::Arc::new(AtomicU64::new(0));
+    let sampler = std::thread::spawn({
+        let (done, peak) = (done.clone(), peak.clone());
+        move || {
+            while !done.load(Ordering::Relaxed) {
+                if let Some(kib) = std::fs::read_to_string(format!("/proc/{pid}/status"))
+                    .ok()
+                    .and_then(|s| {
+                        s.lines()
+                            .find_map(|l| l.strip_prefix("VmRSS:"))
+                            .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+                    })
+                {
+                    peak.fetch_max(kib, Ordering::Relaxed);
+                }
+                std::thread::sleep(Duration::from_millis(50));
+            }
+        }
+    });
+    let out = f();
+    done.store(true, Ordering::Relaxed);
+    sampler.join().unwrap();
+    (out, peak.load(Ordering::Relaxed))
+}
+
+/// `h3_attack.py frames` against `port`: N streams that each start with
+/// `prefix` (hex) and then send zeros up to `fill` bytes over `seconds`.
+fn attack(
+    port: u16,
+    ca: &Path,
+    streams: usize,
+    prefix: &str,
+    fill: usize,
+    seconds: f64,
+    uni: bool,
+) -> serde_json::Value {
+    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/py/h3_attack.py");
+    let mut cmd = Command::new("timeout");
+    cmd.arg("90").arg("python3").arg(script).arg("frames");
+    cmd.args([
+        "--port",
+        &port.to_string(),
+        "--cafile",
+        ca.to_str().unwrap(),
+    ]);
+    cmd.args(["--streams", &streams.to_string(), "--prefix", prefix]);
+    cmd.args([
+        "--fill",
+        &fill.to_string(),
+        "--seconds",
+        &seconds.to_string(),
+    ]);
+    if uni {
+        cmd.arg("--uni");
+    }
+    let out = cmd.output().expect("python3 with aioquic");
+    let text = String::from_utf8_lossy(&out.stdout).into_owned();
+    serde_json::from_str(&text).unwrap_or_else(|e| {
+        panic!(
+            "h3_attack: {e}\n{text}\n{}",
+            String::from_utf8_lossy(&out.stderr)
+        )
+    })
+}
+
+/// Streams the server stopped or reset with `code`.
+fn refused_with(v: &serde_json::Value, code: u64) -> usize {
+    let mut ids = std::collections::BTreeSet::new();
+    for k in ["stopped", "reset"] {
+        for (id, c) in v[k].as_object().unwrap() {
+            if c.as_u64() == Some(code) {
+                ids.insert(id.clone());
+            }
+        }
+    }
+    ids.len()
+}
+
+const H3_EXCESSIVE_LOAD: u64 = 0x107;
+const H3_REQUEST_REJECTED: u64 = 0x10b;
+
+#[test]
+fn http3_frames_are_bounded_when_announced_and_memory_stays_flat() {
+    let dir = scratch("h3-hostile");
+    let tls_port = free_port();
+    let origin = Origin::start("web");
+    let body = format!(
+        "client_header_timeout_ms = 3000\n\n[[routes]]\npath = \"/\"\npool = \"web\"\n\n{}",
+        pool_toml("web", &[&origin], "")
+    );
+    let uf = start(tls_port, &dir, "", &body);
+    let ca = dir.join("ca.pem");
+    let normal = || {
+        let a = h3_requests(tls_port, &ca, serde_json::json!([{"path": "/ok"}]));
+        assert_eq!(
+            a[0]["status"], 200,
+            "a normal client beside the attack: {}",
+            a[0]
+        );
+    };
+    normal();
+    let before = rss_kib(&uf);
+
+    // 1. Sixteen streams each announcing a 2^40-byte HEADERS frame, then
+    //    4 MiB of zeros each: refused at the frame header, before a payload
+    //    byte is held (the h3 crate alone grew 100 MiB in 12 s).
+    let pid = uf.child.id();
+    let (v, peak) = peak_rss(pid, || {
+        let h = std::thread::spawn({
+            let ca = ca.clone();
+            move || attack(tls_port, &ca, 16, "01c000010000000000", 4 << 20, 6.0, false)
+        });
+        std::thread::sleep(Duration::from_millis(1500));
+        normal();
+        h.join().unwrap()
+    });
+    let mut peaks = vec![("oversized HEADERS", peak)];
+    assert_eq!(refused_with(&v, H3_EXCESSIVE_LOAD), 16, "{v}");
+    assert!(
+        v["terminated"].is_null(),
+        "a stream error, not a connection error: {v}"
+    );
+    let too_large = uf.metric("ultrafast_http3_refused_total", &["reason=\"too_large\""]);
+    assert!(too_large >= 16.0, "{too_large}");
+
+    // 2. Unknown (reserved) frames of 2^40 bytes: no meaning, dropped as
+    //    they stream by; the streams end at the head deadline.
+    let (v, peak) = peak_rss(pid, || {
+        attack(tls_port, &ca, 8, "21c000010000000000", 2 << 20, 4.0, false)
+    });
+    peaks.push(("unknown frames", peak));
+    assert!(v["terminated"].is_null(), "{v}");
+    assert!(
+        uf.metric_settled(
+            "ultrafast_http3_refused_total",
+            &["reason=\"header_timeout\""],
+            8.0,
+            Duration::from_secs(5)
+        ) >= 8.0,
+        "the head deadline (client_header_timeout_ms) ends them"
+    );
+
+    // 3. HEADERS frames within the limit (1,000,000 bytes announced) whose
+    //    bytes trickle in: the connection holds at most 2 MiB of unfinished
+    //    heads; the rest are rejected (the client may retry).
+    let (v, peak) = peak_rss(pid, || {
+        attack(tls_port, &ca, 8, "01800f4240", 900_000, 3.0, false)
+    });
+    peaks.push(("trickled heads", peak));
+    assert!(refused_with(&v, H3_REQUEST_REJECTED) >= 5, "{v}");
+    assert!(uf.metric("ultrafast_http3_refused_total", &["reason=\"busy\""]) >= 5.0);
+
+    // 4. A control stream whose SETTINGS frame announces 1 MiB: the
+    //    connection is closed with H3_EXCESSIVE_LOAD.
+    let v = attack(
+        tls_port,
+        &ca,
+        1,
+        "0004c000000000100000",
+        64 << 10,
+        1.0,
+        true,
+    );
+    assert_eq!(v["terminated"]["error_code"], H3_EXCESSIVE_LOAD, "{v}");
+
+    // 5. QPACK encoder and decoder streams flooded (no dynamic table is
+    //    offered, so nothing reads them): QUIC's stream window holds them.
+    let (v, peak) = peak_rss(pid, || attack(tls_port, &ca, 2, "02", 4 << 20, 3.0, true));
+    peaks.push(("QPACK streams", peak));
+    assert!(
+        v["terminated"].is_null() || v["terminated"]["error_code"] != 0x100,
+        "{v}"
+    );
+
+    normal();
+    // Unfinished heads are all given back, and memory stayed flat.
+    let held = uf.metric_settled(
+        "ultrafast_http3_head_bytes",
+        &[],
+        0.0,
+        Duration::from_secs(5),
+    );
+    assert_eq!(held, 0.0);
+    // The bound the README states: 24 MiB over the idle size at any
+    // moment of any of these attacks (without the frame checks, the first
+    // grew the server by the 64 MiB it sent).
+    for (name, peak) in &peaks {
+        assert!(
+            *peak < before + 24 * 1024,
+            "{name}: RSS {before} KiB before, {peak} KiB at its peak"
+        );
+    }
+    eprintln!("RSS before {before} KiB, peaks {peaks:?}");
+    assert!(uf.stderr().find("panicked").is_none(), "{}", uf.stderr());
+}
+
+#[test]
+fn http3_requests_carry_host_from_authority_to_http1_and_h2c_pools() {
+    let dir = scratch("h3-host");
+    let tls_port = free_port();
+    let origin = Origin::start("web");
+    // An h2c member: ultrafast itself, with an h2c listener answering its
+    // own fixed route, so the HTTP/2 pool path (`:authority` from Host) is
+    // exercised end to end.
+    let h2c_port = free_port();
+    let inner = Ultrafast::start(&format!(
+        "[[listeners]]\nname = \"h2c\"\naddress = \"127.0.0.1:{h2c_port}\"\nh2c = true\n\n\
+         [[routes]]\nhosts = [\"localhost\"]\npath = \"/\"\nreturn = {{ status = 200, body = \"h2c saw localhost\" }}\n\n\
+         [[routes]]\npath = \"/\"\nreturn = {{ status = 404, body = \"h2c saw another host\" }}\n"
+    ));
+    let body = format!(
+        "[[routes]]\npath = \"/h2c/\"\npool = \"h2\"\n\n[[routes]]\npath = \"/\"\npool = \"web\"\n\n{}\
+         [pools.h2]\nprotocol = \"h2c\"\nmembers = [{{ addr = \"127.0.0.1:{h2c_port}\" }}]\n",
+        pool_toml("web", &[&origin], "")
+    );
+    let _uf = start(tls_port, &dir, "", &body);
+    let ca = dir.join("ca.pem");
+    let a = h3_requests(
+        tls_port,
+        &ca,
+        serde_json::json!([
+            {"path": "/web"},
+            {"path": "/h2c/x"},
+            {"path": "/dup", "headers": [["host", "localhost"], ["host", "other"]]},
+            {"path": "/conflict", "headers": {"host": "other.example"}},
+            {"path": "/same", "headers": {"host": "localhost"}},
+        ]),
+    );
+    assert_eq!(a[0]["status"], 200, "{}", a[0]);
+    let seen: serde_json::Value = serde_json::from_str(a[0]["body"].as_str().unwrap()).unwrap();
+    assert_eq!(
+        seen["headers"]["host"], "localhost",
+        "Host from :authority: {seen}"
+    );
+    assert_eq!(a[1]["status"], 200, "the h2c pool from HTTP/3: {}", a[1]);
+    assert_eq!(a[1]["body"], "h2c saw localhost");
+    assert_eq!(a[2]["status"], 400, "two Host fields: {}", a[2]);
+    // A Host unlike `:authority` is malformed (RFC 9114 4.3.1): the h3
+    // layer resets the stream with H3_MESSAGE_ERROR before the proxy.
+    assert_eq!(a[3]["reset"], 0x10e, "Host unlike :authority: {}", a[3]);
+    assert_eq!(a[4]["status"], 200, "{}", a[4]);
+    assert_eq!(origin.requests(), 2);
+    drop(inner);
 }

@@ -8,11 +8,11 @@
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 mod common;
-use common::{free_port, scratch, Ultrafast};
+use common::nginx::Nginx;
+use common::Ultrafast;
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpStream};
-use std::process::{Child, Command, Stdio};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 /// (match kind as ultrafast names it, path, label).
 const LOCATIONS: [(&str, &str, &str); 9] = [
@@ -69,21 +69,7 @@ const SEGMENTS: [&str; 36] = [
     "~",
 ];
 
-struct Nginx {
-    child: Child,
-    addr: SocketAddr,
-}
-
-impl Drop for Nginx {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
 fn nginx() -> Nginx {
-    let dir = scratch("nginx-paths");
-    let port = free_port();
     let mut locs = String::new();
     for (kind, path, label) in LOCATIONS {
         let m = match kind {
@@ -96,32 +82,10 @@ fn nginx() -> Nginx {
             "location {m}{path} {{ return 200 \"{label}\"; }}\n"
         ));
     }
-    let d = dir.display();
-    let conf = format!(
-        "daemon off; master_process off; worker_processes 1; pid {d}/nginx.pid; error_log {d}/error.log;\n\
-         events {{ worker_connections 64; }}\n\
-         http {{ access_log off; client_body_temp_path {d}; proxy_temp_path {d}; fastcgi_temp_path {d};\n\
-         uwsgi_temp_path {d}; scgi_temp_path {d};\n\
-         server {{ listen 127.0.0.1:{port};\n{locs}}} }}\n"
-    );
-    let path = dir.join("nginx.conf");
-    std::fs::write(&path, conf).unwrap();
-    let child = Command::new("nginx")
-        .args(["-e", "stderr", "-p"])
-        .arg(&dir)
-        .arg("-c")
-        .arg(&path)
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()
-        .expect("nginx is not installed: `bash .ci/run` installs it (Debian package nginx)");
-    let addr: SocketAddr = format!("127.0.0.1:{port}").parse().unwrap();
-    let end = Instant::now() + Duration::from_secs(10);
-    while TcpStream::connect(addr).is_err() {
-        assert!(Instant::now() < end, "nginx did not start");
-        std::thread::sleep(Duration::from_millis(20));
-    }
-    Nginx { child, addr }
+    common::nginx::start(
+        "nginx-paths",
+        &format!("server {{ listen 127.0.0.1:{{port}};\n{locs}}}"),
+    )
 }
 
 fn ultrafast() -> Ultrafast {

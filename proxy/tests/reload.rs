@@ -240,9 +240,11 @@ fn sighup_cli_and_watcher_all_reload() {
         uf.metric("ultrafast_config_info", &[&format!("hash=\"{hash}\"")]),
         1.0
     );
+    // A header rule's value is redacted (it may be a credential); its
+    // name is shown.
     assert_eq!(
         view["config"]["routes"][0]["headers"]["response"]["set"]["x-config"],
-        "watched"
+        "<redacted>"
     );
 }
 
@@ -287,6 +289,22 @@ fn redaction_hides_secret_looking_values() {
         v["plain"], "http://h/p@q",
         "an @ in the path is no userinfo"
     );
+    // Redacted by what a value is: header rules' values (names shown), a
+    // URL's query, whatever the field is called.
+    let mut v = serde_json::json!({"routes": [{"headers": {"request": {"set": {"cookie": "sid=1", "x-auth": "s3cr3t"},
+        "remove": ["x-drop"]}, "response": {"add": {"x-served-by": "edge"}}}}],
+        "tracing": {"otlp_endpoint": "https://collector:4318/v1/traces?api_key=abc"}, "max_keys": 5});
+    ultrafast::admin::redact(&mut v);
+    let h = &v["routes"][0]["headers"];
+    assert_eq!(h["request"]["set"]["cookie"], "<redacted>");
+    assert_eq!(h["request"]["set"]["x-auth"], "<redacted>");
+    assert_eq!(h["response"]["add"]["x-served-by"], "<redacted>");
+    assert_eq!(h["request"]["remove"][0], "x-drop", "names are shown");
+    assert_eq!(
+        v["tracing"]["otlp_endpoint"],
+        "https://collector:4318/v1/traces?<redacted>"
+    );
+    assert_eq!(v["max_keys"], 5);
 }
 
 #[test]

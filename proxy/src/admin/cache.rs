@@ -42,29 +42,43 @@ async fn read_body(session: &mut ServerSession) -> Result<Vec<u8>, &'static str>
     }
 }
 
-/// The key a URL is cached under, as the proxy builds it.
-fn url_key(url: &str) -> Result<String, String> {
+/// The key a URL is cached under, as the proxy builds it: its host
+/// without a trailing dot, and the path the origin would be asked for:
+/// normalized as the server normalizes (`merge_slashes`) and re-encoded,
+/// or the URL's own where the matching route sends the original target.
+fn url_key(url: &str, cfg: &crate::runtime::Snapshot) -> Result<String, String> {
+    use std::borrow::Cow;
     let uri: http::Uri = url
         .parse()
         .map_err(|e| format!("`url` is not a URL: {e}"))?;
     let (Some(scheme), Some(auth)) = (uri.scheme_str(), uri.authority()) else {
         return Err("`url` needs a scheme and a host (http://host/path)".into());
     };
-    // The path as the proxy keys it (normalized, slashes merged as by
-    // default).
-    let path =
-        crate::uri::normalize(uri.path(), true).map_err(|e| format!("`url`: {}", e.reason()))?;
+    let host = crate::uri::host_without_dot(auth.as_str()).to_ascii_lowercase();
+    let path = crate::uri::normalize(uri.path(), cfg.file.server.merge_slashes)
+        .map_err(|e| format!("`url`: {}", e.reason()))?;
+    let original = cfg
+        .router
+        .find(&host, &path)
+        .is_some_and(|r| r.upstream_path == crate::routing::UpstreamPath::Original);
+    let asked = match &path {
+        Cow::Owned(p) if !original => crate::uri::encode_path(p),
+        _ => Cow::Borrowed(uri.path()),
+    };
     Ok(cache::primary(
         &scheme.to_ascii_lowercase(),
-        &auth.as_str().to_ascii_lowercase(),
-        &path,
+        &host,
+        &asked,
         uri.query(),
     ))
 }
 
 /// `POST /admin/cache/purge` with `{"url": ...}` (every `Vary` variant
 /// of it) or `{"all": true}`, optionally `"zone": "<route>"`.
-pub(super) async fn purge(session: &mut ServerSession) -> Response<Vec<u8>> {
+pub(super) async fn purge(
+    session: &mut ServerSession,
+    cfg: &crate::runtime::Snapshot,
+) -> Response<Vec<u8>> {
     let body = match read_body(session).await {
         Ok(b) => b,
         Err(why) => return error(400, why),
@@ -80,7 +94,7 @@ pub(super) async fn purge(session: &mut ServerSession) -> Response<Vec<u8>> {
     };
     let key;
     let what = match (&req.url, req.all) {
-        (Some(url), false) => match url_key(url) {
+        (Some(url), false) => match url_key(url, cfg) {
             Ok(k) => {
                 key = k;
                 Purge::Url(&key)
@@ -115,11 +129,35 @@ pub(super) fn list() -> Response<Vec<u8>> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::metrics::Metrics;
+    use crate::runtime::{self as rt, BuildCtx};
+    use std::path::Path;
+
+    /// A config with a route that sends the original target (`/raw/`)
+    /// beside one that sends the normalized path (everything else).
+    fn snapshot() -> rt::Snapshot {
+        let text = "[[listeners]]\naddress = \"127.0.0.1:18080\"\n\n\
+                    [pools.o]\nmembers = [{ addr = \"127.0.0.1:1\" }]\n\n\
+                    [[routes]]\npath = \"/raw/\"\npool = \"o\"\nupstream_path = \"original\"\n\n\
+                    [[routes]]\npath = \"/\"\npool = \"o\"\n";
+        let path = Path::new("/nonexistent/ultrafast.toml");
+        let metrics = Metrics::new();
+        let f = crate::config::parse_file(path, text).unwrap_or_else(|e| panic!("{e:?}"));
+        let ctx = BuildCtx {
+            metrics: &metrics,
+            resolved: &Default::default(),
+            prev: None,
+            prefetch_fraction: 0.8,
+        };
+        rt::build(&f, path, text, &ctx).unwrap_or_else(|e| panic!("{e:?}"))
+    }
 
     #[test]
     fn a_url_keys_as_the_proxy_keys_a_request() {
+        let cfg = snapshot();
+        let key = |u: &str| url_key(u, &cfg);
         assert_eq!(
-            url_key("HTTP://Example.COM:8080/a/B?x=1"),
+            key("HTTP://Example.COM.:8080/a/B?x=1"),
             Ok(cache::primary(
                 "http",
                 "example.com:8080",
@@ -127,16 +165,19 @@ mod tests {
                 Some("x=1")
             ))
         );
+        assert_eq!(key("http://h"), Ok(cache::primary("http", "h", "/", None)));
+        // The path normalized as a request's is, and encoded again as the
+        // origin is asked for it.
         assert_eq!(
-            url_key("http://h"),
-            Ok(cache::primary("http", "h", "/", None))
+            key("http://h//a/./%62/caf%c3%a9"),
+            Ok(cache::primary("http", "h", "/a/b/caf%C3%A9", None))
         );
-        // The path normalized as a request's is.
+        // A route that sends the original target keys on it.
         assert_eq!(
-            url_key("http://h//a/./%62"),
-            Ok(cache::primary("http", "h", "/a/b", None))
+            key("http://h/raw//x/../y"),
+            Ok(cache::primary("http", "h", "/raw//x/../y", None))
         );
-        assert!(url_key("http://h/%2e%2e/x").is_err());
-        assert!(url_key("/only/a/path").is_err());
+        assert!(key("http://h/%2e%2e/x").is_err());
+        assert!(key("/only/a/path").is_err());
     }
 }

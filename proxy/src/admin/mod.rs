@@ -217,26 +217,44 @@ impl AdminApp {
     }
 }
 
-/// Replace the values of keys that look like secrets.
+/// Field names whose value is shown although the name looks like a
+/// secret's: what a value is, not a credential (a limit's key source, a
+/// balancer's hash key, counts, and the paths of certificate keys, which
+/// name a file and not its content).
+const SHOWN: [&str; 6] = [
+    "key",
+    "hash_key",
+    "max_keys",
+    "max_tokens_per_key",
+    "min_ttft_ms",
+    "keys_file",
+];
+
+/// Field names that hold a secret or the path of one.
+const SECRET: [&str; 7] = [
+    "key",
+    "secret",
+    "password",
+    "passwd",
+    "token",
+    "authorization",
+    "credential",
+];
+
+/// Replace what is a secret by what it is, whatever the field is called:
+/// every header rule's value (a `Cookie`, an `X-Auth` a route sets
+/// upstream), every URL's userinfo and query (`?token=`), and every
+/// secret-typed field (by name, with `SHOWN` let through).
 pub fn redact(v: &mut serde_json::Value) {
     match v {
         serde_json::Value::Object(m) => {
             for (k, val) in m.iter_mut() {
                 let k = k.to_ascii_lowercase();
-                let secret = [
-                    "key",
-                    "secret",
-                    "password",
-                    "passwd",
-                    "token",
-                    "authorization",
-                    "credential",
-                ]
-                .iter()
-                .any(|s| k.contains(s))
-                    && !matches!(k.as_str(), "hash_key" | "key" | "max_keys");
+                let secret = SECRET.iter().any(|s| k.contains(s)) && !SHOWN.contains(&k.as_str());
                 if secret && !val.is_null() {
                     *val = serde_json::Value::String("<redacted>".into());
+                } else if k == "headers" {
+                    header_values(val);
                 } else {
                     redact(val);
                 }
@@ -244,9 +262,10 @@ pub fn redact(v: &mut serde_json::Value) {
         }
         serde_json::Value::Array(a) => a.iter_mut().for_each(redact),
         // Whatever the field is called (`[cluster] redis`, a member, an
-        // exporter's endpoint), a URL's userinfo is a credential.
+        // exporter's endpoint), a URL's userinfo and query are credentials
+        // as often as not.
         serde_json::Value::String(s) => {
-            if let Some(clean) = without_userinfo(s) {
+            if let Some(clean) = url_redacted(s) {
                 *s = clean;
             }
         }
@@ -254,13 +273,60 @@ pub fn redact(v: &mut serde_json::Value) {
     }
 }
 
-/// `scheme://user:pass@host/...` with the userinfo redacted; None when `s`
-/// has none.
-fn without_userinfo(s: &str) -> Option<String> {
+/// A `headers` section's rules: the names are shown, every value set or
+/// added is not.
+fn header_values(v: &mut serde_json::Value) {
+    match v {
+        serde_json::Value::Object(m) => {
+            for (k, val) in m.iter_mut() {
+                if matches!(k.as_str(), "set" | "add") {
+                    if let serde_json::Value::Object(rules) = val {
+                        for r in rules.values_mut() {
+                            *r = serde_json::Value::String("<redacted>".into());
+                        }
+                    }
+                } else {
+                    header_values(val);
+                }
+            }
+        }
+        serde_json::Value::Array(a) => a.iter_mut().for_each(header_values),
+        _ => {}
+    }
+}
+
+/// `scheme://user:pass@host/path?query` with the userinfo and the query
+/// redacted; None when `s` is no URL or has neither.
+fn url_redacted(s: &str) -> Option<String> {
     let (scheme, rest) = s.split_once("://")?;
+    if scheme.is_empty()
+        || !scheme
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b"+-.".contains(&b))
+    {
+        return None;
+    }
     let auth_end = rest.find(['/', '?', '#']).unwrap_or(rest.len());
-    let at = rest[..auth_end].rfind('@')?;
-    Some(format!("{scheme}://<redacted>@{}", &rest[at + 1..]))
+    let (auth, tail) = rest.split_at(auth_end);
+    let user = auth.rfind('@');
+    let query = tail.find('?');
+    if user.is_none() && query.is_none() {
+        return None;
+    }
+    let host = user.map_or(auth, |at| &auth[at + 1..]);
+    let mut out = format!("{scheme}://");
+    if user.is_some() {
+        out.push_str("<redacted>@");
+    }
+    out.push_str(host);
+    match query {
+        Some(q) => {
+            out.push_str(&tail[..q]);
+            out.push_str("?<redacted>");
+        }
+        None => out.push_str(tail),
+    }
+    Some(out)
 }
 
 /// Whether a request to a tokenless admin listener may come from a browser
@@ -368,7 +434,10 @@ impl ServeHttp for AdminApp {
             "/admin/reload" if post => self.reload().await,
             "/admin/reload" => reply(405, "text/plain", b"use POST\n".to_vec()),
             "/admin/config" => self.config_view(),
-            "/admin/cache/purge" if post => cache::purge(session).await,
+            "/admin/cache/purge" if post => {
+                let cfg = self.manager.shared().load_full();
+                cache::purge(session, &cfg).await
+            }
             "/admin/cache/purge" => reply(405, "text/plain", b"use POST\n".to_vec()),
             "/admin/cache" => cache::list(),
             "/admin/slo" => self.slo(),

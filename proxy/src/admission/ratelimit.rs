@@ -7,8 +7,10 @@
 //!
 //! Keys are 64-bit hashes, so the per-key state is a fixed small size. The
 //! keyed map is bounded: when it reaches `max_keys`, idle keys are evicted
-//! (`retain_recent`); if a flood of distinct keys still fills it, new keys
-//! share one overflow bucket instead of growing memory. A refusal carries the
+//! (`retain_recent`, a walk of the whole map, so at most once a second:
+//! `SWEEP_EVERY`); while it is still full, new keys share one overflow
+//! bucket instead of growing memory. A request at the bound so costs what
+//! any other does, however many distinct keys a flood sends. A refusal carries the
 //! exact time until the limiter would allow the key again.
 
 use crate::hash::hash_bytes;
@@ -108,6 +110,10 @@ pub enum Verdict {
 
 const OVERFLOW_KEY: u64 = u64::MAX;
 
+/// How often a full map may be swept for idle keys (the token budgets'
+/// table sweeps as rarely).
+const SWEEP_EVERY: Duration = Duration::from_secs(1);
+
 /// One configured rate limit.
 pub struct Limiter {
     /// Name from the config.
@@ -118,6 +124,10 @@ pub struct Limiter {
     max_keys: usize,
     rate_per_s: f64,
     burst: u32,
+    /// When the limiter was made: the origin of `swept_ms`.
+    born: std::time::Instant,
+    /// When the map was last swept, ms after `born` (`u64::MAX`: never).
+    swept_ms: std::sync::atomic::AtomicU64,
     /// What it does with `[cluster]` while the store is down.
     pub on_store_error: crate::cluster::OnStoreError,
 }
@@ -188,6 +198,8 @@ impl Limiter {
             max_keys: max_keys.max(1),
             rate_per_s,
             burst,
+            born: std::time::Instant::now(),
+            swept_ms: std::sync::atomic::AtomicU64::new(u64::MAX),
             on_store_error: crate::cluster::OnStoreError::Local,
         })
     }
@@ -207,7 +219,9 @@ impl Limiter {
             Err(why) => return Verdict::BadKey(why),
         };
         if self.limiter.len() >= self.max_keys {
-            self.limiter.retain_recent();
+            if self.may_sweep() {
+                self.limiter.retain_recent();
+            }
             if self.limiter.len() >= self.max_keys {
                 key = OVERFLOW_KEY;
             }
@@ -224,6 +238,26 @@ impl Limiter {
             // Cannot happen (cells <= burst); refuse for a period if it does.
             Err(_) => Verdict::Limited(Duration::from_secs_f64(1.0 / self.rate_per_s)),
         }
+    }
+
+    /// Whether this request may sweep the full map: the first since
+    /// `SWEEP_EVERY` (one caller wins the race; the others go on).
+    fn may_sweep(&self) -> bool {
+        use std::sync::atomic::Ordering;
+        let now = self.born.elapsed().as_millis() as u64;
+        let last = self.swept_ms.load(Ordering::Relaxed);
+        if last != u64::MAX && now.saturating_sub(last) < SWEEP_EVERY.as_millis() as u64 {
+            return false;
+        }
+        self.swept_ms
+            .compare_exchange(last, now, Ordering::Relaxed, Ordering::Relaxed)
+            .is_ok()
+    }
+
+    /// When the full map was last swept, ms after the limiter was made.
+    #[cfg(test)]
+    fn last_sweep_ms(&self) -> u64 {
+        self.swept_ms.load(std::sync::atomic::Ordering::Relaxed)
     }
 
     /// Sustained requests per second and burst.
@@ -285,6 +319,42 @@ mod tests {
             let mut h = http::HeaderMap::new();
             h.insert("x-k", i.to_string().parse().unwrap());
             l.check(&input(&h));
+        }
+        assert!(l.tracked_keys() <= 1001, "{}", l.tracked_keys());
+    }
+
+    #[test]
+    fn a_full_map_is_swept_at_most_once_a_second() {
+        // Before: every request at the bound walked the whole map (1,000
+        // entries here, 100k by default) for idle keys.
+        let l = Limiter::new(
+            "t",
+            KeySource::Header(HeaderName::from_static("x-k")),
+            1.0,
+            1,
+            1000,
+        )
+        .unwrap();
+        let mut h = http::HeaderMap::new();
+        for i in 0..1000u32 {
+            h.insert("x-k", i.to_string().parse().unwrap());
+            l.check(&input(&h));
+        }
+        assert_eq!(l.last_sweep_ms(), u64::MAX, "not full before now");
+        h.insert("x-k", "first".parse().unwrap());
+        l.check(&input(&h));
+        let first = l.last_sweep_ms();
+        assert_ne!(first, u64::MAX, "the first request at the bound sweeps");
+        let mut allowed = 0;
+        for i in 0..5000u32 {
+            h.insert("x-k", format!("n{i}").parse().unwrap());
+            allowed += usize::from(l.check(&input(&h)) == Verdict::Allow);
+        }
+        // New keys share the overflow bucket (burst 1, 1/s).
+        assert!(allowed <= 2, "{allowed} allowed");
+        // Well inside a second: no sweep since the first.
+        if l.born.elapsed() < Duration::from_millis(900) {
+            assert_eq!(l.last_sweep_ms(), first);
         }
         assert!(l.tracked_keys() <= 1001, "{}", l.tracked_keys());
     }

@@ -5,9 +5,12 @@
 //! Every counter lives in memory where it is used (the engine's waiting
 //! queue, a model's gate): decisions never wait on the store. Four times
 //! a second each instance hands what it charged to each tenant since the
-//! last exchange to Redis (`HINCRBYFLOAT` on `{prefix}fair:{model}:{rank}`,
-//! field = tenant, one pipeline per source, the key kept an hour after its
-//! last change) and reads back the total; what the total grew by beyond
+//! last exchange to Redis (`INCRBYFLOAT` on
+//! `{prefix}fair:{model}:{rank}:{tenant}`, one key per tenant so that an
+//! idle tenant's counter expires by itself `KEEP_S` after its last charge,
+//! as the local tables forget idle tenants: client-chosen tenant names
+//! cannot grow the store for ever; one pipeline per source) and reads back
+//! the total; what the total grew by beyond
 //! its own charge is what the others charged, and raises the local
 //! counter (`Vtc::absorb`: counters only ever rise, so fairness rules hold
 //! on each instance). A tenant's first exchange only learns the total: a
@@ -33,8 +36,8 @@ pub const PER_LANE: usize = 256;
 /// Totals remembered (tenant, lane, source); past it they are forgotten
 /// and relearned (one exchange without remote charges each).
 const SEEN_MAX: usize = 65_536;
-/// Seconds a counter hash is kept after its last change.
-const KEEP_S: u64 = 3600;
+/// Seconds a tenant's counter is kept after its last charge.
+const KEEP_S: u64 = 300;
 
 /// A place that keeps counters: a gate or an engine.
 pub trait FairSource: Send + Sync {
@@ -108,19 +111,11 @@ impl Exchange {
         }
         let keys: Vec<String> = ours
             .iter()
-            .map(|(rank, ..)| c.key(format_args!("fair:{model}:{rank}")))
+            .map(|(rank, _, name, _)| c.key(format_args!("fair:{model}:{rank}:{name}")))
             .collect();
         let mut pipe = redis::pipe();
-        for (key, (_, _, name, amount)) in keys.iter().zip(&ours) {
-            pipe.cmd("HINCRBYFLOAT")
-                .arg(key)
-                .arg(name.as_ref())
-                .arg(amount);
-        }
-        let mut distinct = keys.clone();
-        distinct.sort();
-        distinct.dedup();
-        for key in &distinct {
+        for (key, (_, _, _, amount)) in keys.iter().zip(&ours) {
+            pipe.cmd("INCRBYFLOAT").arg(key).arg(amount);
             pipe.cmd("EXPIRE").arg(key).arg(KEEP_S).ignore();
         }
         let mut conn = c.conn();

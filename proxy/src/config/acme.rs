@@ -87,6 +87,21 @@ pub fn acme(a: &AcmeSection, at: &FieldPath, errs: &mut Errors) -> Option<AcmeSp
             "a directory for the account key and the certificate is required",
         );
     }
+    let shared_key = if a.shared_key_file.is_empty() {
+        None
+    } else {
+        match super::validate::read_ticket_key_file(std::path::Path::new(&a.shared_key_file)) {
+            Ok(k) => {
+                let mut key = [0u8; 32];
+                key.copy_from_slice(&k[..32]);
+                Some(key)
+            }
+            Err(e) => {
+                errs.push(at.k("shared_key_file"), e);
+                None
+            }
+        }
+    };
     (errs.0.len() == before).then(|| AcmeSpec {
         directory: a.directory.clone(),
         domains,
@@ -94,6 +109,7 @@ pub fn acme(a: &AcmeSection, at: &FieldPath, errs: &mut Errors) -> Option<AcmeSp
         challenge,
         trust_roots,
         state_dir: PathBuf::from(&a.state_dir),
+        shared_key,
     })
 }
 

@@ -830,6 +830,13 @@ pub struct AcmeSection {
     pub trust_roots: String,
     /// Where the account key and the certificate are kept (mode 0700).
     pub state_dir: String,
+    /// A hex secret of at least 32 bytes (mode 0600), the same on every
+    /// instance of a `[cluster]`: the issued chain and its key are sealed
+    /// with it (ChaCha20-Poly1305) before they go to the cluster's store,
+    /// and only what it opens is installed. Empty: nothing is shared, and
+    /// each instance orders its own certificate (one at a time, under the
+    /// cluster's lock).
+    pub shared_key_file: String,
 }
 
 impl Default for AcmeSection {
@@ -841,6 +848,7 @@ impl Default for AcmeSection {
             challenge: "http-01".into(),
             trust_roots: String::new(),
             state_dir: String::new(),
+            shared_key_file: String::new(),
         }
     }
 }
@@ -909,6 +917,16 @@ pub struct RouteSection {
     /// `passthrough` (default: the client's Host), `upstream` (the member's
     /// address) or any other value, sent as the Host.
     pub upstream_host: String,
+    /// What the origin is asked for: `normalized` (default: the path the
+    /// route matched, dot segments resolved and `%XX` decoded, re-encoded
+    /// where a target needs it, as nginx's `proxy_pass` with a URI sends
+    /// it) or `original` (the client's target byte for byte, as
+    /// `proxy_pass` without a URI). The cache key and the access log name
+    /// the same target the origin is sent.
+    pub upstream_path: String,
+    /// Let `;` parameters ride on dot segments (`/a/..;/b`, which Tomcat
+    /// and Spring resolve as `..`); refused with 400 by default.
+    pub allow_dot_parameters: bool,
     /// Lane of requests without `X-Request-Priority` (default `standard`).
     pub lane: String,
     /// Lanes an inference request without an API key may use on this

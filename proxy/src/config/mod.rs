@@ -199,6 +199,9 @@ pub struct AcmeSpec {
     pub trust_roots: Vec<Vec<u8>>,
     /// Account and certificate state.
     pub state_dir: PathBuf,
+    /// The key that seals what is shared through the cluster's store
+    /// (`shared_key_file`); `None`: nothing is shared.
+    pub shared_key: Option<[u8; 32]>,
 }
 
 impl AcmeSpec {

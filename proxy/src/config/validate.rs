@@ -359,6 +359,14 @@ fn proxy_protocol(l: &ListenerSection, at: &FieldPath, errs: &mut Errors) -> Opt
         }
         return None;
     }
+    if l.tls.as_ref().is_some_and(|t| t.http3) {
+        // QUIC has no PROXY header: its clients would reach the listener
+        // directly, past the load balancers the TCP side trusts only.
+        errs.push(
+            at.k("proxy_protocol"),
+            "cannot be used with tls.http3 (QUIC carries no PROXY header, so HTTP/3 clients would come without it); serve HTTP/3 on a listener without proxy_protocol",
+        );
+    }
     if l.proxy_protocol_from.is_empty() {
         errs.push(
             at.k("proxy_protocol_from"),
@@ -586,7 +594,7 @@ pub fn read_ticket_key_file(path: &Path) -> Result<Vec<u8>, String> {
     let meta = std::fs::metadata(path).map_err(|e| format!("{}: {e}", path.display()))?;
     if meta.permissions().mode() & 0o004 != 0 {
         return Err(format!(
-            "{}: ticket key file is world-readable; chmod 600 it",
+            "{}: secret file is world-readable; chmod 600 it",
             path.display()
         ));
     }

@@ -52,8 +52,11 @@ pub(super) fn enable(session: &mut Session, ctx: &mut Ctx) {
     ctx.cache.on = true;
 }
 
-/// Scheme, host, normalized path and query (`cache::primary`), tagged
-/// with the zone.
+/// Scheme, host, the path the origin is asked for and the query
+/// (`cache::primary`), tagged with the zone. The request's target is that
+/// path here: `ask_for_normalized` rewrote it for routes that send the
+/// normalized path, and a route with `upstream_path = "original"` sends
+/// (and so keys on) the client's own, as nginx's `$request_uri` key does.
 pub(super) fn key(session: &Session, ctx: &Ctx) -> Result<CacheKey> {
     let Some(rc) = ctx.route.as_ref().and_then(|r| r.cache.as_ref()) else {
         return Error::e_explain(
@@ -62,11 +65,10 @@ pub(super) fn key(session: &Session, ctx: &Ctx) -> Result<CacheKey> {
         );
     };
     let req = session.req_header();
-    let host = filters::request_host(req).to_ascii_lowercase();
-    let path = ctx.path.as_deref().unwrap_or(req.uri.path());
+    let host = crate::uri::host_without_dot(filters::request_host(req)).to_ascii_lowercase();
     let scheme = if ctx.tls { "https" } else { "http" };
     Ok(CacheKey::new(
-        crate::cache::primary(scheme, &host, path, req.uri.query()),
+        crate::cache::primary(scheme, &host, req.uri.path(), req.uri.query()),
         rc.name.as_str(),
     ))
 }

@@ -68,6 +68,11 @@ impl EdgeProxy {
         if req.method != http::Method::GET && req.method != http::Method::HEAD {
             return Ok(false);
         }
+        // Only for a name some listener orders by HTTP-01: elsewhere a
+        // probe is an ordinary request (and costs no store lookup).
+        if !acme::serves_http01(filters::request_host(req)) {
+            return Ok(false);
+        }
         let Some(key_auth) = acme::http_answer(token).await else {
             return Ok(false);
         };

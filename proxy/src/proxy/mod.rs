@@ -30,7 +30,7 @@ use crate::admission::ratelimit::{KeyInput, Verdict};
 use crate::admission::{self, PRIORITY_HEADER};
 use crate::filters::{self, Refusal};
 use crate::metrics::Metrics;
-use crate::routing::{Action, Route, UpstreamHost};
+use crate::routing::{Action, Route, UpstreamHost, UpstreamPath};
 use crate::runtime::{Shared, Snapshot as Config};
 use crate::upstream::{LbSpec, Member, Membership, Outstanding, Pool};
 use async_trait::async_trait;
@@ -265,6 +265,33 @@ fn forward_headers(
     Ok(())
 }
 
+/// One name for one resource: a proxied route that asks its origin for
+/// the normalized path (`upstream_path`, the default) has the request's
+/// target rewritten to it here, so the origin, the cache key and the
+/// access log all read the one target (nginx's `proxy_pass` with a URI).
+fn ask_for_normalized(req: &mut RequestHeader, ctx: &Ctx) {
+    let (Some(path), Some(route)) = (&ctx.path, &ctx.route) else {
+        return;
+    };
+    if route.upstream_path != UpstreamPath::Normalized || !matches!(route.action, Action::Proxy(_))
+    {
+        return;
+    }
+    let encoded = crate::uri::encode_path(path);
+    let target = match req.uri.query() {
+        Some(q) => format!("{encoded}?{q}"),
+        None => encoded.into_owned(),
+    };
+    let mut parts = req.uri.clone().into_parts();
+    parts.path_and_query = http::uri::PathAndQuery::try_from(target).ok();
+    if parts.path_and_query.is_none() {
+        return;
+    }
+    if let Ok(uri) = http::Uri::from_parts(parts) {
+        req.set_uri(uri);
+    }
+}
+
 #[async_trait]
 impl ProxyHttp for EdgeProxy {
     type CTX = Box<Ctx>;
@@ -326,10 +353,6 @@ impl ProxyHttp for EdgeProxy {
         session.as_downstream_mut().set_pipelining_enabled(!chunked);
         let cfg = ctx.cfg.clone();
         let redirect = self.identify(session, ctx, &cfg);
-        ctx.grpc = grpc::is_grpc(session.req_header());
-        if ctx.grpc {
-            ctx.grpc_deadline = grpc::timeout(session.req_header()).map(|d| ctx.started + d);
-        }
         // Our idle timeout, only where Pingora left keepalive on: it turns it
         // off for `Connection: close`, HTTP/1.0 and for a request with both
         // Content-Length and Transfer-Encoding (RFC 9112 6.1: close after
@@ -352,8 +375,12 @@ impl ProxyHttp for EdgeProxy {
             let host = filters::request_host(req);
             // Matched as nginx matches locations: on the normalized path,
             // and only for a host that is a host.
-            if !crate::uri::valid_host(host) {
+            if !crate::uri::valid_host(host) || filters::conflicting_host(req) {
                 bad_path = Some("invalid Host");
+            } else if !req.raw_path_is_utf8() {
+                // Raw bytes that are not UTF-8 are refused as their
+                // encoded form is (routing would see U+FFFD instead).
+                bad_path = Some(crate::uri::BadPath::NotUtf8.reason());
             } else {
                 match crate::uri::normalize(req.uri.path(), cfg.file.server.merge_slashes) {
                     Ok(path) => {
@@ -364,7 +391,27 @@ impl ProxyHttp for EdgeProxy {
                     }
                     Err(e) => bad_path = Some(e.reason()),
                 }
+                let lenient = ctx.route.as_ref().is_some_and(|r| r.allow_dot_parameters);
+                if bad_path.is_none() && !lenient && crate::uri::dot_parameter(req.uri.path()) {
+                    bad_path = Some("a dot segment with `;` parameters in the path");
+                }
             }
+            if bad_path.is_none() {
+                ask_for_normalized(session.req_header_mut(), ctx);
+            }
+        }
+        // gRPC is what the route serves, not what the client says: only an
+        // HTTP/2 or HTTP/3 call routed to an HTTP/2 pool streams unbuffered
+        // and is answered with gRPC statuses; elsewhere `application/grpc`
+        // is an ordinary content type and buffering holds.
+        ctx.grpc = grpc::is_grpc(session.req_header())
+            && session.req_header().version >= http::Version::HTTP_2
+            && ctx.route.as_ref().is_some_and(|r| match &r.action {
+                Action::Proxy(p) => p.settings.protocol.is_h2(),
+                _ => false,
+            });
+        if ctx.grpc {
+            ctx.grpc_deadline = grpc::timeout(session.req_header()).map(|d| ctx.started + d);
         }
         let limits = &cfg.limits;
         let refusal = filters::check_head(

@@ -15,6 +15,7 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 pub mod infer;
+pub mod nginx;
 pub mod redis;
 
 /// A port that was free a moment ago (bind port 0, read it, release it),

@@ -30,7 +30,15 @@ from aioquic.asyncio.protocol import QuicConnectionProtocol
 from aioquic.h3.connection import H3_ALPN, H3Connection
 from aioquic.h3.events import DataReceived, HeadersReceived
 from aioquic.quic.configuration import QuicConfiguration
-from aioquic.quic.events import ConnectionTerminated, QuicEvent
+from aioquic.quic.events import ConnectionTerminated, QuicEvent, StreamReset
+
+
+def pairs(headers):
+    """A request's headers: a JSON object, or a list of [name, value]
+    pairs (a name may repeat)."""
+    if isinstance(headers, list):
+        return [(k, v) for k, v in headers]
+    return list((headers or {}).items())
 
 
 class Client(QuicConnectionProtocol):
@@ -50,6 +58,12 @@ class Client(QuicConnectionProtocol):
             for s in self.streams.values():
                 if not s["done"].done():
                     s["done"].set_result(None)
+        if isinstance(event, StreamReset) and event.stream_id in self.streams:
+            # The server refused the stream (a malformed request, say).
+            s = self.streams[event.stream_id]
+            s["reset"] = event.error_code
+            if not s["done"].done():
+                s["done"].set_result(None)
         for ev in self.h3.handle_event(event):
             s = self.streams.get(getattr(ev, "stream_id", None))
             if s is None:
@@ -83,7 +97,7 @@ class Client(QuicConnectionProtocol):
             (b":scheme", b"https"),
             (b":authority", authority.encode()),
             (b":path", path.encode()),
-        ] + [(k.lower().encode(), v.encode()) for k, v in (headers or {}).items()]
+        ] + [(k.lower().encode(), v.encode()) for k, v in pairs(headers)]
         self.h3.send_headers(sid, hs, end_stream=not body)
         if body:
             self.h3.send_data(sid, body, end_stream=True)
@@ -98,6 +112,7 @@ class Client(QuicConnectionProtocol):
             "chunk_times": [round(t, 4) for t, _ in s["chunks"]],
             "chunk_events": [c.count(b"data:") for _, c in s["chunks"]],
             "ended": s["done"].done() and self.terminated is None,
+            "reset": s.get("reset"),
         }
 
 
@@ -165,7 +180,7 @@ async def streams(args):
                 left[0] -= 1
                 out.append(await client.request(
                     r.get("method", "GET"), r["path"], r.get("headers"),
-                    r.get("body", "").encode(), args.servername,
+                    r.get("body", "").encode(), r.get("authority", args.servername),
                 ))
 
         await asyncio.gather(*[worker(k) for k in range(args.inflight)])
@@ -280,7 +295,7 @@ async def early(args):
             *[
                 client.request(
                     r.get("method", "GET"), r["path"], r.get("headers"),
-                    r.get("body", "").encode(), args.servername,
+                    r.get("body", "").encode(), r.get("authority", args.servername),
                 )
                 for r in todo
             ]

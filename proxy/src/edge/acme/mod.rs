@@ -23,6 +23,7 @@
 mod challenge;
 mod client;
 mod order;
+mod seal;
 pub mod state;
 
 pub use challenge::{
@@ -199,7 +200,16 @@ impl Issuer {
     /// A newer certificate another instance put in the cluster's store.
     async fn take_shared(&self, current: Option<&Issued>) -> Option<Issued> {
         let c = crate::cluster::get()?;
-        let pem = c.fetch(&self.shared_name()).await.ok().flatten()?;
+        let secret = self.spec.shared_key.as_ref()?;
+        let name = self.shared_name();
+        let sealed = c.fetch(&name).await.ok().flatten()?;
+        let Some(pem) = seal::open(secret, &name, &sealed) else {
+            log::warn!(
+                "listener {}: the cluster store's certificate is not sealed with this shared_key_file: ignored",
+                self.listener
+            );
+            return None;
+        };
         let theirs = Issued::from_pem(pem.as_bytes())?;
         let newer = current.is_none_or(|c| theirs.not_after > c.not_after);
         if !newer || !theirs.covers(&self.spec.domains) || theirs.not_after <= SystemTime::now() {
@@ -273,7 +283,16 @@ impl Issuer {
                 let ttl = Issued::from_pem(pem.as_bytes())
                     .and_then(|i| i.not_after.duration_since(SystemTime::now()).ok())
                     .unwrap_or(LOCK_TTL);
-                let _ = c.put(&self.shared_name(), pem.clone(), ttl).await;
+                // Shared only sealed, and only where a key is configured.
+                let name = self.shared_name();
+                if let Some(sealed) = self
+                    .spec
+                    .shared_key
+                    .as_ref()
+                    .and_then(|k| seal::seal(k, &name, pem))
+                {
+                    let _ = c.put(&name, sealed, ttl).await;
+                }
             }
             let _ = c.unlock(&lock).await;
         }
@@ -428,6 +447,24 @@ pub fn register(listener: &str, specs: &[CertSpec], acme: Option<(AcmeSpec, Arc<
         specs: specs.to_vec(),
         acme,
     });
+}
+
+/// Whether `host` (a request's Host, any port and one trailing dot
+/// aside) is a name of a listener's ACME order answered by HTTP-01: only
+/// such requests for a challenge are looked up (and, with `[cluster]`,
+/// asked of the store), so that no other probe costs a store round trip.
+pub fn serves_http01(host: &str) -> bool {
+    let name = match host.rsplit_once(':') {
+        Some((n, p)) if !n.contains(':') && p.bytes().all(|b| b.is_ascii_digit()) => n,
+        _ => host,
+    };
+    let name = name.strip_suffix('.').unwrap_or(name);
+    VIEWS.lock().iter().any(|v| {
+        v.acme.as_ref().is_some_and(|(spec, _)| {
+            spec.challenge == AcmeChallenge::Http01
+                && spec.domains.iter().any(|d| d.eq_ignore_ascii_case(name))
+        })
+    })
 }
 
 /// `/admin/certs`: every TLS listener's certificates, their source

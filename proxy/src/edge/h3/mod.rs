@@ -15,7 +15,9 @@
 //! Retry (`http3_retry`), 0-RTT off unless `http3_early_data`, and then
 //! only for requests safe to replay.
 
+mod bounded;
 mod digest;
+mod frames;
 mod probe;
 mod request;
 mod session;
@@ -40,8 +42,13 @@ const RETRY_HANDSHAKES: usize = 64;
 const STREAM_WINDOW: u32 = 256 * 1024;
 /// Bytes a client may send on one connection before the proxy reads them.
 const CONNECTION_WINDOW: u32 = 2 * 1024 * 1024;
-/// Most bytes of a request's header section (as the TCP listeners' 1 MiB).
+/// Most bytes of a request's header section (as the TCP listeners' 1 MiB),
+/// checked when its HEADERS frame is announced (`frames`).
 const MAX_FIELD_SECTION: u64 = 1 << 20;
+/// Most bytes of unfinished request heads one connection may hold.
+const CONNECTION_HEADS: u64 = 2 << 20;
+/// Most bytes of unfinished request heads all HTTP/3 connections may hold.
+const PROCESS_HEADS: u64 = 64 << 20;
 
 /// Whether a request came over HTTP/3 (its connection's digest says QUIC).
 pub fn is_h3(d: Option<&pingora::protocols::Digest>) -> bool {
@@ -56,6 +63,8 @@ pub struct H3Metrics {
     conns: IntCounterVec,
     requests: IntCounter,
     probes: IntCounter,
+    head_bytes: IntGauge,
+    refused: IntCounterVec,
 }
 
 impl H3Metrics {
@@ -73,6 +82,25 @@ impl H3Metrics {
         );
         for r in ["accepted", "refused", "retry", "failed"] {
             conns.with_label_values(&[r]);
+        }
+        let refused = registered(
+            r,
+            IntCounterVec::new(
+                Opts::new(
+                    "ultrafast_http3_refused_total",
+                    "HTTP/3 streams and connections refused by reason: too_large (a frame announced more than its kind may hold), unbounded (a frame with no length), busy (the connection's or process's budget for unfinished heads spent), header_timeout (no whole head by client_header_timeout_ms), handshake_timeout (a 0-RTT connection's handshake not done by handshake_timeout_ms).",
+                ),
+                &["reason"],
+            ),
+        );
+        for r in [
+            "too_large",
+            "unbounded",
+            "busy",
+            "header_timeout",
+            "handshake_timeout",
+        ] {
+            refused.with_label_values(&[r]);
         }
         H3Metrics {
             open: registered(
@@ -97,6 +125,14 @@ impl H3Metrics {
                     "Ack-eliciting probes sent after event streams' writes paused, so that a lost token is detected within about one RTT.",
                 ),
             ),
+            head_bytes: registered(
+                r,
+                IntGauge::new(
+                    "ultrafast_http3_head_bytes",
+                    "Bytes of unfinished HTTP/3 request heads held now, all connections together (at most 64 MiB; 2 MiB a connection).",
+                ),
+            ),
+            refused,
         }
     }
 }
@@ -171,8 +207,10 @@ pub struct H3Endpoint<A> {
     pub config: quinn::ServerConfig,
     /// Limits.
     pub settings: Http3,
-    /// The TLS handshake deadline.
+    /// The TLS handshake deadline (0-RTT connections included).
     pub handshake_timeout: std::time::Duration,
+    /// Each request stream's head deadline (`client_header_timeout_ms`).
+    pub header_timeout: Option<std::time::Duration>,
     /// The app its requests go to (the TCP listeners').
     pub app: Arc<A>,
 }
@@ -200,6 +238,7 @@ struct Shared<A> {
     app: Arc<A>,
     settings: Http3,
     handshake_timeout: std::time::Duration,
+    header_timeout: Option<std::time::Duration>,
     local: std::net::SocketAddr,
     metrics: H3Metrics,
     handshaking: AtomicUsize,
@@ -257,6 +296,7 @@ async fn serve_endpoint<A: HttpServerApp + Send + Sync + 'static>(
         app: ep.app,
         settings: ep.settings,
         handshake_timeout: ep.handshake_timeout,
+        header_timeout: ep.header_timeout,
         local,
         metrics,
         handshaking: AtomicUsize::new(0),
@@ -332,9 +372,20 @@ async fn connection<A: HttpServerApp + Send + Sync + 'static>(
     let (conn, confirmed) = match zero_rtt {
         Ok((conn, accepted)) => {
             let (tx, rx) = tokio::sync::watch::channel(false);
+            let (quic, limit) = (conn.clone(), shared.handshake_timeout);
+            let refused = shared.metrics.refused.clone();
             tokio::spawn(async move {
-                let _ = accepted.await;
-                let _ = tx.send(true);
+                // Served before its handshake ends, a 0-RTT connection still
+                // has the handshake's deadline.
+                match tokio::time::timeout(limit, accepted).await {
+                    Ok(_) => {
+                        let _ = tx.send(true);
+                    }
+                    Err(_) => {
+                        refused.with_label_values(&["handshake_timeout"]).inc();
+                        quic.close(0u32.into(), b"handshake timeout");
+                    }
+                }
             });
             (conn, rx)
         }
@@ -360,9 +411,17 @@ async fn serve<A: HttpServerApp + Send + Sync + 'static>(
 ) {
     let peer = conn.remote_address();
     let quic = conn.clone();
+    let bounds = Arc::new(bounded::Bounds::new(
+        MAX_FIELD_SECTION,
+        CONNECTION_HEADS,
+        PROCESS_HEADS,
+        shared.metrics.head_bytes.clone(),
+        shared.metrics.refused.clone(),
+        conn.clone(),
+    ));
     let mut h3 = match h3::server::builder()
         .max_field_section_size(MAX_FIELD_SECTION)
-        .build::<_, Bytes>(h3_quinn::Connection::new(conn))
+        .build::<_, Bytes>(bounded::Conn::new(conn, bounds))
         .await
     {
         Ok(h) => h,
@@ -386,8 +445,22 @@ async fn serve<A: HttpServerApp + Send + Sync + 'static>(
                 Ok(Some(resolver)) => {
                     let conn = conn.clone();
                     let requests = shared.metrics.requests.clone();
+                    let refused = shared.metrics.refused.clone();
+                    let limit = shared.header_timeout;
                     tokio::spawn(async move {
-                        if let Ok((req, stream)) = resolver.resolve_request().await {
+                        let head = resolver.resolve_request();
+                        let resolved = match limit {
+                            Some(d) => match tokio::time::timeout(d, head).await {
+                                Ok(r) => r,
+                                Err(_) => {
+                                    // Dropped: the stream is reset.
+                                    refused.with_label_values(&["header_timeout"]).inc();
+                                    return;
+                                }
+                            },
+                            None => head.await,
+                        };
+                        if let Ok((req, stream)) = resolved {
                             requests.inc();
                             request::serve(req, stream, conn).await;
                         }

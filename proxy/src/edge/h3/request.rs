@@ -39,7 +39,7 @@ pub struct Conn<A> {
 /// Serve one request of `conn`.
 pub async fn serve<A: HttpServerApp + Send + Sync + 'static>(
     req: http::Request<()>,
-    mut stream: h3::server::RequestStream<h3_quinn::BidiStream<Bytes>, Bytes>,
+    mut stream: h3::server::RequestStream<super::bounded::Bidi<Bytes>, Bytes>,
     conn: Arc<Conn<A>>,
 ) {
     let mut confirmed = conn.confirmed.clone();
@@ -54,6 +54,19 @@ pub async fn serve<A: HttpServerApp + Send + Sync + 'static>(
     let (mut parts, ()) = req.into_parts();
     for h in &HOP_BY_HOP {
         parts.headers.remove(h);
+    }
+    // Host from `:authority`, as Pingora gives HTTP/2 requests (RFC 9114
+    // 4.3.1): HTTP/1.1 origins read Host, and `h2`/`h2c` pools build their
+    // `:authority` from it. A Host sent beside a different `:authority`
+    // (or twice) stays, and the request filter refuses it (400).
+    if !parts.headers.contains_key(http::header::HOST) {
+        if let Some(v) = parts
+            .uri
+            .authority()
+            .and_then(|a| http::HeaderValue::from_str(a.as_str()).ok())
+        {
+            parts.headers.insert(http::header::HOST, v);
+        }
     }
     if early {
         // RFC 8470 5.1: the origin may answer 425 to what it will not take

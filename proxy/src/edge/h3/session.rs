@@ -44,8 +44,8 @@ pub enum FirstLook {
     Data(Bytes),
 }
 
-type Tx = RequestStream<h3_quinn::SendStream<Bytes>, Bytes>;
-type Rx = RequestStream<h3_quinn::RecvStream, Bytes>;
+type Tx = RequestStream<super::bounded::Send<Bytes>, Bytes>;
+type Rx = RequestStream<super::bounded::Recv, Bytes>;
 
 /// One HTTP/3 request and its response stream.
 pub struct H3Session {
@@ -98,7 +98,7 @@ impl H3Session {
     /// when it arrived.
     pub fn new(
         req: http::Request<()>,
-        stream: RequestStream<h3_quinn::BidiStream<Bytes>, Bytes>,
+        stream: RequestStream<super::bounded::Bidi<Bytes>, Bytes>,
         first: FirstLook,
         conn: quinn::Connection,
         digest: Arc<Digest>,

@@ -18,7 +18,7 @@ use crate::config::validate::{
     valid_host, Errors,
 };
 use crate::config::*;
-use crate::routing::{Action, HeaderOps, PathMatch, Route, UpstreamHost};
+use crate::routing::{Action, HeaderOps, PathMatch, Route, UpstreamHost, UpstreamPath};
 use crate::upstream::dns::{Answer, NameTarget, PoolDns};
 use crate::upstream::lb::HashKey;
 use crate::upstream::retry_budget::RetryBudget;
@@ -424,6 +424,17 @@ fn routes(
                 }
             },
         };
+        let upstream_path = match r.upstream_path.as_str() {
+            "" | "normalized" => UpstreamPath::Normalized,
+            "original" => UpstreamPath::Original,
+            v => {
+                errs.push(
+                    at.k("upstream_path"),
+                    format!("`{v}`: expected `normalized` or `original`"),
+                );
+                UpstreamPath::Normalized
+            }
+        };
         let lane_name = if r.lane.is_empty() {
             "standard"
         } else {
@@ -483,6 +494,8 @@ fn routes(
             request_headers,
             response_headers,
             upstream_host,
+            upstream_path,
+            allow_dot_parameters: r.allow_dot_parameters,
             lane,
             anonymous_lanes,
             limiters: route_limiters,
