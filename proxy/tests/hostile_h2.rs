@@ -121,8 +121,8 @@ fn http2_attacks_leave_normal_clients_served_and_memory_bounded() {
     }
     // The attacks that cannot be served are cut: rapid reset and the
     // CONTINUATION flood end with a GOAWAY or a closed connection.
-    for name in ["continuation"] {
-        let v = attack(name, h2c_port, 2.0, &["--count", "20000"]);
+    for name in ["rapid-reset", "continuation"] {
+        let v = attack(name, h2c_port, 2.0, &["--count", "50000"]);
         assert!(
             v["closed"] == true || !v["goaway"].is_null(),
             "{name}: the connection was not cut: {v}"

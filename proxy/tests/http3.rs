@@ -587,6 +587,43 @@ fn http3_frames_are_bounded_when_announced_and_memory_stays_flat() {
         "{v}"
     );
 
+    // 6. A field section that refers to QPACK's dynamic table (Required
+    //    Insert Count 1: a blocked stream), which this server never offers:
+    //    QPACK_DECOMPRESSION_FAILED at once, nothing waits for an insert.
+    let v = attack(tls_port, &ca, 1, "0103010080", 3, 0.5, false);
+    assert!(
+        v["terminated"]["error_code"] == 0x200 || refused_with(&v, 0x200) == 1,
+        "{v}"
+    );
+
+    // 7. Unidirectional streams of unknown types, one after another: each
+    //    is stopped (H3_STREAM_CREATION_ERROR), at most 8 are open at once.
+    let (v, peak) = peak_rss(pid, || attack(tls_port, &ca, 64, "21", 64 << 10, 2.0, true));
+    peaks.push(("unknown uni streams", peak));
+    assert!(v["terminated"].is_null(), "{v}");
+
+    // 8. Connection-id churn: connections that move to fresh ids at once.
+    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/py/h3_attack.py");
+    let out = Command::new("timeout")
+        .args([
+            "60",
+            "python3",
+            script,
+            "churn",
+            "--port",
+            &tls_port.to_string(),
+        ])
+        .args(["--cafile", ca.to_str().unwrap(), "--count", "30"])
+        .output()
+        .unwrap();
+    let churn: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap_or_default();
+    assert_eq!(
+        churn["connections"],
+        30,
+        "{churn} {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+
     normal();
     // Unfinished heads are all given back, and memory stayed flat.
     let held = uf.metric_settled(

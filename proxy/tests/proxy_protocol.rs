@@ -329,3 +329,43 @@ fn the_settings_are_checked_with_their_location() {
         );
     }
 }
+
+#[test]
+fn a_header_split_across_reads_is_read_whole() {
+    // A load balancer's header may arrive in pieces (a v2 header's 16-byte
+    // preamble, its addresses, then the request): each split is waited for
+    // within proxy_protocol_timeout_ms, never read as a request.
+    let origin = Origin::start("o");
+    let uf = start(&origin, "\"127.0.0.1\"", "");
+    let header = v2(
+        "192.0.2.41:5000".parse().unwrap(),
+        "10.0.0.1:80".parse().unwrap(),
+        &[],
+    );
+    for cuts in [vec![1usize, 12], vec![13, 16, 20], vec![5]] {
+        let mut c = Client::connect(uf.addr).unwrap();
+        let mut at = 0;
+        for cut in cuts.iter().copied().chain(std::iter::once(header.len())) {
+            c.send_raw(&header[at..cut]).unwrap();
+            at = cut;
+            std::thread::sleep(Duration::from_millis(60));
+        }
+        let r = c
+            .request("GET", "/split", &[("host", "example.test")], b"")
+            .unwrap();
+        assert_eq!(r.status, 200, "{cuts:?}");
+        assert_eq!(forwarded_for(&origin), "192.0.2.41", "{cuts:?}");
+    }
+    // v1, one byte at a time.
+    let line = b"PROXY TCP4 192.0.2.42 10.0.0.1 1 2\r\n";
+    let mut c = Client::connect(uf.addr).unwrap();
+    for b in line {
+        c.send_raw(&[*b]).unwrap();
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    let r = c
+        .request("GET", "/split", &[("host", "example.test")], b"")
+        .unwrap();
+    assert_eq!(r.status, 200);
+    assert_eq!(forwarded_for(&origin), "192.0.2.42");
+}
