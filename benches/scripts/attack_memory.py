@@ -29,6 +29,7 @@ def attacks(h2c, tls, ca):
                                                  "--streams", str(n), "--prefix", prefix, "--fill", str(fill),
                                                  "--seconds", str(s), *x])
     return [
+        ("none (the normal client alone)", lambda s: ["sleep", str(s)]),
         ("h2 rapid reset", h2("rapid-reset")),
         ("h2 CONTINUATION flood", h2("continuation")),
         ("h2 HPACK bomb", h2("hpack-bomb")),
@@ -47,6 +48,9 @@ def attacks(h2c, tls, ca):
 
 class Origin(http.server.BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
+    # Head and body leave in separate writes: without this, Nagle and the
+    # proxy's delayed ACK add 40 ms to every answer.
+    disable_nagle_algorithm = True
 
     def do_GET(self):
         n = int(self.path.split("/")[2]) if self.path.startswith("/big/") else 2

@@ -511,7 +511,14 @@ fn a_cluster_orders_once_and_every_instance_serves_the_result() {
         std::os::unix::fs::PermissionsExt::from_mode(0o600),
     )
     .unwrap();
-    let sealed = format!(", shared_key_file = \"{}\"", key_file.display());
+    // And the roots Pebble issues under: a shared certificate must chain
+    // to them.
+    let issuer = pebble.root();
+    let sealed = format!(
+        ", shared_key_file = \"{}\", issuer_roots = \"{}\"",
+        key_file.display(),
+        issuer.display()
+    );
     let start = |http, tls, state: &str| {
         ultrafast_in(
             http,

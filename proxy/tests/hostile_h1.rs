@@ -16,14 +16,6 @@ use std::time::{Duration, Instant};
 /// The bound on what one attacking connection may add to the server.
 const RSS_BOUND_KIB: u64 = 32 * 1024;
 
-fn rss_kib(uf: &Ultrafast) -> u64 {
-    let s = std::fs::read_to_string(format!("/proc/{}/status", uf.child.id())).unwrap();
-    s.lines()
-        .find_map(|l| l.strip_prefix("VmRSS:"))
-        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
-        .unwrap()
-}
-
 fn edge(origin: &Origin) -> Ultrafast {
     Ultrafast::start(&format!(
         "[limits]\nclient_max_body_bytes = 8388608\n\n[[routes]]\npath = \"/\"\npool = \"o\"\n\n{}",
@@ -58,32 +50,34 @@ fn chunk_extension_and_chunk_size_bombs_are_bounded() {
     let origin = Origin::start("o");
     let uf = edge(&origin);
     normal(&uf);
-    let idle = rss_kib(&uf);
+    let idle = uf.rss_kib();
     let head = b"POST /up HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n";
     // One chunk whose extension never ends: 16 MiB of `;a=aaaa...`.
     let ext = std::iter::once(b"5;a=".to_vec()).chain((0..256).map(|_| vec![b'a'; 64 * 1024]));
-    let status = send(&uf, head, ext, Duration::from_secs(5));
+    let (status, after_ext) = peak_rss(uf.child.id(), || {
+        send(&uf, head, ext, Duration::from_secs(5))
+    });
     assert!(
         status == 0 || status >= 400,
         "an endless chunk extension got {status}"
     );
     normal(&uf);
-    let after_ext = rss_kib(&uf);
     // 500,000 one-byte chunks (2.5 MB of framing for 500 kB of body): served
     // or refused, within the body limit, at a bounded cost.
     let tiny = (0..500).map(|_| b"1\r\nx\r\n".repeat(1000));
-    let status = send(
-        &uf,
-        head,
-        tiny.chain(std::iter::once(b"0\r\n\r\n".to_vec())),
-        Duration::from_secs(20),
-    );
+    let (status, after) = peak_rss(uf.child.id(), || {
+        send(
+            &uf,
+            head,
+            tiny.chain(std::iter::once(b"0\r\n\r\n".to_vec())),
+            Duration::from_secs(20),
+        )
+    });
     assert!(status == 200 || status >= 400, "{status}");
     normal(&uf);
-    let after = rss_kib(&uf);
     assert!(
         after_ext < idle + RSS_BOUND_KIB && after < idle + RSS_BOUND_KIB,
-        "RSS {idle} KiB idle, {after_ext} after the extension bomb, {after} after the chunks"
+        "RSS {idle} KiB idle, {after_ext} at the extension bomb's peak, {after} at the chunks'"
     );
     assert!(!uf.stderr().contains("panicked"), "{}", uf.stderr());
 }
@@ -158,7 +152,7 @@ fn a_websocket_frame_announcing_exabytes_streams_through_a_bounded_tunnel() {
          [[routes]]\npath = \"/ws\"\npool = \"ws\"\n\n[[routes]]\npath = \"/\"\npool = \"o\"\n\n{}",
         pool_toml("o", &[&origin], "")
     ));
-    let idle = rss_kib(&uf);
+    let idle = uf.rss_kib();
     let mut c = Client::connect(uf.addr).unwrap();
     c.send_raw(
         b"GET /ws HTTP/1.1\r\nHost: x\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n\
@@ -175,13 +169,14 @@ fn a_websocket_frame_announcing_exabytes_streams_through_a_bounded_tunnel() {
     frame.extend_from_slice(&[1, 2, 3, 4]);
     c.send_raw(&frame).unwrap();
     let zeros = vec![0u8; 64 * 1024];
-    for _ in 0..256 {
-        if c.send_raw(&zeros).is_err() {
-            break;
+    let ((), peak) = peak_rss(uf.child.id(), || {
+        for _ in 0..256 {
+            if c.send_raw(&zeros).is_err() {
+                break;
+            }
         }
-    }
-    normal(&uf);
-    let peak = rss_kib(&uf);
+        normal(&uf);
+    });
     assert!(
         peak < idle + RSS_BOUND_KIB,
         "RSS {idle} KiB idle, {peak} KiB with 16 MiB relayed"

@@ -17,14 +17,6 @@ use std::time::Duration;
 /// The bound on what one attacking connection may add to the server.
 const RSS_BOUND_KIB: u64 = 64 * 1024;
 
-fn rss_kib(uf: &Ultrafast) -> u64 {
-    let s = std::fs::read_to_string(format!("/proc/{}/status", uf.child.id())).unwrap();
-    s.lines()
-        .find_map(|l| l.strip_prefix("VmRSS:"))
-        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
-        .unwrap()
-}
-
 fn attack(name: &str, port: u16, seconds: f64, extra: &[&str]) -> serde_json::Value {
     let script = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/py/h2_attack.py");
     let out = Command::new("timeout")
@@ -85,7 +77,7 @@ fn http2_attacks_leave_normal_clients_served_and_memory_bounded() {
         pool_toml("o", &[&origin], "")
     ));
     let h2c_addr: std::net::SocketAddr = format!("127.0.0.1:{h2c_port}").parse().unwrap();
-    let idle = rss_kib(&uf);
+    let idle = uf.rss_kib();
     let cases: [(&str, &[&str]); 7] = [
         ("rapid-reset", &["--count", "50000"]),
         ("continuation", &["--count", "20000"]),
@@ -101,8 +93,7 @@ fn http2_attacks_leave_normal_clients_served_and_memory_bounded() {
             let busy = busy.clone();
             move || normal_client(h2c_addr, busy)
         });
-        let v = attack(name, h2c_port, 3.0, extra);
-        let peak = rss_kib(&uf);
+        let (v, peak) = peak_rss(uf.child.id(), || attack(name, h2c_port, 3.0, extra));
         busy.store(false, Ordering::Relaxed);
         let (ok, bad) = client.join().unwrap();
         eprintln!("{name}: {v} rss {idle} -> {peak} KiB, normal {ok} ok {bad} failed");

@@ -355,6 +355,48 @@ fn zero_rtt_is_off_by_default_and_when_on_serves_only_what_is_safe_to_replay() {
 }
 
 #[test]
+fn a_zero_rtt_connection_still_has_the_handshake_deadline() {
+    // Served from its first flight, a 0-RTT connection whose handshake never
+    // completes is closed at handshake_timeout_ms (before, nothing but the
+    // idle timeout ended it: a client could hold it with no Finished).
+    let origin = Origin::start("web");
+    let body = format!(
+        "[[routes]]\npath = \"/\"\npool = \"web\"\n\n{}",
+        pool_toml("web", &[&origin], "")
+    );
+    let dir = scratch("h3-0rtt-stall");
+    let port = free_port();
+    let uf = start(
+        port,
+        &dir,
+        ", http3_early_data = true, handshake_timeout_ms = 1000, http3_idle_timeout_ms = 30000",
+        &body,
+    );
+    let v = h3(&[
+        "early-stall",
+        "--port",
+        &port.to_string(),
+        "--cafile",
+        dir.join("ca.pem").to_str().unwrap(),
+        "--hold",
+        "8",
+    ]);
+    assert_eq!(v["early_data_accepted"], true, "{v}");
+    assert_eq!(v["answer"], 200, "the GET is served from 0-RTT: {v}");
+    let closed = v["closed_after_s"]
+        .as_f64()
+        .unwrap_or_else(|| panic!("never closed: {v}"));
+    assert!((0.8..5.0).contains(&closed), "closed after {closed} s");
+    assert_eq!(
+        uf.metric(
+            "ultrafast_http3_refused_total",
+            &["reason=\"handshake_timeout\""]
+        ),
+        1.0
+    );
+}
+
+#[test]
 fn check_refuses_bad_http3_settings() {
     let dir = scratch("h3-check");
     let (cert, key) = dev_certs(&dir);
@@ -397,45 +439,6 @@ fn check_refuses_bad_http3_settings() {
         text.contains("listeners[0].proxy_protocol") && text.contains("http3"),
         "{text}"
     );
-}
-
-/// The server's resident memory, KiB.
-fn rss_kib(uf: &Ultrafast) -> u64 {
-    let s = std::fs::read_to_string(format!("/proc/{}/status", uf.child.id())).unwrap();
-    s.lines()
-        .find_map(|l| l.strip_prefix("VmRSS:"))
-        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
-        .unwrap()
-}
-
-/// The largest RSS of process `pid` (KiB) while `f` runs, sampled every
-/// 50 ms.
-fn peak_rss<T>(pid: u32, f: impl FnOnce() -> T) -> (T, u64) {
-    use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-    let done = std::sync::Arc::new(AtomicBool::new(false));
-    let peak = std::sync::Arc::new(AtomicU64::new(0));
-    let sampler = std::thread::spawn({
-        let (done, peak) = (done.clone(), peak.clone());
-        move || {
-            while !done.load(Ordering::Relaxed) {
-                if let Some(kib) = std::fs::read_to_string(format!("/proc/{pid}/status"))
-                    .ok()
-                    .and_then(|s| {
-                        s.lines()
-                            .find_map(|l| l.strip_prefix("VmRSS:"))
-                            .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
-                    })
-                {
-                    peak.fetch_max(kib, Ordering::Relaxed);
-                }
-                std::thread::sleep(Duration::from_millis(50));
-            }
-        }
-    });
-    let out = f();
-    done.store(true, Ordering::Relaxed);
-    sampler.join().unwrap();
-    (out, peak.load(Ordering::Relaxed))
 }
 
 /// `h3_attack.py frames` against `port`: N streams that each start with
@@ -514,7 +517,7 @@ fn http3_frames_are_bounded_when_announced_and_memory_stays_flat() {
         );
     };
     normal();
-    let before = rss_kib(&uf);
+    let before = uf.rss_kib();
 
     // 1. Sixteen streams each announcing a 2^40-byte HEADERS frame, then
     //    4 MiB of zeros each: refused at the frame header, before a payload
@@ -617,6 +620,26 @@ fn http3_frames_are_bounded_when_announced_and_memory_stays_flat() {
         .output()
         .unwrap();
     let churn: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap_or_default();
+    // 9. No QUIC datagrams are offered: nothing reads them, and quinn
+    //    would keep 1.25 MB of a client's per connection.
+    let out = Command::new("timeout")
+        .args([
+            "60",
+            "python3",
+            script,
+            "datagrams",
+            "--port",
+            &tls_port.to_string(),
+        ])
+        .args(["--cafile", ca.to_str().unwrap(), "--count", "2000"])
+        .output()
+        .unwrap();
+    let dg: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap_or_default();
+    assert!(
+        dg["offered"].is_null(),
+        "datagrams offered: {dg} {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     assert_eq!(
         churn["connections"],
         30,

@@ -305,16 +305,21 @@ mod tests {
         }
     }
 
-    #[test]
-    fn keyed_state_stays_bounded_under_100k_keys() {
-        let l = Limiter::new(
+    /// A limit keyed by `x-k`, 1/s with a burst of 1, of 1,000 keys.
+    fn by_header() -> Limiter {
+        Limiter::new(
             "t",
             KeySource::Header(HeaderName::from_static("x-k")),
             1.0,
             1,
             1000,
         )
-        .unwrap();
+        .unwrap()
+    }
+
+    #[test]
+    fn keyed_state_stays_bounded_under_100k_keys() {
+        let l = by_header();
         for i in 0..100_000u32 {
             let mut h = http::HeaderMap::new();
             h.insert("x-k", i.to_string().parse().unwrap());
@@ -327,14 +332,7 @@ mod tests {
     fn a_full_map_is_swept_at_most_once_a_second() {
         // Before: every request at the bound walked the whole map (1,000
         // entries here, 100k by default) for idle keys.
-        let l = Limiter::new(
-            "t",
-            KeySource::Header(HeaderName::from_static("x-k")),
-            1.0,
-            1,
-            1000,
-        )
-        .unwrap();
+        let l = by_header();
         let mut h = http::HeaderMap::new();
         for i in 0..1000u32 {
             h.insert("x-k", i.to_string().parse().unwrap());

@@ -87,6 +87,17 @@ pub fn acme(a: &AcmeSection, at: &FieldPath, errs: &mut Errors) -> Option<AcmeSp
             "a directory for the account key and the certificate is required",
         );
     }
+    let issuer_roots = if a.issuer_roots.is_empty() {
+        Vec::new()
+    } else {
+        match read_roots(&a.issuer_roots) {
+            Ok(r) => r,
+            Err(e) => {
+                errs.push(at.k("issuer_roots"), e);
+                Vec::new()
+            }
+        }
+    };
     let shared_key = if a.shared_key_file.is_empty() {
         None
     } else {
@@ -109,6 +120,7 @@ pub fn acme(a: &AcmeSection, at: &FieldPath, errs: &mut Errors) -> Option<AcmeSp
         challenge,
         trust_roots,
         state_dir: PathBuf::from(&a.state_dir),
+        issuer_roots,
         shared_key,
     })
 }

@@ -830,6 +830,11 @@ pub struct AcmeSection {
     pub trust_roots: String,
     /// Where the account key and the certificate are kept (mode 0700).
     pub state_dir: String,
+    /// PEM file of the roots the directory issues under (Pebble's
+    /// `/roots/0`, a private CA's root); empty: the web's roots. A
+    /// certificate another instance shared is installed only if its chain
+    /// verifies up to one of them for every domain.
+    pub issuer_roots: String,
     /// A hex secret of at least 32 bytes (mode 0600), the same on every
     /// instance of a `[cluster]`: the issued chain and its key are sealed
     /// with it (ChaCha20-Poly1305) before they go to the cluster's store,
@@ -848,6 +853,7 @@ impl Default for AcmeSection {
             challenge: "http-01".into(),
             trust_roots: String::new(),
             state_dir: String::new(),
+            issuer_roots: String::new(),
             shared_key_file: String::new(),
         }
     }

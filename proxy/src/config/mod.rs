@@ -199,6 +199,10 @@ pub struct AcmeSpec {
     pub trust_roots: Vec<Vec<u8>>,
     /// Account and certificate state.
     pub state_dir: PathBuf,
+    /// DER roots the directory's certificates chain to (`issuer_roots`;
+    /// empty: the web's roots): a certificate from the cluster's store is
+    /// installed only if it chains to one.
+    pub issuer_roots: Vec<Vec<u8>>,
     /// The key that seals what is shared through the cluster's store
     /// (`shared_key_file`); `None`: nothing is shared.
     pub shared_key: Option<[u8; 32]>,

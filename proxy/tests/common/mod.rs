@@ -937,6 +937,37 @@ pub fn get(addr: SocketAddr, path: &str, headers: &[(&str, &str)]) -> Resp {
         .unwrap()
 }
 
+/// The resident memory of process `pid`, KiB (`VmRSS`).
+pub fn rss_of(pid: u32) -> Option<u64> {
+    std::fs::read_to_string(format!("/proc/{pid}/status"))
+        .ok()?
+        .lines()
+        .find_map(|l| l.strip_prefix("VmRSS:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+}
+
+/// The largest RSS of process `pid` (KiB) while `f` runs, sampled every
+/// 50 ms.
+pub fn peak_rss<T>(pid: u32, f: impl FnOnce() -> T) -> (T, u64) {
+    let done = Arc::new(AtomicBool::new(false));
+    let peak = Arc::new(AtomicU64::new(rss_of(pid).unwrap_or(0)));
+    let sampler = std::thread::spawn({
+        let (done, peak) = (done.clone(), peak.clone());
+        move || {
+            while !done.load(Ordering::Relaxed) {
+                if let Some(kib) = rss_of(pid) {
+                    peak.fetch_max(kib, Ordering::Relaxed);
+                }
+                std::thread::sleep(Duration::from_millis(50));
+            }
+        }
+    });
+    let out = f();
+    done.store(true, Ordering::Relaxed);
+    sampler.join().unwrap();
+    (out, peak.load(Ordering::Relaxed))
+}
+
 /// A running `ultrafast serve` with its own config, ports and files.
 pub struct Ultrafast {
     pub head: String,
@@ -985,6 +1016,11 @@ impl Ultrafast {
         let mut uf = Self::spawn_env(dir, config, port, admin_port, false, env);
         uf.head = head;
         uf
+    }
+
+    /// The server's resident memory, KiB.
+    pub fn rss_kib(&self) -> u64 {
+        rss_of(self.child.id()).unwrap_or(0)
     }
 
     /// Replace the config body (the generated head stays).

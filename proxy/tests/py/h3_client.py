@@ -307,9 +307,49 @@ async def early(args):
         }
 
 
+async def early_stall(args):
+    """A resumed connection that sends a GET in 0-RTT and then never
+    finishes its handshake (nothing more leaves the client): how long the
+    server keeps it."""
+    tickets = []
+    c = config(args)
+    async with connect(
+        args.host, args.port, configuration=c, create_protocol=Client,
+        session_ticket_handler=tickets.append,
+    ) as client:
+        await client.request("GET", args.path, None, b"", args.servername)
+        await asyncio.sleep(0.2)
+    if not tickets:
+        return {"error": "no session ticket"}
+    c = config(args)
+    c.session_ticket = tickets[-1]
+    c.idle_timeout = 60.0
+    async with connect(
+        args.host, args.port, configuration=c, create_protocol=Client,
+        wait_connected=False,
+    ) as client:
+        t0 = time.monotonic()
+        answer = asyncio.ensure_future(client.request("GET", args.path, None, b"", args.servername))
+        await asyncio.sleep(0)
+        # The first flight (ClientHello and the 0-RTT request) is out:
+        # from here the client sends nothing, its Finished included.
+        client._transport.sendto = lambda *a, **k: None
+        try:
+            r = await asyncio.wait_for(answer, 5)
+        except asyncio.TimeoutError:
+            r = None
+        while client.terminated is None and time.monotonic() - t0 < args.hold:
+            await asyncio.sleep(0.05)
+        return {
+            "early_data_accepted": bool(client._quic.tls.early_data_accepted),
+            "answer": r and r["status"],
+            "closed_after_s": client.terminated and round(client.terminated["at"] - t0, 3),
+        }
+
+
 def main():
     p = argparse.ArgumentParser()
-    p.add_argument("mode", choices=["requests", "limits", "conns", "early", "load", "streams"])
+    p.add_argument("mode", choices=["requests", "limits", "conns", "early", "early-stall", "load", "streams"])
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, required=True)
     p.add_argument("--cafile", required=True)
@@ -324,7 +364,8 @@ def main():
     p.add_argument("--stagger-ms", type=float, default=0.0)
     p.add_argument("--timeout", type=float, default=60.0, help="seconds for the whole run")
     args = p.parse_args()
-    run = {"requests": requests, "limits": limits, "conns": conns, "early": early, "load": load,
+    run = {"requests": requests, "limits": limits, "conns": conns, "early": early,
+           "early-stall": early_stall, "load": load,
            "streams": streams}[args.mode]
     try:
         result = asyncio.run(asyncio.wait_for(run(args), args.timeout))

@@ -210,6 +210,13 @@ impl Issuer {
             );
             return None;
         };
+        if let Err(e) = seal::chains_to(&pem, &self.spec.issuer_roots, &self.spec.domains) {
+            log::warn!(
+                "listener {}: the cluster store's certificate does not chain to the issuer's roots: {e}",
+                self.listener
+            );
+            return None;
+        }
         let theirs = Issued::from_pem(pem.as_bytes())?;
         let newer = current.is_none_or(|c| theirs.not_after > c.not_after);
         if !newer || !theirs.covers(&self.spec.domains) || theirs.not_after <= SystemTime::now() {

@@ -91,22 +91,6 @@ impl Bounds {
     }
 }
 
-/// The connection h3 serves, its streams bounded.
-pub struct Conn {
-    inner: h3_quinn::Connection,
-    bounds: Arc<Bounds>,
-}
-
-impl Conn {
-    /// Wrap `quic` for h3.
-    pub fn new(quic: quinn::Connection, bounds: Arc<Bounds>) -> Self {
-        Conn {
-            inner: h3_quinn::Connection::new(quic),
-            bounds,
-        }
-    }
-}
-
 /// A receive stream read through its framer.
 pub struct Recv {
     inner: h3_quinn::RecvStream,
@@ -336,24 +320,39 @@ impl<B: Buf> quic::BidiStream<B> for Bidi<B> {
     }
 }
 
-/// Opens the server's own streams (its control and QPACK streams; it
-/// opens no request streams).
-pub struct Opener {
-    inner: h3_quinn::OpenStreams,
+/// h3-quinn's connection (`Conn`) or stream opener (`Opener`), whose
+/// bidirectional streams come bounded.
+pub struct Bounded<T> {
+    inner: T,
     bounds: Arc<Bounds>,
 }
 
-fn open_bidi<B: Buf>(
-    inner: &mut impl quic::OpenStreams<B, BidiStream = h3_quinn::BidiStream<B>>,
-    bounds: &Arc<Bounds>,
-    cx: &mut Context<'_>,
-) -> Poll<Result<Bidi<B>, StreamErrorIncoming>> {
-    inner
-        .poll_open_bidi(cx)
-        .map_ok(|s| Bidi::new(s, bounds.clone()))
+/// The connection h3 serves, its streams bounded.
+pub type Conn = Bounded<h3_quinn::Connection>;
+
+/// Opens the server's own streams (its control and QPACK streams; it
+/// opens no request streams).
+pub type Opener = Bounded<h3_quinn::OpenStreams>;
+
+impl Conn {
+    /// Wrap `quic` for h3.
+    pub fn new(quic: quinn::Connection, bounds: Arc<Bounds>) -> Self {
+        Bounded {
+            inner: h3_quinn::Connection::new(quic),
+            bounds,
+        }
+    }
 }
 
-impl<B: Buf> quic::OpenStreams<B> for Opener {
+impl<B, T> quic::OpenStreams<B> for Bounded<T>
+where
+    B: Buf,
+    T: quic::OpenStreams<
+        B,
+        BidiStream = h3_quinn::BidiStream<B>,
+        SendStream = h3_quinn::SendStream<B>,
+    >,
+{
     type BidiStream = Bidi<B>;
     type SendStream = h3_quinn::SendStream<B>;
 
@@ -361,7 +360,10 @@ impl<B: Buf> quic::OpenStreams<B> for Opener {
         &mut self,
         cx: &mut Context<'_>,
     ) -> Poll<Result<Self::BidiStream, StreamErrorIncoming>> {
-        open_bidi(&mut self.inner, &self.bounds, cx)
+        let bounds = &self.bounds;
+        self.inner
+            .poll_open_bidi(cx)
+            .map_ok(|s| Bidi::new(s, bounds.clone()))
     }
 
     fn poll_open_send(
@@ -372,30 +374,7 @@ impl<B: Buf> quic::OpenStreams<B> for Opener {
     }
 
     fn close(&mut self, code: h3::error::Code, reason: &[u8]) {
-        quic::OpenStreams::<B>::close(&mut self.inner, code, reason)
-    }
-}
-
-impl<B: Buf> quic::OpenStreams<B> for Conn {
-    type BidiStream = Bidi<B>;
-    type SendStream = h3_quinn::SendStream<B>;
-
-    fn poll_open_bidi(
-        &mut self,
-        cx: &mut Context<'_>,
-    ) -> Poll<Result<Self::BidiStream, StreamErrorIncoming>> {
-        open_bidi(&mut self.inner, &self.bounds, cx)
-    }
-
-    fn poll_open_send(
-        &mut self,
-        cx: &mut Context<'_>,
-    ) -> Poll<Result<Self::SendStream, StreamErrorIncoming>> {
-        self.inner.poll_open_send(cx)
-    }
-
-    fn close(&mut self, code: h3::error::Code, reason: &[u8]) {
-        quic::OpenStreams::<B>::close(&mut self.inner, code, reason)
+        self.inner.close(code, reason)
     }
 }
 

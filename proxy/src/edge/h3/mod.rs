@@ -173,6 +173,10 @@ pub fn server_config(
     // (nginx: `http3_stream_buffer_size` 64k).
     transport.stream_receive_window(STREAM_WINDOW.into());
     transport.receive_window(CONNECTION_WINDOW.into());
+    // No QUIC datagrams: nothing here reads them (HTTP/3 datagrams are not
+    // offered), and quinn would otherwise advertise them and keep up to
+    // 1.25 MB of a client's unread datagrams per connection.
+    transport.datagram_receive_buffer_size(None);
     transport.max_idle_timeout(Some(
         quinn::IdleTimeout::try_from(h3.idle_timeout).map_err(|e| e.to_string())?,
     ));
