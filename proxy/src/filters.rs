@@ -92,7 +92,9 @@ pub fn request_host(req: &RequestHeader) -> &str {
     req.headers
         .get(http::header::HOST)
         .and_then(|h| h.to_str().ok())
-        .or_else(|| req.uri.host())
+        // The whole authority, port included, as a Host header carries it:
+        // an HTTP/2 request keys as the same request over HTTP/1.1 does.
+        .or_else(|| req.uri.authority().map(|a| a.as_str()))
         .unwrap_or("")
 }
 

@@ -12,9 +12,10 @@
 //! origins do not), an encoded NUL, a `..` above the root, bytes that
 //! are not UTF-8 once decoded (routes and regexes match text), and dot
 //! segments with `;` parameters (`dot_parameter`). What goes upstream is
-//! the normalized path again (`encode_path`), unless a route asks for the
-//! original target (`upstream_path = "original"`); either way the cache
-//! keys on what the origin is asked.
+//! the target in normal form (`normalize_target`: dot segments and
+//! slashes resolved, only unreserved escapes decoded), unless a route asks
+//! for the original target (`upstream_path = "original"`); either way the
+//! cache keys on what the origin is asked.
 
 use std::borrow::Cow;
 
@@ -189,30 +190,57 @@ pub fn valid_host(host: &str) -> bool {
     port_ok && name_ok
 }
 
-/// `path` (normalized, so decoded) as a request target's path again:
-/// every byte a target may not carry raw percent-encoded (controls, space,
-/// non-ASCII, and `"#%<>?\\^`{|}`), as nginx's `ngx_escape_uri` does for
-/// a `proxy_pass` with a URI. Borrowed when nothing needs it.
-pub fn encode_path(path: &str) -> Cow<'_, str> {
+/// The target path an origin is asked for, normalized without changing
+/// what it names (RFC 3986 6.2.2): `%XX` of an unreserved character
+/// (letters, digits, `-._~`) decoded, every other `%XX` kept (upper-case
+/// hex), so `%3B` stays a character of the segment and never becomes a
+/// `;` parameter, `%2B` never a `+`; dot segments resolved (after `%2e`
+/// decoded), runs of slashes merged as routing merges them; bytes a target
+/// may not carry raw (controls, space, non-ASCII, `"<>\\^`{|}`) encoded.
+/// The caller has normalized `path` already (`normalize` refused what is
+/// unsafe: `%2F`, NUL, climbing above the root).
+pub fn normalize_target(path: &str, merge_slashes: bool) -> Result<String, BadPath> {
+    const HEX: &[u8; 16] = b"0123456789ABCDEF";
+    fn unreserved(c: u8) -> bool {
+        c.is_ascii_alphanumeric() || matches!(c, b'-' | b'.' | b'_' | b'~')
+    }
     fn raw_ok(c: u8) -> bool {
-        c > 0x20 && c < 0x7f && !b"\"#%<>?\\^`{|}".contains(&c)
+        c > 0x20 && c < 0x7f && !b"\"#<>\\^`{|}".contains(&c)
     }
     let b = path.as_bytes();
-    if b.iter().all(|&c| raw_ok(c)) {
-        return Cow::Borrowed(path);
-    }
-    const HEX: &[u8; 16] = b"0123456789ABCDEF";
-    let mut out = String::with_capacity(b.len() + 8);
-    for &c in b {
-        if raw_ok(c) {
-            out.push(c as char);
-        } else {
-            out.push('%');
-            out.push(HEX[usize::from(c >> 4)] as char);
-            out.push(HEX[usize::from(c & 15)] as char);
+    let mut out = Vec::with_capacity(b.len());
+    let mut i = 0;
+    while i < b.len() {
+        let c = b[i];
+        if c == b'%' {
+            let (Some(h), Some(l)) = (
+                b.get(i + 1).copied().and_then(hex),
+                b.get(i + 2).copied().and_then(hex),
+            ) else {
+                return Err(BadPath::Encoding);
+            };
+            let v = h << 4 | l;
+            if unreserved(v) {
+                out.push(v);
+            } else {
+                out.extend_from_slice(&[b'%', HEX[usize::from(h)], HEX[usize::from(l)]]);
+            }
+            i += 3;
+            continue;
         }
+        if raw_ok(c) {
+            out.push(c);
+        } else {
+            out.extend_from_slice(&[b'%', HEX[usize::from(c >> 4)], HEX[usize::from(c & 15)]]);
+        }
+        i += 1;
     }
-    Cow::Owned(out)
+    if out.first() != Some(&b'/') {
+        return String::from_utf8(out).map_err(|_| BadPath::NotUtf8);
+    }
+    let resolved = resolve(&out, merge_slashes)?;
+    // ASCII throughout: every other byte was encoded above.
+    String::from_utf8(resolved).map_err(|_| BadPath::NotUtf8)
 }
 
 /// Whether a path has a dot segment carrying `;` parameters (`/..;/`,
@@ -312,14 +340,24 @@ mod tests {
     }
 
     #[test]
-    fn normalized_paths_are_encoded_again_for_the_origin() {
-        assert!(matches!(encode_path("/a/b.html"), Cow::Borrowed(_)));
-        assert_eq!(encode_path("/caf\u{e9}/a b"), "/caf%C3%A9/a%20b");
-        assert_eq!(encode_path("/x?y#z%"), "/x%3Fy%23z%25");
-        assert_eq!(encode_path("/a;b=c,d+e"), "/a;b=c,d+e");
-        // Round trip: the origin decodes what the route matched.
-        let n = normalize("/caf%C3%A9/%3F/../q%20r", true).unwrap();
-        assert_eq!(encode_path(&n), "/caf%C3%A9/q%20r");
+    fn the_origin_is_asked_for_the_same_resource_in_normal_form() {
+        let t = |p: &str| normalize_target(p, true).unwrap();
+        assert_eq!(t("/%70rivate/x"), "/private/x");
+        assert_eq!(t("/a/%2e%2e/b//c/./d"), "/b/c/d");
+        // A reserved character stays encoded: `%3B` is no `;` parameter,
+        // `%2B` no `+`, `%3F` no query.
+        assert_eq!(t("/files/report%3bv2.pdf"), "/files/report%3Bv2.pdf");
+        assert_eq!(t("/a%2Bb/c%3Fd%25"), "/a%2Bb/c%3Fd%25");
+        assert_eq!(t("/caf%c3%a9/x"), "/caf%C3%A9/x");
+        // Raw bytes a target may not carry are encoded; `;` stays raw.
+        assert_eq!(t("/caf\u{e9}/a;b"), "/caf%C3%A9/a;b");
+        assert_eq!(normalize_target("/a//b", false).unwrap(), "/a//b");
+        // It names what routing matched: the same path once decoded.
+        for p in ["/x/%2e/%61b%3Bc/..", "/%7Eu/./caf%C3%A9", "/a%20b"] {
+            let target = t(p);
+            let routed = normalize(p, true).unwrap();
+            assert_eq!(normalize(&target, true).unwrap(), routed, "{p}");
+        }
     }
 
     #[test]

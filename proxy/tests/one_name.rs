@@ -215,4 +215,13 @@ fn a_trailing_dot_in_host_names_the_same_virtual_host_and_cache_entry() {
         2,
         "`api.example.com.` is served from the same entry"
     );
+    // And the origin is asked for the name without the dot (an origin
+    // that keeps it could answer for another site under this key).
+    let r = get(uf.addr, "/y", &[("Host", "api.example.com.")]);
+    assert_eq!(
+        r.json()["headers"]["host"],
+        "api.example.com",
+        "{}",
+        r.text()
+    );
 }

@@ -44,7 +44,7 @@ async fn read_body(session: &mut ServerSession) -> Result<Vec<u8>, &'static str>
 
 /// The key a URL is cached under, as the proxy builds it: its host
 /// without a trailing dot, and the path the origin would be asked for:
-/// normalized as the server normalizes (`merge_slashes`) and re-encoded,
+/// its normal form (`uri::normalize_target`) where normalizing changes it,
 /// or the URL's own where the matching route sends the original target.
 fn url_key(url: &str, cfg: &crate::runtime::Snapshot) -> Result<String, String> {
     use std::borrow::Cow;
@@ -62,7 +62,10 @@ fn url_key(url: &str, cfg: &crate::runtime::Snapshot) -> Result<String, String> 
         .find(&host, &path)
         .is_some_and(|r| r.upstream_path == crate::routing::UpstreamPath::Original);
     let asked = match &path {
-        Cow::Owned(p) if !original => crate::uri::encode_path(p),
+        Cow::Owned(_) if !original => Cow::Owned(
+            crate::uri::normalize_target(uri.path(), cfg.file.server.merge_slashes)
+                .map_err(|e| format!("`url`: {}", e.reason()))?,
+        ),
         _ => Cow::Borrowed(uri.path()),
     };
     Ok(cache::primary(

@@ -70,34 +70,14 @@ pub fn acme(a: &AcmeSection, at: &FieldPath, errs: &mut Errors) -> Option<AcmeSp
             AcmeChallenge::Http01
         }
     };
-    let trust_roots = if a.trust_roots.is_empty() {
-        Vec::new()
-    } else {
-        match read_roots(&a.trust_roots) {
-            Ok(r) => r,
-            Err(e) => {
-                errs.push(at.k("trust_roots"), e);
-                Vec::new()
-            }
-        }
-    };
+    let trust_roots = roots(&a.trust_roots, "trust_roots", at, errs);
     if a.state_dir.trim().is_empty() {
         errs.push(
             at.k("state_dir"),
             "a directory for the account key and the certificate is required",
         );
     }
-    let issuer_roots = if a.issuer_roots.is_empty() {
-        Vec::new()
-    } else {
-        match read_roots(&a.issuer_roots) {
-            Ok(r) => r,
-            Err(e) => {
-                errs.push(at.k("issuer_roots"), e);
-                Vec::new()
-            }
-        }
-    };
+    let issuer_roots = roots(&a.issuer_roots, "issuer_roots", at, errs);
     let shared_key = if a.shared_key_file.is_empty() {
         None
     } else {
@@ -122,6 +102,18 @@ pub fn acme(a: &AcmeSection, at: &FieldPath, errs: &mut Errors) -> Option<AcmeSp
         state_dir: PathBuf::from(&a.state_dir),
         issuer_roots,
         shared_key,
+    })
+}
+
+/// The roots of a PEM file named by field `key` (none when it is empty),
+/// its problems reported at that field.
+fn roots(path: &str, key: &str, at: &FieldPath, errs: &mut Errors) -> Vec<Vec<u8>> {
+    if path.is_empty() {
+        return Vec::new();
+    }
+    read_roots(path).unwrap_or_else(|e| {
+        errs.push(at.k(key), e);
+        Vec::new()
     })
 }
 

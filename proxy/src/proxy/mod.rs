@@ -265,22 +265,41 @@ fn forward_headers(
     Ok(())
 }
 
+/// `Host: api.example.com.` is `api.example.com` to routing and the cache
+/// key: the origin is asked for that name too, or an origin that does not
+/// strip the dot would answer for another site under this one's key.
+fn without_host_dot(req: &mut RequestHeader) {
+    let host = filters::request_host(req);
+    let clean = crate::uri::host_without_dot(host);
+    if clean.len() == host.len() {
+        return;
+    }
+    if let Ok(v) = http::HeaderValue::try_from(clean.into_owned()) {
+        let _ = req.insert_header(http::header::HOST, v);
+    }
+}
+
 /// One name for one resource: a proxied route that asks its origin for
 /// the normalized path (`upstream_path`, the default) has the request's
-/// target rewritten to it here, so the origin, the cache key and the
-/// access log all read the one target (nginx's `proxy_pass` with a URI).
+/// target rewritten to its normal form here (`uri::normalize_target`), so
+/// the origin, the cache key and the access log all read the one target.
+/// Only a target that normalizing changed (`ctx.path`) is rewritten.
 fn ask_for_normalized(req: &mut RequestHeader, ctx: &Ctx) {
-    let (Some(path), Some(route)) = (&ctx.path, &ctx.route) else {
+    let (Some(_), Some(route)) = (&ctx.path, &ctx.route) else {
         return;
     };
     if route.upstream_path != UpstreamPath::Normalized || !matches!(route.action, Action::Proxy(_))
     {
         return;
     }
-    let encoded = crate::uri::encode_path(path);
+    let Ok(encoded) =
+        crate::uri::normalize_target(req.uri.path(), ctx.cfg.file.server.merge_slashes)
+    else {
+        return;
+    };
     let target = match req.uri.query() {
         Some(q) => format!("{encoded}?{q}"),
-        None => encoded.into_owned(),
+        None => encoded,
     };
     let mut parts = req.uri.clone().into_parts();
     parts.path_and_query = http::uri::PathAndQuery::try_from(target).ok();
@@ -378,8 +397,9 @@ impl ProxyHttp for EdgeProxy {
             if !crate::uri::valid_host(host) || filters::conflicting_host(req) {
                 bad_path = Some("invalid Host");
             } else if !req.raw_path_is_utf8() {
-                // Raw bytes that are not UTF-8 are refused as their
-                // encoded form is (routing would see U+FFFD instead).
+                // Raw bytes that are not UTF-8, in the path or the query,
+                // are refused as the path's encoded form is: routing would
+                // see U+FFFD, and two targets would share one cache key.
                 bad_path = Some(crate::uri::BadPath::NotUtf8.reason());
             } else {
                 match crate::uri::normalize(req.uri.path(), cfg.file.server.merge_slashes) {
@@ -397,6 +417,7 @@ impl ProxyHttp for EdgeProxy {
                 }
             }
             if bad_path.is_none() {
+                without_host_dot(session.req_header_mut());
                 ask_for_normalized(session.req_header_mut(), ctx);
             }
         }

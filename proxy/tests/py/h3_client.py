@@ -273,7 +273,9 @@ async def conns(args):
     return held
 
 
-async def early(args):
+async def resumed_config(args):
+    """A first connection for a session ticket, and the configuration of
+    a second that resumes with it (None without a ticket)."""
     tickets = []
     c = config(args)
     async with connect(
@@ -283,9 +285,17 @@ async def early(args):
         await client.request("GET", args.path, None, b"", args.servername)
         await asyncio.sleep(0.2)
     if not tickets:
-        return {"error": "no session ticket"}
+        return None
     c = config(args)
     c.session_ticket = tickets[-1]
+    return c
+
+
+async def early(args):
+    c = await resumed_config(args)
+    if c is None:
+        return {"error": "no session ticket"}
+    tickets = [c.session_ticket]
     todo = json.loads(args.requests)
     async with connect(
         args.host, args.port, configuration=c, create_protocol=Client,
@@ -311,18 +321,9 @@ async def early_stall(args):
     """A resumed connection that sends a GET in 0-RTT and then never
     finishes its handshake (nothing more leaves the client): how long the
     server keeps it."""
-    tickets = []
-    c = config(args)
-    async with connect(
-        args.host, args.port, configuration=c, create_protocol=Client,
-        session_ticket_handler=tickets.append,
-    ) as client:
-        await client.request("GET", args.path, None, b"", args.servername)
-        await asyncio.sleep(0.2)
-    if not tickets:
+    c = await resumed_config(args)
+    if c is None:
         return {"error": "no session ticket"}
-    c = config(args)
-    c.session_ticket = tickets[-1]
     c.idle_timeout = 60.0
     async with connect(
         args.host, args.port, configuration=c, create_protocol=Client,

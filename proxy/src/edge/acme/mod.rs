@@ -156,6 +156,11 @@ impl Issuer {
     ) -> Self {
         let status = Arc::new(Mutex::new(Status::default()));
         register(&listener, &specs, Some((spec.clone(), status.clone())));
+        if crate::cluster::get().is_some() && spec.shared_key.is_none() {
+            log::warn!(
+                "listener {listener}: ACME with [cluster] but no acme.shared_key_file: nothing is shared through the store, and each instance orders its own certificate (mind the directory's duplicate-certificate limits)"
+            );
+        }
         Issuer {
             listener,
             spec,

@@ -24,6 +24,12 @@ use std::task::{Context, Poll};
 pub const H3_EXCESSIVE_LOAD: u64 = 0x0107;
 /// RFC 9114 8.1: the request was not processed; the client may retry.
 pub const H3_REQUEST_REJECTED: u64 = 0x010b;
+/// RFC 9114 8.1: the request or its response is cancelled.
+pub const H3_REQUEST_CANCELLED: u64 = 0x010c;
+
+/// Bytes of each HEADERS frame held without a charge: an ordinary head is
+/// never refused for a budget that trickled heads have spent.
+const FREE_HEAD: u64 = 16 * 1024;
 
 /// Bytes of unfinished request heads held by h3 across the process.
 static PROCESS_HELD: AtomicU64 = AtomicU64::new(0);
@@ -96,11 +102,16 @@ pub struct Recv {
     inner: h3_quinn::RecvStream,
     framer: Framer,
     bounds: Arc<Bounds>,
-    ready: VecDeque<Bytes>,
-    /// Bytes of the unfinished HEADERS frame handed to h3 so far.
+    /// What h3 is to read next, each piece with the bytes it charged.
+    ready: VecDeque<(Bytes, u64)>,
+    /// Bytes charged for pieces still in `ready`.
+    queued: u64,
+    /// Bytes of the unfinished HEADERS frame read so far, and what they
+    /// charged (all past `FREE_HEAD`).
+    frame: u64,
     held: u64,
-    /// Bytes whose frame is whole: given back at the next poll, once h3
-    /// has decoded it.
+    /// Charges of whole frames: given back once h3 has been handed every
+    /// piece of them and polls again (it has decoded them by then).
     done: u64,
     refused: Option<u64>,
     /// A request stream's refusal, told to its send half.
@@ -119,6 +130,8 @@ impl Recv {
             framer: Framer::new(kind, bounds.field_section),
             bounds,
             ready: VecDeque::new(),
+            queued: 0,
+            frame: 0,
             held: 0,
             done: 0,
             refused: None,
@@ -148,17 +161,22 @@ impl Recv {
         let read = self.framer.feed(chunk, &mut steps);
         for s in steps {
             match s {
-                Step::Pass(b) => self.ready.push_back(b),
+                Step::Pass(b) => self.ready.push_back((b, 0)),
                 Step::Held(b) => {
-                    if !self.bounds.take(b.len() as u64) {
+                    let before = self.frame.saturating_sub(FREE_HEAD);
+                    self.frame += b.len() as u64;
+                    let charge = self.frame.saturating_sub(FREE_HEAD) - before;
+                    if charge > 0 && !self.bounds.take(charge) {
                         return Err(self.refuse(H3_REQUEST_REJECTED, "busy"));
                     }
-                    self.held += b.len() as u64;
-                    self.ready.push_back(b);
+                    self.held += charge;
+                    self.queued += charge;
+                    self.ready.push_back((b, charge));
                 }
                 Step::Done => {
                     self.done += self.held;
                     self.held = 0;
+                    self.frame = 0;
                 }
             }
         }
@@ -179,16 +197,20 @@ impl quic::RecvStream for Recv {
         &mut self,
         cx: &mut Context<'_>,
     ) -> Poll<Result<Option<Bytes>, StreamErrorIncoming>> {
-        // h3 polls again only after it decoded what it was handed.
-        let done = std::mem::take(&mut self.done);
-        self.bounds.give(done);
+        // Once every piece of a whole frame is out, h3 decodes it before
+        // it asks for more.
+        if self.queued == 0 {
+            let done = std::mem::take(&mut self.done);
+            self.bounds.give(done);
+        }
         loop {
             if let Some(code) = self.refused {
                 return Poll::Ready(Err(StreamErrorIncoming::StreamTerminated {
                     error_code: code,
                 }));
             }
-            if let Some(b) = self.ready.pop_front() {
+            if let Some((b, charged)) = self.ready.pop_front() {
+                self.queued -= charged;
                 return Poll::Ready(Ok(Some(b)));
             }
             match std::task::ready!(self.inner.poll_data(cx)) {
@@ -217,14 +239,23 @@ impl quic::RecvStream for Recv {
 pub struct Send<B: Buf> {
     inner: h3_quinn::SendStream<B>,
     refused: Arc<AtomicU64>,
+    /// Finished or reset: nothing to do when dropped.
+    ended: bool,
 }
 
 impl<B: Buf> Drop for Send<B> {
     fn drop(&mut self) {
-        let code = self.refused.load(Ordering::Relaxed);
-        if code != 0 {
-            quic::SendStream::reset(&mut self.inner, code);
+        if self.ended {
+            return;
         }
+        // Dropped before its end (a refusal, a head past its deadline, a
+        // response cut short): a reset, never a FIN a client would read as
+        // a whole, empty or truncated answer.
+        let code = match self.refused.load(Ordering::Relaxed) {
+            0 => H3_REQUEST_CANCELLED,
+            c => c,
+        };
+        quic::SendStream::reset(&mut self.inner, code);
     }
 }
 
@@ -238,10 +269,15 @@ impl<B: Buf> quic::SendStream<B> for Send<B> {
     }
 
     fn poll_finish(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), StreamErrorIncoming>> {
-        self.inner.poll_finish(cx)
+        let p = self.inner.poll_finish(cx);
+        if p.is_ready() {
+            self.ended = true;
+        }
+        p
     }
 
     fn reset(&mut self, reset_code: u64) {
+        self.ended = true;
         self.inner.reset(reset_code)
     }
 
@@ -264,6 +300,7 @@ impl<B: Buf> Bidi<B> {
             send: Send {
                 inner: send,
                 refused: refused.clone(),
+                ended: false,
             },
             recv: Recv::new(recv, Kind::Request, bounds, Some(refused)),
         }

@@ -457,7 +457,7 @@ async fn serve<A: HttpServerApp + Send + Sync + 'static>(
                             Some(d) => match tokio::time::timeout(d, head).await {
                                 Ok(r) => r,
                                 Err(_) => {
-                                    // Dropped: the stream is reset.
+                                    // Dropped: the stream is reset (H3_REQUEST_CANCELLED).
                                     refused.with_label_values(&["header_timeout"]).inc();
                                     return;
                                 }
