@@ -312,7 +312,7 @@ impl Router {
 
     /// The route for a host (may carry a port) and a path, if any.
     pub fn find(&self, host: &str, path: &str) -> Option<&Arc<Route>> {
-        let host = strip_port(host);
+        let host = crate::uri::strip_port(host);
         // `api.example.com.` is `api.example.com` (nginx strips the dot).
         let host = host.strip_suffix('.').unwrap_or(host);
         let lower;
@@ -337,17 +337,6 @@ impl Router {
             .or(self.default_table)?;
         self.tables[table].find(path).map(|i| &self.routes[i])
     }
-}
-
-fn strip_port(host: &str) -> &str {
-    if host.starts_with('[') {
-        // [v6]:port
-        return host
-            .split_once(']')
-            .map(|(h, _)| &host[..h.len() + 1])
-            .unwrap_or(host);
-    }
-    host.rsplit_once(':').map(|(h, _)| h).unwrap_or(host)
 }
 
 #[cfg(test)]

@@ -270,6 +270,17 @@ pub fn dot_parameter(path: &str) -> bool {
     })
 }
 
+/// A Host's name without its port (`[v6]:port` keeps its brackets).
+pub fn strip_port(host: &str) -> &str {
+    if host.starts_with('[') {
+        return host
+            .split_once(']')
+            .map(|(h, _)| &host[..h.len() + 1])
+            .unwrap_or(host);
+    }
+    host.rsplit_once(':').map(|(h, _)| h).unwrap_or(host)
+}
+
 /// A Host (with or without a port) without one trailing dot on its name:
 /// `api.example.com.:443` is `api.example.com:443`, as nginx reads it.
 pub fn host_without_dot(host: &str) -> Cow<'_, str> {

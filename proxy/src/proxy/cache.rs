@@ -65,7 +65,8 @@ pub(super) fn key(session: &Session, ctx: &Ctx) -> Result<CacheKey> {
         );
     };
     let req = session.req_header();
-    let host = crate::uri::host_without_dot(filters::request_host(req)).to_ascii_lowercase();
+    // Without a trailing dot: `without_host_dot` rewrote Host at routing.
+    let host = filters::request_host(req).to_ascii_lowercase();
     let scheme = if ctx.tls { "https" } else { "http" };
     Ok(CacheKey::new(
         crate::cache::primary(scheme, &host, req.uri.path(), req.uri.query()),

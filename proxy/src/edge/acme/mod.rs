@@ -466,10 +466,7 @@ pub fn register(listener: &str, specs: &[CertSpec], acme: Option<(AcmeSpec, Arc<
 /// such requests for a challenge are looked up (and, with `[cluster]`,
 /// asked of the store), so that no other probe costs a store round trip.
 pub fn serves_http01(host: &str) -> bool {
-    let name = match host.rsplit_once(':') {
-        Some((n, p)) if !n.contains(':') && p.bytes().all(|b| b.is_ascii_digit()) => n,
-        _ => host,
-    };
+    let name = crate::uri::strip_port(host);
     let name = name.strip_suffix('.').unwrap_or(name);
     VIEWS.lock().iter().any(|v| {
         v.acme.as_ref().is_some_and(|(spec, _)| {

@@ -57,8 +57,9 @@ pub async fn serve<A: HttpServerApp + Send + Sync + 'static>(
     }
     // Host from `:authority`, as Pingora gives HTTP/2 requests (RFC 9114
     // 4.3.1): HTTP/1.1 origins read Host, and `h2`/`h2c` pools build their
-    // `:authority` from it. A Host sent beside a different `:authority`
-    // (or twice) stays, and the request filter refuses it (400).
+    // `:authority` from it. A Host unlike `:authority` never gets here (h3
+    // resets the stream, H3_MESSAGE_ERROR); one sent twice stays, and the
+    // request filter refuses it (400).
     if !parts.headers.contains_key(http::header::HOST) {
         if let Some(v) = parts
             .uri
