@@ -392,6 +392,9 @@ impl ProxyHttp for EdgeProxy {
         if redirect.is_none() {
             let req = session.req_header();
             let host = filters::request_host(req);
+            // Decided on the host already read: the plain path looks Host
+            // up no second time.
+            let dotted = crate::uri::host_without_dot(host).len() != host.len();
             // Matched as nginx matches locations: on the normalized path,
             // and only for a host that is a host.
             if !crate::uri::valid_host(host) || filters::conflicting_host(req) {
@@ -417,7 +420,9 @@ impl ProxyHttp for EdgeProxy {
                 }
             }
             if bad_path.is_none() {
-                without_host_dot(session.req_header_mut());
+                if dotted {
+                    without_host_dot(session.req_header_mut());
+                }
                 ask_for_normalized(session.req_header_mut(), ctx);
             }
         }
