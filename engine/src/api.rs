@@ -259,6 +259,9 @@ pub struct Prepared {
     pub prefix_hash: u64,
     /// The compiled grammar of the output (engine only; opaque here).
     pub guide: Option<Compiled>,
+    /// The member of an upstream pool the edge placed the request on
+    /// (a fleet routed on predicted latency); tried first.
+    pub member: Option<std::net::SocketAddr>,
 }
 
 /// A request a backend cannot take, in OpenAI's error vocabulary.

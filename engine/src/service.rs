@@ -428,6 +428,7 @@ impl Backend for EngineService {
             tokens,
             prefix_hash: 0,
             guide,
+            member: None,
         })
     }
 

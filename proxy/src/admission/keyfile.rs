@@ -11,6 +11,8 @@
 //! burst_tokens = 4000
 //! lanes = ["standard", "batch"]        # optional: the lanes it may use; absent = all
 //! weight = 3                           # optional share against other tenants in a lane; default 1
+//! min_ttft_ms = 500                    # optional: the tightest TTFT a request may ask (x-slo-ttft-ms)
+//! min_tpot_ms = 20                     # optional: the tightest inter-token target it may ask (x-slo-tpot-ms)
 //! ```
 //!
 //! Parsing is serde with `deny_unknown_fields`; validation collects every
@@ -52,6 +54,8 @@ struct KeySpec {
     burst_tokens: Option<u64>,
     lanes: Option<Vec<String>>,
     weight: Option<f64>,
+    min_ttft_ms: Option<u64>,
+    min_tpot_ms: Option<u64>,
 }
 
 /// The limits of one key.
@@ -61,6 +65,11 @@ pub struct KeyLimits {
     pub rate: Option<(f64, u32)>,
     /// Tokens per minute and burst in tokens.
     pub tokens: Option<(f64, u64)>,
+    /// The tightest time-to-first-token target its requests may ask for
+    /// (`x-slo-ttft-ms`), ms; None: any within the lane's.
+    pub min_ttft_ms: Option<u64>,
+    /// The tightest inter-token target they may ask for, ms.
+    pub min_tpot_ms: Option<u64>,
 }
 
 /// One validated key.
@@ -301,7 +310,20 @@ fn limits(k: &KeySpec, at: &FieldPath, errs: &mut Vec<(FieldPath, String)>) -> K
         // Default burst: one minute's worth.
         (Some(t), b) => Some((t, b.unwrap_or(t.ceil() as u64).max(1))),
     };
-    KeyLimits { rate, tokens }
+    for (f, v) in [
+        ("min_ttft_ms", k.min_ttft_ms),
+        ("min_tpot_ms", k.min_tpot_ms),
+    ] {
+        if v.is_some_and(|v| v == 0 || v > 86_400_000) {
+            err(f, "must be between 1 and 86400000 (ms)");
+        }
+    }
+    KeyLimits {
+        rate,
+        tokens,
+        min_ttft_ms: k.min_ttft_ms,
+        min_tpot_ms: k.min_tpot_ms,
+    }
 }
 
 #[cfg(test)]

@@ -1072,8 +1072,10 @@ pub struct HeaderRules {
 pub struct PoolSection {
     /// Members.
     pub members: Vec<MemberSection>,
-    /// `round_robin`, `least_outstanding`, `consistent_hash`, `peak_ewma`
-    /// or `queue_aware`.
+    /// `round_robin`, `least_outstanding`, `consistent_hash`, `peak_ewma`,
+    /// `queue_aware`; for inference pools also `predicted_latency` (a
+    /// prediction per member, placement by headroom) and `load_prefix`
+    /// (llm-d's default scoring, the baseline).
     pub lb: String,
     /// For `consistent_hash`: `client_ip`, `header:NAME` or `cookie:NAME`.
     pub hash_key: String,
@@ -1125,6 +1127,21 @@ pub struct PoolSection {
     pub scrape_interval_ms: u64,
     /// For `queue_aware`: the members' Prometheus path.
     pub metrics_path: String,
+    /// For `predicted_latency`: members drawn at random and scored per
+    /// decision, beside the prefix-hit holders (power of k choices).
+    pub predict_k: usize,
+    /// For `predicted_latency` and `load_prefix`: sequences one member
+    /// runs at once (its `max_num_seqs`).
+    pub member_slots: usize,
+    /// For `predicted_latency` and `load_prefix`: tokens one member's step
+    /// takes at most (its `max_num_batched_tokens`; 0 = whole prompts).
+    pub member_chunk_tokens: usize,
+    /// For `predicted_latency` and `load_prefix`: tokens per block of the
+    /// prefix index (the members' KV block size).
+    pub prefix_block_tokens: usize,
+    /// For `predicted_latency` and `load_prefix`: prompt tokens one
+    /// member's prefix cache holds (its KV capacity; 0 = no index).
+    pub prefix_capacity_tokens: usize,
 }
 
 /// `tls = { ... }` of a pool: HTTPS to the members.
@@ -1180,6 +1197,11 @@ impl Default for PoolSection {
             request_id: "forward".into(),
             scrape_interval_ms: 1000,
             metrics_path: "/metrics".into(),
+            predict_k: 4,
+            member_slots: 256,
+            member_chunk_tokens: 0,
+            prefix_block_tokens: 16,
+            prefix_capacity_tokens: 262_144,
         }
     }
 }

@@ -36,9 +36,11 @@
 //! the calibration's own lock, not the ledger's); a decision reads one
 //! atomic.
 
+use crate::admission::clock::{Clock, MonotonicClock};
 use parking_lot::Mutex;
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use super::book::RANKS;
@@ -73,6 +75,7 @@ pub struct Calibration {
     /// Samples kept per lane (whether the prior still holds).
     kept: [AtomicUsize; RANKS],
     window: Duration,
+    clock: Arc<dyn Clock>,
 }
 
 impl Default for Calibration {
@@ -84,14 +87,25 @@ impl Default for Calibration {
 impl Calibration {
     /// Calibration over samples of the last `window`.
     pub fn new(window: Duration) -> Self {
+        Self::with_clock(window, Arc::new(MonotonicClock))
+    }
+
+    /// The same on `clock` (simulations in virtual time).
+    pub fn with_clock(window: Duration, clock: Arc<dyn Clock>) -> Self {
         Calibration {
             samples: Mutex::new(Default::default()),
             factor: std::array::from_fn(|_| AtomicU64::new(PRIOR.to_bits())),
             newest_ms: std::array::from_fn(|_| AtomicU64::new(0)),
-            epoch: Instant::now(),
+            epoch: clock.now(),
             kept: std::array::from_fn(|_| AtomicUsize::new(0)),
             window,
+            clock,
         }
+    }
+
+    /// How far back samples count.
+    pub fn window(&self) -> Duration {
+        self.window
     }
 
     /// The correction factor of lane `rank` now. When even its newest
@@ -102,7 +116,8 @@ impl Calibration {
         let r = super::book::rank_index(rank);
         let f = f64::from_bits(self.factor[r].load(Ordering::Relaxed));
         let newest = Duration::from_millis(self.newest_ms[r].load(Ordering::Relaxed));
-        if f > PRIOR && self.epoch.elapsed().saturating_sub(newest) > self.window {
+        let age = self.clock.now().saturating_duration_since(self.epoch);
+        if f > PRIOR && age.saturating_sub(newest) > self.window {
             return PRIOR;
         }
         f

@@ -278,6 +278,21 @@ impl Front {
             ))));
         };
         let tenant = super::tenant::tenant_of(inc, parsed.user.as_deref());
+        // The request's own targets, within what its key allows.
+        let floors = inc.key.as_ref().map_or((None, None), |k| {
+            (k.limits.min_ttft_ms, k.limits.min_tpot_ms)
+        });
+        let asked = super::targets::asked(|n| inc.headers.get(n).map(|v| v.as_bytes()), floors)
+            .map_err(reject)?;
+        // A pool placed by predicted latency admits on its members' own
+        // models (`fleet`), not the model's.
+        let fleet = match &model.backend {
+            super::ModelBackend::Upstream(u) => u
+                .fleet_now()
+                .filter(|(f, _, _)| f.spec().policy == super::fleet::Policy::PredictedLatency)
+                .map(|f| (u.stale_ms(), f)),
+            super::ModelBackend::Engine(_) => None,
+        };
         // The model's defaults for what the request left out.
         let mut sampling = parsed.sampling.clone();
         parsed.given.apply(&mut sampling, &model.def.sampling);
@@ -312,19 +327,23 @@ impl Front {
         let estimate = slo::estimate_tokens(&req.prompt, bound);
         // Every choice's output is work to admit and budget.
         let max_out = req.max_tokens.unwrap_or(CLAIM_MAX_TOKENS) * req.n;
-        let claim = slo::precheck(
-            lanes,
-            lane,
-            &model.latency,
-            live,
-            estimate,
-            max_out,
-            &tenant,
-        )
-        .map_err(|m| {
-            metrics.admission.shed(&lanes[m.lane()].name, "slo");
-            m.failure(lanes)
-        })?;
+        let claim = match fleet {
+            Some(_) => None,
+            None => slo::precheck(
+                lanes,
+                lane,
+                &model.latency,
+                live,
+                estimate,
+                max_out,
+                &tenant,
+                asked,
+            )
+            .map_err(|m| {
+                metrics.admission.shed(&lanes[m.lane()].name, "slo");
+                m.failure(lanes)
+            })?,
+        };
         // The engine tokenizes and renders the template here: off the
         // request runtime, so a long prompt never stalls other requests,
         // and bounded in bytes and threads (see `tokenize`).
@@ -337,7 +356,7 @@ impl Front {
         } else {
             backend.prepare(&req)
         };
-        let prepared = prepared.map_err(|e| {
+        let mut prepared = prepared.map_err(|e| {
             if e.code != "tokenizer_overloaded" {
                 return reject(e);
             }
@@ -351,18 +370,36 @@ impl Front {
         let budget = self
             .reserve(metrics, inc, &lanes[lane].name, tokens)
             .await?;
-        let passed = slo::slo(
-            lanes,
-            lane,
-            &model.latency,
-            live,
-            prepared.prompt_tokens,
-            prepared.max_tokens * req.n,
-            claim,
-            inc.arrived.elapsed(),
-            granted.as_deref(),
-            &tenant,
-        )
+        let passed = match &fleet {
+            Some((stale, (fleet, members, aligned))) => {
+                let now = crate::upstream::now_ms();
+                let report = |i: usize| super::fleet::report(&members.members[i], now, *stale);
+                let blocks = super::fleet::prompt_blocks(&req.prompt, fleet.spec().block_tokens);
+                let r = super::fleet::admit::Request {
+                    prompt: prepared.prompt_tokens,
+                    max_out: prepared.max_tokens * req.n,
+                    spent: inc.arrived.elapsed(),
+                    granted: granted.as_deref(),
+                    tenant: &tenant,
+                    asked,
+                    blocks: &blocks,
+                };
+                super::fleet::admit::admit(lanes, lane, fleet, aligned, &report, r)
+            }
+            None => slo::slo(
+                lanes,
+                lane,
+                &model.latency,
+                live,
+                prepared.prompt_tokens,
+                prepared.max_tokens * req.n,
+                claim,
+                inc.arrived.elapsed(),
+                granted.as_deref(),
+                &tenant,
+                asked,
+            ),
+        }
         .map_err(|m| {
             let reason = match m {
                 slo::Missed::Busy { .. } => "slo",
@@ -372,6 +409,7 @@ impl Front {
             m.failure(lanes)
         })?;
         let lane = passed.lane;
+        prepared.member = passed.member;
         let watch = model
             .def
             .watchdog

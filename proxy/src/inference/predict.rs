@@ -35,6 +35,7 @@
 //! came against their raw predictions (`calibrate`), so the target holds
 //! on a machine slower (or faster) than the fit believes.
 
+use crate::admission::clock::{Clock, MonotonicClock};
 use book::{rank_index, Books, Entry, Viewer, RANKS};
 use calibrate::Calibration;
 use parking_lot::Mutex;
@@ -166,8 +167,12 @@ struct Ledger {
     output_share: f64,
     /// Upstream step fit: inter-token gap over concurrency.
     decode: Fit,
-    /// Upstream prefill seconds per prompt token.
+    /// Upstream prefill seconds per prompt token, as last measured.
     prefill_per_token_s: f64,
+    /// The fitted step time of one stream when it was measured: the
+    /// prefill cost moves with the step time between measurements (a
+    /// member that decodes 3x slower prefills 3x slower too).
+    prefill_anchor_s: f64,
     /// When each lane rank (0..8) last sent a request.
     last_seen: [Option<Instant>; RANKS],
 }
@@ -199,6 +204,9 @@ pub struct Latency {
     chunk: Option<usize>,
     ledger: Mutex<Ledger>,
     calibration: Calibration,
+    /// Time as the ledger and the calibration see it (a manual clock in
+    /// the fleet's discrete-event simulation).
+    clock: Arc<dyn Clock>,
 }
 
 /// What one decision asks of the ledger.
@@ -241,9 +249,18 @@ impl Latency {
                 last_seen: [None; RANKS],
                 decode: Fit::seeded(a, 0.0, 1.0, slots.max(2) as f64, 4.0),
                 prefill_per_token_s: 1.0 / prior_prefill_tps.max(1e-3),
+                prefill_anchor_s: a,
             }),
             calibration: Calibration::default(),
+            clock: Arc::new(MonotonicClock),
         }
+    }
+
+    /// The same model on `clock` (simulations in virtual time).
+    pub fn with_clock(mut self, clock: Arc<dyn Clock>) -> Self {
+        self.calibration = Calibration::with_clock(self.calibration.window(), clock.clone());
+        self.clock = clock;
+        self
     }
 
     /// The cost model now: the backend's own (`live`) if it has one, else
@@ -255,10 +272,11 @@ impl Latency {
         }
         let l = self.ledger.lock();
         let (a, c) = l.decode.line();
+        let scale = ((a + c) / l.prefill_anchor_s.max(1e-9)).clamp(0.1, 10.0);
         Cost {
             step_fixed_s: a,
             step_per_seq_s: c,
-            prefill_per_token_s: l.prefill_per_token_s,
+            prefill_per_token_s: l.prefill_per_token_s * scale,
             chunk: self.chunk,
         }
     }
@@ -266,7 +284,7 @@ impl Latency {
     /// The same model calibrated over samples of the last `window`
     /// (default one minute; see `calibrate`).
     pub fn calibrated_over(mut self, window: Duration) -> Self {
-        self.calibration = Calibration::new(window);
+        self.calibration = Calibration::with_clock(window, self.clock.clone());
         self
     }
 
@@ -408,6 +426,7 @@ impl Latency {
                 }
             });
             let mut e = ask.entry;
+            e.admitted = self.clock.now();
             if ask.learns {
                 e.predicted_s = Some(raw);
             }
@@ -416,10 +435,67 @@ impl Latency {
         }
     }
 
+    /// The calibrated prediction for a request of `prompt` tokens in lane
+    /// `rank`, without taking a place (as admission compares it with the
+    /// target, and in seconds without the floor, which ranks members
+    /// whose predictions the floor would make equal): what the fleet's policy scores a
+    /// member by before it admits the request on the best one (the
+    /// admission there views and replays again, atomically).
+    pub fn peek(
+        &self,
+        live: Option<Cost>,
+        rank: u32,
+        prompt: usize,
+        target: Option<Duration>,
+        tenant: &Tenant,
+    ) -> (Duration, f64) {
+        let cost = self.cost(live);
+        let floor_s = target.map_or(0.05, |t| t.as_secs_f64() / 20.0);
+        let (ahead, slots) = {
+            let l = self.ledger.lock();
+            let viewer = Viewer {
+                rank,
+                place: l.next,
+                share: l.output_share,
+                tenant: tenant.id,
+                weight: tenant.weight,
+                prompt,
+            };
+            (l.books.view(viewer), self.slots)
+        };
+        let raw = predict(&cost, slots, &ahead, rank, prompt);
+        let factor = self.calibration.factor_for(rank, ahead.is_empty());
+        (secs(raw.max(floor_s) * factor), raw * factor)
+    }
+
+    /// The predicted gap between tokens of a stream that joins now: one
+    /// step with every running sequence and this one decoding (at most
+    /// the slots). Raw: the decode fit follows a member's speed within a
+    /// few hundred tokens.
+    pub fn tpot(&self, live: Option<Cost>) -> Duration {
+        let learned = live.is_none() && self.learn;
+        let cost = self.cost(live);
+        let running = self.ledger.lock().books.running() + 1;
+        // A learned fit is of gaps against the streams this edge has
+        // dispatched (queued at the member or not): read it the same way.
+        let at = if learned {
+            running
+        } else {
+            running.min(self.slots)
+        };
+        secs(cost.step(at))
+    }
+
+    /// Requests in the ledger and how many of them hold a slot.
+    pub fn load(&self) -> (usize, usize) {
+        let l = self.ledger.lock();
+        (l.books.len(), l.books.running())
+    }
+
     /// The slots this lane may count on, leaving out those of active
     /// better lanes' reserves; marks the lane active.
     fn slots_for(&self, l: &mut Ledger, rank: u32, reserved: &[(u32, f64)]) -> usize {
-        let now = Instant::now();
+        let now = self.clock.now();
         let last = l.last_seen;
         let active = |r: u32| {
             last[rank_index(r)].is_some_and(|t| now.saturating_duration_since(t) < ACTIVE_FOR)
@@ -479,15 +555,21 @@ impl Ticket {
             if let Some(g) = gap {
                 l.decode.observe(running as f64, g.as_secs_f64());
             }
-            if let Some(t) = ttft_alone {
-                let (a, _) = l.decode.line();
-                let per = ((t.as_secs_f64() - a) / before.prompt.max(1) as f64).max(0.0);
-                l.prefill_per_token_s = 0.8 * l.prefill_per_token_s + 0.2 * per;
+            // A first token with no other stream running measures the
+            // prefill alone; with others, the time also holds their steps
+            // and the queue, which the replay counts already.
+            if let Some(t) = ttft_alone.filter(|_| running <= 1) {
+                let (a, c) = l.decode.line();
+                let step = a + c;
+                let per = ((t.as_secs_f64() - step) / before.prompt.max(1) as f64).max(0.0);
+                let scale = (step / l.prefill_anchor_s.max(1e-9)).clamp(0.1, 10.0);
+                l.prefill_per_token_s = 0.8 * l.prefill_per_token_s * scale + 0.2 * per;
+                l.prefill_anchor_s = step.max(1e-9);
             }
         }
         drop(l);
         if let Some(predicted) = before.predicted_s.filter(|_| !before.decoding) {
-            let now = Instant::now();
+            let now = m.clock.now();
             let actual = now.saturating_duration_since(before.admitted).as_secs_f64();
             m.calibration
                 .sample(before.rank, predicted, before.floor_s, actual, now);
@@ -515,7 +597,7 @@ impl Drop for Ticket {
             return;
         };
         if let Some(predicted) = e.predicted_s {
-            let now = Instant::now();
+            let now = self.model.clock.now();
             let waited = now.saturating_duration_since(e.admitted).as_secs_f64();
             if waited > predicted.max(e.floor_s) * self.model.calibration.factor(e.rank) {
                 self.model

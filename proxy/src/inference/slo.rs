@@ -12,6 +12,7 @@
 
 use super::delivery::Failure;
 use super::predict::{Cost, Latency, Ticket, Verdict};
+pub use super::targets::Asked;
 use crate::admission::queue::{LaneSpec, OnMiss, Reason};
 use crate::admission::{refusal, select_lane};
 use std::sync::Arc;
@@ -62,7 +63,7 @@ pub fn grant(
 }
 
 /// Whether lane `l` is among `granted` (None: every lane is).
-fn is_granted(granted: Option<&[bool]>, l: usize) -> bool {
+pub(super) fn is_granted(granted: Option<&[bool]>, l: usize) -> bool {
     granted.is_none_or(|g| g.get(l).copied().unwrap_or(false))
 }
 
@@ -77,6 +78,8 @@ pub struct Passed {
     pub ticket: Option<Ticket>,
     /// Predicted time to first token from now.
     pub predicted: Option<Duration>,
+    /// The pool member the fleet placed it on (`lb = "predicted_latency"`).
+    pub member: Option<std::net::SocketAddr>,
 }
 
 /// Why the SLO check refused a request.
@@ -154,7 +157,7 @@ impl Missed {
 }
 
 /// The lane's better lanes with their reserved shares.
-fn reserved_above(lanes: &[LaneSpec], l: usize) -> Vec<(u32, f64)> {
+pub(super) fn reserved_above(lanes: &[LaneSpec], l: usize) -> Vec<(u32, f64)> {
     lanes[..l]
         .iter()
         .map(|b| (b.rank, b.reserved_share))
@@ -165,6 +168,8 @@ fn reserved_above(lanes: &[LaneSpec], l: usize) -> Vec<(u32, f64)> {
 /// miss its lane's target even with a one-token prompt (the backend is
 /// too busy whatever the prompt). Otherwise hold its place in the ledger
 /// while it is tokenized (see [`Latency::claim`]); `slo` settles it.
+/// `asked`: the request's own targets (they only tighten the lane's).
+#[allow(clippy::too_many_arguments)]
 pub fn precheck(
     lanes: &[LaneSpec],
     lane: usize,
@@ -173,8 +178,9 @@ pub fn precheck(
     estimate: usize,
     max_out: usize,
     tenant: &Tenant,
+    asked: Asked,
 ) -> Result<Option<Ticket>, Missed> {
-    let Some(target) = lanes[lane].ttft_slo else {
+    let Some(target) = asked.ttft_for(&lanes[lane]) else {
         return Ok(None);
     };
     let reserved = reserved_above(lanes, lane);
@@ -284,12 +290,14 @@ pub fn slo(
     spent: Duration,
     granted: Option<&[bool]>,
     tenant: &Tenant,
+    asked: Asked,
 ) -> Result<Passed, Missed> {
     let mut claim = claim;
     let mut l = lane;
     loop {
         let spec = &lanes[l];
-        if let Some(target) = spec.ttft_slo {
+        let target = asked.ttft_for(spec);
+        if let Some(target) = target {
             let idle = latency.idle(live, prompt);
             if idle > target {
                 let lower = (l + 1..lanes.len()).find(|&m| is_granted(granted, m));
@@ -308,7 +316,18 @@ pub fn slo(
         // lane's.
         let reserved = reserved_above(lanes, l);
         let claim = claim.take();
-        let left = spec.ttft_slo.map(|t| t.saturating_sub(spent));
+        let left = target.map(|t| t.saturating_sub(spent));
+        if let Some(t) = asked.tpot {
+            // Its own inter-token target: the step it would join now.
+            let tpot = latency.tpot(live);
+            if tpot > t {
+                return Err(Missed::Busy {
+                    lane: l,
+                    predicted: tpot,
+                    retry_after: Duration::from_secs(1),
+                });
+            }
+        }
         return match latency.admit(
             live, spec.rank, prompt, max_out, left, &reserved, claim, tenant,
         ) {
@@ -317,6 +336,7 @@ pub fn slo(
                 downgraded: l != lane,
                 ticket,
                 predicted: Some(p),
+                member: None,
             }),
             (Verdict::Busy(p), _) => {
                 // The excess drains at the backend's pace: retry once the
@@ -359,6 +379,7 @@ mod tests {
             Duration::ZERO,
             None,
             &Tenant::anonymous(),
+            Asked::default(),
         )
     }
 
@@ -405,10 +426,30 @@ mod tests {
         let v: serde_json::Value = serde_json::from_slice(&f.body).unwrap();
         assert_eq!(v["predicted_ttft_ms"], predicted.as_millis() as u64);
         // Before tokenizing: too busy even for a one-token prompt.
-        let pre = precheck(&lanes, 1, &m, Some(cpu()), 40, 128, &Tenant::anonymous()).unwrap_err();
+        let pre = precheck(
+            &lanes,
+            1,
+            &m,
+            Some(cpu()),
+            40,
+            128,
+            &Tenant::anonymous(),
+            Asked::default(),
+        )
+        .unwrap_err();
         assert!(matches!(pre, Missed::Busy { lane: 1, .. }), "{pre:?}");
         // Better lanes do not count the standard backlog.
-        assert!(precheck(&lanes, 0, &m, Some(cpu()), 40, 16, &Tenant::anonymous()).is_ok());
+        assert!(precheck(
+            &lanes,
+            0,
+            &m,
+            Some(cpu()),
+            40,
+            16,
+            &Tenant::anonymous(),
+            Asked::default()
+        )
+        .is_ok());
         let ultra = slo_now(&lanes, 0, &m, 40, 16, None).unwrap();
         assert_eq!(ultra.lane, 0);
     }
@@ -422,7 +463,16 @@ mod tests {
         // the target, without a single prompt tokenized.
         let mut claims = Vec::new();
         let refused = loop {
-            match precheck(&lanes, 1, &m, Some(cpu()), 110, 128, &Tenant::anonymous()) {
+            match precheck(
+                &lanes,
+                1,
+                &m,
+                Some(cpu()),
+                110,
+                128,
+                &Tenant::anonymous(),
+                Asked::default(),
+            ) {
                 Ok(c) => claims.push(c.expect("standard has a target")),
                 Err(e) => break e,
             }
@@ -456,7 +506,17 @@ mod tests {
         // leaves the ledger when dropped.
         drop(passed);
         assert_eq!(m.in_ledger(), 0);
-        let c = precheck(&lanes, 1, &m, Some(cpu()), 110, 128, &Tenant::anonymous()).unwrap();
+        let c = precheck(
+            &lanes,
+            1,
+            &m,
+            Some(cpu()),
+            110,
+            128,
+            &Tenant::anonymous(),
+            Asked::default(),
+        )
+        .unwrap();
         assert_eq!(m.in_ledger(), 1);
         drop(c);
         assert_eq!(m.in_ledger(), 0);
@@ -498,6 +558,7 @@ mod tests {
             Duration::ZERO,
             g,
             &Tenant::anonymous(),
+            Asked::default(),
         )
         .unwrap();
         assert_eq!((p.lane, p.downgraded), (2, true));

@@ -75,7 +75,7 @@ impl BackgroundService for LoadScraper {
             let cfg = self.config.load_full();
             let mut busy = false;
             for pool in cfg.pools.values() {
-                let upstream::LbSpec::QueueAware(spec) = &pool.lb else {
+                let Some(spec) = pool.lb.scrape() else {
                     continue;
                 };
                 busy = true;

@@ -222,6 +222,30 @@ pub enum LbSpec {
     PeakEwma,
     /// By the members' own queue and KV figures, scraped.
     QueueAware(load::ScrapeSpec),
+    /// An inference fleet's placement (`inference::fleet`): by each
+    /// member's predicted latency, or (`load_prefix`) by llm-d's default
+    /// scores. Retries and hedges go by least outstanding.
+    Fleet(FleetLb),
+}
+
+/// The settings of a fleet policy the pool carries (the fleet itself is
+/// the model's).
+#[derive(Debug, Clone, PartialEq)]
+pub struct FleetLb {
+    /// `load_prefix` rather than `predicted_latency`.
+    pub load_prefix: bool,
+    /// Members scored per decision.
+    pub k: usize,
+    /// Sequences a member runs at once.
+    pub slots: usize,
+    /// Tokens a member's step takes at most (None: whole prompts).
+    pub chunk: Option<usize>,
+    /// Tokens per prefix block.
+    pub block_tokens: usize,
+    /// Prompt tokens a member's prefix cache holds.
+    pub capacity_tokens: usize,
+    /// How the members' own figures are read (None: over TLS, not read).
+    pub scrape: Option<load::ScrapeSpec>,
 }
 
 impl LbSpec {
@@ -240,6 +264,18 @@ impl LbSpec {
                 next: AtomicU64::new(0),
                 stale_ms: spec.stale_ms(),
             },
+            LbSpec::Fleet(_) => Balancer::LeastOutstanding {
+                next: AtomicU64::new(0),
+            },
+        }
+    }
+
+    /// How the members' own figures are read, if they are.
+    pub fn scrape(&self) -> Option<&load::ScrapeSpec> {
+        match self {
+            LbSpec::QueueAware(s) => Some(s),
+            LbSpec::Fleet(f) => f.scrape.as_ref(),
+            _ => None,
         }
     }
 }

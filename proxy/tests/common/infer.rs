@@ -10,13 +10,19 @@ use std::sync::Arc;
 /// (`cargo test` does not build another package's binaries, and one left
 /// from an older checkout would lack what the tests ask of it).
 pub fn fake_bin() -> PathBuf {
+    bench_bin("fake-openai")
+}
+
+/// A binary of the benches package (`fake-openai`, `fleet-sim`), built as
+/// [`fake_bin`] says.
+pub fn bench_bin(name: &str) -> PathBuf {
     let dir = PathBuf::from(bin()).parent().unwrap().to_path_buf();
-    let p = dir.join("fake-openai");
-    static BUILT: Mutex<bool> = Mutex::new(false);
+    let p = dir.join(name);
+    static BUILT: Mutex<Vec<String>> = Mutex::new(Vec::new());
     let mut built = BUILT.lock().unwrap();
-    if !*built {
+    if !built.iter().any(|b| b == name) {
         let mut cmd = Command::new(env!("CARGO"));
-        cmd.args(["build", "-p", "ultrafast-benches", "--bin", "fake-openai"]);
+        cmd.args(["build", "-p", "ultrafast-benches", "--bin", name]);
         // Without the variables `cargo test` set for this test (its package
         // name, manifest dir, ...): build scripts that read them would see
         // a change and rebuild ring, rustls, pingora and the rest, here and
@@ -44,8 +50,8 @@ pub fn fake_bin() -> PathBuf {
             cmd.arg("--release");
         }
         let st = cmd.status().unwrap();
-        assert!(st.success(), "building fake-openai failed");
-        *built = true;
+        assert!(st.success(), "building {name} failed");
+        built.push(name.to_string());
     }
     p
 }

@@ -25,6 +25,7 @@ mod open;
 mod relay;
 mod stream;
 
+use super::fleet::{Aligned, Fleet, Policy};
 use crate::upstream::lb::{hash_bytes, Balancer};
 use crate::upstream::retry_budget::RetryBudget;
 use crate::upstream::{LbSpec, Membership, Pool};
@@ -122,6 +123,10 @@ pub struct UpstreamSpec {
     pub max_model_len: Option<usize>,
     /// Counters.
     pub counters: Counters,
+    /// The fleet's per-member models, when the pool places by predicted
+    /// latency or by llm-d's scores (`lb = "predicted_latency"` or
+    /// `"load_prefix"`).
+    pub fleet: Option<Arc<Fleet>>,
 }
 
 /// The balancer built for one member set.
@@ -138,6 +143,8 @@ pub struct UpstreamBackend {
     hedges: Arc<RetryBudget>,
     /// Idle HTTP/1 connections to the members.
     idle: Arc<idle::Idle>,
+    /// The fleet's replicas for the member set last seen.
+    aligned: Arc<Mutex<Option<(Arc<Membership>, Arc<Aligned>)>>>,
 }
 
 impl std::fmt::Debug for UpstreamBackend {
@@ -161,7 +168,30 @@ impl UpstreamBackend {
             ttfts: Arc::new(Mutex::new(open::Recent::default())),
             hedges: Arc::new(RetryBudget::new(ratio, 0)),
             idle: Arc::default(),
+            aligned: Arc::default(),
         }
+    }
+
+    /// The fleet's replicas aligned with the pool's members now (None:
+    /// the pool is not a fleet), with the membership they are for.
+    pub fn fleet_now(&self) -> Option<(Arc<Fleet>, Arc<Membership>, Arc<Aligned>)> {
+        let fleet = self.spec.fleet.clone()?;
+        let m = self.spec.pool.members();
+        let mut g = self.aligned.lock();
+        if let Some((mm, a)) = &*g {
+            if Arc::ptr_eq(mm, &m) {
+                return Some((fleet, m, a.clone()));
+            }
+        }
+        let addrs: Vec<std::net::SocketAddr> = m.members.iter().map(|x| x.addr).collect();
+        let a = fleet.align(&addrs);
+        *g = Some((m.clone(), a.clone()));
+        Some((fleet, m, a))
+    }
+
+    /// How old the members' scraped figures may be (None: not read).
+    pub fn stale_ms(&self) -> Option<u64> {
+        self.spec.pool.lb.scrape().map(|s| s.stale_ms())
     }
 
     /// The spec.
@@ -295,6 +325,22 @@ impl UpstreamBackend {
     }
 }
 
+impl UpstreamBackend {
+    /// Where a new request goes first: the member the fleet placed it on,
+    /// or (`load_prefix`) the one llm-d's scores pick; else the balancer's.
+    fn first_choice(&self, req: &InferenceRequest, prepared: &Prepared) -> open::First {
+        if let Some(a) = prepared.member {
+            return open::First::Member(a);
+        }
+        match &self.spec.fleet {
+            Some(f) if f.spec().policy == Policy::LoadPrefix => open::First::Scored(
+                super::fleet::prompt_blocks(&req.prompt, f.spec().block_tokens),
+            ),
+            _ => open::First::Balancer,
+        }
+    }
+}
+
 #[async_trait::async_trait]
 impl Backend for UpstreamBackend {
     fn kind(&self) -> &'static str {
@@ -392,6 +438,7 @@ impl Backend for UpstreamBackend {
             tokens: Vec::new(),
             prefix_hash: prefix,
             guide: None,
+            member: None,
         })
     }
 
@@ -411,6 +458,7 @@ impl Backend for UpstreamBackend {
                 prepared.prefix_hash,
                 &[],
                 true,
+                self.first_choice(&req, &prepared),
             )
             .await?;
         let (tx, rx) = tokio::sync::mpsc::unbounded_channel();

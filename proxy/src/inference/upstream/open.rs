@@ -17,6 +17,7 @@ use pingora::upstreams::peer::Peer;
 use serde_json::Value;
 use std::future::Future;
 use std::pin::Pin;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 use ultrafast_engine::api::{BackendError, Event};
 
@@ -121,6 +122,19 @@ async fn poll_slot(s: &mut Option<TryFuture<'_>>) -> Result<Opened, TryError> {
     }
 }
 
+/// Which member a request tries first.
+#[derive(Debug, Clone, PartialEq)]
+pub(super) enum First {
+    /// The balancer's choice.
+    Balancer,
+    /// This member (placed by the fleet), if it is still in the pool and
+    /// up; else the balancer's.
+    Member(std::net::SocketAddr),
+    /// llm-d's default scores over the members (`load_prefix`), with the
+    /// prompt's prefix blocks.
+    Scored(Vec<u64>),
+}
+
 type TryFuture<'a> = Pin<Box<dyn Future<Output = Result<Opened, TryError>> + Send + 'a>>;
 
 fn unavailable(last: String) -> BackendError {
@@ -153,6 +167,7 @@ impl UpstreamBackend {
         key: u64,
         exclude: &[std::net::SocketAddr],
         hedge: bool,
+        first: First,
     ) -> Result<Opened, BackendError> {
         let pool = &self.spec.pool;
         let membership = pool.members();
@@ -179,7 +194,14 @@ impl UpstreamBackend {
                     break;
                 }
                 let now = crate::upstream::now_ms();
-                let Some(i) = balancer.select(members, key, &tried, now) else {
+                let chosen = match (&first, tried.len() == skipped) {
+                    (First::Member(a), true) => members
+                        .iter()
+                        .position(|m| m.addr == *a && m.available(now) && !exclude.contains(a)),
+                    (First::Scored(blocks), true) => self.scored(&membership, blocks, &tried, now),
+                    _ => None,
+                };
+                let Some(i) = chosen.or_else(|| balancer.select(members, key, &tried, now)) else {
                     break;
                 };
                 if tried.len() > skipped {
@@ -241,6 +263,23 @@ impl UpstreamBackend {
             }
         }
         Err(unavailable(last))
+    }
+
+    /// The member llm-d's default scores pick among `membership`'s.
+    fn scored(
+        &self,
+        membership: &Arc<crate::upstream::Membership>,
+        blocks: &[u64],
+        tried: &[usize],
+        now: u64,
+    ) -> Option<usize> {
+        let (fleet, m, aligned) = self.fleet_now()?;
+        if !Arc::ptr_eq(&m, membership) {
+            return None;
+        }
+        let stale = self.stale_ms();
+        let report = |i: usize| crate::inference::fleet::report(&m.members[i], now, stale);
+        fleet.pick_load_prefix(&aligned, &report, blocks, tried)
     }
 
     /// Connect, send, read the head and the stream up to the first token.

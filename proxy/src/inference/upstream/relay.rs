@@ -171,6 +171,7 @@ impl UpstreamBackend {
                 prepared.prefix_hash,
                 &[broken],
                 false,
+                super::open::First::Balancer,
             ))
             .await;
             match next {

@@ -2,6 +2,7 @@
 //! models are reused on reload, so their admission queues carry over.
 
 use super::*;
+use crate::inference::fleet::{Fleet, FleetSpec, Policy};
 use crate::inference::pacer::{PaceMode, PaceSpec};
 use crate::inference::predict::Latency;
 use crate::inference::tenant::TenantSource;
@@ -315,6 +316,7 @@ fn upstream_spec(
             ),
         );
     }
+    let fleet = fleet_of(name, m, &pool, ctx);
     Some(UpstreamSpec {
         pool,
         upstream_model: if m.upstream_model.is_empty() {
@@ -330,7 +332,43 @@ fn upstream_spec(
         resume_chat,
         max_model_len: (m.max_model_len > 0).then_some(m.max_model_len),
         counters: ctx.metrics.inference.upstream_counters(name),
+        fleet,
     })
+}
+
+/// The per-member models of a pool placed by predicted latency (or by
+/// llm-d's scores): kept across a reload that leaves them alike, since the
+/// members' ledgers hold the requests admitted before it.
+fn fleet_of(name: &str, m: &ModelSection, pool: &Pool, ctx: &BuildCtx) -> Option<Arc<Fleet>> {
+    let crate::upstream::LbSpec::Fleet(lb) = &pool.lb else {
+        return None;
+    };
+    let spec = FleetSpec {
+        policy: if lb.load_prefix {
+            Policy::LoadPrefix
+        } else {
+            Policy::PredictedLatency
+        },
+        k: lb.k,
+        block_tokens: lb.block_tokens,
+        capacity_tokens: lb.capacity_tokens,
+        slots: lb.slots,
+        chunk: lb.chunk,
+        prefill_tps: m.prefill_tokens_per_s,
+        decode_tps: m.decode_tokens_per_s,
+        window: Duration::from_secs(m.calibration_window_s.max(1)),
+    };
+    let old = ctx
+        .prev
+        .and_then(|c| c.models.get(name))
+        .and_then(|o| match &o.backend {
+            ModelBackend::Upstream(u) => u.spec().fleet.clone(),
+            ModelBackend::Engine(_) => None,
+        });
+    match old {
+        Some(f) if f.spec() == &spec => Some(f),
+        _ => Some(Arc::new(Fleet::new(spec))),
+    }
 }
 
 /// The latency model of a model: the engine measures its own steps; an

@@ -196,10 +196,49 @@ pub(super) fn pool(
                 path: p.metrics_path.clone(),
             })
         }
+        "predicted_latency" | "load_prefix" => {
+            if !(1..=64).contains(&p.predict_k) {
+                errs.push(at.k("predict_k"), "must be between 1 and 64");
+            }
+            if !(1..=1 << 20).contains(&p.member_slots) {
+                errs.push(at.k("member_slots"), "must be between 1 and 1048576");
+            }
+            if !(1..=4096).contains(&p.prefix_block_tokens) {
+                errs.push(at.k("prefix_block_tokens"), "must be between 1 and 4096");
+            }
+            if p.prefix_capacity_tokens > 1 << 30 {
+                errs.push(at.k("prefix_capacity_tokens"), "must be at most 2^30");
+            }
+            let path_ok = p.metrics_path.starts_with('/')
+                && p.metrics_path.bytes().all(|b| b.is_ascii_graphic());
+            if !path_ok {
+                errs.push(
+                    at.k("metrics_path"),
+                    "must be a path starting with / (no spaces or control characters)",
+                );
+            }
+            // Members' own figures are read over plain HTTP only; 0 turns
+            // the reading off.
+            let scrape = (p.tls.is_none() && p.scrape_interval_ms > 0).then(|| {
+                crate::upstream::load::ScrapeSpec {
+                    interval: std::time::Duration::from_millis(p.scrape_interval_ms.max(10)),
+                    path: p.metrics_path.clone(),
+                }
+            });
+            LbSpec::Fleet(crate::upstream::FleetLb {
+                load_prefix: p.lb == "load_prefix",
+                k: p.predict_k.clamp(1, 64),
+                slots: p.member_slots.max(1),
+                chunk: (p.member_chunk_tokens > 0).then_some(p.member_chunk_tokens),
+                block_tokens: p.prefix_block_tokens.max(1),
+                capacity_tokens: p.prefix_capacity_tokens,
+                scrape,
+            })
+        }
         other => {
             errs.push(
                 at.k("lb"),
-                format!("unknown policy `{other}` (round_robin, least_outstanding, consistent_hash, peak_ewma, queue_aware)"),
+                format!("unknown policy `{other}` (round_robin, least_outstanding, consistent_hash, peak_ewma, queue_aware, predicted_latency, load_prefix)"),
             );
             LbSpec::LeastOutstanding
         }
