@@ -9,7 +9,8 @@
 //!     edge; prints one JSON line of figures.
 //! fleet-sim des (--replicas N | --speeds ...) --load 0.8 [--seconds 30]
 //!     [--policies all|a,b] [--k 4] [--ttft-ms 1000] [--slow I@T:SPEED]...
-//!     [--drain I@T]... [--baseline-admission none|pool] [trace and model flags]
+//!     [--drain I@T]... [--baseline-admission none|pool] [--windows SECONDS]
+//!     [--shares 1] [--judge-ms MS] [trace and model flags]
 //!     the discrete-event run: a table per policy, and the decision cost.
 //! model flags: --slots 16 --chunk 512 --kv-tokens 65536 --step-ms 10
 //!     --per-seq-ms 0.5 --prefill-tps 10000
@@ -201,8 +202,37 @@ fn main() {
                         refused_in: (!o.admitted).then_some(0.0),
                     })
                     .collect();
-                let sum = stats::summarize(&done, setup.ttft.as_secs_f64(), s.seconds);
+                let sum = stats::summarize(&done, a.num("--judge-ms", setup.ttft.as_millis() as f64) / 1e3, s.seconds);
                 let mut d = run.decide_us.clone();
+                if let Some(every) = a.get("--windows").and_then(|w| w.parse::<f64>().ok()) {
+                    // Per window of arrivals: the admitted TTFT p99 and the
+                    // share that went to each replica.
+                    let nw = (s.seconds / every).ceil() as usize;
+                    for w in 0..nw {
+                        let (lo, hi) = (w as f64 * every, (w + 1) as f64 * every);
+                        let inw: Vec<_> = run.outcomes.iter().filter(|o| o.admitted && o.at >= lo && o.at < hi).collect();
+                        let mut t: Vec<f64> = inw.iter().map(|o| o.ttft.unwrap_or(f64::INFINITY) * 1e3).collect();
+                        let share: Vec<String> = (0..sp.len().min(16))
+                            .map(|i| format!("{:.0}%", 100.0 * inw.iter().filter(|o| o.replica == i).count() as f64 / inw.len().max(1) as f64))
+                            .collect();
+                        eprintln!(
+                            "  {} {lo:.0}-{hi:.0} s: admitted TTFT p99 {:.0} ms, shares {}",
+                            p.name(),
+                            stats::quantile(&mut t, 0.99).unwrap_or(0.0),
+                            share.join(" ")
+                        );
+                    }
+                }
+                if a.get("--shares").is_some() {
+                    let mut w = vec![(0usize, 0usize); (s.seconds / 5.0).ceil() as usize + 1];
+                    for o in &run.outcomes {
+                        let b = &mut w[(o.at / 5.0) as usize];
+                        b.0 += 1;
+                        b.1 += usize::from(!o.admitted);
+                    }
+                    let line: Vec<String> = w.iter().map(|(n, r)| format!("{r}/{n}")).collect();
+                    eprintln!("  {} refused per 5 s: {}", p.name(), line.join(" "));
+                }
                 if a.get("--shares").is_some() && sp.len() <= 16 {
                     let mut per = vec![(0usize, Vec::new()); sp.len()];
                     for o in run.outcomes.iter().filter(|o| o.admitted) {

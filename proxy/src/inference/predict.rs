@@ -64,6 +64,19 @@ impl Cost {
     }
 }
 
+/// A member's score (see [`Latency::score`]).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Score {
+    /// Calibrated TTFT prediction, floored as admission compares it.
+    pub ttft: Duration,
+    /// The same without the floor, seconds.
+    pub rank_s: f64,
+    /// Inter-token gap of a stream joining now.
+    pub tpot: Duration,
+    /// Requests in the ledger.
+    pub in_ledger: usize,
+}
+
 /// One request in the ledger.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct Work {
@@ -435,23 +448,24 @@ impl Latency {
         }
     }
 
-    /// The calibrated prediction for a request of `prompt` tokens in lane
-    /// `rank`, without taking a place (as admission compares it with the
-    /// target, and in seconds without the floor, which ranks members
-    /// whose predictions the floor would make equal): what the fleet's policy scores a
-    /// member by before it admits the request on the best one (the
-    /// admission there views and replays again, atomically).
-    pub fn peek(
+    /// What the fleet's policy scores a member by before it admits the
+    /// request on the best one (the admission there views and replays
+    /// again, atomically with other arrivals): the calibrated prediction
+    /// for a request of `prompt` tokens in lane `rank` as admission
+    /// compares it with the target, the same without the floor (which
+    /// ranks members the floor would make equal), the inter-token gap of a
+    /// stream joining now, and the ledger's load. One view under the lock.
+    pub fn score(
         &self,
         live: Option<Cost>,
         rank: u32,
         prompt: usize,
         target: Option<Duration>,
         tenant: &Tenant,
-    ) -> (Duration, f64) {
+    ) -> Score {
         let cost = self.cost(live);
         let floor_s = target.map_or(0.05, |t| t.as_secs_f64() / 20.0);
-        let (ahead, slots) = {
+        let (ahead, in_ledger, running) = {
             let l = self.ledger.lock();
             let viewer = Viewer {
                 rank,
@@ -461,29 +475,36 @@ impl Latency {
                 weight: tenant.weight,
                 prompt,
             };
-            (l.books.view(viewer), self.slots)
+            (l.books.view(viewer), l.books.len(), l.books.running())
         };
-        let raw = predict(&cost, slots, &ahead, rank, prompt);
+        let raw = predict(&cost, self.slots, &ahead, rank, prompt);
         let factor = self.calibration.factor_for(rank, ahead.is_empty());
-        (secs(raw.max(floor_s) * factor), raw * factor)
+        Score {
+            ttft: secs(raw.max(floor_s) * factor),
+            rank_s: raw * factor,
+            tpot: secs(cost.step(self.joined(live, running))),
+            in_ledger,
+        }
     }
 
     /// The predicted gap between tokens of a stream that joins now: one
-    /// step with every running sequence and this one decoding (at most
-    /// the slots). Raw: the decode fit follows a member's speed within a
-    /// few hundred tokens.
+    /// step with every running sequence and this one decoding. Raw: the
+    /// decode fit follows a member's speed within a few hundred tokens.
     pub fn tpot(&self, live: Option<Cost>) -> Duration {
-        let learned = live.is_none() && self.learn;
         let cost = self.cost(live);
-        let running = self.ledger.lock().books.running() + 1;
-        // A learned fit is of gaps against the streams this edge has
-        // dispatched (queued at the member or not): read it the same way.
-        let at = if learned {
-            running
+        let running = self.ledger.lock().books.running();
+        secs(cost.step(self.joined(live, running)))
+    }
+
+    /// The concurrency a stream joining now decodes at: with a learned
+    /// fit, the streams this edge has dispatched (queued at the member or
+    /// not, as the fit was learned); else at most the slots.
+    fn joined(&self, live: Option<Cost>, running: usize) -> usize {
+        if live.is_none() && self.learn {
+            running + 1
         } else {
-            running.min(self.slots)
-        };
-        secs(cost.step(at))
+            (running + 1).min(self.slots)
+        }
     }
 
     /// Requests in the ledger and how many of them hold a slot.

@@ -350,12 +350,12 @@ impl Fleet {
         let r = &aligned.replicas[index];
         let hit = (hit_blocks * self.spec.block_tokens).min(ask.prompt.saturating_sub(1));
         let prefill = ask.prompt - hit;
-        let (mut ttft, rank_s) = r
+        let sc = r
             .latency
-            .peek(None, ask.rank, prefill, ask.ttft, ask.tenant);
-        let unseen = self.unseen(r, report, prefill);
-        ttft += unseen;
-        let tpot = r.latency.tpot(None);
+            .score(None, ask.rank, prefill, ask.ttft, ask.tenant);
+        let unseen = self.unseen(r, report, prefill, sc.in_ledger);
+        let ttft = sc.ttft + unseen;
+        let tpot = sc.tpot;
         let meets = ask.ttft.is_none_or(|t| ttft <= t) && ask.tpot.is_none_or(|t| tpot <= t);
         Scored {
             index,
@@ -365,20 +365,19 @@ impl Fleet {
             tpot,
             unseen,
             meets,
-            load: r.latency.load().0 + report.outstanding as usize,
-            rank_s: rank_s + unseen.as_secs_f64(),
+            load: sc.in_ledger + report.outstanding as usize,
+            rank_s: sc.rank_s + unseen.as_secs_f64(),
         }
     }
 
     /// Work a member reports waiting that this edge did not send it, at
     /// its idle cost of a prompt like this one.
-    fn unseen(&self, r: &Replica, report: Reported, prefill: usize) -> Duration {
+    fn unseen(&self, r: &Replica, report: Reported, prefill: usize, ours: usize) -> Duration {
         let Some((waiting, _)) = report.scraped else {
             return Duration::ZERO;
         };
         // Of this edge's requests there, those beyond the member's slots
         // are the ones in its queue.
-        let (ours, _) = r.latency.load();
         let ours_waiting = ours.saturating_sub(self.spec.slots) as u64;
         let extra = waiting.saturating_sub(ours_waiting).min(1024);
         if extra == 0 {
